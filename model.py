@@ -169,13 +169,14 @@ def causal_attention(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
 def attention_with_lse(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor) -> tuple[Tensor, Tensor]:
     """Softmax attention that also returns its log-sum-exp, so partial results can be merged.
     q (B, Hkv, M, D), k/v (B, Hkv, S, D), allowed broadcastable to (B, Hkv, M, S) bool.
-    Returns out (B, Hkv, M, D) and lse (B, Hkv, M) in float32; a query with no allowed key gets
+    Returns out (B, Hkv, M, D) and lse (B, Hkv, M) in float32 (or float64); a query with no allowed key gets
     out 0 and lse -inf (it then contributes nothing to a merge)."""
-    scores = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])  # (B, Hkv, M, S)
+    dt = torch.promote_types(q.dtype, torch.float32)  # bf16 inputs accumulate in float32; float64 stays float64
+    scores = (q.to(dt) @ k.to(dt).transpose(-1, -2)) / math.sqrt(q.shape[-1])  # (B, Hkv, M, S)
     scores = scores.masked_fill(~allowed, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # (B, Hkv, M)
     probs = torch.exp(scores - lse.clamp_min(-1e30)[..., None])  # all-masked rows: exp(-inf) = 0, not NaN
-    return probs @ v.float(), lse
+    return probs @ v.to(dt), lse
 
 
 def prefix_attention(q: Tensor, k: Tensor, v: Tensor, own_allowed: Tensor,
