@@ -1,0 +1,383 @@
+"""
+GRPO: group advantages, completion logprobs with the prompt computed once per group, and the loss.
+
+A generation batch is Bp prompts x G completions, prompt-major (prompt i owns rows i*G .. i*G+G-1).
+Rewards become advantages within each group. The trainer then scores the completions with the
+current policy and minimises the clipped policy-gradient loss, micro-batch by micro-batch of whole
+groups, mu times per generation batch (generate once per effective batch, TRL PR #3283).
+
+Two memory tricks, each tested against its obvious slow twin in tests/test_grpo.py:
+1. Shared prompt (TRL PR #2669, done exactly): each prompt is forwarded once, WITH grad, and its
+   per-layer keys/values are recorded; the G completions then attend to them through
+   model.prefix_attention (G rows folded into the query dimension, no G copies). Tokens forwarded:
+   Bp*(P + G*Tr) instead of Bp*G*(P + Tr). The prompt stays in the graph, so the gradients of all G
+   completions sum into it; a no-grad prompt (what #2669 first did) gives a truncated gradient.
+2. Chunked logprobs: final norm + lm_head + log-softmax + gather run chunk_size tokens at a time and
+   are recomputed chunk by chunk in backward (activation checkpointing), so the (tokens x V) logits
+   never exist at once, forward or backward (Liger's fused loss makes the same trade).
+
+Leaves out: sampling (rollout.py), rewards (train.py), the optimizer step, value models, and
+sequence packing. Entropy is a metric only: completion_logprobs returns it detached.
+
+Shapes: Bp prompts, G samples per prompt, N = Bp*G rows, P prompt length, Tr completion length,
+n selected (valid) completion tokens, C width, V vocab (V/tp under tensor parallelism).
+Papers: GRPO arXiv:2402.03300, DAPO arXiv:2503.14476, Dr. GRPO arXiv:2503.20783, Hydragen
+arXiv:2402.05099, k3 KL estimator: http://joschu.net/blog/kl-approx.html.
+Tested by tests/test_grpo.py; benchmarked by tests/bench_grpo.py.
+"""
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+from model import causal_attention, prefix_attention
+
+# -----------------------------------------------------------------------------
+# Config
+
+LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
+SCALES = ("group", "batch", "none")
+
+
+@dataclass
+class GRPOConfig:
+    num_samples: int = 8              # G completions per prompt
+    loss_type: str = "dapo"           # "dapo": token mean over the generation batch, micro-batch invariant
+    scale: str = "group"              # advantage std: "group" (GRPO), "batch", "none" (Dr. GRPO)
+    eps_low: float = 0.2              # ratio clipped below at 1 - eps_low
+    eps_high: float = 0.28            # clip-higher (DAPO): more room for unlikely tokens to grow
+    beta: float = 0.0                 # k3 KL weight; 0 means no reference model is needed
+    temperature: float = 1.0          # must equal the sampler's, or ratio != 1 at mu = 1 (trl#4159)
+    chunk_size: int = 1024            # completion tokens per logprob chunk; 0 = one chunk, no recompute
+    micro_batch_groups: int = 1       # whole groups per forward/backward
+    mu: int = 1                       # optimizer steps per generation batch
+    max_completion_len: int = 256     # Dr. GRPO's constant normaliser (per sequence)
+    std_eps: float = 1e-4             # advantage = (r - mean) / (std + std_eps)
+
+    def __post_init__(self):
+        def refuse(field: str, why: str):
+            raise ValueError(f"GRPOConfig.{field} = {getattr(self, field)!r}: {why}")
+        if self.loss_type not in LOSS_TYPES:
+            refuse("loss_type", f"must be one of {LOSS_TYPES}")
+        if self.scale not in SCALES:
+            refuse("scale", f"must be one of {SCALES}")
+        for name in ("num_samples", "micro_batch_groups", "mu", "max_completion_len"):
+            if getattr(self, name) < 1:
+                refuse(name, "must be >= 1")
+        if not 0 <= self.eps_low < 1:
+            refuse("eps_low", "must be in [0, 1) so that the lower clip 1 - eps_low stays positive")
+        for name in ("eps_high", "beta", "chunk_size", "std_eps"):
+            if getattr(self, name) < 0:
+                refuse(name, "must be >= 0")
+        if self.temperature <= 0:
+            refuse("temperature", "must be > 0")
+
+# -----------------------------------------------------------------------------
+# Advantages
+
+
+def group_advantages(rewards: Tensor, num_samples: int, scale: str = "group", std_eps: float = 1e-4) -> Tensor:
+    """(N,) rewards, NaN for missing, prompt-major -> (N,) advantages r - mean(group), divided by the
+    group std ("group"), the batch std ("batch") or nothing ("none"). Stds are population stds over
+    valid rewards. A NaN reward is left out of every statistic and gets 0; an all-equal group gets 0."""
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be 1-D (N,), got shape {tuple(rewards.shape)}")
+    if num_samples < 1 or rewards.shape[0] % num_samples:
+        raise ValueError(f"num_samples = {num_samples} must divide the number of rewards {rewards.shape[0]}")
+    if scale not in SCALES:
+        raise ValueError(f"scale = {scale!r} must be one of {SCALES}")
+    r = rewards.double().view(-1, num_samples)  # (Bp, G)
+    valid = ~torch.isnan(r)
+    r0 = torch.where(valid, r, 0.0)
+    count = valid.sum(1, keepdim=True)  # (Bp, 1)
+    mean = r0.sum(1, keepdim=True) / count.clamp_min(1)
+    centred = torch.where(valid, r - mean, 0.0)
+    std = (centred.pow(2).sum(1, keepdim=True) / count.clamp_min(1)).sqrt()
+    # All-equal groups: r - mean may be 1e-17, not 0, after rounding; force an exact 0 (never NaN).
+    r_max = torch.where(valid, r, -torch.inf).amax(1, keepdim=True)
+    r_min = torch.where(valid, r, torch.inf).amin(1, keepdim=True)
+    centred = torch.where(r_max > r_min, centred, 0.0)
+    if scale == "group":
+        centred = centred / (std + std_eps)
+    elif scale == "batch":  # std of the raw rewards over the whole batch (TRL's scale_rewards="batch")
+        batch_std = r[valid].std(correction=0) if valid.any() else r.new_zeros(())
+        centred = centred / (batch_std + std_eps)
+    return centred.view(-1).to(rewards.dtype)
+
+# -----------------------------------------------------------------------------
+# Chunked logprobs
+
+
+def logprobs_from_logits(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+    """The default logprob_fn: logits (n, V), targets (n,) -> logp (n,) float32 and entropy (n,).
+    tp.py's vocab-parallel function has the same signature with logits (n, V/tp)."""
+    logp_all = logits.float().log_softmax(-1)  # (n, V)
+    logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)  # (n,)
+    with torch.no_grad():  # entropy is a metric: no graph, nothing saved for backward
+        entropy = -(logp_all.exp() * logp_all).sum(-1)  # (n,)
+    return logp, entropy
+
+
+def chunked_logprobs(head: Callable, h: Tensor, targets: Tensor, *, temperature: float = 1.0,
+                     chunk_size: int = 1024, logprob_fn: Callable | None = None) -> tuple[Tensor, Tensor]:
+    """logp and entropy (n,) of targets (n,) under softmax(head(h) / temperature), h (n, C), computed
+    chunk_size rows at a time. With grad, each chunk is recomputed in backward, so at most one chunk of
+    (chunk_size, V) logits is alive at any time. chunk_size = 0: one chunk, nothing recomputed."""
+    logprob_fn = logprob_fn or logprobs_from_logits
+
+    def one_chunk(h_chunk: Tensor, t_chunk: Tensor) -> tuple[Tensor, Tensor]:
+        # float32 before dividing: the same logits/temperature the sampler draws from (trl#4159).
+        return logprob_fn(head(h_chunk).float() / temperature, t_chunk)  # (n_chunk,), (n_chunk,)
+
+    n = h.shape[0]
+    if chunk_size == 0 or n <= chunk_size and not torch.is_grad_enabled():
+        return one_chunk(h, targets)
+    parts = []
+    # NOTE: the chunk boundaries depend only on n, which every tensor-parallel rank shares (same batch):
+    # a vocab-parallel logprob_fn runs collectives, and all ranks must run the same chunks in the same
+    # order, also in backward where checkpoint reruns them in reverse chunk order on every rank.
+    for start in range(0, n, chunk_size):
+        h_chunk, t_chunk = h[start:start + chunk_size], targets[start:start + chunk_size]
+        if torch.is_grad_enabled():
+            # Keeps only h_chunk (chunk_size, C); the (chunk_size, V) logits are rebuilt in backward.
+            parts.append(checkpoint(one_chunk, h_chunk, t_chunk, use_reentrant=False))
+        else:
+            parts.append(one_chunk(h_chunk, t_chunk))
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])  # (n,), (n,)
+
+# -----------------------------------------------------------------------------
+# Completion logprobs: shared prompt (exact) and its naive twin
+
+
+def pad_right(seqs: list[list[int]], device: torch.device) -> tuple[Tensor, Tensor]:
+    """Ragged token lists -> ids (B, T) right-padded with 0, lengths (B,)."""
+    lens = [len(s) for s in seqs]
+    ids = torch.zeros(len(seqs), max(lens, default=0), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)] = torch.tensor(s, dtype=torch.long)
+    return ids.to(device), torch.tensor(lens, dtype=torch.long, device=device)
+
+
+def shared_prompt_hidden(model, prompt_ids: Tensor, prompt_lens: Tensor, inputs: Tensor, G: int) -> Tensor:
+    """Hidden states that predict each completion token: (N, T+1, C) for inputs (N, T) = completions
+    without their last token. Row i's first state is its prompt's last valid position; the rest come
+    from the completion forward on top of the prompt's keys/values, which stay in the graph."""
+    Bp, P = prompt_ids.shape
+    kv: dict[int, tuple[Tensor, Tensor]] = {}
+
+    def record_kv(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        kv[layer] = (k, v)  # (Bp, Hkv, P, D), with grad: all G completions backpropagate into the prompt
+        return causal_attention(layer, q, k, v)  # right padding comes after the valid tokens: exact
+
+    h_prompt = model.hidden(prompt_ids, None, record_kv)  # (Bp, P, C)
+    last = h_prompt[torch.arange(Bp, device=prompt_ids.device), prompt_lens - 1]  # (Bp, C)
+    first = last.repeat_interleave(G, 0)[:, None]  # (N, 1, C): N*C floats, not G prompt copies
+    T = inputs.shape[1]
+    if T == 0:
+        return first
+    arange = torch.arange(T, device=inputs.device)
+    positions = prompt_lens.repeat_interleave(G)[:, None] + arange  # (N, T), continues each prompt
+    prefix_valid = torch.arange(P, device=inputs.device) < prompt_lens[:, None]  # (Bp, P)
+    own_allowed = arange[None, :, None] >= arange[None, None, :]  # (1, T, T) causal over own tokens
+
+    def attend_to_prompt(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        prompt_k, prompt_v = kv[layer]
+        return prefix_attention(q, k, v, own_allowed, prompt_k, prompt_v, prefix_valid)  # (N, H, T, D)
+
+    h_completion = model.hidden(inputs, positions, attend_to_prompt)  # (N, T, C)
+    return torch.cat([first, h_completion], 1)  # (N, T+1, C)
+
+
+def naive_hidden(model, prompts: list[list[int]], completions: list[list[int]], G: int, Tr: int) -> Tensor:
+    """The slow twin: each prompt repeated G times in one causal forward. Returns (N, Tr, C), the
+    states at positions len(prompt)-1+t, which predict completion token t."""
+    device = next(model.parameters()).device
+    ids, _ = pad_right([prompts[i // G] + c[:-1] for i, c in enumerate(completions)], device)
+    h = model.hidden(ids)  # (N, L, C)
+    prompt_lens = torch.tensor([len(prompts[i // G]) for i in range(len(completions))], device=device)
+    idx = (prompt_lens[:, None] - 1 + torch.arange(Tr, device=device)).clamp(max=h.shape[1] - 1)  # (N, Tr)
+    return h.gather(1, idx[..., None].expand(-1, -1, h.shape[2]))  # (N, Tr, C)
+
+
+def completion_logprobs(model, prompts: list[list[int]], completions: list[list[int]], *, num_samples: int,
+                        temperature: float = 1.0, chunk_size: int = 1024, logprob_fn: Callable | None = None,
+                        shared_prompt: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-token logprobs of the completions under the model: logp (N, Tr) float32, entropy (N, Tr)
+    detached, mask (N, Tr) bool; zeros where mask is False. Works with grad and under no_grad.
+    prompts has N/G entries, completions N (prompt-major, ragged)."""
+    G = num_samples
+    if G < 1 or len(completions) != len(prompts) * G:
+        raise ValueError(f"completions has {len(completions)} entries; expected len(prompts) * num_samples "
+                         f"= {len(prompts)} * {num_samples} (prompt-major rows)")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"prompts[{i}] is empty: the first completion token needs a prompt position")
+    if temperature <= 0 or chunk_size < 0:
+        raise ValueError(f"temperature = {temperature} must be > 0 and chunk_size = {chunk_size} >= 0")
+    device = next(model.parameters()).device
+    comp_ids, comp_lens = pad_right(completions, device)  # (N, Tr), (N,)
+    N, Tr = comp_ids.shape
+    if shared_prompt:
+        prompt_ids, prompt_lens = pad_right(prompts, device)  # (Bp, P), (Bp,)
+        h = shared_prompt_hidden(model, prompt_ids, prompt_lens, comp_ids[:, :max(Tr - 1, 0)], G)  # (N, Tr|1, C)
+        h = h[:, :Tr]  # (N, Tr, C); Tr = 0 when every completion is empty
+    else:
+        h = naive_hidden(model, prompts, completions, G, Tr)  # (N, Tr, C)
+    mask = torch.arange(Tr, device=device) < comp_lens[:, None]  # (N, Tr)
+    # Only valid tokens reach the head: the padding never costs a vocab-sized row.
+    logp, entropy = chunked_logprobs(model.head, h[mask], comp_ids[mask], temperature=temperature,
+                                     chunk_size=chunk_size, logprob_fn=logprob_fn)  # (n,), (n,)
+    zeros = torch.zeros(N, Tr, dtype=logp.dtype, device=device)
+    return zeros.index_put((mask,), logp), zeros.index_put((mask,), entropy.detach().to(logp.dtype)), mask
+
+# -----------------------------------------------------------------------------
+# The loss
+
+
+def grpo_loss(logp: Tensor, old_logp: Tensor | None, ref_logp: Tensor | None, advantages: Tensor, mask: Tensor,
+              cfg: GRPOConfig, *, num_seqs: int, num_tokens: int) -> tuple[Tensor, dict[str, float]]:
+    """Clipped policy-gradient loss of a micro-batch, logp/old_logp/ref_logp/mask (N, Tr), advantages (N,).
+    num_seqs and num_tokens count the WHOLE generation batch (all micro-batches, all data-parallel
+    ranks), so the micro-batch losses sum to the big-batch loss. Pure: never modifies its inputs.
+
+    Algorithmic choices:
+    1. Per-token ratio exp(logp - old_logp); old_logp None means logp.detach() (mu = 1).
+    2. PPO clip with clip-higher: -min(ratio * A, clamp(ratio, 1 - eps_low, 1 + eps_high) * A).
+    3. KL to the reference (beta > 0) with the k3 estimator exp(ref - logp) - (ref - logp) - 1,
+       per token, added to the loss (not folded into the reward).
+    4. Aggregation: "grpo" mean over each sequence's tokens, then sum / num_seqs; "dapo" sum over
+       tokens / num_tokens; "dr_grpo" sum over tokens / (num_seqs * max_completion_len).
+    5. Metrics over this micro-batch's valid tokens: clip_low (ratio < 1 - eps_low with A < 0) and
+       clip_high (ratio > 1 + eps_high with A > 0), the fractions whose gradient the clip zeroes;
+       ratio_mean/min/max; kl (when ref_logp is given). Entropy comes from completion_logprobs.
+    """
+    for name, t in (("old_logp", old_logp), ("ref_logp", ref_logp), ("mask", mask)):
+        if t is not None and t.shape != logp.shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, logp has {tuple(logp.shape)}")
+    if advantages.shape != logp.shape[:1]:
+        raise ValueError(f"advantages has shape {tuple(advantages.shape)}, expected ({logp.shape[0]},)")
+    if cfg.beta > 0 and ref_logp is None:
+        raise ValueError(f"ref_logp is None but beta = {cfg.beta} > 0 needs reference logprobs")
+    if num_seqs < 1 or num_tokens < 1:
+        raise ValueError(f"num_seqs = {num_seqs} and num_tokens = {num_tokens} must be >= 1")
+    # With mu = 1 and old_logp = logp.detach() the ratio is exactly 1, so the loss VALUE is ~0 (-mean A),
+    # which is expected; its GRADIENT is still the policy gradient: d exp(logp - logp.detach()) = d logp.
+    old_logp = logp.detach() if old_logp is None else old_logp
+    zero = torch.zeros_like(logp)
+    # Zero the padding BEFORE exp: garbage there would give inf, and inf * 0 = NaN in backward.
+    log_ratio = torch.where(mask, logp - old_logp, zero)
+    ratio = torch.exp(log_ratio)  # (N, Tr)
+    adv = advantages[:, None].to(logp.dtype)  # (N, 1)
+    per_token = -torch.min(ratio * adv, ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high) * adv)  # (N, Tr)
+    kl = None
+    if ref_logp is not None:
+        delta = torch.where(mask, ref_logp - logp, zero)
+        kl = torch.exp(delta) - delta - 1  # k3: unbiased for KL(pi || ref), >= 0 per token
+        if cfg.beta > 0:
+            per_token = per_token + cfg.beta * kl
+    per_token = torch.where(mask, per_token, zero)
+    if cfg.loss_type == "grpo":
+        loss = (per_token.sum(1) / mask.sum(1).clamp_min(1)).sum() / num_seqs
+    elif cfg.loss_type == "dapo":
+        loss = per_token.sum() / num_tokens
+    else:
+        loss = per_token.sum() / (num_seqs * cfg.max_completion_len)
+    with torch.no_grad():
+        n = mask.sum().clamp_min(1)
+        stats = {
+            "loss": loss,
+            "clip_low": ((ratio < 1 - cfg.eps_low) & (adv < 0) & mask).sum() / n,
+            "clip_high": ((ratio > 1 + cfg.eps_high) & (adv > 0) & mask).sum() / n,
+            "ratio_mean": torch.where(mask, ratio, zero).sum() / n,
+            "ratio_min": torch.where(mask, ratio, torch.inf).amin(),
+            "ratio_max": torch.where(mask, ratio, -torch.inf).amax(),
+        }
+        if kl is not None:
+            stats["kl"] = torch.where(mask, kl, zero).sum() / n
+        values = torch.stack([v.float() for v in stats.values()]).tolist()  # one host sync for all metrics
+    return loss, dict(zip(stats, values))
+
+# -----------------------------------------------------------------------------
+# One pass over a generation batch, micro-batch by micro-batch
+
+
+@dataclass
+class GRPOBatch:
+    prompts: list[list[int]]          # Bp prompts
+    completions: list[list[int]]      # N = Bp*G, prompt-major, ragged
+    advantages: Tensor                # (N,)
+    old_logp: Tensor | None = None    # (N, Tr) from batch_logprobs when mu > 1; None = current, detached
+    ref_logp: Tensor | None = None    # (N, Tr) from the reference model when beta > 0
+
+
+def micro_batches(num_prompts: int, cfg: GRPOConfig) -> list[tuple[slice, slice]]:
+    """(prompt slice, row slice) of each micro-batch of cfg.micro_batch_groups whole groups."""
+    step, G = cfg.micro_batch_groups, cfg.num_samples
+    return [(slice(s, s + step), slice(s * G, (s + step) * G)) for s in range(0, num_prompts, step)]
+
+
+@torch.no_grad()
+def batch_logprobs(model, prompts: list[list[int]], completions: list[list[int]], cfg: GRPOConfig, *,
+                   logprob_fn: Callable | None = None) -> Tensor:
+    """Old or reference logprobs (N, Tr) without grad, one micro-batch at a time (the same slices
+    accumulate uses), padded with zeros to the batch's longest completion."""
+    out = torch.zeros(len(completions), max((len(c) for c in completions), default=0),
+                      device=next(model.parameters()).device)
+    for prompt_rows, rows in micro_batches(len(prompts), cfg):
+        logp, _, _ = completion_logprobs(model, prompts[prompt_rows], completions[rows], num_samples=cfg.num_samples,
+                                         temperature=cfg.temperature, chunk_size=cfg.chunk_size, logprob_fn=logprob_fn)
+        out[rows, :logp.shape[1]] = logp
+    return out
+
+
+def accumulate(model, batch: GRPOBatch, cfg: GRPOConfig, *, logprob_fn: Callable | None = None,
+               num_seqs: int | None = None, num_tokens: int | None = None) -> dict[str, float]:
+    """Forward, loss and backward over the generation batch in micro-batches of whole groups; grads
+    accumulate into .grad (no zero_grad, no step). num_seqs/num_tokens default to this batch's counts;
+    pass global counts under data parallelism. Returns "loss" (the summed, i.e. big-batch, loss),
+    token-weighted means of the other metrics, the min/max of ratio_min/ratio_max, and "entropy"."""
+    N = len(batch.completions)
+    if N != len(batch.prompts) * cfg.num_samples:
+        raise ValueError(f"batch.completions has {N} entries, expected len(batch.prompts) * num_samples "
+                         f"= {len(batch.prompts)} * {cfg.num_samples}")
+    if batch.advantages.shape != (N,):
+        raise ValueError(f"batch.advantages has shape {tuple(batch.advantages.shape)}, expected ({N},)")
+    Tr = max((len(c) for c in batch.completions), default=0)
+    for name in ("old_logp", "ref_logp"):
+        t = getattr(batch, name)
+        if t is not None and t.shape != (N, Tr):
+            raise ValueError(f"batch.{name} has shape {tuple(t.shape)}, expected ({N}, {Tr})")
+    num_seqs = N if num_seqs is None else num_seqs
+    num_tokens = sum(len(c) for c in batch.completions) if num_tokens is None else num_tokens
+    totals: dict[str, float] = {}
+    weight = 0.0
+    for prompt_rows, rows in micro_batches(len(batch.prompts), cfg):
+        logp, entropy, mask = completion_logprobs(
+            model, batch.prompts[prompt_rows], batch.completions[rows], num_samples=cfg.num_samples,
+            temperature=cfg.temperature, chunk_size=cfg.chunk_size, logprob_fn=logprob_fn)  # (n_rows, Tr_micro)
+        T = logp.shape[1]  # the micro-batch's longest completion; the batch tensors are padded further
+        old = None if batch.old_logp is None else batch.old_logp[rows, :T]
+        ref = None if batch.ref_logp is None else batch.ref_logp[rows, :T]
+        loss, metrics = grpo_loss(logp, old, ref, batch.advantages[rows], mask, cfg,
+                                  num_seqs=num_seqs, num_tokens=max(num_tokens, 1))
+        if loss.requires_grad:  # False only when every completion of the micro-batch is empty
+            loss.backward()
+        tokens = float(mask.sum())
+        metrics["entropy"] = float((entropy * mask).sum()) / max(tokens, 1.0)
+        for key, value in metrics.items():
+            if key == "loss":
+                totals[key] = totals.get(key, 0.0) + value
+            elif key == "ratio_min":
+                totals[key] = min(totals.get(key, value), value)
+            elif key == "ratio_max":
+                totals[key] = max(totals.get(key, value), value)
+            else:  # token-weighted, so the mean is over the batch's tokens, not over micro-batches
+                totals[key] = totals.get(key, 0.0) + value * tokens
+        weight += tokens
+    for key in totals:
+        if key not in ("loss", "ratio_min", "ratio_max"):
+            totals[key] /= max(weight, 1.0)
+    return totals
