@@ -3,37 +3,30 @@ Phases: what lives on the device while rolling out, computing reference logprobs
 
 Rollout and training share one device. While the sampler runs, the optimizer state, the gradients and
 the reference model are dead weight; while the trainer runs, the KV cache and a separate sampler copy
-are. Inference engines solved this with sleep/wake (vLLM sleep levels, SGLang's release/resume of
-memory occupation, verl's offload flags). Here every piece of memory is registered under a tag with a
-policy, and entering a phase first puts to sleep what that phase does not need, then wakes what it
-does (staged wake: sampler weights, then their sync from the trainer, then the KV cache):
+are. Inference engines solved this with sleep/wake (vLLM's sleep levels, SGLang's release/resume of
+memory, verl's offload flags). Here memory is registered under tags, each with a policy:
 
-    tag         policy                                           awake in
-    trainer     keep (always resident)                           every phase
-    weights     shared with the trainer, or a separate copy      rollout
-                synced IN PLACE from the trainer at each wake
-    kv_cache    discard: storage resized to 0, zeroed on wake    rollout
-    reference   offload to a reused (pinned) host buffer         reference
-    optimizer   offload to a reused (pinned) host buffer         train
-    grads       discard: set to None (backward re-creates them)  train
+    trainer    keep                                                   awake in every phase
+    weights    shared with the trainer, or a separate (bf16) copy     rollout (synced IN PLACE at wake)
+    kv_cache   discard: storage resized to 0, re-created zeroed       rollout
+    reference  offload to one reused (pinned) host buffer             reference
+    optimizer  offload to one reused (pinned) host buffer             train
+    grads      discard: set to None, backward re-creates them         train
 
-Parameters and optimizer state tensors stay the same Python objects (their `.data` is swapped), so
-nothing is rebuilt; their addresses change, so captured CUDA graphs must be re-captured. Using
-released memory raises a clear RuntimeError (forward pre-hooks and an optimizer step pre-hook exist
-exactly while a group sleeps). Accounting: bytes resident per tag and phase, per-phase peak, seconds
-and GB/s of every transition, `report()`. Also: activation offloading and per-block checkpointing
-for the training forward. On a CPU the same code runs: offload is a copy into a separate buffer.
-
-Leaves out: offloading the trainer's own weights (it trains every step), disk offload, multiple
-CUDA streams (copies run on the current stream, so the caching allocator orders them for free).
-Shapes: whole tensors are moved and never looked into; no shape legend is needed.
-Tested by tests/test_memory.py (CPU) and tests/test_memory_cuda.py; measured by tests/bench_memory.py.
+Entering a phase sleeps what it does not need BEFORE waking what it needs, in stages (sampler weights,
+their sync, then the KV cache): the peak never holds two phases' memory. Parameters and optimizer state
+stay the same Python objects (`.data` is swapped; addresses change, so re-capture CUDA graphs). Using
+released memory raises a clear RuntimeError. Also: activation offloading and per-block checkpointing.
+On a CPU the same code runs (offload is a copy into a separate buffer). No shapes: tensors move whole.
+Leaves out: offloading the trainer's own weights, disk offload, copy streams overlapping compute.
+Tested by tests/test_memory.py and tests/test_memory_cuda.py; measured by tests/bench_memory.py.
 """
 
 import time
 import types
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections import namedtuple
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
@@ -42,7 +35,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 # -----------------------------------------------------------------------------
-# Config and the phase table
+# Config, the phase table, tagged groups
 
 
 @dataclass
@@ -59,62 +52,41 @@ class MemoryConfig:
 
 # Tags each phase needs awake, in wake order (staged wake: sampler weights + sync before the KV cache).
 PHASE_TAGS = {"rollout": ("weights", "kv_cache"), "reference": ("reference",), "train": ("optimizer", "grads")}
-# Tags released when a phase is left rather than when the next one starts: the rollout and reference memory
-# is dead once their outputs exist, and freeing it early lowers the peak of the no-grad old-logprob forward
-# in between. The train phase keeps its optimizer state on exit so a checkpoint after the step can read it.
+# Tags released on leaving a phase, not at the next one: dead once the outputs exist, and freeing them early
+# lowers the peak of the old-logprob forward in between. Train keeps its optimizer state for a checkpoint.
 RELEASE_ON_EXIT = {"rollout": ("kv_cache", "weights"), "reference": ("reference",), "train": ()}
 SLEEP_ORDER = ("grads", "kv_cache", "weights", "reference", "optimizer")
-HOST_ALIGN = 64  # host buffer slices start at 64-byte boundaries, so any dtype can view them
+# One sleep or wake of one group: bytes freed, copied or synced; seconds include a device synchronisation.
+Transition = namedtuple("Transition", "phase tag action nbytes seconds")
 
 
-@dataclass
-class Transition:
-    phase: str
-    tag: str
-    action: str     # "sleep" or "wake"
-    nbytes: int     # bytes freed, copied or synced
-    seconds: float  # wall time including a device synchronisation (CUDA)
-
-
-def _human(nbytes: float) -> str:
-    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.2f} MB"
-
-# -----------------------------------------------------------------------------
-# Tagged groups
-
-
+@dataclass(eq=False)  # compared by identity, never field by field (tensors)
 class Group:
-    """The tensors registered by one add_* call: one tag, one policy, the state of its sleep."""
+    """The tensors registered by one add_* call: one tag, one policy, and the state of its sleep."""
+    tag: str
+    policy: str      # keep, shared, sync (sampler copy), discard_kv, discard_grads, offload
+    releasable: bool
+    asleep: bool = False
+    params: list[Tensor] = field(default_factory=list)       # module parameters (for grads: their owners)
+    sources: list[Tensor] = field(default_factory=list)      # sync: the trainer parameter each one copies
+    modules: list[nn.Module] = field(default_factory=list)   # where the forward guard goes while asleep
+    buffers: list[Tensor] = field(default_factory=list)      # the KV cache
+    optimizer: torch.optim.Optimizer | None = None
+    host: Tensor | None = None                               # flat uint8 host buffer, allocated once, reused
+    host_allocations: int = 0
+    offloaded: list[Tensor] = field(default_factory=list)    # tensors whose .data views `host` right now
+    hooks: list = field(default_factory=list)                # guard handles, removed on wake
 
-    def __init__(self, tag: str, policy: str, releasable: bool):
-        self.tag, self.policy, self.releasable = tag, policy, releasable
-        self.asleep = False
-        self.params: list[Tensor] = []        # module parameters (trainer, weights, reference, grads' owners)
-        self.sources: list[Tensor] = []       # weights/sync: the trainer parameter each sampler one copies
-        self.modules: list[nn.Module] = []    # where the forward guard goes while asleep
-        self.buffers: list[Tensor] = []       # kv_cache
-        self.optimizer: torch.optim.Optimizer | None = None
-        self.host: Tensor | None = None       # flat uint8 host buffer, allocated once and reused
-        self.host_allocations = 0
-        self.offloaded: list[Tensor] = []     # tensors whose .data is a view of `host` right now
-        self.hooks: list = []                 # guard handles, removed on wake
-
-    def tensors(self) -> list[Tensor]:
-        """What this group accounts for right now (grads and optimizer state come and go)."""
+    def tensors(self) -> list[Tensor]:  # what it holds right now: grads and optimizer state come and go
         if self.policy == "discard_grads":
             return [p.grad for p in self.params if p.grad is not None]
         if self.optimizer is not None:
             return [v for state in self.optimizer.state.values() for v in state.values() if isinstance(v, Tensor)]
         return self.params + self.buffers
 
-    def full_bytes(self) -> int:
-        """Bytes when awake, from shapes alone (so a plan works for tensors on the meta device)."""
-        if self.policy == "shared":
-            return 0
-        if self.policy == "discard_grads":
-            return sum(p.numel() * p.element_size() for p in self.params)
-        if self.policy == "sync":  # released sampler params have shape (0,): size them by their source
-            return sum(s.numel() * p.element_size() for p, s in zip(self.params, self.sources))
+    def full_bytes(self) -> int:  # bytes when awake, from shapes alone, so plans work on the meta device
+        if self.policy in ("discard_grads", "sync"):  # released sampler params are (0,): use the sources'
+            return sum(s.numel() * p.element_size() for p, s in zip(self.params, self.sources or self.params))
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
 # -----------------------------------------------------------------------------
@@ -137,25 +109,19 @@ class PhaseManager:
         self.phase_bytes: dict[str, dict[str, int]] = {}  # phase -> tag -> max bytes resident seen
         self.phase_peak: dict[str, int] = {}              # phase -> max allocated (CUDA) or tag bytes (CPU)
 
-    # -------------------------------------------------------------------------
-    # Registration
-
-    def _add(self, tag: str, policy: str, releasable: bool) -> Group:
+    def _add(self, tag: str, policy: str, releasable: bool, module: nn.Module | None = None, arg: str = "") -> Group:
         group = Group(tag, policy, releasable)
+        if module is not None:
+            if not isinstance(module, nn.Module):
+                raise TypeError(f"{arg} must be an nn.Module, got {type(module).__name__}")
+            taken = {p.untyped_storage().data_ptr(): g.tag for g in self.groups if g.modules for p in g.params}
+            taken.pop(0, None)  # meta (planning) and empty tensors have no storage to share
+            for name, p in module.named_parameters():
+                if p.untyped_storage().data_ptr() in taken:  # e.g. the trainer passed as its own reference
+                    raise ValueError(f"{arg}: parameter '{name}' is already registered under tag "
+                                     f"'{taken[p.untyped_storage().data_ptr()]}'")
+            group.params, group.modules = list(module.parameters()), [module]
         self.groups.append(group)
-        return group
-
-    def _add_module(self, tag: str, policy: str, releasable: bool, module: nn.Module, arg: str) -> Group:
-        if not isinstance(module, nn.Module):
-            raise TypeError(f"{arg} must be an nn.Module, got {type(module).__name__}")
-        taken = {p.untyped_storage().data_ptr(): g.tag for g in self.groups if g.modules for p in g.params}
-        taken.pop(0, None)  # meta (planning) and empty tensors have no storage to share
-        for name, p in module.named_parameters():
-            if p.untyped_storage().data_ptr() in taken:  # e.g. the trainer passed as its own reference
-                raise ValueError(f"{arg}: parameter '{name}' is already registered under tag "
-                                 f"'{taken[p.untyped_storage().data_ptr()]}'")
-        group = self._add(tag, policy, releasable)
-        group.params, group.modules = list(module.parameters()), [module]
         return group
 
     def add_kv_cache(self, buffer: Tensor) -> None:
@@ -170,39 +136,34 @@ class PhaseManager:
 
     def add_grads(self, model: nn.Module) -> None:
         """The .grad of every trainable parameter: set to None outside the train phase."""
-        group = self._add("grads", "discard_grads", self.cfg.release_grads)
-        group.params = [p for p in model.parameters() if p.requires_grad]
+        self._add("grads", "discard_grads", self.cfg.release_grads).params = [
+            p for p in model.parameters() if p.requires_grad]
 
     def add_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Its state tensors on the device are offloaded outside the train phase. They are looked up at
-        each sleep (AdamW creates them lazily at the first step); tensors elsewhere (AdamW's CPU `step`
-        when the device is a GPU) are left alone."""
+        """Its state tensors on the device, looked up at each sleep (AdamW creates them at its first step),
+        are offloaded outside the train phase; others (AdamW's CPU `step` next to a GPU) are left alone."""
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         self._add("optimizer", "offload", self.cfg.offload_optimizer).optimizer = optimizer
 
     def add_reference(self, module: nn.Module) -> None:
         """A frozen model (its parameters; buffers stay) offloaded outside the reference phase."""
-        self._add_module("reference", "offload", self.cfg.offload_reference, module, "module")
+        self._add("reference", "offload", self.cfg.offload_reference, module, "module")
 
     def add_weights(self, trainer_model: nn.Module, sampler_model: nn.Module) -> None:
         """The trainer's parameters (always resident) and the sampler's: the same module (shared, nothing to
         do) or a separate copy (e.g. bf16 for an fp32 trainer) synced in place at every rollout wake."""
-        self._add_module("trainer", "keep", False, trainer_model, "trainer_model")
+        self._add("trainer", "keep", False, trainer_model, "trainer_model")
         if sampler_model is trainer_model:
             self._add("weights", "shared", False)
             return
         trainer_params, sampler_params = dict(trainer_model.named_parameters()), dict(sampler_model.named_parameters())
-        if trainer_params.keys() != sampler_params.keys():
-            diff = sorted(trainer_params.keys() ^ sampler_params.keys())
-            raise ValueError(f"sampler_model: parameter names differ from trainer_model's, e.g. '{diff[0]}'")
-        for name, p in sampler_params.items():
-            if p.shape != trainer_params[name].shape:
-                raise ValueError(f"sampler_model: parameter '{name}' has shape {tuple(p.shape)}, "
-                                 f"the trainer's is {tuple(trainer_params[name].shape)}")
-        group = self._add_module("weights", "sync", self.cfg.release_sampler, sampler_model, "sampler_model")
-        group.params = list(sampler_params.values())
-        group.sources = [trainer_params[name] for name in sampler_params]
+        for name in sorted(trainer_params.keys() | sampler_params.keys()):
+            shapes = [tuple(ps[name].shape) if name in ps else None for ps in (sampler_params, trainer_params)]
+            if shapes[0] != shapes[1]:
+                raise ValueError(f"sampler_model: parameter '{name}' has shape {shapes[0]}, the trainer's {shapes[1]}")
+        group = self._add("weights", "sync", self.cfg.release_sampler, sampler_model, "sampler_model")
+        group.params, group.sources = list(sampler_params.values()), [trainer_params[n] for n in sampler_params]
 
     # -------------------------------------------------------------------------
     # Phases
@@ -219,22 +180,15 @@ class PhaseManager:
             torch.cuda.reset_peak_memory_stats(self.device)
         self.current = phase
         # Sleep what this phase does not need BEFORE waking what it needs: the peak never holds both.
-        for tag in SLEEP_ORDER:
-            if tag not in PHASE_TAGS[phase]:
-                for group in self._by_tag(tag):
-                    self._sleep(group)
-        for tag in PHASE_TAGS[phase]:
-            for group in self._by_tag(tag):
-                self._wake(group)
+        self._apply(self._sleep, [tag for tag in SLEEP_ORDER if tag not in PHASE_TAGS[phase]])
+        self._apply(self._wake, PHASE_TAGS[phase])
         self._observe()
 
     def exit(self) -> None:
         if self.current is None:
             raise RuntimeError("exit() outside a phase: call enter(phase) first")
         self._observe()
-        for tag in RELEASE_ON_EXIT[self.current]:
-            for group in self._by_tag(tag):
-                self._sleep(group)
+        self._apply(self._sleep, RELEASE_ON_EXIT[self.current])
         self.current = None
 
     @contextmanager
@@ -245,8 +199,9 @@ class PhaseManager:
         finally:
             self.exit()
 
-    def _by_tag(self, tag: str) -> list[Group]:
-        return [g for g in self.groups if g.tag == tag]
+    def _apply(self, action, tags) -> None:
+        for group in [g for tag in tags for g in self.groups if g.tag == tag]:  # in the order of `tags`
+            action(group)
 
     # -------------------------------------------------------------------------
     # Sleep and wake, per policy
@@ -257,8 +212,7 @@ class PhaseManager:
 
     def _record(self, group: Group, action: str, nbytes: int, start: float) -> None:
         self._synchronize()  # honest timing: the copies are asynchronous
-        seconds = time.perf_counter() - start
-        self.transitions.append(Transition(self.current or "-", group.tag, action, nbytes, seconds))
+        self.transitions.append(Transition(self.current, group.tag, action, nbytes, time.perf_counter() - start))
 
     def _sleep(self, group: Group) -> None:
         if group.asleep or not group.releasable:
@@ -281,25 +235,19 @@ class PhaseManager:
 
     def _offload(self, group: Group) -> None:
         """Copy every resident tensor into one host buffer (reused), then point its .data there."""
-        seen, tensors = set(), []
-        for t in group.tensors():
-            if self._resident(t) and t.untyped_storage().data_ptr() not in seen:
-                seen.add(t.untyped_storage().data_ptr())
-                tensors.append(t)
-        sizes = [t.numel() * t.element_size() for t in tensors]
-        offsets = [sum(-(-n // HOST_ALIGN) * HOST_ALIGN for n in sizes[:i]) for i in range(len(sizes) + 1)]
+        tensors = [t for t in group.tensors() if self._resident(t)]  # distinct storages: no views in here
+        sizes, offsets = [t.numel() * t.element_size() for t in tensors], [0]
+        for n in sizes:
+            offsets.append(offsets[-1] + -(-n // 64) * 64)  # 64-byte aligned slices: any dtype can view them
         if offsets[-1] and (group.host is None or group.host.numel() < offsets[-1]):
             # Pinned (page-locked) so the copies are truly async DMA; allocated once, grown only if the
             # state grew (AdamW's appears at the first step), because pinning is slow (cudaHostAlloc).
             group.host = torch.empty(offsets[-1], dtype=torch.uint8, pin_memory=self.pin)
             group.host_allocations += 1
-        views = []
-        for t, offset, n in zip(tensors, offsets, sizes):
-            view = group.host[offset:offset + n].view(t.dtype).view(t.shape)
+        views = [group.host[o:o + n].view(t.dtype).view(t.shape) for t, o, n in zip(tensors, offsets, sizes)]
+        for t, view in zip(tensors, views):
             view.copy_(t, non_blocking=True)
-            views.append(view)
-        # NOTE: synchronise before any device block is handed back: the host copy must be complete before
-        # anyone reads it, and a block freed mid-copy could be handed to another stream.
+        # NOTE: the host copy must be complete before a device block is handed back (or the host read).
         self._synchronize()
         for t, view in zip(tensors, views):
             t.data = view  # same Python object (optimizer state / Parameter), now in the host buffer
@@ -309,9 +257,8 @@ class PhaseManager:
         if not group.asleep and group.policy != "sync":  # a sampler copy is synced every rollout, asleep or not
             return
         start = time.perf_counter()
-        for handle in group.hooks:
-            handle.remove()
-        group.hooks = []
+        while group.hooks:
+            group.hooks.pop().remove()
         if group.policy == "discard_kv":
             for buffer in group.buffers:
                 buffer.untyped_storage().resize_(buffer.numel() * buffer.element_size())
@@ -323,8 +270,7 @@ class PhaseManager:
                 t.data = resident
             group.offloaded = []
         elif group.policy == "sync":
-            # Staged: one parameter at a time is allocated and filled from the trainer's (cast to the
-            # sampler's dtype), so the transient is one tensor, not a second full copy.
+            # Staged: allocate and fill (cast) one parameter at a time: the transient is one tensor, not a copy.
             with torch.no_grad():
                 for p, source in zip(group.params, group.sources):
                     if p.shape != source.shape:  # released: re-create in the sampler's own dtype
@@ -333,9 +279,7 @@ class PhaseManager:
         group.asleep = False
         self._record(group, "wake", self.resident_bytes(group), start)
 
-    # -------------------------------------------------------------------------
     # Guard: using released memory raises, instead of crashing or computing on a stand-in
-
     def _asleep_error(self, what: str, group: Group) -> RuntimeError:
         needed = next(phase for phase, tags in PHASE_TAGS.items() if group.tag in tags)
         moved = "offloaded to the host" if group.policy == "offload" else "released"
@@ -366,19 +310,15 @@ class PhaseManager:
     def resident_bytes(self, group: Group | None = None) -> int | dict[str, int]:
         """Bytes on the device of one group, or of every tag (a dict) when no group is given."""
         if group is None:
-            totals: dict[str, int] = {}
-            for g in self.groups:
-                totals[g.tag] = totals.get(g.tag, 0) + self.resident_bytes(g)
-            return totals
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            return {tag: sum(self.resident_bytes(g) for g in self.groups if g.tag == tag)
+                    for tag in dict.fromkeys(g.tag for g in self.groups)}
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()  # shared storage counted once
                     for t in group.tensors() if self._resident(t)}
         return sum(storages.values())
 
     def _observe(self) -> None:
-        by_tag = self.resident_bytes()
-        seen = self.phase_bytes.setdefault(self.current, {})
-        for tag, nbytes in by_tag.items():
-            seen[tag] = max(seen.get(tag, 0), nbytes)
+        by_tag, seen = self.resident_bytes(), self.phase_bytes.setdefault(self.current, {})
+        seen.update({tag: max(seen.get(tag, 0), nbytes) for tag, nbytes in by_tag.items()})
         peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else sum(by_tag.values())
         self.phase_peak[self.current] = max(self.phase_peak.get(self.current, 0), peak)
 
@@ -392,18 +332,25 @@ class PhaseManager:
         phases = [p for p in PHASE_TAGS if p in self.phase_bytes]
         rows = [["tag", "policy", *phases, "sleep", "wake"]]
         for tag, policy in dict.fromkeys((g.tag, g.policy) for g in self.groups):
-            row = [tag, policy] + [_human(self.phase_bytes[p].get(tag, 0)) for p in phases]
+            row = [tag, policy] + [f"{self.phase_bytes[p].get(tag, 0) / 1e6:,.2f} MB" for p in phases]
             for action in ("sleep", "wake"):
                 done = [t for t in self.transitions if t.tag == tag and t.action == action]
                 seconds, nbytes = sum(t.seconds for t in done), sum(t.nbytes for t in done)
-                rate = f" {nbytes / seconds / 1e9:.2f} GB/s" if policy in ("offload", "sync") and seconds else ""
-                row.append(f"{seconds / len(done) * 1e3:.2f} ms{rate}" if done else "-")  # discards move no bytes
+                copies = seconds and (policy == "offload" or (policy, action) == ("sync", "wake"))  # not discards
+                rate = f" {nbytes / seconds / 1e9:.2f} GB/s" if copies else ""
+                row.append(f"{seconds / len(done) * 1e3:.2f} ms{rate}" if done else "-")
             rows.append(row)
         peak = "max allocated" if self.device.type == "cuda" else "sum of tags"
-        rows.append(["peak", peak, *[_human(self.phase_peak[p]) for p in phases], "", ""])
-        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-        return f"memory phases on {self.device}: bytes resident per tag, mean time per transition\n" + "\n".join(
-            "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in rows)
+        rows.append(["peak", peak, *[f"{self.phase_peak[p] / 1e6:,.2f} MB" for p in phases], "", ""])
+        fmt = "{:<10} {:<14}" + " {:>12}" * len(phases) + " {:>22} {:>22}"
+        title = f"memory phases on {self.device}: bytes resident per tag, mean time per transition"
+        return "\n".join([title] + [fmt.format(*row) for row in rows])
+
+    def activations(self, model: nn.Module):
+        """The context for a training forward (backward may run outside it), per cfg.activation_*."""
+        if self.cfg.activation_checkpoint:
+            checkpoint_blocks(model)
+        return offload_activations(model, self.pin) if self.cfg.activation_offload else nullcontext()
 
 # -----------------------------------------------------------------------------
 # Activation memory for the training forward
@@ -411,9 +358,8 @@ class PhaseManager:
 
 @contextmanager
 def offload_activations(model: nn.Module | None = None, pin_memory: bool = True) -> Iterator[None]:
-    """Every tensor autograd saves inside the context goes to the host (pinned on CUDA) and comes back
-    in backward. The parameters of `model` (and views of them, like a Linear's weight.t()) stay: they are
-    resident anyway. NOTE: saved-tensor hooks bypass autograd's check for in-place edits of saved tensors."""
+    """Tensors autograd saves in the context go to the host (pinned on CUDA) and come back in backward, except
+    `model`'s parameters and views of them (resident anyway). NOTE: this skips autograd's in-place check."""
     keep = {p.untyped_storage().data_ptr() for p in model.parameters()} if model is not None else set()
 
     def pack(t: Tensor):
@@ -424,10 +370,7 @@ def offload_activations(model: nn.Module | None = None, pin_memory: bool = True)
         return t.device, host
 
     def unpack(packed) -> Tensor:
-        if isinstance(packed, Tensor):
-            return packed
-        device, host = packed
-        return host.to(device, non_blocking=True)
+        return packed if isinstance(packed, Tensor) else packed[1].to(packed[0], non_blocking=True)
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         yield
@@ -437,17 +380,15 @@ def _checkpointed_forward(self: nn.Module, *args, **kwargs):
     forward = type(self).forward  # the class's forward; this function shadows it on the instance only
     if not torch.is_grad_enabled():  # rollout and no-grad logprobs: nothing to save, nothing to recompute
         return forward(self, *args, **kwargs)
-    # Non-reentrant: works with outputs used anywhere (e.g. a prompt's K/V reused by the completions) and
-    # with inputs that do not require grad. NOTE: the block, and the attention callable it is given, run
-    # again in backward: a callable with side effects (appending to a list) would repeat them.
+    # Non-reentrant: outputs may be used anywhere (a prompt's K/V reused by its completions). NOTE: the block
+    # and its attention callable run again in backward: a callable's side effects (appends) would repeat.
     return checkpoint(forward, self, *args, use_reentrant=False, **kwargs)
 
 
 def checkpoint_blocks(model: nn.Module, enabled: bool = True) -> int:
-    """Make every transformer block (model.model.layers[i]) recompute its activations in backward, by
-    binding a checkpointed forward to each block instance (model.py is untouched; enabled=False undoes it).
-    A bound method, not a closure, so copy.deepcopy(model) gives copies that recompute their own block.
-    Returns the number of blocks."""
+    """Make each transformer block (model.model.layers[i]) recompute its activations in backward by binding
+    a checkpointed forward to the instance (model.py untouched; enabled=False undoes it). A bound method, not
+    a closure, so copy.deepcopy(model) gives blocks that recompute themselves. Returns the number of blocks."""
     layers = getattr(getattr(model, "model", None), "layers", None)
     if not isinstance(layers, nn.ModuleList):
         raise ValueError(f"model: expected transformer blocks at model.model.layers, got {type(model).__name__}")

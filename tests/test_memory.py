@@ -272,7 +272,7 @@ def test_bad_input_names_the_argument():
         mgr.add_reference(trainer)
     other = M.Llama(M.ModelConfig(vocab_size=V, hidden_size=32, intermediate_size=96, num_hidden_layers=2,
                                   num_attention_heads=4, num_key_value_heads=2))
-    with pytest.raises(ValueError, match="sampler_model: parameter 'model.embed_tokens.weight' has shape"):
+    with pytest.raises(ValueError, match=r"sampler_model: parameter '.*' has shape \(128, 32\), the trainer's \(128, 64\)"):
         PhaseManager("cpu").add_weights(trainer, other)
     with pytest.raises(ValueError, match="model: expected transformer blocks at model.model.layers"):
         checkpoint_blocks(torch.nn.Linear(2, 2))
