@@ -1,0 +1,375 @@
+"""tp.py on CPU with gloo, 2 and 4 processes, against one process on the full model, fp32.
+
+Every spawned rank rebuilds the same full model from one seed, so the one-process oracle runs inside
+each rank next to the sharded model. Spawning costs seconds, so each worker groups many checks; a
+failed assert in any rank fails the test with that rank's traceback.
+"""
+
+import copy
+import functools
+import multiprocessing
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+import grpo
+import model as M
+import rollout
+import tp
+
+# fp32 everywhere: TP only regroups sums (partial sums over shards, all-reduced), so errors stay ~1e-7
+# relative; 1e-5 leaves room for the longer reduction chains of the gradients.
+TOL = dict(atol=1e-5, rtol=1e-5)
+V = 128
+
+
+def tiny(**kw) -> M.ModelConfig:
+    base = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    return M.ModelConfig(**{**base, **kw})
+
+
+CONFIGS = {  # GQA, untied; and Qwen2-style q/k/v bias with tied embeddings
+    "llama": tiny(),
+    "qwen_tied": tiny(architecture="Qwen2ForCausalLM", attention_bias=True, tie_word_embeddings=True),
+}
+# Megatron's layout, written out independently of tp.py's own table: the dim each parameter is split on.
+SPLIT_DIM = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "gate_proj": 0, "up_proj": 0, "embed_tokens": 0,
+             "lm_head": 0, "o_proj": 1, "down_proj": 1}
+
+
+def full_model(cfg: M.ModelConfig) -> M.Llama:
+    # std 0.2 (not HF's 0.02): peaked logits and attention, so a misrouted shard shows.
+    return M.Llama(cfg).init_weights(0, std=0.2)
+
+
+def spawn(worker, nprocs: int, tmp_path) -> None:
+    # forkserver with torch and this module preloaded: the workers fork from one process that imported
+    # them once, instead of 4 fresh interpreters importing torch at once on 2 cores (~15 s here). The
+    # server runs no torch ops, so forking it is safe for the thread pools.
+    multiprocessing.set_forkserver_preload(["torch", __name__])
+    mp.start_processes(_entry, args=(worker, nprocs, str(tmp_path)), nprocs=nprocs, start_method="forkserver")
+
+
+def _entry(rank: int, worker, world: int, tmp: str) -> None:
+    torch.set_num_threads(1)  # 2-4 processes share 2 cores
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world)
+    try:
+        worker(rank, tmp)
+    finally:
+        dist.destroy_process_group()
+
+
+def unshard(name: str, t: torch.Tensor, groups: tp.ParallelGroups) -> torch.Tensor:
+    """The full tensor from the tp ranks' slices (replicated tensors as they are)."""
+    dim = next((d for key, d in SPLIT_DIM.items() if f"{key}." in name), None)
+    if dim is None:
+        return t
+    parts = [torch.empty_like(t) for _ in range(groups.tp_size)]
+    dist.all_gather(parts, t.contiguous(), group=groups.tp_group)
+    return torch.cat(parts, dim)
+
+
+def assert_same_on_all_ranks(t: torch.Tensor) -> None:
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, t.contiguous())
+    assert all(torch.equal(p, parts[0]) for p in parts), "ranks disagree"
+
+
+def plain_logprobs(logits: torch.Tensor, targets: torch.Tensor):
+    logp_all = logits.float().log_softmax(-1)
+    return logp_all.gather(-1, targets[:, None])[:, 0], -(logp_all.exp() * logp_all).sum(-1)
+
+
+def grpo_batch(cfg: M.ModelConfig, G: int = 2):
+    """3 prompts of lengths 5, 4, 7 and ragged completions. With one group per micro-batch the prompt
+    forwards have 5, 4, 7 tokens and the completion forwards G*(Tr-1): under SP on 2 ranks some
+    forwards run SP and some fall back to plain TP, inside one accumulation."""
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, V, (n,), generator=gen).tolist() for n in (5, 4, 7)]
+    completions = [torch.randint(0, V, (n,), generator=gen).tolist() for n in (4, 2, 6, 1, 3, 5)[:3 * G]]
+    advantages = torch.randn(3 * G, generator=gen)
+    return prompts, completions, advantages
+
+
+def grpo_step(model, prompts, completions, advantages, logprob_fn=None, *, old_logp=None, ref_logp=None,
+              num_seqs=None, num_tokens=None):
+    beta = 0.0 if ref_logp is None else 0.05
+    cfg = grpo.GRPOConfig(num_samples=2, chunk_size=5, beta=beta)  # chunks of 5 tokens: several, recomputed
+    batch = grpo.GRPOBatch(prompts, completions, advantages, old_logp, ref_logp)
+    return grpo.accumulate(model, batch, cfg, logprob_fn=logprob_fn, num_seqs=num_seqs, num_tokens=num_tokens)
+
+# -----------------------------------------------------------------------------
+# 2 processes: TP = 2
+
+
+def check_vocab_parallel_logprobs(groups: tp.ParallelGroups) -> None:
+    rank, n = groups.tp_rank, 9
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(n, V, generator=gen) * 3
+    targets = torch.randint(0, V, (n,), generator=gen)
+    targets[:4] = torch.tensor([0, V // 2 - 1, V // 2, V - 1])  # both edges of both shards
+    cols = slice(rank * V // 2, (rank + 1) * V // 2)
+    shard = logits[:, cols].clone().requires_grad_()
+    before = shard.detach().clone()
+    full = logits.clone().requires_grad_()
+    logp, entropy = tp.vocab_parallel_logprobs(shard, targets, groups)
+    want_logp, want_entropy = plain_logprobs(full, targets)
+    torch.testing.assert_close(logp, want_logp, **TOL)
+    torch.testing.assert_close(entropy, want_entropy, **TOL)
+    assert_same_on_all_ranks(torch.stack([logp, entropy]).detach())  # bitwise: ranks must sample/score alike
+    w1, w2 = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    (w1 * logp + w2 * entropy).sum().backward()
+    (w1 * want_logp + w2 * want_entropy).sum().backward()
+    torch.testing.assert_close(shard.grad, full.grad[:, cols], **TOL)
+    assert torch.equal(shard.detach(), before), "the input logits were modified"
+    # Recomputed under checkpoint, as grpo.py runs it: the same values and gradients.
+    again = before.clone().requires_grad_()
+    fn = functools.partial(tp.vocab_parallel_logprobs, groups=groups)
+    logp2, entropy2 = checkpoint(fn, again, targets, use_reentrant=False)
+    (w1 * logp2 + w2 * entropy2).sum().backward()
+    assert torch.equal(logp2, logp) and torch.equal(entropy2, entropy)
+    torch.testing.assert_close(again.grad, shard.grad, atol=0, rtol=0)
+
+
+class Bug203(torch.autograd.Function):
+    """nanotron #203's first version: the gathered input lives in the shared buffer AND is kept for
+    backward (as F.linear keeps its input), so a later gather overwrites it before backward reads it.
+    `stash` keeps it as a ctx attribute, which autograd's version check does not see."""
+    @staticmethod
+    def forward(ctx, x, weight, group, buffer, stash):
+        full = buffer.get("gather", (x.shape[0] * 2, x.shape[1]), x.dtype, x.device)
+        dist.all_gather_into_tensor(full, x.contiguous(), group=group)
+        if stash:
+            ctx.full = full
+        else:
+            ctx.save_for_backward(full)
+        ctx.weight, ctx.group = weight.detach(), group
+        return full @ weight.t()
+
+    @staticmethod
+    def backward(ctx, grad):
+        full = ctx.full if hasattr(ctx, "full") else ctx.saved_tensors[0]
+        grad_x = grad.new_empty(full.shape[0] // 2, full.shape[1])
+        dist.reduce_scatter_tensor(grad_x, (grad @ ctx.weight).contiguous(), group=ctx.group)
+        return grad_x, grad.t() @ full, None, None, None
+
+
+def check_two_fused_gather_linears(groups: tp.ParallelGroups) -> None:
+    """x -> gather+linear(W1) -> silu -> row-parallel W2 -> reduce-scatter -> tanh -> gather+linear(W3):
+    both gathers share one buffer, and the second overwrites the first before backward (the #203 bug)."""
+    rank, group, N, C, O = groups.tp_rank, groups.tp_group, 8, 6, 10
+    gen = torch.Generator().manual_seed(4)
+    x, W1, b1, W2, W3, R = (torch.randn(*s, generator=gen) for s in [(N, C), (O, C), (O,), (C, O), (O, C), (N, O)])
+    leaves = [t.clone().requires_grad_() for t in (x, W1, b1, W2, W3)]
+    xf, W1f, b1f, W2f, W3f = leaves
+    ((torch.tanh(F.silu(xf @ W1f.t() + b1f) @ W2f.t()) @ W3f.t()) * R).sum().backward()
+    rows, cols = slice(rank * N // 2, (rank + 1) * N // 2), slice(rank * O // 2, (rank + 1) * O // 2)
+
+    def run(gather_linear):
+        xs, W1s, b1s, W2s, W3s = (t.clone().requires_grad_() for t in (x[rows], W1[cols], b1[cols], W2[:, cols], W3[cols]))
+        buffer = tp.MemoryBuffer()
+        a = gather_linear(xs, W1s, b1s, group, buffer)  # (N, O/2)
+        c = tp.ReduceScatterToSP.apply(F.silu(a) @ W2s.t(), group)  # (N/2, C)
+        d = gather_linear(torch.tanh(c), W3s, None, group, buffer)  # (N, O/2)
+        (d * R[:, cols]).sum().backward()  # this rank's columns; the collectives sum the rest
+        return buffer, [xs.grad, W1s.grad, b1s.grad, W2s.grad, W3s.grad]
+
+    buffer, got = run(lambda x, w, b, g, buf: tp.GatherLinears.apply(x, g, buf, w, b)[0])
+    want = [xf.grad[rows], W1f.grad[cols], b1f.grad[cols], W2f.grad[:, cols], W3f.grad[cols]]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, **TOL)
+    assert set(buffer.tensors) == {("gather", torch.float32), ("reduce", torch.float32)}  # one per (name, dtype)
+    # The controls, so the check above can fail: #203's bug in this chain is caught by autograd's version
+    # check when the buffer view is saved for backward (collectives bump it in this torch), and gives a
+    # silently wrong W1 gradient when the view is kept where that check does not look.
+    def buggy(stash):
+        return lambda x, w, b, g, buf: Bug203.apply(x, w, g, buf, stash) + (0 if b is None else b)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        run(buggy(stash=False))
+    assert (run(buggy(stash=True))[1][1] - want[1]).abs().max() > 1e-2, "the #203 bug went unnoticed"
+
+
+def check_tp_equals_one_process(cfg: M.ModelConfig, groups: tp.ParallelGroups) -> None:
+    full = full_model(cfg)
+    prompts, completions, advantages = grpo_batch(cfg)
+    gen = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, V, (3, 6), generator=gen)  # B*T = 18: SP runs on 2 ranks
+    ref = copy.deepcopy(full)
+    with torch.no_grad():
+        want_logits = ref(tokens)
+        old_logp = grpo.batch_logprobs(ref, prompts, completions, grpo.GRPOConfig(num_samples=2))
+        old_logp = old_logp + 0.1 * torch.randn(old_logp.shape, generator=gen)  # ratio != 1: clipping acts
+        ref_logp = old_logp + 0.1 * torch.randn(old_logp.shape, generator=gen)
+    want = grpo_step(ref, prompts, completions, advantages, old_logp=old_logp, ref_logp=ref_logp)
+    logprob_fn = functools.partial(tp.vocab_parallel_logprobs, groups=groups)
+    for sp in (False, True):
+        m = tp.shard_model(copy.deepcopy(full), groups, sequence_parallel=sp)
+        assert [n for n, _ in m.named_parameters()] == [n for n, _ in full.named_parameters()]
+        with torch.no_grad():
+            logits = m(tokens)
+        assert logits.shape == (3, 6, V // 2)
+        torch.testing.assert_close(tp.gather_vocab(logits, groups), want_logits, **TOL)
+        assert bool(m.tp_state.buffer.tensors) == sp, "SP did (not) run"  # only SP's gathers use the buffer
+        got = grpo_step(m, prompts, completions, advantages, logprob_fn, old_logp=old_logp, ref_logp=ref_logp)
+        for key in ("loss", "kl", "clip_low", "clip_high", "entropy"):
+            assert abs(got[key] - want[key]) <= 1e-5 * max(1.0, abs(want[key])), (key, got[key], want[key])
+        for (name, p), (_, q) in zip(m.named_parameters(), ref.named_parameters()):
+            torch.testing.assert_close(unshard(name, p.grad, groups), q.grad, **TOL, msg=f"sp={sp} {name}")
+    # The switch: plain TP by default, SP inside the scope only; a deep copy (a reference model) works too.
+    m = tp.shard_model(copy.deepcopy(full), groups)
+    with tp.sequence_parallel(m), torch.no_grad():
+        logits = m(tokens)
+    assert m.tp_state.buffer.tensors and not m.tp_state.sequence_parallel
+    torch.testing.assert_close(tp.gather_vocab(logits, groups), want_logits, **TOL)
+    twin = copy.deepcopy(m)
+    with torch.no_grad():
+        torch.testing.assert_close(tp.gather_vocab(twin(tokens), groups), want_logits, **TOL)
+
+
+def check_load_and_full_state_dict(name: str, cfg: M.ModelConfig, groups: tp.ParallelGroups, tmp: str) -> None:
+    full, path = full_model(cfg), f"{tmp}/{name}"
+    if dist.get_rank() == 0:
+        full.save_pretrained(path, max_shard_bytes=40_000)  # several files + index.json
+    dist.barrier()
+    loaded = tp.load_sharded(path, groups, "cpu", torch.float32)
+    sliced = tp.shard_model(M.Llama.from_pretrained(path), groups)
+    assert loaded.state_dict().keys() == sliced.state_dict().keys()
+    for (n, a), b in zip(loaded.state_dict().items(), sliced.state_dict().values()):
+        assert torch.equal(a, b), n
+    if cfg.tie_word_embeddings:
+        assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    plain = M.Llama(cfg)
+    plain.load_state_dict(tp.full_state_dict(loaded, groups))  # strict: every key of a plain Llama
+    for (n, a), b in zip(plain.state_dict().items(), full.state_dict().values()):
+        assert torch.equal(a, b), n
+
+
+def check_sampling(groups: tp.ParallelGroups) -> None:
+    full = full_model(CONFIGS["llama"])
+    m = tp.shard_model(copy.deepcopy(full), groups)
+    prompts = [[1, 2, 3, 4, 5], [7, 8]]
+    gather = functools.partial(tp.gather_vocab, groups=groups)
+    sampled = rollout.generate(m, prompts, num_samples=3, max_new_tokens=6, seed=0, logits_fn=gather)
+    assert_same_on_all_ranks(torch.tensor(sampled.completions))
+    greedy = rollout.generate(m, prompts, num_samples=2, max_new_tokens=6, temperature=0.0, logits_fn=gather)
+    assert greedy.completions == rollout.generate(full, prompts, num_samples=2, max_new_tokens=6,
+                                                  temperature=0.0).completions
+
+
+def _tp2_worker(rank: int, tmp: str) -> None:
+    groups = tp.make_groups(2)
+    assert (groups.tp_rank, groups.tp_size, groups.dp_rank, groups.dp_size, groups.dp_group) == (rank, 2, 0, 1, None)
+    check_vocab_parallel_logprobs(groups)
+    check_two_fused_gather_linears(groups)
+    for name, cfg in CONFIGS.items():
+        check_tp_equals_one_process(cfg, groups)
+        check_load_and_full_state_dict(name, cfg, groups, tmp)
+    check_sampling(groups)
+
+
+def test_tp2_equals_one_process_logits_grpo_loss_grads_logprobs_loading_sampling(tmp_path):
+    spawn(_tp2_worker, 2, tmp_path)
+
+# -----------------------------------------------------------------------------
+# 4 processes: TP = 2 x DP = 2
+
+
+def _dp_tp_worker(rank: int, tmp: str) -> None:
+    groups = tp.make_groups(2)
+    assert (groups.tp_rank, groups.dp_rank, groups.dp_size) == (rank % 2, rank // 2, 2)  # tp ranks contiguous
+    with pytest.raises(ValueError, match="tp_size=3 must be >= 1 and divide the world size 4"):
+        tp.make_groups(3)
+    full = full_model(CONFIGS["llama"])
+    prompts, completions, advantages = grpo_batch(CONFIGS["llama"])
+    num_tokens, lr, max_norm = sum(map(len, completions)), 0.1, 0.5
+    ref = copy.deepcopy(full)
+    grpo_step(ref, prompts, completions, advantages)  # one process, the whole batch
+    want_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm).item()
+    assert want_norm > 2 * max_norm, "the clip must act for the check to mean something"
+    torch.optim.SGD(ref.parameters(), lr=lr).step()  # SGD: the update is linear in the gradient
+    logprob_fn = functools.partial(tp.vocab_parallel_logprobs, groups=groups)
+    mine = [slice(0, 1), slice(1, 3)][groups.dp_rank]  # prompt 0 | prompts 1, 2: uneven on purpose
+    rows = slice(mine.start * 2, mine.stop * 2)
+    for sp in (False, True):
+        m = tp.shard_model(copy.deepcopy(full), groups, sequence_parallel=sp)
+        grpo_step(m, prompts[mine], completions[rows], advantages[rows], logprob_fn,
+                  num_seqs=len(completions), num_tokens=num_tokens)  # global counts: SUM over dp is the big batch
+        tp.DataParallelGrads(m, groups).all_reduce()
+        norm = tp.clip_grad_norm(m, max_norm, groups)
+        assert abs(norm - want_norm) <= 1e-5 * want_norm, (norm, want_norm)
+        torch.optim.SGD(m.parameters(), lr=lr).step()
+        got = tp.full_state_dict(m, groups)
+        for name, want in ref.state_dict().items():
+            torch.testing.assert_close(got[name], want, **TOL, msg=f"sp={sp} {name}")
+
+
+def test_dp2_x_tp2_update_equals_one_process_on_the_whole_batch(tmp_path):
+    spawn(_dp_tp_worker, 4, tmp_path)
+
+# -----------------------------------------------------------------------------
+# One process: world size 1 and the clear errors
+
+
+def test_world_size_1_needs_no_process_group(monkeypatch):
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    assert tp.init_distributed()[:2] == (0, 1) and not dist.is_initialized()
+    groups = tp.make_groups(1)
+    assert (groups.tp_group, groups.dp_group, groups.tp_size, groups.dp_size) == (None, None, 1, 1)
+    m = full_model(tiny())
+    assert tp.shard_model(m, groups) is m and not hasattr(m, "tp_state")
+    with tp.sequence_parallel(m):  # a no-op on an unsharded model
+        pass
+    tokens = torch.randint(0, V, (2, 5))
+    logits = m(tokens).flatten(0, 1)[:-1]
+    logp, entropy = tp.vocab_parallel_logprobs(logits, tokens.flatten()[1:], groups)
+    want_logp, want_entropy = plain_logprobs(logits, tokens.flatten()[1:])
+    torch.testing.assert_close(logp, want_logp, **TOL)
+    torch.testing.assert_close(entropy, want_entropy, **TOL)
+    ref = copy.deepcopy(m)
+    logp.sum().backward()
+    plain_logprobs(ref(tokens).flatten(0, 1)[:-1], tokens.flatten()[1:])[0].sum().backward()
+    tp.DataParallelGrads(m, groups).all_reduce()  # dp 1: nothing to do
+    assert tp.clip_grad_norm(m, 0.1, groups) == pytest.approx(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1).item(), rel=1e-6)
+    for p, q in zip(m.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, **TOL)
+
+
+@pytest.mark.parametrize("kw, tp_size, field", [
+    (dict(num_attention_heads=4, num_key_value_heads=4), 3, "num_attention_heads=4"),
+    (dict(num_attention_heads=8, num_key_value_heads=2), 4, "num_key_value_heads=2"),
+    (dict(intermediate_size=99), 2, "intermediate_size=99"),
+    (dict(vocab_size=127), 2, "vocab_size=127"),
+])
+def test_shard_model_refuses_sizes_tp_does_not_divide(kw, tp_size, field):
+    groups = tp.ParallelGroups(None, None, tp_rank=0, tp_size=tp_size)  # refused before any collective
+    with pytest.raises(ValueError, match=f"tp_size={tp_size} must divide {field}"):
+        tp.shard_model(M.Llama(tiny(**kw)), groups)
+
+
+@pytest.mark.parametrize("logits, targets, match", [
+    (torch.zeros(2, 3, 8), torch.zeros(2, dtype=torch.long), "logits must be"),
+    (torch.zeros(4, 8), torch.zeros(3, dtype=torch.long), "targets must be int64 of shape"),
+    (torch.zeros(4, 8), torch.zeros(4), "targets must be int64"),
+    (torch.zeros(4, 8), torch.tensor([0, 1, 8, 2]), r"targets must be global ids in \[0, 8\)"),
+    (torch.zeros(4, 8), torch.tensor([0, -1, 2, 2]), r"targets must be global ids in \[0, 8\)"),
+])
+def test_vocab_parallel_logprobs_refuses_bad_input(logits, targets, match):
+    with pytest.raises(ValueError, match=match):
+        tp.vocab_parallel_logprobs(logits, targets, tp.ParallelGroups(None, None))
+
+
+def test_bad_tp_size_and_missing_rank_are_refused(monkeypatch):
+    with pytest.raises(ValueError, match="tp_size=0 must be >= 1"):
+        tp.make_groups(0)
+    with pytest.raises(ValueError, match="tp_size=2 must be >= 1 and divide the world size 1"):
+        tp.make_groups(2)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(ValueError, match="RANK is not set"):
+        tp.init_distributed()

@@ -1,0 +1,512 @@
+"""
+Tensor parallelism (Megatron-LM style, by hand) and data parallelism for model.py's Llama.
+
+TP splits each block over the tp ranks of a group: q/k/v and gate/up are column-parallel (a rank holds
+H/tp heads, I/tp of the SwiGLU width), o/down are row-parallel (a rank computes a partial sum of the
+output), the embedding and lm_head are split by vocab, and the logits stay split. Two collectives per
+block half, named as in Megatron-LM (https://arxiv.org/abs/1909.08053):
+    f = CopyToTP      identity forward, all-reduce backward (sum of the column shards' input grads)
+    g = ReduceFromTP  all-reduce forward (sum of the row shards' partial outputs), identity backward
+Sequence parallelism (https://arxiv.org/abs/2205.05198) also splits the tokens of the replicated part
+(norms, residual adds) over the tp ranks: g becomes a reduce-scatter, f an all-gather fused with the
+linears after it that saves only the local shard and re-gathers into a MemoryBuffer in backward
+(nanotron PR #203, tp_recompute_allgather). DP sums gradients through one flat buffer.
+
+SP switch: shard_model(..., sequence_parallel) sets the default and `with sequence_parallel(model):`
+overrides it in a scope (e.g. the training forward). A forward runs SP only when B*T % tp == 0, else
+plain TP (same numbers), so decode (T = 1) runs on the same model. model.hidden still returns the full
+(B, T, C) on every rank. NOTE blocks must not be activation-checkpointed under SP: the recompute would
+not see the SP switch of the original forward.
+
+Leaves out: pipeline parallelism, ZeRO/FSDP, overlap of communication with compute, uneven splits.
+Shapes: B sequences, T tokens, N = B*T tokens, n tokens of a logits chunk, C width, H/Hkv heads,
+D head dim, I SwiGLU width, V vocab; `/tp` means this rank's shard.
+Tested by tests/test_tp.py (gloo, 2 and 4 CPU processes); tests/bench_tp.py counts saved bytes.
+"""
+
+import contextlib
+import os
+import types
+from dataclasses import dataclass
+from math import prod
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors import safe_open
+from torch import Tensor
+from torch.autograd import Function
+
+from model import MLP, Attention, Llama, RMSNorm, apply_rotary_emb, checkpoint_files, load_config, rope_inv_freq
+
+# torch 2.13 renamed these two (same signatures); older versions only have the *_tensor names.
+_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+# -----------------------------------------------------------------------------
+# Process groups
+
+
+def init_distributed() -> tuple[int, int, torch.device]:
+    """(rank, world_size, device) from torchrun's RANK / WORLD_SIZE / LOCAL_RANK: NCCL on cuda:LOCAL_RANK
+    when CUDA is available, else gloo on the CPU. At world size 1 no process group is created."""
+    cuda, world = torch.cuda.is_available(), int(os.environ.get("WORLD_SIZE", 1))
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    if world == 1:
+        return 0, 1, device
+    if "RANK" not in os.environ:
+        raise ValueError(f"WORLD_SIZE={world} but RANK is not set; launch with torchrun")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=int(os.environ["RANK"]), world_size=world)
+    return dist.get_rank(), world, device
+
+
+@dataclass
+class ParallelGroups:
+    tp_group: dist.ProcessGroup | None  # None at tp_size 1: TP collectives are then skipped
+    dp_group: dist.ProcessGroup | None  # None at dp_size 1
+    tp_rank: int = 0
+    tp_size: int = 1
+    dp_rank: int = 0
+    dp_size: int = 1
+
+
+def make_groups(tp_size: int) -> ParallelGroups:
+    """world = tp x dp with tp ranks contiguous (ranks 0..tp-1 hold one model): the per-layer TP traffic
+    stays inside a node, the once-per-step DP traffic crosses nodes."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if tp_size < 1 or world % tp_size:
+        raise ValueError(f"tp_size={tp_size} must be >= 1 and divide the world size {world}")
+    dp_size, tp_group, dp_group = world // tp_size, None, None
+    # new_group is itself collective: every rank creates every group, in the same order, and keeps its own.
+    for d in range(dp_size if tp_size > 1 else 0):
+        ranks = list(range(d * tp_size, (d + 1) * tp_size))
+        group = dist.new_group(ranks)
+        tp_group = group if rank in ranks else tp_group
+    for t in range(tp_size if dp_size > 1 else 0):
+        ranks = list(range(t, world, tp_size))
+        group = dist.new_group(ranks)
+        dp_group = group if rank in ranks else dp_group
+    return ParallelGroups(tp_group, dp_group, rank % tp_size, tp_size, rank // tp_size, dp_size)
+
+# -----------------------------------------------------------------------------
+# MemoryBuffer and the autograd collectives
+
+
+class MemoryBuffer:
+    """One reusable tensor per (name, dtype) for activations that are gathered and consumed at once
+    (nanotron #203; Megatron's GlobalMemoryBuffer, but owned by one model, not global).
+    NOTE the rule: nothing autograd saves may live in the buffer. The next get() of the same name
+    overwrites it, so a saved tensor would hold another layer's data by the time backward reads it:
+    the wrong gradients of #203's first version (tests/test_tp.py reproduces them)."""
+    def __init__(self):
+        self.tensors: dict[tuple[str, torch.dtype], Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+        key, numel = (name, dtype), prod(shape)
+        t = self.tensors.get(key)
+        # Grow (the old one dies with its last view); replace one made under inference_mode (the sampler's
+        # forward), which autograd may not write into later.
+        if t is None or t.numel() < numel or t.device != device or t.is_inference() > torch.is_inference_mode_enabled():
+            t = self.tensors[key] = torch.empty(numel, dtype=dtype, device=device)
+        return t[:numel].view(shape)
+
+
+class CopyToTP(Function):
+    """f: identity forward; backward sums the column shards' partial input grads over the tp ranks."""
+    @staticmethod
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        # NOTE never all-reduce autograd's grad in place: a residual add hands the same tensor to both branches.
+        grad = grad.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(grad, group=ctx.group)  # f backward: sum over tp ranks of each shard's partial input grad
+        return grad, None
+
+
+class ReduceFromTP(Function):
+    """g: sums the row shards' partial outputs over the tp ranks, in place on its fresh input; identity backward."""
+    @staticmethod
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
+        assert x.is_contiguous(), "ReduceFromTP all-reduces its (fresh, unsaved) input in place"
+        dist.all_reduce(x, group=group)  # g: sum over tp ranks of the row-parallel partial outputs
+        ctx.mark_dirty(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad, None
+
+
+class ReduceScatterToSP(Function):
+    """g under SP: (N, C) partial sums -> (N/tp, C) full sums of this rank's tokens; backward all-gathers."""
+    @staticmethod
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
+        ctx.group = group
+        out = x.new_empty(x.shape[0] // dist.get_world_size(group), *x.shape[1:])  # (N/tp, C)
+        _reduce_scatter(out, x.contiguous(), group=group)  # g (SP): sum partials over tp ranks, keep my N/tp tokens
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        full = grad.new_empty(grad.shape[0] * dist.get_world_size(ctx.group), *grad.shape[1:])  # (N, C)
+        _all_gather(full, grad.contiguous(), group=ctx.group)  # backward of g (SP): the grads of all N tokens
+        return full, None
+
+
+class GatherFromSP(Function):
+    """Leaves SP after the last block: (N/tp, C) -> (N, C). Backward keeps this rank's tokens, no sum:
+    all that follows hidden() (final norm, lm_head behind f) runs identically on every tp rank, so the
+    grad of h is already the full one on every rank."""
+    @staticmethod
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
+        ctx.group = group
+        full = x.new_empty(x.shape[0] * dist.get_world_size(group), *x.shape[1:])  # (N, C)
+        _all_gather(full, x.contiguous(), group=group)  # every rank's N/tp tokens, in rank order
+        return full
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        n = grad.shape[0] // dist.get_world_size(ctx.group)
+        return grad[dist.get_rank(ctx.group) * n:][:n], None  # (N/tp, C)
+
+
+class GatherLinears(Function):
+    """SP's f fused with the column-parallel linears that read it: x (N/tp, C) -> x_full @ W_i^T (+ b_i)
+    for each i (q/k/v, or gate/up). x_full (N, C) lives in the buffer and is never saved: backward
+    re-gathers it (nanotron's tp_recompute_allgather), then reduce-scatters the input grad."""
+    @staticmethod
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup, buffer: MemoryBuffer, *weights_then_biases: Tensor):
+        k = len(weights_then_biases) // 2
+        weights, biases = weights_then_biases[:k], weights_then_biases[k:]
+        full = buffer.get("gather", (x.shape[0] * dist.get_world_size(group), x.shape[1]), x.dtype, x.device)
+        _all_gather(full, x.contiguous(), group=group)  # f (SP): all N tokens, into the buffer
+        ctx.save_for_backward(x, *weights)  # the local shard only
+        ctx.group, ctx.buffer, ctx.has_bias = group, buffer, [b is not None for b in biases]
+        return tuple(F.linear(full, w, b) for w, b in zip(weights, biases))  # (N, out_i/tp) each
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor):
+        x, *weights = ctx.saved_tensors
+        full = ctx.buffer.get("gather", (x.shape[0] * dist.get_world_size(ctx.group), x.shape[1]), x.dtype, x.device)
+        _all_gather(full, x.contiguous(), group=ctx.group)  # the re-gather of x_full, instead of saving it
+        grad_full = ctx.buffer.get("reduce", full.shape, x.dtype, x.device)  # (N, C)
+        torch.mm(grads[0], weights[0], out=grad_full)
+        for g, w in zip(grads[1:], weights[1:]):
+            grad_full.addmm_(g, w)
+        grad_x = torch.empty_like(x)
+        _reduce_scatter(grad_x, grad_full, group=ctx.group)  # f backward (SP): sum over tp ranks, keep my tokens
+        grad_b = [g.sum(0) if has else None for g, has in zip(grads, ctx.has_bias)]
+        return grad_x, None, None, *[g.t() @ full for g in grads], *grad_b
+
+# -----------------------------------------------------------------------------
+# Parallel modules: they adopt model.py's sliced Linears, so parameter names stay HF's
+
+
+@dataclass
+class TPState:
+    """Per-model TP bookkeeping, a plain attribute (not in the state dict)."""
+    groups: ParallelGroups
+    sequence_parallel: bool                   # the SP switch, see sequence_parallel()
+    buffer: MemoryBuffer
+    sharded: dict[str, tuple[int, int, int]]  # param name -> (dim, start, stop) of its slice of the full tensor
+    sp_tokens: tuple[int, int] | None = None  # (B, T) while an SP forward runs, else None
+
+    def __deepcopy__(self, memo: dict) -> "TPState":  # a deep-copied model (a reference model) shares the groups
+        return TPState(self.groups, self.sequence_parallel, MemoryBuffer(), dict(self.sharded))
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """Rows [vocab_start, vocab_start + V/tp); other ids look up zeros, so g gives every id its row."""
+    def forward(self, tokens: Tensor) -> Tensor:
+        group, local = self.state.groups.tp_group, tokens - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        x = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside[..., None], 0.0)  # (B, T, C)
+        if self.state.sp_tokens is not None:
+            return ReduceScatterToSP.apply(x.flatten(0, 1), group)  # (N/tp, C)
+        return ReduceFromTP.apply(x, group)
+
+
+class VocabParallelLMHead(nn.Linear):
+    """Logits of this rank's V/tp vocab rows; they stay split (gather_vocab, vocab_parallel_logprobs)."""
+    def forward(self, h: Tensor) -> Tensor:
+        return F.linear(CopyToTP.apply(h, self.state.groups.tp_group), self.weight)  # (..., V/tp)
+
+
+class TPRMSNorm(RMSNorm):
+    def forward(self, x: Tensor) -> Tensor:
+        if self.state.sp_tokens is None:
+            return super().forward(x)
+        # Under SP a rank normalises only its N/tp tokens, so its weight grad is partial: f on the weight sums
+        # it over tp ranks inside backward, and the grad stays replicated as in plain TP (so SP and non-SP
+        # forwards can mix in one accumulation). The rest is model.RMSNorm's math, in HF's order.
+        weight, xf = CopyToTP.apply(self.weight, self.state.groups.tp_group), x.float()
+        return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+class TPAttention(Attention):
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention) -> Tensor:
+        group, qkv = self.state.groups.tp_group, (self.q_proj, self.k_proj, self.v_proj)
+        if self.state.sp_tokens is None:  # f, model.Attention on this rank's H/tp heads, g
+            return ReduceFromTP.apply(super().forward(CopyToTP.apply(x, group), cos, sin, attention), group)
+        B, T = self.state.sp_tokens
+        q, k, v = GatherLinears.apply(x, group, self.state.buffer, *[m.weight for m in qkv], *[m.bias for m in qkv])
+        q = q.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, H/tp, T, D)
+        k = k.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, Hkv/tp, T, D)
+        v = v.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, Hkv/tp, T, D)
+        q, k = apply_rotary_emb(q, cos, sin), apply_rotary_emb(k, cos, sin)
+        y = attention(self.layer, q, k, v).transpose(1, 2).reshape(B * T, -1)  # (N, H/tp*D)
+        return ReduceScatterToSP.apply(self.o_proj(y), group)  # (N/tp, C)
+
+
+class TPMLP(MLP):
+    def forward(self, x: Tensor) -> Tensor:
+        group, gate_up = self.state.groups.tp_group, (self.gate_proj.weight, self.up_proj.weight)
+        if self.state.sp_tokens is None:  # f, SwiGLU on this rank's I/tp columns, g
+            return ReduceFromTP.apply(super().forward(CopyToTP.apply(x, group)), group)
+        gate, up = GatherLinears.apply(x, group, self.state.buffer, *gate_up, None, None)  # (N, I/tp) each
+        return ReduceScatterToSP.apply(self.down_proj(F.silu(gate) * up), group)  # (N/tp, C)
+
+
+def _tp_hidden(model: Llama, tokens: Tensor, positions: Tensor | None = None, attention=None) -> Tensor:
+    """Llama.hidden in SP's bracket: the embedding reduce-scatters the tokens, the blocks run on N/tp of
+    them, and they are all-gathered back, so callers get the full (B, T, C) on every rank."""
+    state = model.tp_state
+    sp = state.sequence_parallel and tokens.numel() % state.groups.tp_size == 0
+    state.sp_tokens = tuple(tokens.shape) if sp else None
+    try:
+        h = Llama.hidden(model, tokens, positions, attention)  # (N/tp, C) under SP, else (B, T, C)
+    finally:
+        state.sp_tokens = None
+    return GatherFromSP.apply(h, state.groups.tp_group).view(*tokens.shape, -1) if sp else h  # (B, T, C)
+
+
+@contextlib.contextmanager
+def sequence_parallel(model: Llama, enabled: bool = True):
+    """Switch SP on (or off) for the forwards in the scope; a no-op on an unsharded model."""
+    state = getattr(model, "tp_state", None) or types.SimpleNamespace(sequence_parallel=False)
+    previous, state.sequence_parallel = state.sequence_parallel, enabled
+    try:
+        yield model
+    finally:
+        state.sequence_parallel = previous
+
+# -----------------------------------------------------------------------------
+# Sharding, loading, gathering
+
+
+def shard_model(model: Llama, groups: ParallelGroups, sequence_parallel: bool = False) -> Llama:
+    """In place: slice the full weights and swap in the parallel modules; returns the model (untouched at
+    tp_size 1). Every tp rank must start from the same full weights."""
+    cfg, tp, rank = model.config, groups.tp_size, groups.tp_rank
+    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
+        if getattr(cfg, name) % tp:
+            raise ValueError(f"tp_size={tp} must divide {name}={getattr(cfg, name)}")
+    if hasattr(model, "tp_state"):
+        raise ValueError("model is already sharded")
+    if tp == 1:
+        return model
+    state = TPState(groups, sequence_parallel, MemoryBuffer(), {})
+
+    def take(module: nn.Module, prefix: str, dim: int) -> None:  # keep this rank's slice of weight (and bias)
+        for pname in ("weight", "bias"):
+            if (p := getattr(module, pname, None)) is None:
+                continue
+            assert dim == 0 or pname == "weight", "a row-parallel bias would be added tp times"
+            size = p.shape[dim] // tp
+            state.sharded[f"{prefix}.{pname}"] = (dim, rank * size, (rank + 1) * size)
+            # clone: the slice must not keep the full tensor's storage alive
+            setattr(module, pname, nn.Parameter(p.detach().narrow(dim, rank * size, size).clone(), p.requires_grad))
+        if isinstance(module, nn.Linear):  # keep repr() honest
+            module.out_features, module.in_features = module.weight.shape
+        if isinstance(module, nn.Embedding):
+            module.num_embeddings = module.weight.shape[0]
+
+    body = model.model
+    take(body.embed_tokens, "model.embed_tokens", 0)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = body.embed_tokens.weight  # the same V/tp rows, the same Parameter
+    else:
+        take(model.lm_head, "lm_head", 0)
+    # Each module becomes its TP subclass in place (same instance, same sliced parameters, so the names stay
+    # HF's); only forward() changes.
+    swaps = [(body.embed_tokens, VocabParallelEmbedding), (model.lm_head, VocabParallelLMHead)]
+    for i, block in enumerate(body.layers):
+        prefix = f"model.layers.{i}."
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+            take(block.get_submodule(name), prefix + name, 0)  # column-parallel: split the output rows
+        for name in ("self_attn.o_proj", "mlp.down_proj"):
+            take(block.get_submodule(name), prefix + name, 1)  # row-parallel: split the input columns
+        swaps += [(block.self_attn, TPAttention), (block.mlp, TPMLP),
+                  (block.input_layernorm, TPRMSNorm), (block.post_attention_layernorm, TPRMSNorm)]
+    for module, cls in swaps:
+        module.__class__, module.state = cls, state
+    body.embed_tokens.vocab_start = rank * body.embed_tokens.weight.shape[0]
+    model.tp_state = state
+    model.hidden = types.MethodType(_tp_hidden, model)  # forward() calls self.hidden, so it gets SP too
+    return model
+
+
+def load_sharded(path: str, groups: ParallelGroups, device: str | torch.device, dtype: torch.dtype,
+                 sequence_parallel: bool = False) -> Llama:
+    """The sharded model, each rank reading only its slices (safe_open(...).get_slice): no rank ever holds
+    the full checkpoint, nor one full tensor of a sharded parameter."""
+    if groups.tp_size == 1:
+        return Llama.from_pretrained(path, device, dtype)
+    cfg = load_config(path)
+    with torch.device("meta"):  # shapes only: slicing meta tensors allocates nothing
+        model = shard_model(Llama(cfg), groups, sequence_parallel)
+    model.to_empty(device=device)  # NOTE: to_empty re-creates every parameter, which unties lm_head
+    model.to(dtype)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.inv_freq = rope_inv_freq(cfg).to(device)  # float32 always, like from_pretrained
+    files, params, sharded = checkpoint_files(path), dict(model.named_parameters()), model.tp_state.sharded
+    if missing := sorted(set(params) - set(files)):
+        raise ValueError(f"{path}: checkpoint is missing {len(missing)} tensors, e.g. '{missing[0]}'")
+    with torch.no_grad():
+        for file in sorted({files[name] for name in params}):
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for name in [n for n in params if files[n] == file]:
+                    lazy, p = f.get_slice(name), params[name]
+                    dim, start, stop = sharded.get(name, (0, 0, len(p)))  # replicated: all of it
+                    full_shape = list(p.shape)
+                    full_shape[dim] *= groups.tp_size if name in sharded else 1
+                    if list(lazy.get_shape()) != full_shape:
+                        raise ValueError(f"{file}: tensor '{name}' has shape {tuple(lazy.get_shape())}, "
+                                         f"config.json implies {tuple(full_shape)}")
+                    p.copy_(lazy[:, start:stop] if dim == 1 else lazy[start:stop])  # reads only these bytes
+    return model
+
+
+def full_state_dict(model: Llama, groups: ParallelGroups) -> dict[str, Tensor]:
+    """HF-named full CPU tensors with the keys of a plain Llama's state_dict, on every rank. Collective:
+    every tp rank must call it."""
+    sharded, out = model.tp_state.sharded if hasattr(model, "tp_state") else {}, {}
+    for name, p in model.named_parameters():  # a tied lm_head appears once, as the embedding
+        t = p.detach()
+        if name in sharded:
+            parts = [torch.empty_like(t) for _ in range(groups.tp_size)]
+            dist.all_gather(parts, t.contiguous(), group=groups.tp_group)  # every rank's slice, in rank order
+            t = torch.cat(parts, dim=sharded[name][0])
+        out[name] = t.to("cpu", copy=True)
+    if model.config.tie_word_embeddings:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    return out
+
+
+def gather_vocab(logits: Tensor, groups: ParallelGroups) -> Tensor:
+    """All-gather vocab-split logits (..., V/tp) -> (..., V), the same on every rank (sampling; no grad)."""
+    if groups.tp_size == 1:
+        return logits
+    parts = logits.new_empty(groups.tp_size * logits.numel())  # flat: gloo only gathers along dim 0
+    _all_gather(parts, logits.contiguous().view(-1), group=groups.tp_group)  # every rank's vocab slice
+    return parts.view(groups.tp_size, *logits.shape).movedim(0, -2).reshape(*logits.shape[:-1], -1)  # (..., V)
+
+# -----------------------------------------------------------------------------
+# Vocab-parallel logprobs and entropy
+
+
+class VocabParallelLogprobs(Function):
+    @staticmethod
+    def forward(ctx, logits: Tensor, targets: Tensor, group: dist.ProcessGroup | None, vocab_start: int):
+        z = logits.float()  # (n, V/tp); for float32 logits this is the caller's tensor: read only
+        m = z.max(dim=-1).values  # (n,)
+        if group is not None:
+            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)  # max over all tp ranks' vocab: a safe exp
+        zs = z - m[:, None]
+        e = zs.exp()
+        local = targets - vocab_start
+        mine = (local >= 0) & (local < z.shape[1])
+        target = torch.where(mine, zs.gather(1, local.clamp(0, z.shape[1] - 1)[:, None])[:, 0], 0.0)
+        stats = torch.stack([e.sum(-1), (e * zs).sum(-1), target])  # (3, n)
+        if group is not None:
+            dist.all_reduce(stats, group=group)  # sum over tp ranks: sum exp, sum exp*z, target z (one rank has it)
+        log_sum = stats[0].log()
+        logp, entropy = stats[2] - log_sum, log_sum - stats[1] / stats[0]  # H = log S - sum(e z) / S
+        # Per-token statistics only, so backward needs no communication: p = exp(z - lse) on the local shard.
+        ctx.save_for_backward(logits, targets, m + log_sum, entropy)
+        ctx.vocab_start = vocab_start
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp: Tensor, grad_entropy: Tensor):
+        logits, targets, lse, entropy = ctx.saved_tensors
+        logp_all = logits.float() - lse[:, None]  # (n, V/tp)
+        # d logp_t / dz = onehot(t) - p;  d H / dz = -p (log p + H)
+        grad = -logp_all.exp() * (grad_logp[:, None] + grad_entropy[:, None] * (logp_all + entropy[:, None]))
+        local = targets - ctx.vocab_start
+        mine = (local >= 0) & (local < grad.shape[1])
+        grad.scatter_add_(1, local.clamp(0, grad.shape[1] - 1)[:, None], (grad_logp * mine)[:, None])
+        return grad.to(logits.dtype), None, None, None
+
+
+def vocab_parallel_logprobs(logits: Tensor, targets: Tensor, groups: ParallelGroups) -> tuple[Tensor, Tensor]:
+    """logits (n, V/tp) this rank's shard, already divided by the temperature; targets (n,) global ids ->
+    logp (n,), entropy (n,) in float32, identical on every tp rank. Two all-reduces, none in backward.
+    Deterministic, so grpo.py may recompute it under checkpoint; every rank must run the same chunks."""
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be (n, V/tp), got shape {tuple(logits.shape)}")
+    if targets.shape != logits.shape[:1] or targets.dtype != torch.long:
+        raise ValueError(f"targets must be int64 of shape ({len(logits)},), got {targets.dtype} {tuple(targets.shape)}")
+    vocab = logits.shape[1] * groups.tp_size
+    # One host sync per chunk: a target no rank owns would give a wrong logp, not an error.
+    if targets.numel() and (targets.min() < 0 or targets.max() >= vocab):
+        raise ValueError(f"targets must be global ids in [0, {vocab}), got [{targets.min()}, {targets.max()}]")
+    return VocabParallelLogprobs.apply(logits, targets, groups.tp_group, groups.tp_rank * logits.shape[1])
+
+# -----------------------------------------------------------------------------
+# Data parallelism and gradient clipping
+
+
+class DataParallelGrads:
+    """Sums gradients over the dp group through one flat buffer allocated once: copy in, one all-reduce,
+    copy out. SUM, not mean: train.py divides each loss by global counts (over the whole batch on all
+    dp ranks), so the sum is the one-big-batch gradient. Costs one extra copy of the grads (Megatron
+    makes the grads views into the buffer instead)."""
+    def __init__(self, model: nn.Module, groups: ParallelGroups):
+        self.params, self.group, self.flat = [p for p in model.parameters() if p.requires_grad], groups.dp_group, None
+        if len({p.dtype for p in self.params}) > 1:
+            raise ValueError("DataParallelGrads needs all trainable parameters in one dtype")
+
+    def all_reduce(self) -> None:
+        if self.group is None:
+            return
+        if self.flat is None:
+            self.flat = self.params[0].new_empty(sum(p.numel() for p in self.params))
+        views = self.flat.split([p.numel() for p in self.params])
+        for p, v in zip(self.params, views):
+            if p.grad is None:  # a missing grad sends zeros: every rank has the same layout
+                p.grad = torch.zeros_like(p)
+            v.copy_(p.grad.flatten())
+        dist.all_reduce(self.flat, group=self.group)  # DP: sum over dp ranks of each replica's gradient
+        for p, v in zip(self.params, views):
+            p.grad.copy_(v.view_as(p))
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float, groups: ParallelGroups) -> float:
+    """Scale all grads so that their global L2 norm is at most max_norm (torch's clip_grad_norm_ rule) and
+    return the norm before clipping. Sharded params' squares are summed over tp ranks; replicated ones
+    (norm weights) hold the same full grad on every tp rank and count once. Call after DP's all_reduce."""
+    sharded = model.tp_state.sharded if hasattr(model, "tp_state") else {}
+    grads = [(name in sharded, p.grad) for name, p in model.named_parameters() if p.grad is not None]
+    if not grads:
+        return 0.0
+    squares = {True: [], False: []}
+    for is_sharded, g in grads:
+        squares[is_sharded].append(torch.linalg.vector_norm(g, dtype=torch.float32) ** 2)
+    sharded_sq = sum(squares[True], torch.zeros((), device=grads[0][1].device))
+    if groups.tp_group is not None:
+        dist.all_reduce(sharded_sq, group=groups.tp_group)  # sum over tp ranks of their disjoint slices' squares
+    total = (sharded_sq + sum(squares[False], torch.zeros_like(sharded_sq))).sqrt()
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for _, g in grads:
+        g.mul_(coef.to(g.dtype))
+    return total.item()
