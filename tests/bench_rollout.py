@@ -1,0 +1,168 @@
+"""
+Benchmark of rollout.generate against a naive KV-cached sampler and transformers' generate().
+
+Tiny Llama (dim 256, 4 layers, 8/4 heads, ffn 704, vocab 2048), 16 prompts x 8 samples, 64 new tokens,
+no early stop, fp32 on the CPU (bf16 on a GPU when one is present). Everything is measured side by side
+in one run (best of `--repeats`); only the ratios mean much on a shared machine.
+
+The naive sampler is the obvious design: every sample is its own cache row, so the prompt is prefilled
+G times and its KV stored G times (what nanochat-style engines and transformers' generate do).
+It uses the same `sample` function, so the difference is the KV/prefill design alone.
+
+    python tests/bench_rollout.py             # full tables
+    python tests/bench_rollout.py --quick     # P = 64 only, no transformers
+"""
+
+import os
+import sys
+import tempfile
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from model import Llama, ModelConfig  # noqa: E402
+from rollout import generate, sample  # noqa: E402
+
+CFG = ModelConfig(vocab_size=2048, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
+                  num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048)
+NUM_PROMPTS, G, NEW = 16, 8, 64
+
+
+class NaiveCache:
+    """One KV row per sample: (B, Hkv, P + new, D) per layer, written at `pos`, read with plain SDPA."""
+
+    def __init__(self, B: int, length: int, device: torch.device, dtype: torch.dtype):
+        shape = (B, CFG.num_key_value_heads, length, CFG.head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(CFG.num_hidden_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(CFG.num_hidden_layers)]
+        self.pos = 0
+
+    def __call__(self, layer: int, q, k, v):
+        T, end = k.shape[2], self.pos + k.shape[2]
+        self.k[layer][:, :, self.pos:end], self.v[layer][:, :, self.pos:end] = k, v
+        return F.scaled_dot_product_attention(q, self.k[layer][:, :, :end], self.v[layer][:, :, :end],
+                                              is_causal=T > 1, enable_gqa=True)
+
+
+@torch.inference_mode()
+def naive_generate(model: Llama, prompts: list[list[int]], num_samples: int, new: int, seed: int) -> dict:
+    """Equal-length prompts only (the benchmark's), so no padding is needed."""
+    started = time.perf_counter()
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    tokens = torch.tensor(prompts, device=device).repeat_interleave(num_samples, dim=0)  # (Bp*G, P)
+    cache = NaiveCache(tokens.shape[0], tokens.shape[1] + new, device, next(model.parameters()).dtype)
+    logits = model(tokens, attention=cache)[:, -1]  # the prompt prefilled once per sample
+    sync(device)
+    prefill_seconds = time.perf_counter() - started
+    out = []
+    for t in range(new):
+        next_tokens, _ = sample(logits, 1.0, 0, 1.0, generator)
+        out.append(next_tokens)
+        if t + 1 < new:
+            cache.pos += tokens.shape[1] if t == 0 else 1
+            positions = torch.full((tokens.shape[0], 1), cache.pos, device=device)
+            logits = model(next_tokens[:, None], positions, cache)[:, -1]
+    torch.stack(out).tolist()
+    kv_prompt = 2 * CFG.num_hidden_layers * tokens.numel() * CFG.num_key_value_heads * CFG.head_dim * 4
+    return dict(seconds=time.perf_counter() - started, prefill_seconds=prefill_seconds, prompt_kv_bytes=kv_prompt)
+
+
+def hf_generate(hf_model, prompts: list[list[int]], num_samples: int, new: int, seed: int) -> dict:
+    torch.manual_seed(seed)
+    started = time.perf_counter()
+    ids = torch.tensor(prompts, device=hf_model.device)
+    out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, num_return_sequences=num_samples,
+                            max_new_tokens=new, min_new_tokens=new, top_k=0, top_p=1.0, temperature=1.0,
+                            pad_token_id=0)
+    assert out.shape == (len(prompts) * num_samples, ids.shape[1] + new)
+    return dict(seconds=time.perf_counter() - started)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def best(fn, repeats: int) -> dict:
+    runs = [fn() for _ in range(repeats)]
+    return min(runs, key=lambda r: r["seconds"])
+
+
+def engine(model: Llama, prompts: list[list[int]], num_samples: int, seed: int) -> dict:
+    out = generate(model, prompts, num_samples=num_samples, max_new_tokens=NEW, seed=seed)
+    assert out.stats["new_tokens"] == len(prompts) * num_samples * NEW
+    return out.stats
+
+
+def linear_roofline(model: Llama, rows: int, repeats: int = 20) -> tuple[float, float]:
+    """Measured GFLOP/s of the decode linears (all layers + lm_head) at `rows` rows, and the tokens/s
+    ceiling that rate allows if everything else were free."""
+    device = next(model.parameters()).device
+    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    x = {w.shape[1]: torch.randn(rows, w.shape[1], device=device) for w in weights}
+    with torch.inference_mode():
+        for _ in range(2):
+            [F.linear(x[w.shape[1]], w) for w in weights]
+        sync(device)
+        started = time.perf_counter()
+        for _ in range(repeats):
+            [F.linear(x[w.shape[1]], w) for w in weights]
+        sync(device)
+    seconds = (time.perf_counter() - started) / repeats
+    flops = 2 * rows * sum(w.numel() for w in weights)
+    return flops / seconds / 1e9, rows / seconds
+
+
+def main() -> None:
+    quick, repeats = "--quick" in sys.argv, 3
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = Llama(CFG).init_weights(seed=0).to(device, dtype).eval()
+    print(f"device {device}, {torch.get_num_threads()} threads, {NUM_PROMPTS} prompts x {G} samples, {NEW} new tokens")
+    gflops, ceiling = linear_roofline(model, NUM_PROMPTS * G)
+    print(f"decode linears at {NUM_PROMPTS * G} rows: {gflops:.0f} GFLOP/s -> ceiling {ceiling:,.0f} new tokens/s")
+
+    hf_model = None
+    if not quick:
+        try:
+            from transformers import LlamaForCausalLM
+            with tempfile.TemporaryDirectory() as tmp:
+                model.save_pretrained(tmp)
+                hf_model = LlamaForCausalLM.from_pretrained(tmp, torch_dtype=dtype).to(device).eval()
+        except ImportError:
+            print("transformers not installed: its column is skipped")
+
+    gen = torch.Generator().manual_seed(0)
+    new_tokens = NUM_PROMPTS * G * NEW
+    print("\n  P | engine tok/s | naive tok/s | HF tok/s | engine/naive | engine/HF | prompt KV engine | naive")
+    for P in ([64] if quick else [64, 512]):
+        prompts = torch.randint(CFG.vocab_size, (NUM_PROMPTS, P), generator=gen).tolist()
+        engine(model, prompts, G, 0)  # warm-up: first calls of every shape are slow on the CPU
+        e = best(lambda: engine(model, prompts, G, 1), repeats)
+        n = best(lambda: naive_generate(model, prompts, G, NEW, 1), max(1, repeats - 1))
+        h = best(lambda: hf_generate(hf_model, prompts, G, NEW, 1), 1) if hf_model is not None else None
+        hf = f"{new_tokens / h['seconds']:8,.0f} | " if h else "       - | "
+        hf_ratio = f"{h['seconds'] / e['seconds']:8.1f}x" if h else "        -"
+        print(f"{P:4d} | {new_tokens / e['seconds']:12,.0f} | {new_tokens / n['seconds']:11,.0f} | {hf}"
+              f"{n['seconds'] / e['seconds']:11.1f}x | {hf_ratio} | {e['prompt_kv_bytes'] / 2**20:13.2f} MiB | "
+              f"{n['prompt_kv_bytes'] / 2**20:.2f} MiB")
+    if quick:
+        return
+
+    print(f"\nscaling in P: prefill seconds of the engine at G = 1 and G = {G}, and of the naive sampler at G = {G}")
+    print("     P | engine G=1 | engine G=8 | G=8/G=1 | naive G=8 | engine tok/s | naive tok/s")
+    for P in (64, 256, 1024):
+        prompts = torch.randint(CFG.vocab_size, (NUM_PROMPTS, P), generator=gen).tolist()
+        one = best(lambda: engine(model, prompts, 1, 2), repeats)
+        eight = best(lambda: engine(model, prompts, G, 2), repeats)
+        n = naive_generate(model, prompts, G, NEW, 2)
+        print(f"{P:6d} | {one['prefill_seconds']:10.3f} | {eight['prefill_seconds']:10.3f} | "
+              f"{eight['prefill_seconds'] / one['prefill_seconds']:7.2f} | {n['prefill_seconds']:9.3f} | "
+              f"{new_tokens / eight['seconds']:12,.0f} | {new_tokens / n['seconds']:11,.0f}")
+
+
+if __name__ == "__main__":
+    main()

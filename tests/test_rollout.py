@@ -1,0 +1,274 @@
+"""
+Tests of rollout.py, each clever path against its slow twin: the KV-cached, prefill-once, shared-prompt,
+row-dropping sampler against full recomputation with model(tokens) on every step.
+
+Tiny fp32 model with large init std (0.2, entropy ~3.8 of 4.85 nats) so the next-token distributions are far from flat.
+Tolerance 1e-5 for logprobs: the cached path and the full forward sum the same fp32 terms in different
+orders (log-sum-exp merge vs one softmax), which moves values by ~1e-6, not more.
+"""
+
+import pytest
+import torch
+
+from model import Llama, ModelConfig
+from rollout import KVCache, Rollout, RolloutConfig, filter_logits, generate, sample
+
+CFG = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=96)
+PROMPTS = [[3, 17, 5, 99, 42, 8, 1], [64, 2], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [7]]
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def model() -> Llama:
+    return Llama(CFG).init_weights(seed=0, std=0.2).eval()
+
+
+def last_logits(model: Llama, seqs: list[list[int]]) -> torch.Tensor:
+    """The slow twin of a decode step: the whole right-padded batch from scratch, each row's last logits."""
+    width = max(map(len, seqs))
+    tokens = torch.tensor([s + [0] * (width - len(s)) for s in seqs])
+    with torch.no_grad():
+        logits = model(tokens)  # (B, T, V)
+    return logits[torch.arange(len(seqs)), torch.tensor([len(s) - 1 for s in seqs])]  # (B, V)
+
+
+def trainer_logprobs(model: Llama, prompt: list[int], completion: list[int], temperature: float,
+                     top_k: int, top_p: float) -> torch.Tensor:
+    """What the trainer computes: one forward of prompt + completion, token t scored by logits at t-1."""
+    device = model.lm_head.weight.device
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + completion], device=device))[0]  # (T, V)
+    x = filter_logits(logits[len(prompt) - 1:-1], temperature, top_k, top_p)  # (Tr, V)
+    return x.log_softmax(-1).gather(-1, torch.tensor(completion, device=device)[:, None])[:, 0]
+
+# -----------------------------------------------------------------------------
+# The sampler against full recomputation
+
+
+def test_greedy_cached_equals_full_recompute_on_a_ragged_batch(model):
+    G, steps = 2, 12
+    out = generate(model, PROMPTS, num_samples=G, max_new_tokens=steps, temperature=0)
+    seqs = [list(p) for p in PROMPTS]
+    for _ in range(steps):
+        next_tokens = last_logits(model, seqs).argmax(-1).tolist()
+        seqs = [s + [t] for s, t in zip(seqs, next_tokens)]
+    for i, prompt in enumerate(PROMPTS):
+        expected = seqs[i][len(prompt):]
+        for row in range(i * G, i * G + G):
+            assert out.completions[row] == expected
+            got = torch.tensor(out.logprobs[row])
+            torch.testing.assert_close(got, trainer_logprobs(model, prompt, expected, 1.0, 0, 1.0), rtol=0, atol=TOL)
+    assert out.finish_reasons == ["length"] * len(PROMPTS) * G
+
+
+def naive_sampler(model: Llama, prompts: list[list[int]], G: int, steps: int, temperature: float, top_k: int,
+                  top_p: float, seed: int) -> tuple[list[list[int]], list[list[float]]]:
+    """G independent copies of every prompt, recomputed from scratch each step, drawing from one
+    generator seeded like the engine's, one (rows, V) draw per step in the same order (prompt-major)."""
+    generator = torch.Generator().manual_seed(seed)
+    seqs = [list(p) for p in prompts for _ in range(G)]
+    logprobs = [[] for _ in seqs]
+    for _ in range(steps):
+        tokens, lps = sample(last_logits(model, seqs), temperature, top_k, top_p, generator)
+        for row, (t, lp) in enumerate(zip(tokens.tolist(), lps.tolist())):
+            seqs[row].append(t)
+            logprobs[row].append(lp)
+    return [s[len(prompts[r // G]):] for r, s in enumerate(seqs)], logprobs
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.8, 20, 0.9)])
+def test_prefill_once_fan_out_equals_independent_prefills(model, temperature, top_k, top_p):
+    G, steps, seed = 3, 10, 1234
+    out = generate(model, PROMPTS, num_samples=G, max_new_tokens=steps, temperature=temperature, top_k=top_k,
+                   top_p=top_p, seed=seed)
+    completions, logprobs = naive_sampler(model, PROMPTS, G, steps, temperature, top_k, top_p, seed)
+    assert out.completions == completions
+    torch.testing.assert_close(torch.tensor(out.logprobs), torch.tensor(logprobs), rtol=0, atol=TOL)
+    # The prompt KV is stored once per prompt, not once per row.
+    assert out.stats["prompt_kv_bytes"] == 2 * 2 * len(PROMPTS) * 11 * CFG.num_key_value_heads * CFG.head_dim * 4
+
+
+def test_first_tokens_differ_across_the_rows_of_a_prompt(model):
+    G = 8
+    out = generate(model, PROMPTS, num_samples=G, max_new_tokens=1, seed=0)
+    for i in range(len(PROMPTS)):
+        firsts = [out.completions[row][0] for row in range(i * G, i * G + G)]
+        assert len(set(firsts)) > 1, f"prompt {i}: all {G} rows started with the same token {firsts[0]}"
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 30, 0.85)])
+def test_logprobs_equal_trainer_forward_with_the_same_mask_while_rows_are_dropped(model, temperature, top_k, top_p):
+    G, stop_ids = 4, (5, 9, 17, 23, 31, 40, 64, 77, 90, 101)
+    out = generate(model, PROMPTS, num_samples=G, max_new_tokens=40, temperature=temperature, top_k=top_k,
+                   top_p=top_p, stop_ids=stop_ids, seed=7, check_every=2)
+    # Rows were dropped mid-run, and the rows of one group at different checks (2 steps apart), so the
+    # padded (Bp', G') grid with empty slots was used.
+    assert out.stats["compactions"] > 0
+    assert out.stats["row_steps"] < out.stats["decode_steps"] * len(PROMPTS) * G
+    lengths = [[len(c) for c in out.completions[i * G:i * G + G]] for i in range(len(PROMPTS))]
+    assert any(max(group) - min(group) > 2 for group in lengths)
+    for row, (completion, reason) in enumerate(zip(out.completions, out.finish_reasons)):
+        expected = trainer_logprobs(model, PROMPTS[row // G], completion, temperature, top_k, top_p)
+        torch.testing.assert_close(torch.tensor(out.logprobs[row]), expected, rtol=0, atol=TOL)
+        assert all(t not in stop_ids for t in completion[:-1]), "a stop id inside a completion"
+        assert reason == ("stop" if completion[-1] in stop_ids else "length")
+        assert reason == "stop" or len(completion) == 40
+
+
+def test_stop_id_cuts_the_completion_after_it(model):
+    reference = generate(model, PROMPTS, num_samples=1, max_new_tokens=12, temperature=0)
+    stop = reference.completions[0][5]
+    cut = reference.completions[0].index(stop) + 1
+    out = generate(model, PROMPTS, num_samples=2, max_new_tokens=12, temperature=0, stop_ids=(stop,), check_every=3)
+    assert out.completions[0] == out.completions[1] == reference.completions[0][:cut]
+    assert out.finish_reasons[:2] == ["stop", "stop"]
+    for i in range(1, len(PROMPTS)):
+        expected = reference.completions[i]
+        if stop in expected:
+            expected = expected[:expected.index(stop) + 1]
+        assert out.completions[2 * i] == expected
+        assert out.finish_reasons[2 * i] == ("stop" if expected[-1] == stop else "length")
+
+
+def test_max_new_tokens_zero_and_one(model):
+    out = generate(model, PROMPTS, num_samples=2, max_new_tokens=0)
+    assert out.completions == [[]] * 8 and out.logprobs == [[]] * 8 and out.finish_reasons == ["length"] * 8
+    out = generate(model, PROMPTS, num_samples=2, max_new_tokens=1, temperature=0)
+    assert [len(c) for c in out.completions] == [1] * 8 and out.stats["decode_steps"] == 0
+
+
+def test_same_seed_same_completions_and_no_global_rng_side_effect(model):
+    kwargs = dict(num_samples=4, max_new_tokens=16, stop_ids=(5, 9), seed=3)
+    state = torch.get_rng_state()
+    a, b = generate(model, PROMPTS, **kwargs), generate(model, PROMPTS, **kwargs)
+    assert a.completions == b.completions and a.logprobs == b.logprobs
+    assert generate(model, PROMPTS, **{**kwargs, "seed": 4}).completions != a.completions
+    generate(model, PROMPTS, num_samples=2, max_new_tokens=4)  # seed=None draws its own seed
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_generate_takes_a_rollout_config_and_applies_logits_fn(model):
+    cfg = RolloutConfig(num_samples=3, max_new_tokens=8, top_k=50, seed=5, stop_ids=(2,))
+    calls = []
+
+    def ban_token_10(logits):  # stands in for the TP all-gather: it sees every logits tensor before sampling
+        calls.append(tuple(logits.shape))
+        return logits.index_fill(-1, torch.tensor([10]), float("-inf"))
+    out = generate(model, PROMPTS, **vars(cfg), logits_fn=ban_token_10)
+    assert isinstance(out, Rollout) and all(10 not in c for c in out.completions)
+    assert calls[0] == (len(PROMPTS), CFG.vocab_size) and len(calls) == out.stats["decode_steps"] + 1
+
+# -----------------------------------------------------------------------------
+# Sampling masks on hand-built distributions
+
+
+def test_top_k_and_top_p_masks():
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    kept = lambda **kw: torch.isfinite(filter_logits(logits, 1.0, **kw))[0].tolist()
+    assert kept(top_k=2) == [True, True, False, False]
+    assert kept(top_k=4) == kept(top_k=0) == [True] * 4
+    assert kept(top_p=0.7) == [True, True, False, False]       # 0.5 < 0.7 <= 0.5 + 0.3
+    assert kept(top_p=0.9) == [True, True, True, False]        # 0.8 < 0.9 <= 0.95
+    assert kept(top_p=0.45) == [True, False, False, False]
+    assert kept(top_p=1e-9) == [True, False, False, False]     # always at least one token
+    # top-p is taken after top-k renormalises: [0.526, 0.316, 0.158] reaches 0.83 with two tokens,
+    # the unfiltered distribution needs three.
+    assert kept(top_k=3, top_p=0.83) == [True, True, False, False]
+    assert kept(top_p=0.83) == [True, True, True, False]
+    shuffled = logits[:, [2, 0, 3, 1]]  # the mask follows the tokens, not their positions
+    assert torch.isfinite(filter_logits(shuffled, 1.0, 0, 0.7))[0].tolist() == [False, True, False, True]
+    # Temperature divides the logits before any mask; greedy (0) leaves them as they are.
+    torch.testing.assert_close(filter_logits(logits, 0.5), logits / 0.5)
+    torch.testing.assert_close(filter_logits(logits, 0.0), logits)
+
+
+def test_sample_draws_from_the_filtered_distribution():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log().expand(20000, 4)
+    generator = torch.Generator().manual_seed(0)
+    tokens, logprobs = sample(logits, 1.0, 0, 1.0, generator)
+    freq = torch.bincount(tokens, minlength=4) / len(tokens)
+    torch.testing.assert_close(freq, probs, rtol=0, atol=0.015)  # ~4 binomial standard deviations
+    torch.testing.assert_close(logprobs, probs.log()[tokens])
+    tokens, logprobs = sample(logits, 1.0, 0, 0.7, generator)  # renormalised over the first two
+    torch.testing.assert_close(torch.bincount(tokens, minlength=4) / 20000., torch.tensor([0.625, 0.375, 0, 0]),
+                               rtol=0, atol=0.015)
+    tokens, logprobs = sample(logits[:2], 0.0, 0, 1.0, generator)  # greedy: temperature-1 logprob of the argmax
+    assert tokens.tolist() == [0, 0] and torch.allclose(logprobs, probs[0].log())
+
+# -----------------------------------------------------------------------------
+# The KV cache buffer and errors
+
+
+def test_kv_cache_is_one_buffer_sized_for_the_batch_and_too_small_is_an_error(model):
+    P, G, new = max(map(len, PROMPTS)), 3, 6
+    cache = KVCache.for_batch(CFG, len(PROMPTS), G, P, new, torch.float32, "cpu")
+    per_token = 2 * CFG.num_hidden_layers * CFG.num_key_value_heads * CFG.head_dim * 4
+    assert cache.buffer.dim() == 1 and cache.nbytes == per_token * len(PROMPTS) * (P + G * (new - 1))
+    kwargs = dict(num_samples=G, max_new_tokens=new, seed=11)
+    out = generate(model, PROMPTS, cache=cache, **kwargs)
+    assert out.completions == generate(model, PROMPTS, **kwargs).completions
+    assert cache.buffer.abs().sum() > 0  # the KV lived in this buffer
+    with pytest.raises(ValueError, match=r"KV cache is too small.*needs [\d,]+ bytes.*holds [\d,]+ bytes"):
+        generate(model, PROMPTS, cache=cache, num_samples=G + 1, max_new_tokens=new)
+    with pytest.raises(ValueError, match="tp_size=3 does not divide num_key_value_heads=2"):
+        KVCache.for_batch(CFG, 1, 1, 1, 1, torch.float32, "cpu", tp_size=3)
+
+
+def test_released_kv_cache_is_a_clear_error_and_wakes_in_place(model):
+    cache = KVCache.for_batch(CFG, len(PROMPTS), 2, 11, 5, torch.float32, "cpu")
+    cache.buffer.untyped_storage().resize_(0)  # what memory.py does to sleep the rollout phase
+    with pytest.raises(RuntimeError, match=r"KV cache is released \(asleep\): wake the rollout phase"):
+        generate(model, PROMPTS, num_samples=2, max_new_tokens=5, cache=cache)
+    cache.buffer.untyped_storage().resize_(cache.nbytes)  # wake: garbage contents, carve() zeroes them
+    out = generate(model, PROMPTS, num_samples=2, max_new_tokens=5, cache=cache, seed=2)
+    assert out.completions == generate(model, PROMPTS, num_samples=2, max_new_tokens=5, seed=2).completions
+
+
+@pytest.mark.parametrize("prompts,kwargs,message", [
+    ([], {}, "prompts must be a non-empty list"),
+    ([[1, 2], []], {}, r"prompts\[1\] is empty"),
+    ([[1, 128]], {}, r"prompts\[0\] has token id 128 outside the vocabulary \[0, 128\)"),
+    ([[1], [-1]], {}, r"prompts\[1\] has token id -1 outside"),
+    ([[1] * 90], {"max_new_tokens": 7}, r"prompts\[0\] has 90 tokens \+ max_new_tokens=7 > .*max_position_embeddings=96"),
+    ([[1]], {"num_samples": 0}, "num_samples must be an integer >= 1, got 0"),
+    ([[1]], {"max_new_tokens": -1}, "max_new_tokens must be an integer >= 0"),
+    ([[1]], {"temperature": -0.5}, "temperature must be a finite number >= 0"),
+    ([[1]], {"temperature": float("nan")}, "temperature must be a finite number >= 0"),
+    ([[1]], {"top_k": -1}, "top_k must be an integer >= 0"),
+    ([[1]], {"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+    ([[1]], {"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
+    ([[1]], {"stop_ids": (3, 500)}, r"stop_ids has 500 outside the vocabulary"),
+    ([[1]], {"check_every": 0}, "check_every must be an integer >= 1"),
+])
+def test_bad_input_is_a_clear_error(model, prompts, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        generate(model, prompts, **kwargs)
+
+
+def test_rollout_config_validates():
+    with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\]"):
+        RolloutConfig(top_p=2.0)
+
+# -----------------------------------------------------------------------------
+# CUDA: the graph-captured decode step (cannot run on a CPU-only machine)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graph_decode_equals_eager_decode(model):
+    gpu = Llama(CFG).to("cuda")
+    gpu.load_state_dict(model.state_dict())
+    cache = KVCache.for_batch(CFG, len(PROMPTS), 4, 11, 30, torch.float32, "cuda")  # fp32 KV: exact comparison
+    kwargs = dict(num_samples=4, max_new_tokens=30, temperature=0.9, stop_ids=(5, 9, 17, 23, 31), seed=1,
+                  check_every=2, cache=cache)
+    graphed = generate(gpu, PROMPTS, cuda_graphs=True, **kwargs)
+    eager = generate(gpu, PROMPTS, cuda_graphs=False, **kwargs)
+    assert graphed.completions == eager.completions
+    torch.testing.assert_close(torch.tensor(sum(graphed.logprobs, [])), torch.tensor(sum(eager.logprobs, [])),
+                               rtol=0, atol=1e-4)  # TF32/kernel choice may differ between the two paths
+    for row, completion in enumerate(graphed.completions):  # and both equal the trainer's forward
+        expected = trainer_logprobs(gpu, PROMPTS[row // 4], completion, 0.9, 0, 1.0).cpu()
+        torch.testing.assert_close(torch.tensor(graphed.logprobs[row]), expected, rtol=0, atol=1e-4)
+    bf16 = generate(gpu, PROMPTS, num_samples=4, max_new_tokens=30, seed=1)  # private cache: bf16 on CUDA
+    assert all(len(c) == 30 for c in bf16.completions)
