@@ -1,0 +1,141 @@
+"""
+Checkpoints that a crash cannot corrupt and a resume continues from exactly.
+
+A checkpoint is a directory `OUT/step-000123/` holding:
+- the policy as a Hugging Face directory: config.json, model.safetensors, tokenizer.json (any HF tool, and
+  `--model`, loads it);
+- `optimizer-tp{r}.safetensors` + `optimizer-tp{r}.json`: AdamW state of tensor-parallel rank r (tensors in
+  safetensors, the rest in JSON: nothing is ever unpickled);
+- `trainer_state.json`: step, the full TrainConfig, torch's RNG state.
+It is written under `step-000123.tmp/` and renamed when complete (a rename is atomic), then `OUT/latest`
+(a one-line file, also replaced atomically) points at it. The prompts and sampling seeds of a step are a
+function of (seed, step), so weights + optimizer state + step are all a resumed run needs.
+
+Leaves out: keeping only the last K checkpoints, asynchronous saving, sharded model files under TP.
+"""
+
+import json
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+import tp
+from model import Llama
+
+# -----------------------------------------------------------------------------
+# Save
+
+
+def _barrier(groups: tp.ParallelGroups) -> None:
+    if dist.is_initialized():
+        dist.barrier()  # every rank: the directory exists / every rank has written its files
+
+
+def _optimizer_to_files(optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    sd = optimizer.state_dict()
+    tensors, plain = {}, {"param_groups": sd["param_groups"], "state": {}}
+    for index, state in sd["state"].items():
+        plain["state"][str(index)] = {}
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{index}.{key}"] = value.detach().cpu().contiguous()
+            else:
+                plain["state"][str(index)][key] = value
+    return tensors, plain
+
+
+def save_checkpoint(out: str, step: int, model: Llama, tokenizer, optimizer: torch.optim.Optimizer,
+                    config: dict, groups: tp.ParallelGroups) -> str:
+    """Collective under torchrun (every rank calls it). Returns the final directory."""
+    final = os.path.join(out, f"step-{step:06d}")
+    tmp = final + ".tmp"
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # a crash mid-save leaves only a .tmp, never a half checkpoint
+        os.makedirs(tmp)
+    _barrier(groups)
+    if groups.tp_size > 1:
+        full = tp.full_state_dict(model, groups)  # collective over the tp ranks
+        if rank == 0:
+            with torch.device("meta"):
+                plain = Llama(model.config)
+            plain.to_empty(device="cpu")
+            plain.load_state_dict(full, strict=False)
+            plain.save_pretrained(tmp)
+    elif rank == 0:
+        model.save_pretrained(tmp)
+    if rank == 0:
+        tokenizer.save(os.path.join(tmp, "tokenizer.json"))
+        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+            json.dump({"step": step, "config": config, "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+                       "torch_rng_state": torch.get_rng_state().tolist()}, f)
+    if groups.dp_rank == 0:  # dp replicas hold identical optimizer state: one copy per tp rank
+        tensors, plain = _optimizer_to_files(optimizer)
+        save_file(tensors, os.path.join(tmp, f"optimizer-tp{groups.tp_rank}.safetensors"))
+        with open(os.path.join(tmp, f"optimizer-tp{groups.tp_rank}.json"), "w") as f:
+            json.dump(plain, f)
+    _barrier(groups)
+    if rank == 0:
+        if os.path.exists(final):  # saving the same step again (e.g. Ctrl-C right after a save)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        with open(os.path.join(out, "latest.tmp"), "w") as f:
+            f.write(os.path.basename(final) + "\n")
+        os.replace(os.path.join(out, "latest.tmp"), os.path.join(out, "latest"))
+    _barrier(groups)
+    return final
+
+# -----------------------------------------------------------------------------
+# Load
+
+
+def resolve(resume: str, out: str) -> str:
+    """--resume DIR, or --resume latest (the checkpoint OUT/latest names)."""
+    if resume == "latest":
+        pointer = os.path.join(out, "latest")
+        if not os.path.isfile(pointer):
+            raise FileNotFoundError(f"--resume latest: {pointer} not found (no checkpoint was written to --out {out})")
+        with open(pointer) as f:
+            resume = os.path.join(out, f.read().strip())
+    if not os.path.isdir(resume):
+        raise FileNotFoundError(f"--resume {resume}: not a directory")
+    return resume
+
+
+def saved_config(resume: str, out: str) -> dict:
+    path = os.path.join(resolve(resume, out), "trainer_state.json")
+    try:
+        with open(path) as f:
+            state = json.load(f)
+        config = dict(state["config"])
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: corrupt or missing trainer state ({e!r}); pick another checkpoint") from None
+    config["resume"] = resume
+    return config
+
+
+def load_checkpoint(path: str, optimizer: torch.optim.Optimizer, groups: tp.ParallelGroups) -> int:
+    """Load this tp rank's optimizer state in place and torch's RNG state; return the step. (The weights
+    are the HF directory itself: train.py loads them like any --model.)"""
+    try:
+        with open(os.path.join(path, "trainer_state.json")) as f:
+            state = json.load(f)
+        tensors = load_file(os.path.join(path, f"optimizer-tp{groups.tp_rank}.safetensors"))
+        with open(os.path.join(path, f"optimizer-tp{groups.tp_rank}.json")) as f:
+            plain = json.load(f)
+        opt_state = {"param_groups": plain["param_groups"],
+                     "state": {int(index): dict(values) for index, values in plain["state"].items()}}
+        for key, t in tensors.items():
+            index, _, name = key.partition(".")
+            opt_state["state"].setdefault(int(index), {})[name] = t
+        optimizer.load_state_dict(opt_state)
+        torch.set_rng_state(torch.tensor(state["torch_rng_state"], dtype=torch.uint8))
+        return int(state["step"])
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, SafetensorError) as e:
+        raise ValueError(f"--resume {path}: corrupt or incomplete checkpoint ({e!r}); pick another one") from None
+    except ValueError as e:  # e.g. optimizer state that does not fit this model's parameters
+        raise ValueError(f"--resume {path}: {e}") from None

@@ -1,0 +1,102 @@
+"""
+Tasks: where prompts come from and how completions are scored.
+
+A task is a `Task`: a function that draws one (prompt, reference) pair from a random.Random, and one or
+more reward functions `reward(completion, reference) -> float | None`, each with a weight. The reward of
+a completion is the weighted sum; None or NaN from any function means "could not score": that sample is
+left out of its group's statistics (grpo.group_advantages) and counted in the log.
+
+train.py loads a task by import path, `--task package.module:attr`, where attr is a Task or a function
+`attr(data: str) -> Task` that receives `--task_data`. Built in:
+- `tasks:reverse` (default): reverse a short digit string. The answer depends on the prompt's content,
+  the credit is per digit (dense), and a fresh tiny Llama learns it from scratch on a CPU in minutes.
+- `tasks:jsonl_math` with `--task_data FILE`: one {"prompt": ..., "answer": ...} per line (GSM8K-style
+  answers such as "... #### 42" are accepted); the last number in the completion is compared.
+"""
+
+import json
+import math
+import random
+import re
+from dataclasses import dataclass, field
+from typing import Callable
+
+Reward = Callable[[str, str], "float | None"]
+
+
+@dataclass
+class Task:
+    name: str
+    sample: Callable[[random.Random], tuple[str, str]]     # rng -> (prompt text, reference)
+    rewards: list[tuple[Reward, float]] = field(default_factory=list)  # (reward fn, weight)
+    alphabet: str = ""         # characters a fresh character-level tokenizer needs (synthetic tasks)
+    max_new_tokens: int = 0    # the task's natural completion budget (0: train.py's setting decides)
+
+# -----------------------------------------------------------------------------
+# Reverse a digit string: "<digits>=" -> the digits reversed, then <eos>
+
+
+REVERSE_LEN = 3
+
+
+def sample_reverse(rng: random.Random) -> tuple[str, str]:
+    digits = "".join(rng.choice("0123456789") for _ in range(REVERSE_LEN))
+    return digits + "=", digits[::-1]
+
+
+def digits_correct(completion: str, reference: str) -> float:
+    """Partial credit: the fraction of answer positions that hold the right digit."""
+    return sum(a == b for a, b in zip(completion, reference)) / len(reference)
+
+
+def exact_length(completion: str, reference: str) -> float:
+    """1 when the completion stops right after the answer (train.py strips the stop token)."""
+    return float(len(completion) == len(reference))
+
+
+reverse = Task("reverse", sample_reverse, [(digits_correct, 0.8), (exact_length, 0.2)],
+               alphabet="0123456789=", max_new_tokens=REVERSE_LEN + 1)
+
+# -----------------------------------------------------------------------------
+# Math word problems from a JSONL file (for real checkpoints, e.g. GSM8K-style files on disk)
+
+NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def parse_number(text: str) -> float | None:
+    """The last number in the text ("1,234" -> 1234.0), or None when there is none."""
+    found = NUMBER.findall(text)
+    return float(found[-1].replace(",", "")) if found else None
+
+
+def answer_correct(completion: str, reference: str) -> float:
+    got = parse_number(completion)
+    return float(got is not None and math.isclose(got, float(reference), rel_tol=0, abs_tol=1e-6))
+
+
+def has_number(completion: str, reference: str) -> float:
+    """A small format reward: the completion states some number at all."""
+    return float(parse_number(completion) is not None)
+
+
+def jsonl_math(data: str) -> Task:
+    if not data:
+        raise ValueError("task jsonl_math needs --task_data FILE (one {\"prompt\", \"answer\"} object per line)")
+    examples = []
+    try:
+        with open(data) as f:
+            for i, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                row = json.loads(line)
+                answer = str(row["answer"]).split("####")[-1].strip()  # GSM8K puts the number after ####
+                if parse_number(answer) is None:
+                    raise ValueError(f"{data}:{i}: answer {row['answer']!r} holds no number")
+                examples.append((str(row["prompt"]), str(parse_number(answer))))
+    except FileNotFoundError:
+        raise ValueError(f"--task_data {data}: file not found") from None
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"{data}:{i}: expected a JSON object with 'prompt' and 'answer' ({e!r})") from None
+    if not examples:
+        raise ValueError(f"{data}: no examples")
+    return Task("jsonl_math", lambda rng: rng.choice(examples), [(answer_correct, 1.0), (has_number, 0.1)])
