@@ -341,3 +341,21 @@ def test_checkpoint_blocks_recomputes_and_gives_identical_grads():
     calls = []
     grads_of(model, lambda: shared_prompt_loss(model, prompt, completion, calls))
     assert len(calls) == 4
+
+
+def test_activations_context_follows_the_config():
+    model, tokens = tiny_model(), batch(0)
+    want_loss, want = grads_of(model, lambda: loss_fn(model, tokens))
+    on = PhaseManager("cpu", MemoryConfig(activation_offload=True, activation_checkpoint=True))
+    x = torch.randn(5, requires_grad=True)
+    for mgr, offloaded in ((PhaseManager("cpu"), False), (on, True)):  # the defaults: neither option
+        with mgr.activations(model):
+            y = x.exp()  # autograd saves its result: the tensor itself, or a host copy when offloaded
+        assert (y.grad_fn._saved_result.data_ptr() != y.data_ptr()) == offloaded
+        assert ("forward" in vars(model.model.layers[0])) == offloaded  # checkpointing switched on
+
+    def run():
+        with on.activations(model):
+            return loss_fn(model, tokens)
+    loss, got = grads_of(model, run)
+    assert torch.equal(loss, want_loss) and all(torch.equal(got[n], want[n]) for n in want)
