@@ -1,22 +1,20 @@
 """
 Tensor parallelism (Megatron-LM style, by hand) and data parallelism for model.py's Llama.
 
-TP splits each block over the tp ranks of a group: q/k/v and gate/up are column-parallel (a rank holds
-H/tp heads, I/tp of the SwiGLU width), o/down are row-parallel (a rank computes a partial sum of the
-output), the embedding and lm_head are split by vocab, and the logits stay split. Two collectives per
-block half, named as in Megatron-LM (https://arxiv.org/abs/1909.08053):
-    f = CopyToTP      identity forward, all-reduce backward (sum of the column shards' input grads)
-    g = ReduceFromTP  all-reduce forward (sum of the row shards' partial outputs), identity backward
-Sequence parallelism (https://arxiv.org/abs/2205.05198) also splits the tokens of the replicated part
-(norms, residual adds) over the tp ranks: g becomes a reduce-scatter, f an all-gather fused with the
-linears after it that saves only the local shard and re-gathers into a MemoryBuffer in backward
-(nanotron PR #203, tp_recompute_allgather). DP sums gradients through one flat buffer.
+TP splits each block over the tp ranks: q/k/v and gate/up are column-parallel (H/tp heads, I/tp of the
+SwiGLU width per rank), o/down row-parallel (each rank computes a partial sum of the output), the
+embedding and lm_head are split by vocab and the logits stay split. Two collectives per block half, as
+in Megatron-LM (arXiv:1909.08053): f = CopyToTP (identity forward, all-reduce backward) before the
+column-parallel linears, g = ReduceFromTP (all-reduce forward, identity backward) after the row-parallel.
+Sequence parallelism (arXiv:2205.05198) also splits the tokens of the replicated part (norms, residual
+adds): g becomes a reduce-scatter and f an all-gather fused with the linears after it, which saves only
+the local shard and re-gathers into a MemoryBuffer in backward (nanotron PR #203).
 
-SP switch: shard_model(..., sequence_parallel) sets the default and `with sequence_parallel(model):`
+SP switch: shard_model(..., sequence_parallel) sets the default, `with sequence_parallel(model):`
 overrides it in a scope (e.g. the training forward). A forward runs SP only when B*T % tp == 0, else
-plain TP (same numbers), so decode (T = 1) runs on the same model. model.hidden still returns the full
-(B, T, C) on every rank. NOTE blocks must not be activation-checkpointed under SP: the recompute would
-not see the SP switch of the original forward.
+plain TP (same numbers), so decode (T = 1) runs on the same model, and model.hidden always returns the
+full (B, T, C) on every rank. NOTE blocks must not be activation-checkpointed under SP: the recompute
+would not see the SP switch of the original forward.
 
 Leaves out: pipeline parallelism, ZeRO/FSDP, overlap of communication with compute, uneven splits.
 Shapes: B sequences, T tokens, N = B*T tokens, n tokens of a logits chunk, C width, H/Hkv heads,
@@ -51,9 +49,8 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_ten
 def init_distributed() -> tuple[int, int, torch.device]:
     """(rank, world_size, device) from torchrun's RANK / WORLD_SIZE / LOCAL_RANK: NCCL on cuda:LOCAL_RANK
     when CUDA is available, else gloo on the CPU. At world size 1 no process group is created."""
-    cuda, world = torch.cuda.is_available(), int(os.environ.get("WORLD_SIZE", 1))
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    world, cuda = int(os.environ.get("WORLD_SIZE", 1)), torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if world == 1:
         return 0, 1, device
     if "RANK" not in os.environ:
@@ -81,16 +78,13 @@ def make_groups(tp_size: int) -> ParallelGroups:
     rank = dist.get_rank() if dist.is_initialized() else 0
     if tp_size < 1 or world % tp_size:
         raise ValueError(f"tp_size={tp_size} must be >= 1 and divide the world size {world}")
-    dp_size, tp_group, dp_group = world // tp_size, None, None
+    dp_size = world // tp_size
+    tp_lists = [range(d * tp_size, (d + 1) * tp_size) for d in range(dp_size)] if tp_size > 1 else []
+    dp_lists = [range(t, world, tp_size) for t in range(tp_size)] if dp_size > 1 else []
     # new_group is itself collective: every rank creates every group, in the same order, and keeps its own.
-    for d in range(dp_size if tp_size > 1 else 0):
-        ranks = list(range(d * tp_size, (d + 1) * tp_size))
-        group = dist.new_group(ranks)
-        tp_group = group if rank in ranks else tp_group
-    for t in range(tp_size if dp_size > 1 else 0):
-        ranks = list(range(t, world, tp_size))
-        group = dist.new_group(ranks)
-        dp_group = group if rank in ranks else dp_group
+    made = [(rank in ranks, dist.new_group(list(ranks))) for ranks in tp_lists + dp_lists]
+    tp_group = next((g for mine, g in made[:len(tp_lists)] if mine), None)
+    dp_group = next((g for mine, g in made[len(tp_lists):] if mine), None)
     return ParallelGroups(tp_group, dp_group, rank % tp_size, tp_size, rank // tp_size, dp_size)
 
 # -----------------------------------------------------------------------------
@@ -103,14 +97,15 @@ class MemoryBuffer:
     NOTE the rule: nothing autograd saves may live in the buffer. The next get() of the same name
     overwrites it, so a saved tensor would hold another layer's data by the time backward reads it:
     the wrong gradients of #203's first version (tests/test_tp.py reproduces them)."""
+
     def __init__(self):
         self.tensors: dict[tuple[str, torch.dtype], Tensor] = {}
 
     def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
         key, numel = (name, dtype), prod(shape)
         t = self.tensors.get(key)
-        # Grow (the old one dies with its last view); replace one made under inference_mode (the sampler's
-        # forward), which autograd may not write into later.
+        # Grow (the old one dies with its last view); replace one made under inference_mode (the
+        # sampler's forward), which autograd may not write into later.
         if t is None or t.numel() < numel or t.device != device or t.is_inference() > torch.is_inference_mode_enabled():
             t = self.tensors[key] = torch.empty(numel, dtype=dtype, device=device)
         return t[:numel].view(shape)
@@ -132,10 +127,10 @@ class CopyToTP(Function):
 
 
 class ReduceFromTP(Function):
-    """g: sums the row shards' partial outputs over the tp ranks, in place on its fresh input; identity backward."""
+    """g: sums the row shards' partial outputs over the tp ranks (in place, on a fresh unsaved input)."""
     @staticmethod
     def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
-        assert x.is_contiguous(), "ReduceFromTP all-reduces its (fresh, unsaved) input in place"
+        assert x.is_contiguous()
         dist.all_reduce(x, group=group)  # g: sum over tp ranks of the row-parallel partial outputs
         ctx.mark_dirty(x)
         return x
@@ -162,9 +157,9 @@ class ReduceScatterToSP(Function):
 
 
 class GatherFromSP(Function):
-    """Leaves SP after the last block: (N/tp, C) -> (N, C). Backward keeps this rank's tokens, no sum:
-    all that follows hidden() (final norm, lm_head behind f) runs identically on every tp rank, so the
-    grad of h is already the full one on every rank."""
+    """Leaves SP after the last block: (N/tp, C) -> (N, C). Backward keeps this rank's tokens, no sum: all
+    after hidden() (final norm, lm_head behind f) runs identically on every tp rank, so the grad of h is
+    already the full one on every rank."""
     @staticmethod
     def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
         ctx.group = group
@@ -179,8 +174,8 @@ class GatherFromSP(Function):
 
 
 class GatherLinears(Function):
-    """SP's f fused with the column-parallel linears that read it: x (N/tp, C) -> x_full @ W_i^T (+ b_i)
-    for each i (q/k/v, or gate/up). x_full (N, C) lives in the buffer and is never saved: backward
+    """SP's f fused with the column-parallel linears that read it (q/k/v, or gate/up): x (N/tp, C) ->
+    x_full @ W_i^T (+ b_i) each. x_full (N, C) lives in the buffer and is never saved: backward
     re-gathers it (nanotron's tp_recompute_allgather), then reduce-scatters the input grad."""
     @staticmethod
     def forward(ctx, x: Tensor, group: dist.ProcessGroup, buffer: MemoryBuffer, *weights_then_biases: Tensor):
@@ -207,12 +202,11 @@ class GatherLinears(Function):
         return grad_x, None, None, *[g.t() @ full for g in grads], *grad_b
 
 # -----------------------------------------------------------------------------
-# Parallel modules: they adopt model.py's sliced Linears, so parameter names stay HF's
+# Parallel modules: shard_model turns model.py's modules into these in place (only forward changes)
 
 
 @dataclass
-class TPState:
-    """Per-model TP bookkeeping, a plain attribute (not in the state dict)."""
+class TPState:  # per model, a plain attribute (not in the state dict)
     groups: ParallelGroups
     sequence_parallel: bool                   # the SP switch, see sequence_parallel()
     buffer: MemoryBuffer
@@ -303,31 +297,25 @@ def sequence_parallel(model: Llama, enabled: bool = True):
 
 
 def shard_model(model: Llama, groups: ParallelGroups, sequence_parallel: bool = False) -> Llama:
-    """In place: slice the full weights and swap in the parallel modules; returns the model (untouched at
-    tp_size 1). Every tp rank must start from the same full weights."""
+    """In place: slice the full weights and turn the modules into their TP versions; returns the model
+    (untouched at tp_size 1, or if already sharded). Every tp rank must start from the same full weights."""
     cfg, tp, rank = model.config, groups.tp_size, groups.tp_rank
     for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
         if getattr(cfg, name) % tp:
             raise ValueError(f"tp_size={tp} must divide {name}={getattr(cfg, name)}")
-    if hasattr(model, "tp_state"):
-        raise ValueError("model is already sharded")
-    if tp == 1:
+    if hasattr(model, "tp_state") or tp == 1:
         return model
     state = TPState(groups, sequence_parallel, MemoryBuffer(), {})
 
     def take(module: nn.Module, prefix: str, dim: int) -> None:  # keep this rank's slice of weight (and bias)
         for pname in ("weight", "bias"):
-            if (p := getattr(module, pname, None)) is None:
-                continue
-            assert dim == 0 or pname == "weight", "a row-parallel bias would be added tp times"
-            size = p.shape[dim] // tp
-            state.sharded[f"{prefix}.{pname}"] = (dim, rank * size, (rank + 1) * size)
-            # clone: the slice must not keep the full tensor's storage alive
-            setattr(module, pname, nn.Parameter(p.detach().narrow(dim, rank * size, size).clone(), p.requires_grad))
+            if (p := getattr(module, pname, None)) is not None:
+                size = p.shape[dim] // tp
+                state.sharded[f"{prefix}.{pname}"] = (dim, rank * size, (rank + 1) * size)
+                # clone: the slice must not keep the full tensor's storage alive
+                setattr(module, pname, nn.Parameter(p.detach().narrow(dim, rank * size, size).clone(), p.requires_grad))
         if isinstance(module, nn.Linear):  # keep repr() honest
             module.out_features, module.in_features = module.weight.shape
-        if isinstance(module, nn.Embedding):
-            module.num_embeddings = module.weight.shape[0]
 
     body = model.model
     take(body.embed_tokens, "model.embed_tokens", 0)
@@ -335,18 +323,16 @@ def shard_model(model: Llama, groups: ParallelGroups, sequence_parallel: bool = 
         model.lm_head.weight = body.embed_tokens.weight  # the same V/tp rows, the same Parameter
     else:
         take(model.lm_head, "lm_head", 0)
-    # Each module becomes its TP subclass in place (same instance, same sliced parameters, so the names stay
-    # HF's); only forward() changes.
-    swaps = [(body.embed_tokens, VocabParallelEmbedding), (model.lm_head, VocabParallelLMHead)]
+    modules = [(body.embed_tokens, VocabParallelEmbedding), (model.lm_head, VocabParallelLMHead)]
     for i, block in enumerate(body.layers):
-        prefix = f"model.layers.{i}."
         for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
-            take(block.get_submodule(name), prefix + name, 0)  # column-parallel: split the output rows
-        for name in ("self_attn.o_proj", "mlp.down_proj"):
-            take(block.get_submodule(name), prefix + name, 1)  # row-parallel: split the input columns
-        swaps += [(block.self_attn, TPAttention), (block.mlp, TPMLP),
-                  (block.input_layernorm, TPRMSNorm), (block.post_attention_layernorm, TPRMSNorm)]
-    for module, cls in swaps:
+            take(block.get_submodule(name), f"model.layers.{i}.{name}", 0)  # column-parallel: split output rows
+        for name in ("self_attn.o_proj", "mlp.down_proj"):  # row-parallel: split input columns (no bias here)
+            take(block.get_submodule(name), f"model.layers.{i}.{name}", 1)
+        modules += [(block.self_attn, TPAttention), (block.mlp, TPMLP),
+                    (block.input_layernorm, TPRMSNorm), (block.post_attention_layernorm, TPRMSNorm)]
+    # Same instances with their sliced parameters, so the names stay HF's; only forward() changes.
+    for module, cls in modules:
         module.__class__, module.state = cls, state
     body.embed_tokens.vocab_start = rank * body.embed_tokens.weight.shape[0]
     model.tp_state = state
@@ -372,16 +358,14 @@ def load_sharded(path: str, groups: ParallelGroups, device: str | torch.device, 
     if missing := sorted(set(params) - set(files)):
         raise ValueError(f"{path}: checkpoint is missing {len(missing)} tensors, e.g. '{missing[0]}'")
     with torch.no_grad():
-        for file in sorted({files[name] for name in params}):
+        for file in sorted(set(files[name] for name in params)):
             with safe_open(file, framework="pt", device="cpu") as f:
                 for name in [n for n in params if files[n] == file]:
                     lazy, p = f.get_slice(name), params[name]
                     dim, start, stop = sharded.get(name, (0, 0, len(p)))  # replicated: all of it
-                    full_shape = list(p.shape)
-                    full_shape[dim] *= groups.tp_size if name in sharded else 1
-                    if list(lazy.get_shape()) != full_shape:
-                        raise ValueError(f"{file}: tensor '{name}' has shape {tuple(lazy.get_shape())}, "
-                                         f"config.json implies {tuple(full_shape)}")
+                    want = [s * (groups.tp_size if name in sharded and d == dim else 1) for d, s in enumerate(p.shape)]
+                    if list(lazy.get_shape()) != want:
+                        raise ValueError(f"{file}: '{name}' has shape {lazy.get_shape()}, config.json implies {want}")
                     p.copy_(lazy[:, start:stop] if dim == 1 else lazy[start:stop])  # reads only these bytes
     return model
 
@@ -469,26 +453,24 @@ def vocab_parallel_logprobs(logits: Tensor, targets: Tensor, groups: ParallelGro
 class DataParallelGrads:
     """Sums gradients over the dp group through one flat buffer allocated once: copy in, one all-reduce,
     copy out. SUM, not mean: train.py divides each loss by global counts (over the whole batch on all
-    dp ranks), so the sum is the one-big-batch gradient. Costs one extra copy of the grads (Megatron
-    makes the grads views into the buffer instead)."""
+    dp ranks), so the sum is the one-big-batch gradient. Costs one more copy of the grads in memory
+    (Megatron makes the grads views into the buffer instead). Trainable params must share one dtype."""
+
     def __init__(self, model: nn.Module, groups: ParallelGroups):
         self.params, self.group, self.flat = [p for p in model.parameters() if p.requires_grad], groups.dp_group, None
-        if len({p.dtype for p in self.params}) > 1:
-            raise ValueError("DataParallelGrads needs all trainable parameters in one dtype")
 
     def all_reduce(self) -> None:
         if self.group is None:
             return
+        for p in self.params:  # a missing grad sends zeros: every rank has the same layout
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
         if self.flat is None:
             self.flat = self.params[0].new_empty(sum(p.numel() for p in self.params))
-        views = self.flat.split([p.numel() for p in self.params])
-        for p, v in zip(self.params, views):
-            if p.grad is None:  # a missing grad sends zeros: every rank has the same layout
-                p.grad = torch.zeros_like(p)
-            v.copy_(p.grad.flatten())
+        torch.cat([p.grad.flatten() for p in self.params], out=self.flat)
         dist.all_reduce(self.flat, group=self.group)  # DP: sum over dp ranks of each replica's gradient
-        for p, v in zip(self.params, views):
-            p.grad.copy_(v.view_as(p))
+        for p, flat in zip(self.params, self.flat.split([p.numel() for p in self.params])):
+            p.grad.copy_(flat.view_as(p))
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float, groups: ParallelGroups) -> float:
@@ -499,13 +481,12 @@ def clip_grad_norm(model: nn.Module, max_norm: float, groups: ParallelGroups) ->
     grads = [(name in sharded, p.grad) for name, p in model.named_parameters() if p.grad is not None]
     if not grads:
         return 0.0
-    squares = {True: [], False: []}
+    squares = torch.zeros(2, device=grads[0][1].device)  # [sharded, replicated]
     for is_sharded, g in grads:
-        squares[is_sharded].append(torch.linalg.vector_norm(g, dtype=torch.float32) ** 2)
-    sharded_sq = sum(squares[True], torch.zeros((), device=grads[0][1].device))
+        squares[0 if is_sharded else 1] += torch.linalg.vector_norm(g, dtype=torch.float32) ** 2
     if groups.tp_group is not None:
-        dist.all_reduce(sharded_sq, group=groups.tp_group)  # sum over tp ranks of their disjoint slices' squares
-    total = (sharded_sq + sum(squares[False], torch.zeros_like(sharded_sq))).sqrt()
+        dist.all_reduce(squares[0:1], group=groups.tp_group)  # sum over tp ranks of their disjoint slices' squares
+    total = squares.sum().sqrt()
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
     for _, g in grads:
         g.mul_(coef.to(g.dtype))
