@@ -1,10 +1,9 @@
 """
 Phases: what lives on the device while rolling out, computing reference logprobs, or training.
 
-Rollout and training share one device. While the sampler runs, the optimizer state, the gradients and
-the reference model are dead weight; while the trainer runs, the KV cache and a separate sampler copy
-are. Inference engines solved this with sleep/wake (vLLM's sleep levels, SGLang's release/resume of
-memory, verl's offload flags). Here memory is registered under tags, each with a policy:
+Rollout and training share one device: in rollout the optimizer state, grads and reference model are dead
+weight, in training the KV cache and a separate sampler copy. Engines solved this with sleep/wake (vLLM's
+sleep levels, SGLang's release/resume of memory, verl's offload flags). Here memory has tags and policies:
 
     trainer    keep                                                   awake in every phase
     weights    shared with the trainer, or a separate (bf16) copy     rollout (synced IN PLACE at wake)
@@ -55,7 +54,6 @@ PHASE_TAGS = {"rollout": ("weights", "kv_cache"), "reference": ("reference",), "
 # Tags released on leaving a phase, not at the next one: dead once the outputs exist, and freeing them early
 # lowers the peak of the old-logprob forward in between. Train keeps its optimizer state for a checkpoint.
 RELEASE_ON_EXIT = {"rollout": ("kv_cache", "weights"), "reference": ("reference",), "train": ()}
-SLEEP_ORDER = ("grads", "kv_cache", "weights", "reference", "optimizer")
 # One sleep or wake of one group: bytes freed, copied or synced; seconds include a device synchronisation.
 Transition = namedtuple("Transition", "phase tag action nbytes seconds")
 
@@ -94,8 +92,7 @@ class Group:
 
 
 class PhaseManager:
-    """Registers tagged groups, moves them between phases, and accounts for every byte it moves.
-    `with mgr.phase("rollout"): ...` (or mgr.enter("rollout") ... mgr.exit())."""
+    """Tagged groups moved between phases: `with mgr.phase("rollout"): ...` (or enter(phase) ... exit())."""
 
     def __init__(self, device: str | torch.device, cfg: MemoryConfig | None = None):
         self.device = torch.device(device)
@@ -108,6 +105,7 @@ class PhaseManager:
         self.transitions: list[Transition] = []
         self.phase_bytes: dict[str, dict[str, int]] = {}  # phase -> tag -> max bytes resident seen
         self.phase_peak: dict[str, int] = {}              # phase -> max allocated (CUDA) or tag bytes (CPU)
+        self.lifetime_peak = 0                            # CUDA's max allocated before its last reset
 
     def _add(self, tag: str, policy: str, releasable: bool, module: nn.Module | None = None, arg: str = "") -> Group:
         group = Group(tag, policy, releasable)
@@ -175,12 +173,12 @@ class PhaseManager:
             raise RuntimeError(f"cannot enter phase '{phase}': phase '{self.current}' has not been exited")
         if self.device.type == "meta":
             raise RuntimeError("a PhaseManager on the meta device can only plan(), not move memory")
-        if self.device.type == "cuda":
-            # NOTE: this resets the process-wide CUDA peak counter; a per-step peak is max(phase_peak).
+        if self.device.type == "cuda":  # NOTE: CUDA's peak counter is process-wide: fold it in before the reset
+            self.lifetime_peak = max(self.lifetime_peak, torch.cuda.max_memory_allocated(self.device))
             torch.cuda.reset_peak_memory_stats(self.device)
         self.current = phase
         # Sleep what this phase does not need BEFORE waking what it needs: the peak never holds both.
-        self._apply(self._sleep, [tag for tag in SLEEP_ORDER if tag not in PHASE_TAGS[phase]])
+        self._apply(self._sleep, [t for t in dict.fromkeys(g.tag for g in self.groups) if t not in PHASE_TAGS[phase]])
         self._apply(self._wake, PHASE_TAGS[phase])
         self._observe()
 
@@ -206,12 +204,9 @@ class PhaseManager:
     # -------------------------------------------------------------------------
     # Sleep and wake, per policy
 
-    def _synchronize(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
     def _record(self, group: Group, action: str, nbytes: int, start: float) -> None:
-        self._synchronize()  # honest timing: the copies are asynchronous
+        if self.device.type == "cuda":  # honest timing: the copies are asynchronous
+            torch.cuda.synchronize(self.device)
         self.transitions.append(Transition(self.current, group.tag, action, nbytes, time.perf_counter() - start))
 
     def _sleep(self, group: Group) -> None:
@@ -233,6 +228,7 @@ class PhaseManager:
         self._guard(group)
         group.asleep = True
 
+    @torch.no_grad()  # moving a Parameter's bytes is not an operation to differentiate
     def _offload(self, group: Group) -> None:
         """Copy every resident tensor into one host buffer (reused), then point its .data there."""
         tensors = [t for t in group.tensors() if self._resident(t)]  # distinct storages: no views in here
@@ -247,12 +243,13 @@ class PhaseManager:
         views = [group.host[o:o + n].view(t.dtype).view(t.shape) for t, o, n in zip(tensors, offsets, sizes)]
         for t, view in zip(tensors, views):
             view.copy_(t, non_blocking=True)
-        # NOTE: the host copy must be complete before a device block is handed back (or the host read).
-        self._synchronize()
+        if self.device.type == "cuda":  # NOTE: the copies must be complete before a device block is freed
+            torch.cuda.synchronize(self.device)
         for t, view in zip(tensors, views):
             t.data = view  # same Python object (optimizer state / Parameter), now in the host buffer
         group.offloaded = tensors
 
+    @torch.no_grad()
     def _wake(self, group: Group) -> None:
         if not group.asleep and group.policy != "sync":  # a sampler copy is synced every rollout, asleep or not
             return
@@ -264,22 +261,18 @@ class PhaseManager:
                 buffer.untyped_storage().resize_(buffer.numel() * buffer.element_size())
                 buffer.zero_()  # re-created empty, never last rollout's (or the allocator's) garbage
         elif group.policy == "offload":
-            for t in group.offloaded:
-                resident = torch.empty(t.shape, dtype=t.dtype, device=self.device)
-                resident.copy_(t, non_blocking=True)  # the host buffer outlives the copy: it is reused
-                t.data = resident
+            for t in group.offloaded:  # the host buffer outlives the async copies: it is kept for reuse
+                t.data = torch.empty(t.shape, dtype=t.dtype, device=self.device).copy_(t, non_blocking=True)
             group.offloaded = []
         elif group.policy == "sync":
             # Staged: allocate and fill (cast) one parameter at a time: the transient is one tensor, not a copy.
-            with torch.no_grad():
-                for p, source in zip(group.params, group.sources):
-                    if p.shape != source.shape:  # released: re-create in the sampler's own dtype
-                        p.data = torch.empty(source.shape, dtype=p.dtype, device=self.device)
-                    p.copy_(source)
+            for p, source in zip(group.params, group.sources):
+                if p.shape != source.shape:  # released: re-create in the sampler's own dtype
+                    p.data = torch.empty(source.shape, dtype=p.dtype, device=self.device)
+                p.copy_(source)
         group.asleep = False
         self._record(group, "wake", self.resident_bytes(group), start)
 
-    # Guard: using released memory raises, instead of crashing or computing on a stand-in
     def _asleep_error(self, what: str, group: Group) -> RuntimeError:
         needed = next(phase for phase, tags in PHASE_TAGS.items() if group.tag in tags)
         moved = "offloaded to the host" if group.policy == "offload" else "released"
@@ -287,7 +280,7 @@ class PhaseManager:
                             f"{moved}; use it inside `with phase('{needed}')`")
 
     def _guard(self, group: Group) -> None:
-        """Hooks that exist only while the group sleeps, so an awake model pays nothing for them."""
+        """Make any use of released memory raise; hooks exist only while asleep: awake models pay nothing."""
         for root in group.modules:
             for name, module in root.named_modules():
                 if next(module.parameters(recurse=False), None) is not None:  # hooks on every owner, because
@@ -322,6 +315,12 @@ class PhaseManager:
         peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else sum(by_tag.values())
         self.phase_peak[self.current] = max(self.phase_peak.get(self.current, 0), peak)
 
+    def peak_bytes(self) -> int:
+        """The peak since this manager exists, phases or not (CUDA's own counter is reset at each phase)."""
+        if self.device.type == "cuda":
+            return max(self.lifetime_peak, torch.cuda.max_memory_allocated(self.device))
+        return max(self.phase_peak.values(), default=0)
+
     def plan(self) -> dict[str, dict[str, int]]:
         """phase -> tag -> bytes resident, from the policies and shapes alone (works on the meta device)."""
         return {phase: {g.tag: (g.full_bytes() if g.tag in tags or not g.releasable else 0) for g in self.groups}
@@ -348,8 +347,7 @@ class PhaseManager:
 
     def activations(self, model: nn.Module):
         """The context for a training forward (backward may run outside it), per cfg.activation_*."""
-        if self.cfg.activation_checkpoint:
-            checkpoint_blocks(model)
+        checkpoint_blocks(model, enabled=self.cfg.activation_checkpoint)
         return offload_activations(model, self.pin) if self.cfg.activation_offload else nullcontext()
 
 # -----------------------------------------------------------------------------

@@ -94,6 +94,7 @@ def test_sleep_releases_every_tag_and_wake_restores_its_bytes():
     for phase, by_tag in mgr.plan().items():
         assert by_tag == {t: mgr.phase_bytes[phase].get(t, 0) for t in by_tag}, phase
     assert mgr.phase_peak["rollout"] == awake["trainer"] + awake["weights"] + awake["kv_cache"]
+    assert mgr.peak_bytes() == max(mgr.phase_peak.values())
 
 
 def test_transitions_and_report():
