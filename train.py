@@ -80,7 +80,7 @@ class TrainConfig:
     micro_batch_groups: int = 16     # whole groups per forward/backward
     chunk_size: int = 1024           # completion tokens per logprob chunk
     # optimisation
-    steps: int = 300                 # generation batches to train on
+    steps: int = 800                 # generation batches to train on
     lr: float = 1e-3                 # peak learning rate (tiny fresh model; ~1e-6 for a real checkpoint)
     min_lr_ratio: float = 0.1        # cosine decay floor, as a fraction of lr
     warmup_steps: int = 10           # linear warmup, in optimizer steps
@@ -92,12 +92,12 @@ class TrainConfig:
     sequence_parallel: bool = False  # tp.py's sequence parallelism in the training forward
     phases: bool = True              # memory.py sleep/wake of KV cache, grads, optimizer state between phases
     activation_checkpoint: bool = False  # recompute each block in backward (memory.py)
-    threads: int = 0                 # CPU threads per process; 0 = torch's default divided by local ranks
+    threads: int = 1                 # CPU threads per process (1 suits tiny models and shared machines); 0 = torch's default
     # output
     out: str = "runs/default"        # metrics.jsonl and checkpoints go here
     save_every: int = 100            # checkpoint every N steps (and at the end); 0 = only at the end
     resume: str = ""                 # a checkpoint directory to continue from exactly ("latest" = out/latest)
-    seed: int = 0
+    seed: int = 0                    # model init, prompts and sampling are functions of (seed, step)
 
 
 def field_help() -> dict[str, str]:

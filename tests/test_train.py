@@ -148,3 +148,19 @@ def test_corrupt_checkpoint_on_resume_is_refused(tmp_path, capsys):
     code, _ = run(tmp_path, "--resume", ckpt, out="again")
     err = capsys.readouterr().err
     assert code == 2 and "corrupt or incomplete checkpoint" in err
+
+
+def test_jsonl_math_task_runs_on_a_model_directory(tmp_path):
+    from model import ModelConfig, build_char_tokenizer
+    tok = build_char_tokenizer("0123456789+*= ")
+    cfg = ModelConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2)
+    ckpt = tmp_path / "ckpt"
+    Llama(cfg).init_weights(0).save_pretrained(str(ckpt))
+    tok.save(str(ckpt / "tokenizer.json"))
+    data = tmp_path / "math.jsonl"
+    data.write_text('{"prompt": "2+2=", "answer": "#### 4"}\n{"prompt": "3*3=", "answer": "9"}\n')
+    code, out = run(tmp_path, "--model", str(ckpt), "--task", "tasks:jsonl_math", "--task_data", str(data),
+                    "--steps", "2", "--max_new_tokens", "5")
+    assert code == 0 and len(records(out)) == 2
+    assert all(r["completion_len"] <= 5 for r in records(out))
