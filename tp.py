@@ -13,8 +13,8 @@ the local shard and re-gathers into a MemoryBuffer in backward (nanotron PR #203
 SP switch: shard_model(..., sequence_parallel) sets the default, `with sequence_parallel(model):`
 overrides it in a scope (e.g. the training forward). A forward runs SP only when B*T % tp == 0, else
 plain TP (same numbers), so decode (T = 1) runs on the same model, and model.hidden always returns the
-full (B, T, C) on every rank. NOTE blocks must not be activation-checkpointed under SP: the recompute
-would not see the SP switch of the original forward.
+full (B, T, C) on every rank. The layout is the flag: in SP the residual stream is (N/tp, C), else
+(B, T, C), so a block recomputed in backward (memory.checkpoint_blocks) takes the same path again.
 
 Leaves out: pipeline parallelism, ZeRO/FSDP, overlap of communication with compute, uneven splits.
 Shapes: B sequences, T tokens, N = B*T tokens, n tokens of a logits chunk, C width, H/Hkv heads,
@@ -211,21 +211,21 @@ class TPState:  # per model, a plain attribute (not in the state dict)
     sequence_parallel: bool                   # the SP switch, see sequence_parallel()
     buffer: MemoryBuffer
     sharded: dict[str, tuple[int, int, int]]  # param name -> (dim, start, stop) of its slice of the full tensor
-    sp_tokens: tuple[int, int] | None = None  # (B, T) while an SP forward runs, else None
 
     def __deepcopy__(self, memo: dict) -> "TPState":  # a deep-copied model (a reference model) shares the groups
         return TPState(self.groups, self.sequence_parallel, MemoryBuffer(), dict(self.sharded))
 
 
 class VocabParallelEmbedding(nn.Embedding):
-    """Rows [vocab_start, vocab_start + V/tp); other ids look up zeros, so g gives every id its row."""
+    """Rows [vocab_start, vocab_start + V/tp); other ids look up zeros, so g gives every id its row.
+    Enters SP (when on and B*T % tp == 0) by reduce-scattering instead of all-reducing."""
     def forward(self, tokens: Tensor) -> Tensor:
-        group, local = self.state.groups.tp_group, tokens - self.vocab_start
+        state, local = self.state, tokens - self.vocab_start
         outside = (local < 0) | (local >= self.weight.shape[0])
         x = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside[..., None], 0.0)  # (B, T, C)
-        if self.state.sp_tokens is not None:
-            return ReduceScatterToSP.apply(x.flatten(0, 1), group)  # (N/tp, C)
-        return ReduceFromTP.apply(x, group)
+        if state.sequence_parallel and tokens.numel() % state.groups.tp_size == 0:
+            return ReduceScatterToSP.apply(x.flatten(0, 1), state.groups.tp_group)  # (N/tp, C)
+        return ReduceFromTP.apply(x, state.groups.tp_group)
 
 
 class VocabParallelLMHead(nn.Linear):
@@ -236,7 +236,7 @@ class VocabParallelLMHead(nn.Linear):
 
 class TPRMSNorm(RMSNorm):
     def forward(self, x: Tensor) -> Tensor:
-        if self.state.sp_tokens is None:
+        if x.dim() == 3:  # not SP
             return super().forward(x)
         # Under SP a rank normalises only its N/tp tokens, so its weight grad is partial: f on the weight sums
         # it over tp ranks inside backward, and the grad stays replicated as in plain TP (so SP and non-SP
@@ -248,9 +248,10 @@ class TPRMSNorm(RMSNorm):
 class TPAttention(Attention):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention) -> Tensor:
         group, qkv = self.state.groups.tp_group, (self.q_proj, self.k_proj, self.v_proj)
-        if self.state.sp_tokens is None:  # f, model.Attention on this rank's H/tp heads, g
+        if x.dim() == 3:  # not SP: f, model.Attention on this rank's H/tp heads, g
             return ReduceFromTP.apply(super().forward(CopyToTP.apply(x, group), cos, sin, attention), group)
-        B, T = self.state.sp_tokens
+        T = cos.shape[1]
+        B = x.shape[0] * self.state.groups.tp_size // T
         q, k, v = GatherLinears.apply(x, group, self.state.buffer, *[m.weight for m in qkv], *[m.bias for m in qkv])
         q = q.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, H/tp, T, D)
         k = k.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, Hkv/tp, T, D)
@@ -263,23 +264,16 @@ class TPAttention(Attention):
 class TPMLP(MLP):
     def forward(self, x: Tensor) -> Tensor:
         group, gate_up = self.state.groups.tp_group, (self.gate_proj.weight, self.up_proj.weight)
-        if self.state.sp_tokens is None:  # f, SwiGLU on this rank's I/tp columns, g
+        if x.dim() == 3:  # not SP: f, SwiGLU on this rank's I/tp columns, g
             return ReduceFromTP.apply(super().forward(CopyToTP.apply(x, group)), group)
         gate, up = GatherLinears.apply(x, group, self.state.buffer, *gate_up, None, None)  # (N, I/tp) each
         return ReduceScatterToSP.apply(self.down_proj(F.silu(gate) * up), group)  # (N/tp, C)
 
 
 def _tp_hidden(model: Llama, tokens: Tensor, positions: Tensor | None = None, attention=None) -> Tensor:
-    """Llama.hidden in SP's bracket: the embedding reduce-scatters the tokens, the blocks run on N/tp of
-    them, and they are all-gathered back, so callers get the full (B, T, C) on every rank."""
-    state = model.tp_state
-    sp = state.sequence_parallel and tokens.numel() % state.groups.tp_size == 0
-    state.sp_tokens = tuple(tokens.shape) if sp else None
-    try:
-        h = Llama.hidden(model, tokens, positions, attention)  # (N/tp, C) under SP, else (B, T, C)
-    finally:
-        state.sp_tokens = None
-    return GatherFromSP.apply(h, state.groups.tp_group).view(*tokens.shape, -1) if sp else h  # (B, T, C)
+    """Llama.hidden, then out of SP if the embedding went in: callers get the full (B, T, C) on every rank."""
+    h = Llama.hidden(model, tokens, positions, attention)  # (N/tp, C) under SP, else (B, T, C)
+    return GatherFromSP.apply(h, model.tp_state.groups.tp_group).view(*tokens.shape, -1) if h.dim() == 2 else h
 
 
 @contextlib.contextmanager

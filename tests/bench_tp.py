@@ -59,12 +59,8 @@ def saved_bytes(m: M.Llama, dtype: torch.dtype, sp: bool) -> int:
             seen[storage.data_ptr()] = storage.nbytes()
         return t
 
-    if sp:
-        m.tp_state.sp_tokens = (B, T)  # what tp._tp_hidden sets for an SP forward
     with saved_tensors_hooks(pack, lambda t: t):
-        y = block(x, cos, sin, M.causal_attention)
-    if sp:
-        m.tp_state.sp_tokens = None
+        y = block(x, cos, sin, M.causal_attention)  # a 2-D (N/tp, C) residual stream is what runs SP
     y.float().square().sum().backward()  # runs the backward collectives too, as in training
     return sum(seen.values())
 

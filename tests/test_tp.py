@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import grpo
+import memory
 import model as M
 import rollout
 import tp
@@ -207,8 +208,10 @@ def check_tp_equals_one_process(cfg: M.ModelConfig, groups: tp.ParallelGroups) -
         ref_logp = old_logp + 0.1 * torch.randn(old_logp.shape, generator=gen)
     want = grpo_step(ref, prompts, completions, advantages, old_logp=old_logp, ref_logp=ref_logp)
     logprob_fn = functools.partial(tp.vocab_parallel_logprobs, groups=groups)
-    for sp in (False, True):
+    for sp, recompute in ((False, False), (True, False), (True, True)):
         m = tp.shard_model(copy.deepcopy(full), groups, sequence_parallel=sp)
+        if recompute:  # blocks rerun in backward (train.py's activation_checkpoint): SP must take the same path
+            assert memory.checkpoint_blocks(m) == cfg.num_hidden_layers
         assert [n for n, _ in m.named_parameters()] == [n for n, _ in full.named_parameters()]
         with torch.no_grad():
             logits = m(tokens)
@@ -219,7 +222,7 @@ def check_tp_equals_one_process(cfg: M.ModelConfig, groups: tp.ParallelGroups) -
         for key in ("loss", "kl", "clip_low", "clip_high", "entropy"):
             assert abs(got[key] - want[key]) <= 1e-5 * max(1.0, abs(want[key])), (key, got[key], want[key])
         for (name, p), (_, q) in zip(m.named_parameters(), ref.named_parameters()):
-            torch.testing.assert_close(unshard(name, p.grad, groups), q.grad, **TOL, msg=f"sp={sp} {name}")
+            torch.testing.assert_close(unshard(name, p.grad, groups), q.grad, **TOL, msg=f"{sp=} {recompute=} {name}")
     # The switch: plain TP by default, SP inside the scope only; a deep copy (a reference model) works too.
     m = tp.shard_model(copy.deepcopy(full), groups)
     with tp.sequence_parallel(m), torch.no_grad():
