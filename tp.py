@@ -157,9 +157,8 @@ class ReduceScatterToSP(Function):
 
 
 class GatherFromSP(Function):
-    """Leaves SP after the last block: (N/tp, C) -> (N, C). Backward keeps this rank's tokens, no sum: all
-    after hidden() (final norm, lm_head behind f) runs identically on every tp rank, so the grad of h is
-    already the full one on every rank."""
+    """Leaves SP after the last block: (N/tp, C) -> (N, C). Backward keeps my tokens, no sum: all after
+    hidden() (final norm, lm_head behind f) runs alike on every tp rank, so h's grad is already full."""
     @staticmethod
     def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
         ctx.group = group
@@ -343,8 +342,7 @@ def load_sharded(path: str, groups: ParallelGroups, device: str | torch.device, 
     cfg = load_config(path)
     with torch.device("meta"):  # shapes only: slicing meta tensors allocates nothing
         model = shard_model(Llama(cfg), groups, sequence_parallel)
-    model.to_empty(device=device)  # NOTE: to_empty re-creates every parameter, which unties lm_head
-    model.to(dtype)
+    model.to_empty(device=device).to(dtype)  # NOTE: to_empty re-creates every parameter, which unties lm_head
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.inv_freq = rope_inv_freq(cfg).to(device)  # float32 always, like from_pretrained
