@@ -27,6 +27,7 @@ import os
 import types
 from dataclasses import dataclass
 from math import prod
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -245,7 +246,7 @@ class TPRMSNorm(RMSNorm):
 
 
 class TPAttention(Attention):
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention: Callable) -> Tensor:
         group, qkv = self.state.groups.tp_group, (self.q_proj, self.k_proj, self.v_proj)
         if x.dim() == 3:  # not SP: f, model.Attention on this rank's H/tp heads, g
             return ReduceFromTP.apply(super().forward(CopyToTP.apply(x, group), cos, sin, attention), group)
@@ -269,7 +270,8 @@ class TPMLP(MLP):
         return ReduceScatterToSP.apply(self.down_proj(F.silu(gate) * up), group)  # (N/tp, C)
 
 
-def _tp_hidden(model: Llama, tokens: Tensor, positions: Tensor | None = None, attention=None) -> Tensor:
+def _tp_hidden(model: Llama, tokens: Tensor, positions: Tensor | None = None,
+               attention: Callable | None = None) -> Tensor:
     """Llama.hidden, then out of SP if the embedding went in: callers get the full (B, T, C) on every rank."""
     h = Llama.hidden(model, tokens, positions, attention)  # (N/tp, C) under SP, else (B, T, C)
     return GatherFromSP.apply(h, model.tp_state.groups.tp_group).view(*tokens.shape, -1) if h.dim() == 2 else h

@@ -256,15 +256,19 @@ def check_load_and_full_state_dict(name: str, cfg: M.ModelConfig, groups: tp.Par
 
 
 def check_sampling(groups: tp.ParallelGroups) -> None:
+    """rollout.generate on the sharded model, plain TP and SP (prefill of 2 x 5 and decode of 6 x 1 tokens
+    run SP; the sampler's KV-cache attention sees the same q/k/v either way)."""
     full = full_model(CONFIGS["llama"])
-    m = tp.shard_model(copy.deepcopy(full), groups)
     prompts = [[1, 2, 3, 4, 5], [7, 8]]
     gather = functools.partial(tp.gather_vocab, groups=groups)
-    sampled = rollout.generate(m, prompts, num_samples=3, max_new_tokens=6, seed=0, logits_fn=gather)
-    assert_same_on_all_ranks(torch.tensor(sampled.completions))
-    greedy = rollout.generate(m, prompts, num_samples=2, max_new_tokens=6, temperature=0.0, logits_fn=gather)
-    assert greedy.completions == rollout.generate(full, prompts, num_samples=2, max_new_tokens=6,
-                                                  temperature=0.0).completions
+    want = rollout.generate(full, prompts, num_samples=3, max_new_tokens=6, temperature=0.0).completions
+    for sp in (False, True):
+        m = tp.shard_model(copy.deepcopy(full), groups, sequence_parallel=sp)
+        sampled = rollout.generate(m, prompts, num_samples=3, max_new_tokens=6, seed=0, logits_fn=gather)
+        assert_same_on_all_ranks(torch.tensor(sampled.completions))
+        greedy = rollout.generate(m, prompts, num_samples=3, max_new_tokens=6, temperature=0.0, logits_fn=gather)
+        assert greedy.completions == want
+        m(torch.tensor([[1, 2, 3, 4]])).sum().backward()  # training after inference_mode reuses the buffer
 
 
 def _tp2_worker(rank: int, tmp: str) -> None:
