@@ -6,8 +6,10 @@ failed assert in any rank fails the test with that rank's traceback.
 """
 
 import copy
+import dataclasses
 import functools
 import multiprocessing
+import shutil
 
 import pytest
 import torch
@@ -239,9 +241,19 @@ def check_tp_equals_one_process(cfg: M.ModelConfig, groups: tp.ParallelGroups) -
 
 def check_load_and_full_state_dict(name: str, cfg: M.ModelConfig, groups: tp.ParallelGroups, tmp: str) -> None:
     full, path = full_model(cfg), f"{tmp}/{name}"
+    # Tensors that do not fit config.json: a wider MLP, or no q/k/v bias for a Qwen2 config.
+    wrong, error = {
+        "llama": (dict(intermediate_size=128), r"'model.layers.0.mlp.gate_proj.weight' has shape \[128, 64\], "
+                                               r"config.json implies \[96, 64\]"),
+        "qwen_tied": (dict(attention_bias=False, architecture="LlamaForCausalLM"),
+                      "checkpoint is missing 6 tensors, e.g. 'model.layers.0.self_attn.k_proj.bias'")}[name]
     if dist.get_rank() == 0:
         full.save_pretrained(path, max_shard_bytes=40_000)  # several files + index.json
+        M.Llama(dataclasses.replace(cfg, **wrong)).save_pretrained(f"{path}_wrong")
+        shutil.copy(f"{path}/config.json", f"{path}_wrong/config.json")
     dist.barrier()
+    with pytest.raises(ValueError, match=error):
+        tp.load_sharded(f"{path}_wrong", groups, "cpu", torch.float32)
     loaded = tp.load_sharded(path, groups, "cpu", torch.float32)
     sliced = tp.shard_model(M.Llama.from_pretrained(path), groups)
     assert loaded.state_dict().keys() == sliced.state_dict().keys()
