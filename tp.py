@@ -98,7 +98,6 @@ class MemoryBuffer:
     NOTE the rule: nothing autograd saves may live in the buffer. The next get() of the same name
     overwrites it, so a saved tensor would hold another layer's data by the time backward reads it:
     the wrong gradients of #203's first version (tests/test_tp.py reproduces them)."""
-
     def __init__(self):
         self.tensors: dict[tuple[str, torch.dtype], Tensor] = {}
 
@@ -131,7 +130,6 @@ class ReduceFromTP(Function):
     """g: sums the row shards' partial outputs over the tp ranks (in place, on a fresh unsaved input)."""
     @staticmethod
     def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
-        assert x.is_contiguous()
         dist.all_reduce(x, group=group)  # g: sum over tp ranks of the row-parallel partial outputs
         ctx.mark_dirty(x)
         return x
@@ -449,7 +447,6 @@ class DataParallelGrads:
     copy out. SUM, not mean: train.py divides each loss by global counts (over the whole batch on all
     dp ranks), so the sum is the one-big-batch gradient. Costs one more copy of the grads in memory
     (Megatron makes the grads views into the buffer instead). Trainable params must share one dtype."""
-
     def __init__(self, model: nn.Module, groups: ParallelGroups):
         self.params, self.group, self.flat = [p for p in model.parameters() if p.requires_grad], groups.dp_group, None
 
