@@ -92,6 +92,7 @@ class TrainConfig:
     sequence_parallel: bool = False  # tp.py's sequence parallelism in the training forward
     phases: bool = True              # memory.py sleep/wake of KV cache, grads, optimizer state between phases
     activation_checkpoint: bool = False  # recompute each block in backward (memory.py)
+    activation_offload: bool = False # saved activations to (pinned) host memory in the training forward
     threads: int = 1                 # CPU threads per process (1 suits tiny models and shared machines); 0 = torch's default
     # output
     out: str = "runs/default"        # metrics.jsonl and checkpoints go here
@@ -235,10 +236,11 @@ def score(task, completions: list[str], references: list[str]) -> tuple[torch.Te
     return torch.tensor(rewards), missing
 
 
-def peak_memory(device: torch.device) -> float:
-    """GB: torch.cuda.max_memory_allocated on a GPU, the process's peak RSS on a CPU."""
+def peak_memory(device: torch.device, mem: memory.PhaseManager) -> float:
+    """GB: the peak of torch.cuda.max_memory_allocated over all phases on a GPU, the process's peak RSS
+    on a CPU."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 1e9
+        return max(mem.peak_bytes(), torch.cuda.max_memory_allocated(device)) / 1e9
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # Linux reports KiB
 
 
@@ -290,15 +292,14 @@ def run(cfg: TrainConfig, explicit: set[str]) -> None:
                            chunk_size=cfg.chunk_size, micro_batch_groups=min(cfg.micro_batch_groups, local_prompts),
                            mu=cfg.mu, max_completion_len=max_new)
     start = checkpoint.load_checkpoint(resume_dir, optimizer, groups) if resume_dir else 0
-    if cfg.activation_checkpoint:
-        memory.checkpoint_blocks(model)
     logprob_fn = partial(tp.vocab_parallel_logprobs, groups=groups) if groups.tp_size > 1 else None
     logits_fn = partial(tp.gather_vocab, groups=groups) if groups.tp_size > 1 else None
     dp_grads = tp.DataParallelGrads(model, groups)
 
     cache = rollout.KVCache.for_batch(mcfg, local_prompts, G, cfg.max_prompt_len, max_new,
                                       next(sampler.parameters()).dtype, device, tp_size=groups.tp_size)
-    mem = memory.PhaseManager(device, memory.MemoryConfig(pin_memory=True))
+    mem = memory.PhaseManager(device, memory.MemoryConfig(activation_checkpoint=cfg.activation_checkpoint,
+                                                          activation_offload=cfg.activation_offload))
     mem.add_weights(model, sampler)
     mem.add_kv_cache(cache.buffer)
     mem.add_grads(model)
@@ -338,7 +339,7 @@ def run(cfg: TrainConfig, explicit: set[str]) -> None:
             out = rollout.generate(sampler, prompts, num_samples=G, max_new_tokens=max_new,
                                    temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, stop_ids=stop_ids,
                                    seed=cfg.seed * 1_000_003 + step * 7919 + groups.dp_rank, cache=cache,
-                                   logits_fn=logits_fn)
+                                   logits_fn=logits_fn, cuda_graphs=groups.tp_size == 1)  # no collectives in a graph
         t_rollout = time.perf_counter() - step_start
         # 5. rewards and advantages (over the whole generation batch: gather every dp rank's rewards)
         texts = [tokenizer.decode([t for t in c if t not in stop_ids]) for c in out.completions]
@@ -375,7 +376,7 @@ def run(cfg: TrainConfig, explicit: set[str]) -> None:
                     group["lr"] = learning_rate(cfg, opt_step, total_opt_steps)
                 optimizer.zero_grad(set_to_none=True)
                 sp = tp.sequence_parallel(model, cfg.sequence_parallel) if groups.tp_size > 1 else contextlib.nullcontext()
-                with sp:
+                with sp, mem.activations(model):
                     m = grpo.accumulate(model, batch, gcfg, logprob_fn=logprob_fn, num_seqs=int(num_seqs),
                                         num_tokens=max(1, int(num_tokens)))
                 dp_grads.all_reduce()
@@ -400,7 +401,7 @@ def run(cfg: TrainConfig, explicit: set[str]) -> None:
                       completion_len=sum(map(len, out.completions)) / len(out.completions),
                       tokens_per_s=out.stats["new_tokens"] * groups.dp_size / max(t_rollout, 1e-9),
                       t_rollout=t_rollout, t_logprobs=t_logprobs, t_train=t_train, t_step=seconds,
-                      peak_gb=peak_memory(device), lr=optimizer.param_groups[0]["lr"],
+                      peak_gb=peak_memory(device, mem), lr=optimizer.param_groups[0]["lr"],
                       missing_rewards=missing, truncated_prompts=truncated, skipped_updates=skipped)
         if rank == 0:
             with open(metrics_file, "a") as f:
