@@ -12,12 +12,13 @@ Two memory tricks, each tested against its obvious slow twin in tests/test_grpo.
    model.prefix_attention (G rows folded into the query dimension, no G copies). Tokens forwarded:
    Bp*(P + G*Tr) instead of Bp*G*(P + Tr). The prompt stays in the graph, so the gradients of all G
    completions sum into it; a no-grad prompt (what #2669 first did) gives a truncated gradient.
-2. Chunked logprobs: final norm + lm_head + log-softmax + gather run chunk_size tokens at a time and
-   are recomputed chunk by chunk in backward (activation checkpointing), so the (tokens x V) logits
-   never exist at once, forward or backward (Liger's fused loss makes the same trade).
+2. Chunked logprobs: final norm + lm_head + softmax + gather run chunk_size tokens at a time and
+   each chunk's logits are rebuilt in backward, so the (tokens x V) logits never exist at once,
+   forward or backward (Liger's fused loss makes the same trade). The default path is a custom
+   autograd Function that keeps one log-sum-exp per token; a caller's logprob_fn (tp.py's
+   vocab-parallel one) is wrapped in activation checkpointing instead.
 
-Leaves out: sampling (rollout.py), rewards (train.py), the optimizer step, value models, and
-sequence packing. Entropy is a metric only: completion_logprobs returns it detached.
+Leaves out: sampling (rollout.py), rewards (train.py), the optimizer step, value models, packing.
 
 Shapes: Bp prompts, G samples per prompt, N = Bp*G rows, P prompt length, Tr completion length,
 n selected (valid) completion tokens, C width, V vocab (V/tp under tensor parallelism).
@@ -51,29 +52,23 @@ class GRPOConfig:
     eps_high: float = 0.28            # clip-higher (DAPO): more room for unlikely tokens to grow
     beta: float = 0.0                 # k3 KL weight; 0 means no reference model is needed
     temperature: float = 1.0          # must equal the sampler's, or ratio != 1 at mu = 1 (trl#4159)
-    chunk_size: int = 1024            # completion tokens per logprob chunk; 0 = one chunk, no recompute
+    chunk_size: int = 512             # completion tokens per logprob chunk (0 = unchunked twin)
     micro_batch_groups: int = 1       # whole groups per forward/backward
     mu: int = 1                       # optimizer steps per generation batch
     max_completion_len: int = 256     # Dr. GRPO's constant normaliser (per sequence)
     std_eps: float = 1e-4             # advantage = (r - mean) / (std + std_eps)
 
     def __post_init__(self):
-        def refuse(field: str, why: str):
-            raise ValueError(f"GRPOConfig.{field} = {getattr(self, field)!r}: {why}")
-        if self.loss_type not in LOSS_TYPES:
-            refuse("loss_type", f"must be one of {LOSS_TYPES}")
-        if self.scale not in SCALES:
-            refuse("scale", f"must be one of {SCALES}")
-        for name in ("num_samples", "micro_batch_groups", "mu", "max_completion_len"):
-            if getattr(self, name) < 1:
-                refuse(name, "must be >= 1")
-        if not 0 <= self.eps_low < 1:
-            refuse("eps_low", "must be in [0, 1) so that the lower clip 1 - eps_low stays positive")
-        for name in ("eps_high", "beta", "chunk_size", "std_eps"):
-            if getattr(self, name) < 0:
-                refuse(name, "must be >= 0")
-        if self.temperature <= 0:
-            refuse("temperature", "must be > 0")
+        checks = [("loss_type", self.loss_type in LOSS_TYPES, f"must be one of {LOSS_TYPES}"),
+                  ("scale", self.scale in SCALES, f"must be one of {SCALES}"),
+                  ("eps_low", 0 <= self.eps_low < 1, "must be in [0, 1): the lower clip 1 - eps_low stays > 0"),
+                  ("temperature", self.temperature > 0, "must be > 0")]
+        checks += [(f, getattr(self, f) >= 1, "must be >= 1") for f in ("num_samples", "micro_batch_groups", "mu",
+                                                                         "max_completion_len")]
+        checks += [(f, getattr(self, f) >= 0, "must be >= 0") for f in ("eps_high", "beta", "chunk_size", "std_eps")]
+        for field, ok, why in checks:
+            if not ok:
+                raise ValueError(f"GRPOConfig.{field} = {getattr(self, field)!r}: {why}")
 
 # -----------------------------------------------------------------------------
 # Advantages
@@ -91,61 +86,100 @@ def group_advantages(rewards: Tensor, num_samples: int, scale: str = "group", st
         raise ValueError(f"scale = {scale!r} must be one of {SCALES}")
     r = rewards.double().view(-1, num_samples)  # (Bp, G)
     valid = ~torch.isnan(r)
-    r0 = torch.where(valid, r, 0.0)
     count = valid.sum(1, keepdim=True)  # (Bp, 1)
-    mean = r0.sum(1, keepdim=True) / count.clamp_min(1)
+    mean = torch.where(valid, r, 0.0).sum(1, keepdim=True) / count.clamp_min(1)
     centred = torch.where(valid, r - mean, 0.0)
     std = (centred.pow(2).sum(1, keepdim=True) / count.clamp_min(1)).sqrt()
     # All-equal groups: r - mean may be 1e-17, not 0, after rounding; force an exact 0 (never NaN).
-    r_max = torch.where(valid, r, -torch.inf).amax(1, keepdim=True)
-    r_min = torch.where(valid, r, torch.inf).amin(1, keepdim=True)
-    centred = torch.where(r_max > r_min, centred, 0.0)
-    if scale == "group":
-        centred = centred / (std + std_eps)
-    elif scale == "batch":  # std of the raw rewards over the whole batch (TRL's scale_rewards="batch")
+    r_max, r_min = torch.where(valid, r, -torch.inf).amax(1), torch.where(valid, r, torch.inf).amin(1)
+    centred = torch.where((r_max > r_min)[:, None], centred, 0.0)
+    if scale != "none":  # "batch": the std of the raw rewards over the whole batch (TRL's scale_rewards="batch")
         batch_std = r[valid].std(correction=0) if valid.any() else r.new_zeros(())
-        centred = centred / (batch_std + std_eps)
+        centred = centred / ((std if scale == "group" else batch_std) + std_eps)
     return centred.view(-1).to(rewards.dtype)
 
 # -----------------------------------------------------------------------------
 # Chunked logprobs
 
 
+def head_logits(model, h: Tensor, temperature: float) -> Tensor:
+    """Final norm + lm_head, (n, C) -> (n, V) in float32 (or float64), divided by the temperature the
+    way the sampler does, logits.float() / temperature: a mismatch gives ratio != 1 at mu = 1 (trl#4159)."""
+    logits = model.head(h).to(torch.promote_types(h.dtype, torch.float32))
+    return logits if temperature == 1.0 else logits / temperature
+
+
 def logprobs_from_logits(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
-    """The default logprob_fn: logits (n, V), targets (n,) -> logp (n,) float32 and entropy (n,).
-    tp.py's vocab-parallel function has the same signature with logits (n, V/tp)."""
-    logp_all = logits.float().log_softmax(-1)  # (n, V)
-    logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)  # (n,)
-    with torch.no_grad():  # entropy is a metric: no graph, nothing saved for backward
+    """The plain twin: log_softmax + gather; entropy -sum(p log p) without grad. (n, V), (n,) -> (n,), (n,).
+    tp.py's vocab-parallel function has the same signature, with logits (n, V/tp)."""
+    logp_all = logits.log_softmax(-1)  # (n, V)
+    with torch.no_grad():
         entropy = -(logp_all.exp() * logp_all).sum(-1)  # (n,)
-    return logp, entropy
+    return logp_all.gather(-1, targets[:, None]).squeeze(-1), entropy
 
 
-def chunked_logprobs(head: Callable, h: Tensor, targets: Tensor, *, temperature: float = 1.0,
-                     chunk_size: int = 1024, logprob_fn: Callable | None = None) -> tuple[Tensor, Tensor]:
-    """logp and entropy (n,) of targets (n,) under softmax(head(h) / temperature), h (n, C), computed
-    chunk_size rows at a time. With grad, each chunk is recomputed in backward, so at most one chunk of
-    (chunk_size, V) logits is alive at any time. chunk_size = 0: one chunk, nothing recomputed."""
-    logprob_fn = logprob_fn or logprobs_from_logits
+class ChunkedSoftmaxLogprobs(torch.autograd.Function):
+    """The default chunked path: h (n, C), targets (n,) -> logp (n,), entropy (n,) (not differentiable).
+    Forward keeps one log-sum-exp per token; backward rebuilds each chunk's logits and applies
+    d logp / d logits = onehot - softmax by hand: one lm_head matmul more than an unchunked pass, but
+    fewer (n, V) passes than log_softmax + gather, and no rerun of the softmax as checkpoint would do."""
+
+    @staticmethod
+    def forward(ctx, h: Tensor, targets: Tensor, model, temperature: float, chunk_size: int, *params: Tensor):
+        dtype = torch.promote_types(h.dtype, torch.float32)
+        logp, entropy, lse = (torch.empty(h.shape[0], device=h.device, dtype=dtype) for _ in range(3))
+        for start in range(0, h.shape[0], chunk_size):
+            rows = slice(start, start + chunk_size)
+            z = head_logits(model, h[rows], temperature)  # (n_chunk, V), no graph inside forward
+            row_max = z.amax(-1, keepdim=True)  # (n_chunk, 1)
+            e = torch.sub(z, row_max).exp_()  # (n_chunk, V) unnormalised softmax, exp in place
+            total = e.sum(-1)  # (n_chunk,)
+            lse[rows] = row_max.squeeze(-1) + total.log()
+            entropy[rows] = lse[rows] - (e[:, None] @ z[:, :, None]).view(-1) / total  # H = lse - E_p[z]
+            logp[rows] = z.gather(-1, targets[rows, None]).squeeze(-1) - lse[rows]
+        ctx.model, ctx.temperature, ctx.chunk_size = model, temperature, chunk_size
+        ctx.save_for_backward(h, targets, lse, *params)
+        ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp: Tensor, grad_entropy: Tensor):
+        h, targets, lse, *params = ctx.saved_tensors
+        grad_h, grad_params = torch.empty_like(h), [None] * len(params)
+        for start in range(0, h.shape[0], ctx.chunk_size):
+            rows = slice(start, start + ctx.chunk_size)
+            with torch.enable_grad():
+                h_chunk = h[rows].detach().requires_grad_()
+                z = head_logits(ctx.model, h_chunk, ctx.temperature)  # (n_chunk, V) rebuilt
+            g = grad_logp[rows, None].to(z.dtype)  # (n_chunk, 1)
+            grad_z = torch.sub(z.detach(), lse[rows, None]).exp_().mul_(-g)  # -g * softmax
+            grad_z.scatter_add_(1, targets[rows, None], g)  # + g * onehot
+            grads = torch.autograd.grad(z, [h_chunk, *params], grad_z, allow_unused=True)
+            grad_h[rows] = grads[0]
+            grad_params = [new if acc is None else acc if new is None else acc.add_(new)  # None: not in the head
+                           for acc, new in zip(grad_params, grads[1:])]
+        return grad_h, None, None, None, None, *grad_params
+
+
+def chunked_logprobs(model, h: Tensor, targets: Tensor, *, temperature: float = 1.0, chunk_size: int = 512,
+                     logprob_fn: Callable | None = None) -> tuple[Tensor, Tensor]:
+    """logp and entropy (n,) of targets (n,) under softmax(model.head(h) / temperature), h (n, C), chunk_size
+    rows at a time: at most one chunk of (chunk_size, V) logits is alive, forward or backward.
+    chunk_size = 0 is the unchunked twin. logprob_fn (e.g. tp.py's) is checkpointed chunk by chunk."""
+    if chunk_size == 0 or h.shape[0] == 0:
+        return (logprob_fn or logprobs_from_logits)(head_logits(model, h, temperature), targets)
+    if logprob_fn is None:
+        params = [p for p in model.parameters() if p.requires_grad]  # those the head uses get grads
+        return ChunkedSoftmaxLogprobs.apply(h, targets, model, temperature, chunk_size, *params)
 
     def one_chunk(h_chunk: Tensor, t_chunk: Tensor) -> tuple[Tensor, Tensor]:
-        # float32 before dividing: the same logits/temperature the sampler draws from (trl#4159).
-        return logprob_fn(head(h_chunk).float() / temperature, t_chunk)  # (n_chunk,), (n_chunk,)
+        return logprob_fn(head_logits(model, h_chunk, temperature), t_chunk)
 
-    n = h.shape[0]
-    if chunk_size == 0 or n <= chunk_size and not torch.is_grad_enabled():
-        return one_chunk(h, targets)
-    parts = []
-    # NOTE: the chunk boundaries depend only on n, which every tensor-parallel rank shares (same batch):
-    # a vocab-parallel logprob_fn runs collectives, and all ranks must run the same chunks in the same
-    # order, also in backward where checkpoint reruns them in reverse chunk order on every rank.
-    for start in range(0, n, chunk_size):
-        h_chunk, t_chunk = h[start:start + chunk_size], targets[start:start + chunk_size]
-        if torch.is_grad_enabled():
-            # Keeps only h_chunk (chunk_size, C); the (chunk_size, V) logits are rebuilt in backward.
-            parts.append(checkpoint(one_chunk, h_chunk, t_chunk, use_reentrant=False))
-        else:
-            parts.append(one_chunk(h_chunk, t_chunk))
+    # NOTE: chunks depend only on n, the same on all tensor-parallel ranks (same batch): a vocab-parallel
+    # logprob_fn runs collectives, so all ranks must run the same chunks in the same order, backward too.
+    parts = [checkpoint(one_chunk, h[s:s + chunk_size], targets[s:s + chunk_size], use_reentrant=False)
+             if torch.is_grad_enabled() else one_chunk(h[s:s + chunk_size], targets[s:s + chunk_size])
+             for s in range(0, h.shape[0], chunk_size)]
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])  # (n,), (n,)
 
 # -----------------------------------------------------------------------------
@@ -155,9 +189,8 @@ def chunked_logprobs(head: Callable, h: Tensor, targets: Tensor, *, temperature:
 def pad_right(seqs: list[list[int]], device: torch.device) -> tuple[Tensor, Tensor]:
     """Ragged token lists -> ids (B, T) right-padded with 0, lengths (B,)."""
     lens = [len(s) for s in seqs]
-    ids = torch.zeros(len(seqs), max(lens, default=0), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, :len(s)] = torch.tensor(s, dtype=torch.long)
+    T = max(lens, default=0)
+    ids = torch.tensor([s + [0] * (T - len(s)) for s in seqs], dtype=torch.long).reshape(len(seqs), T)
     return ids.to(device), torch.tensor(lens, dtype=torch.long, device=device)
 
 
@@ -203,7 +236,7 @@ def naive_hidden(model, prompts: list[list[int]], completions: list[list[int]], 
 
 
 def completion_logprobs(model, prompts: list[list[int]], completions: list[list[int]], *, num_samples: int,
-                        temperature: float = 1.0, chunk_size: int = 1024, logprob_fn: Callable | None = None,
+                        temperature: float = 1.0, chunk_size: int = 512, logprob_fn: Callable | None = None,
                         shared_prompt: bool = True) -> tuple[Tensor, Tensor, Tensor]:
     """Per-token logprobs of the completions under the model: logp (N, Tr) float32, entropy (N, Tr)
     detached, mask (N, Tr) bool; zeros where mask is False. Works with grad and under no_grad.
@@ -228,7 +261,7 @@ def completion_logprobs(model, prompts: list[list[int]], completions: list[list[
         h = naive_hidden(model, prompts, completions, G, Tr)  # (N, Tr, C)
     mask = torch.arange(Tr, device=device) < comp_lens[:, None]  # (N, Tr)
     # Only valid tokens reach the head: the padding never costs a vocab-sized row.
-    logp, entropy = chunked_logprobs(model.head, h[mask], comp_ids[mask], temperature=temperature,
+    logp, entropy = chunked_logprobs(model, h[mask], comp_ids[mask], temperature=temperature,
                                      chunk_size=chunk_size, logprob_fn=logprob_fn)  # (n,), (n,)
     zeros = torch.zeros(N, Tr, dtype=logp.dtype, device=device)
     return zeros.index_put((mask,), logp), zeros.index_put((mask,), entropy.detach().to(logp.dtype)), mask
@@ -250,9 +283,9 @@ def grpo_loss(logp: Tensor, old_logp: Tensor | None, ref_logp: Tensor | None, ad
        per token, added to the loss (not folded into the reward).
     4. Aggregation: "grpo" mean over each sequence's tokens, then sum / num_seqs; "dapo" sum over
        tokens / num_tokens; "dr_grpo" sum over tokens / (num_seqs * max_completion_len).
-    5. Metrics over this micro-batch's valid tokens: clip_low (ratio < 1 - eps_low with A < 0) and
-       clip_high (ratio > 1 + eps_high with A > 0), the fractions whose gradient the clip zeroes;
-       ratio_mean/min/max; kl (when ref_logp is given). Entropy comes from completion_logprobs.
+    5. Metrics over the micro-batch's valid tokens: clip_low (ratio < 1 - eps_low, A < 0) and clip_high
+       (ratio > 1 + eps_high, A > 0), whose gradient the clip zeroes; ratio_mean/min/max; kl if ref_logp
+       is given. Entropy is not a loss term here: accumulate reports completion_logprobs' entropy.
     """
     for name, t in (("old_logp", old_logp), ("ref_logp", ref_logp), ("mask", mask)):
         if t is not None and t.shape != logp.shape:
@@ -268,33 +301,25 @@ def grpo_loss(logp: Tensor, old_logp: Tensor | None, ref_logp: Tensor | None, ad
     old_logp = logp.detach() if old_logp is None else old_logp
     zero = torch.zeros_like(logp)
     # Zero the padding BEFORE exp: garbage there would give inf, and inf * 0 = NaN in backward.
-    log_ratio = torch.where(mask, logp - old_logp, zero)
-    ratio = torch.exp(log_ratio)  # (N, Tr)
+    ratio = torch.exp(torch.where(mask, logp - old_logp, zero))  # (N, Tr)
     adv = advantages[:, None].to(logp.dtype)  # (N, 1)
     per_token = -torch.min(ratio * adv, ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high) * adv)  # (N, Tr)
-    kl = None
-    if ref_logp is not None:
-        delta = torch.where(mask, ref_logp - logp, zero)
-        kl = torch.exp(delta) - delta - 1  # k3: unbiased for KL(pi || ref), >= 0 per token
-        if cfg.beta > 0:
-            per_token = per_token + cfg.beta * kl
+    delta = None if ref_logp is None else torch.where(mask, ref_logp - logp, zero)
+    kl = None if delta is None else torch.exp(delta) - delta - 1  # k3: unbiased for KL(pi || ref), >= 0 per token
+    if cfg.beta > 0:  # ref_logp is not None: checked above
+        per_token = per_token + cfg.beta * kl
     per_token = torch.where(mask, per_token, zero)
-    if cfg.loss_type == "grpo":
-        loss = (per_token.sum(1) / mask.sum(1).clamp_min(1)).sum() / num_seqs
-    elif cfg.loss_type == "dapo":
-        loss = per_token.sum() / num_tokens
-    else:
-        loss = per_token.sum() / (num_seqs * cfg.max_completion_len)
+    if cfg.loss_type == "grpo":  # each sequence's token mean first: long completions weigh less per token
+        per_token = per_token / mask.sum(1, keepdim=True).clamp_min(1)
+    normaliser = {"grpo": num_seqs, "dapo": num_tokens, "dr_grpo": num_seqs * cfg.max_completion_len}
+    loss = per_token.sum() / normaliser[cfg.loss_type]
     with torch.no_grad():
         n = mask.sum().clamp_min(1)
-        stats = {
-            "loss": loss,
-            "clip_low": ((ratio < 1 - cfg.eps_low) & (adv < 0) & mask).sum() / n,
-            "clip_high": ((ratio > 1 + cfg.eps_high) & (adv > 0) & mask).sum() / n,
-            "ratio_mean": torch.where(mask, ratio, zero).sum() / n,
-            "ratio_min": torch.where(mask, ratio, torch.inf).amin(),
-            "ratio_max": torch.where(mask, ratio, -torch.inf).amax(),
-        }
+        stats = {"loss": loss, "clip_low": ((ratio < 1 - cfg.eps_low) & (adv < 0) & mask).sum() / n,
+                 "clip_high": ((ratio > 1 + cfg.eps_high) & (adv > 0) & mask).sum() / n,
+                 "ratio_mean": torch.where(mask, ratio, zero).sum() / n,
+                 "ratio_min": torch.where(mask, ratio, torch.inf).amin(),
+                 "ratio_max": torch.where(mask, ratio, -torch.inf).amax()}
         if kl is not None:
             stats["kl"] = torch.where(mask, kl, zero).sum() / n
         values = torch.stack([v.float() for v in stats.values()]).tolist()  # one host sync for all metrics
@@ -324,8 +349,8 @@ def batch_logprobs(model, prompts: list[list[int]], completions: list[list[int]]
                    logprob_fn: Callable | None = None) -> Tensor:
     """Old or reference logprobs (N, Tr) without grad, one micro-batch at a time (the same slices
     accumulate uses), padded with zeros to the batch's longest completion."""
-    out = torch.zeros(len(completions), max((len(c) for c in completions), default=0),
-                      device=next(model.parameters()).device)
+    Tr, device = max((len(c) for c in completions), default=0), next(model.parameters()).device
+    out = torch.zeros(len(completions), Tr, device=device)
     for prompt_rows, rows in micro_batches(len(prompts), cfg):
         logp, _, _ = completion_logprobs(model, prompts[prompt_rows], completions[rows], num_samples=cfg.num_samples,
                                          temperature=cfg.temperature, chunk_size=cfg.chunk_size, logprob_fn=logprob_fn)
@@ -346,14 +371,13 @@ def accumulate(model, batch: GRPOBatch, cfg: GRPOConfig, *, logprob_fn: Callable
     if batch.advantages.shape != (N,):
         raise ValueError(f"batch.advantages has shape {tuple(batch.advantages.shape)}, expected ({N},)")
     Tr = max((len(c) for c in batch.completions), default=0)
-    for name in ("old_logp", "ref_logp"):
-        t = getattr(batch, name)
+    for name, t in (("old_logp", batch.old_logp), ("ref_logp", batch.ref_logp)):
         if t is not None and t.shape != (N, Tr):
             raise ValueError(f"batch.{name} has shape {tuple(t.shape)}, expected ({N}, {Tr})")
     num_seqs = N if num_seqs is None else num_seqs
     num_tokens = sum(len(c) for c in batch.completions) if num_tokens is None else num_tokens
     totals: dict[str, float] = {}
-    weight = 0.0
+    tokens_seen = 0.0  # valid completion tokens of the micro-batches so far: the metrics' weights
     for prompt_rows, rows in micro_batches(len(batch.prompts), cfg):
         logp, entropy, mask = completion_logprobs(
             model, batch.prompts[prompt_rows], batch.completions[rows], num_samples=cfg.num_samples,
@@ -363,21 +387,14 @@ def accumulate(model, batch: GRPOBatch, cfg: GRPOConfig, *, logprob_fn: Callable
         ref = None if batch.ref_logp is None else batch.ref_logp[rows, :T]
         loss, metrics = grpo_loss(logp, old, ref, batch.advantages[rows], mask, cfg,
                                   num_seqs=num_seqs, num_tokens=max(num_tokens, 1))
-        if loss.requires_grad:  # False only when every completion of the micro-batch is empty
-            loss.backward()
+        loss.backward()
         tokens = float(mask.sum())
         metrics["entropy"] = float((entropy * mask).sum()) / max(tokens, 1.0)
         for key, value in metrics.items():
-            if key == "loss":
-                totals[key] = totals.get(key, 0.0) + value
-            elif key == "ratio_min":
-                totals[key] = min(totals.get(key, value), value)
-            elif key == "ratio_max":
-                totals[key] = max(totals.get(key, value), value)
-            else:  # token-weighted, so the mean is over the batch's tokens, not over micro-batches
-                totals[key] = totals.get(key, 0.0) + value * tokens
-        weight += tokens
-    for key in totals:
-        if key not in ("loss", "ratio_min", "ratio_max"):
-            totals[key] /= max(weight, 1.0)
-    return totals
+            prev = totals.get(key)
+            if key in ("ratio_min", "ratio_max"):
+                totals[key] = value if prev is None else (min if key == "ratio_min" else max)(prev, value)
+            else:  # loss: a plain sum (already normalised by the batch counts); others: token-weighted sums
+                totals[key] = (prev or 0.0) + (value if key == "loss" else value * tokens)
+        tokens_seen += tokens
+    return {k: v if k in ("loss", "ratio_min", "ratio_max") else v / max(tokens_seen, 1.0) for k, v in totals.items()}
