@@ -130,7 +130,8 @@ def config_to_hf(cfg: ModelConfig, dtype: torch.dtype) -> dict:
 def rope_inv_freq(cfg: ModelConfig) -> Tensor:
     """Inverse frequencies (D/2,), in HF's exact float32 arithmetic, with optional rope scaling."""
     D = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D))
+    # device="cpu" explicitly: the model may be built under `with torch.device("meta")`.
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64, device="cpu").float() / D))
     s = cfg.rope_scaling
     if s is None:
         return inv_freq
@@ -286,8 +287,9 @@ class Llama(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        # Not a parameter and not saved: recomputed from the config, like HF's rotary_emb.inv_freq.
-        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        # Not a parameter, not saved, and not a buffer: module.to(bfloat16) would round the frequencies
+        # (HF keeps them in float32). It follows the tokens' device on first use instead.
+        self.inv_freq = rope_inv_freq(cfg)  # (D/2,) float32
 
     def init_weights(self, seed: int = 0, std: float = 0.02) -> "Llama":
         """HF's initialisation (normal(0, initializer_range), norms at 1, biases 0), reproducible by seed."""
@@ -308,6 +310,8 @@ class Llama(nn.Module):
         assert tokens.dim() == 2, f"tokens must be (B, T), got {tuple(tokens.shape)}"
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device).expand(tokens.shape)
+        if self.inv_freq.device != tokens.device:
+            self.inv_freq = self.inv_freq.to(tokens.device)
         x = self.model.embed_tokens(tokens)  # (B, T, C)
         cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)  # (B, T, D)
         for block in self.model.layers:
@@ -333,7 +337,6 @@ class Llama(nn.Module):
         model.to(dtype)
         if cfg.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
-        model.inv_freq = rope_inv_freq(cfg).to(device)  # float32 always, like HF
         files = checkpoint_files(path)
         expected = dict(model.named_parameters())  # tied lm_head appears once, as embed_tokens
         missing = sorted(set(expected) - set(files))

@@ -157,11 +157,13 @@ def test_save_load_round_trip_bit_exact(tmp_path, tied, shard):
     assert torch.equal(m(x), m2(x))
 
 
-def test_load_in_bfloat16_keeps_rope_in_float32(tmp_path):
+def test_bfloat16_keeps_rope_frequencies_in_float32(tmp_path):
+    """Regression: as a buffer, inv_freq was rounded to bf16 by model.to(bfloat16) (HF keeps float32)."""
     make().save_pretrained(str(tmp_path))
-    m = M.Llama.from_pretrained(str(tmp_path), dtype=torch.bfloat16)
-    assert m.lm_head.weight.dtype == torch.bfloat16 and m.inv_freq.dtype == torch.float32
-    assert m(torch.tensor([[1, 2, 3]])).dtype == torch.bfloat16
+    for m in (M.Llama.from_pretrained(str(tmp_path), dtype=torch.bfloat16), make().to(torch.bfloat16)):
+        assert m.lm_head.weight.dtype == torch.bfloat16 and m.inv_freq.dtype == torch.float32
+        assert torch.equal(m.inv_freq, M.rope_inv_freq(m.config))
+        assert m(torch.tensor([[1, 2, 3]])).dtype == torch.bfloat16
 
 
 def test_llama3_rope_scaling_matches_scalar_formula():
