@@ -239,7 +239,7 @@ def test_released_kv_cache_is_a_clear_error_and_wakes_in_place(model):
     ([[1]], {"top_k": -1}, "top_k must be an integer >= 0"),
     ([[1]], {"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
     ([[1]], {"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
-    ([[1]], {"stop_ids": (3, 500)}, r"stop_ids has 500 outside the vocabulary"),
+    ([[1]], {"stop_ids": (3, 500)}, r"stop_ids has token id 500 outside the vocabulary"),
     ([[1]], {"check_every": 0}, "check_every must be an integer >= 1"),
 ])
 def test_bad_input_is_a_clear_error(model, prompts, kwargs, message):
