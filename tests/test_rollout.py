@@ -10,7 +10,8 @@ orders (log-sum-exp merge vs one softmax), which moves values by ~1e-6, not more
 import pytest
 import torch
 
-from model import Llama, ModelConfig
+import rollout
+from model import Llama, ModelConfig, prefix_attention
 from rollout import KVCache, Rollout, RolloutConfig, filter_logits, generate, sample
 
 CFG = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
@@ -158,6 +159,49 @@ def test_generate_takes_a_rollout_config_and_applies_logits_fn(model):
     out = generate(model, PROMPTS, **vars(cfg), logits_fn=ban_token_10)
     assert isinstance(out, Rollout) and all(10 not in c for c in out.completions)
     assert calls[0] == (len(PROMPTS), CFG.vocab_size) and len(calls) == out.stats["decode_steps"] + 1
+
+def test_fused_cpu_attention_equals_model_prefix_attention():
+    """The CPU fast path (SDPA's fused kernel + lse merge) against model.prefix_attention, ragged prefixes."""
+    gen = torch.Generator().manual_seed(0)
+    Bp, G, H, Hkv, D, P, T = 3, 4, 4, 2, 16, 9, 5
+    q, k, v = (torch.randn(shape, generator=gen) for shape in [(Bp * G, H, 1, D)] + [(Bp * G, Hkv, T, D)] * 2)
+    prefix_k, prefix_v = torch.randn(2, Bp, Hkv, P, D, generator=gen)
+    valid = torch.arange(P) < torch.tensor([9, 4, 1])[:, None]  # (Bp, P)
+    bias = torch.zeros(Bp, P).masked_fill(~valid, float("-inf"))[:, None, None]
+    expected = prefix_attention(q, k, v, torch.ones(1, 1, T, dtype=torch.bool), prefix_k, prefix_v, valid)
+    got = rollout._fused_prefix_attention(q, k, v, prefix_k, prefix_v, bias)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)  # fp32, same math, different summation order
+
+
+def test_generic_decode_path_equals_fused_path(model, monkeypatch):
+    """The path CUDA takes (model.prefix_attention with a mask), run on the CPU, with rows dropped."""
+    kwargs = dict(num_samples=3, max_new_tokens=24, temperature=0.9, stop_ids=(5, 9, 17, 23), seed=5, check_every=2)
+    fused = generate(model, PROMPTS, **kwargs)
+    monkeypatch.setattr(rollout, "_CPU_FLASH", None)
+    generic = generate(model, PROMPTS, **kwargs)
+    assert generic.completions == fused.completions and fused.stats["compactions"] > 0
+    torch.testing.assert_close(torch.tensor(sum(generic.logprobs, [])), torch.tensor(sum(fused.logprobs, [])),
+                               rtol=0, atol=TOL)
+
+
+def test_decode_attention_over_all_completion_slots_masks_the_unwritten_ones(monkeypatch):
+    """A CUDA graph attends to all Tc completion slots with a mask on `step` (static shapes); the CPU path
+    slices to the step + 1 written ones. Both must agree, also with garbage in the unwritten slots."""
+    monkeypatch.setattr(rollout, "_CPU_FLASH", None)
+    gen = torch.Generator().manual_seed(1)
+    Bp, G, H, Hkv, D, P, Tc, t = 2, 3, 4, 2, 8, 6, 7, 3
+    cache = KVCache(KVCache.numel_for(1, Hkv, D, Bp, G, P, Tc + 1), torch.float32, "cpu")
+    views = cache.carve(1, Hkv, D, Bp, G, P, Tc + 1)
+    for x in sum(views, []):
+        x.copy_(torch.randn(x.shape, generator=gen))  # written slots and garbage alike
+    step = torch.tensor([t])
+    attn = rollout._DecodeAttention(views, step, Tc)
+    attn.set_layout(rollout._Layout.of([0, 1, 2, 4, 5], G, [6, 3]), torch.tensor([6, 3]))  # row 3 finished
+    q, k, v = (torch.randn(shape, generator=gen) for shape in [(5, H, 1, D)] + [(5, Hkv, 1, D)] * 2)
+    full = attn(0, q, k, v)  # (N, H, 1, D)
+    attn.own_len = t + 1
+    torch.testing.assert_close(attn(0, q, k, v), full, rtol=0, atol=1e-6)
+
 
 # -----------------------------------------------------------------------------
 # Sampling masks on hand-built distributions
