@@ -203,8 +203,8 @@ def _fused_prefix_attention(q: Tensor, k: Tensor, v: Tensor, prefix_k: Tensor, p
     lse_p = lse_p.view(Bp, Hkv, G, rep).transpose(1, 2).reshape(S, H, 1)  # (S, H, 1)
     out_s, lse_s = _CPU_FLASH(q.view(S, Hkv, rep, D), k, v)  # (S, Hkv, rep, D), (S, Hkv, rep)
     out_s, lse_s = out_s.reshape(S, H, 1, D), lse_s.reshape(S, H, 1)
-    lse = torch.logaddexp(lse_p, lse_s)  # (S, H, 1)
-    return out_p * torch.exp(lse_p - lse)[..., None] + out_s * torch.exp(lse_s - lse)[..., None]
+    # The log-sum-exp merge, as one weight: e^lse_p / (e^lse_p + e^lse_s) = sigmoid(lse_p - lse_s).
+    return torch.lerp(out_s, out_p, torch.sigmoid(lse_p - lse_s)[..., None])  # (S, H, 1, D)
 
 
 class _DecodeAttention:

@@ -9,7 +9,7 @@ The naive sampler is the obvious design: every sample is its own cache row, so t
 G times and its KV stored G times (what nanochat-style engines and transformers' generate do).
 It uses the same `sample` function, so the difference is the KV/prefill design alone.
 
-    python tests/bench_rollout.py             # full tables
+    python tests/bench_rollout.py             # full tables (+ a bf16 1B-sized config when CUDA is present)
     python tests/bench_rollout.py --quick     # P = 64 only, no transformers
 """
 
@@ -116,6 +116,35 @@ def linear_roofline(model: Llama, rows: int, repeats: int = 20) -> tuple[float, 
     return flops / seconds / 1e9, rows / seconds
 
 
+def gpu_bandwidth() -> None:
+    """Decode tokens/s and memory-bandwidth utilisation of a bf16 TinyLlama-1.1B-shaped model at 256 rows
+    (32 prompts x 8 samples, P = 256, 128 new tokens): bytes read per step = all weights + the prompt KV
+    (once per group) + every row's completion KV (all Tc slots: the CUDA graph attends to them, masked)."""
+    cfg = ModelConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                      num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048)
+    with torch.device("cuda"):
+        model = Llama(cfg)
+    model = model.init_weights(seed=0).to(torch.bfloat16).eval()
+    prompts = torch.randint(cfg.vocab_size, (32, 256), generator=torch.Generator().manual_seed(0)).tolist()
+    generate(model, prompts, num_samples=8, max_new_tokens=128, seed=0)  # warm-up (allocator, cuBLAS)
+    stats = generate(model, prompts, num_samples=8, max_new_tokens=128, seed=1).stats
+    step_seconds = (stats["seconds"] - stats["prefill_seconds"]) / stats["decode_steps"]
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    kv = stats["prompt_kv_bytes"] + stats["completion_kv_bytes"]  # bf16 cache, all of it read every step
+    x = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    y.copy_(x)
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(10):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    bandwidth = 2 * x.numel() * 10 / (time.perf_counter() - started)  # read + write
+    print(f"\nGPU, bf16 1.1B-shaped, 256 rows: {256 / step_seconds:,.0f} decode tokens/s, {step_seconds * 1e3:.2f} ms "
+          f"per step, {(weights + kv) / 2**30:.2f} GiB read per step -> {(weights + kv) / step_seconds / 1e9:.0f} GB/s "
+          f"= {(weights + kv) / step_seconds / bandwidth:.0%} of the measured copy bandwidth {bandwidth / 1e9:.0f} GB/s")
+
+
 def main() -> None:
     quick, repeats = "--quick" in sys.argv, 3
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -149,6 +178,9 @@ def main() -> None:
         print(f"{P:4d} | {new_tokens / e['seconds']:12,.0f} | {new_tokens / n['seconds']:11,.0f} | {hf}"
               f"{n['seconds'] / e['seconds']:11.1f}x | {hf_ratio} | {e['prompt_kv_bytes'] / 2**20:13.2f} MiB | "
               f"{n['prompt_kv_bytes'] / 2**20:.2f} MiB")
+        decode = new_tokens * (NEW - 1) / NEW / (e["seconds"] - e["prefill_seconds"])
+        print(f"       engine: prefill {e['prefill_seconds']:.3f}s of {e['seconds']:.3f}s; decode alone "
+              f"{decode:,.0f} tokens/s = {decode / ceiling:.0%} of the linear ceiling")
     if quick:
         return
 
@@ -162,6 +194,8 @@ def main() -> None:
         print(f"{P:6d} | {one['prefill_seconds']:10.3f} | {eight['prefill_seconds']:10.3f} | "
               f"{eight['prefill_seconds'] / one['prefill_seconds']:7.2f} | {n['prefill_seconds']:9.3f} | "
               f"{new_tokens / eight['seconds']:12,.0f} | {new_tokens / n['seconds']:11,.0f}")
+    if device.type == "cuda":
+        gpu_bandwidth()
 
 
 if __name__ == "__main__":
