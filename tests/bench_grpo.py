@@ -14,9 +14,10 @@ Memory: each variant runs once in a fresh subprocess, so its peak is its own.
   kernel's peak-RSS counter (writes 5 to /proc/self/clear_refs), runs the step, and reports
   VmHWM - RSS before the step: the extra memory the step needed, parameter grads included.
 - CUDA: torch.cuda.max_memory_allocated() - memory_allocated() before, after reset_peak_memory_stats.
-Time: one more subprocess runs all variants of a table in interleaved rounds (after one warm-up
-round) and keeps each variant's best: on a shared, noisy machine load drifts over minutes, and
-interleaving makes the drift hit every variant alike.
+Time: one more subprocess, with glibc's default allocator (fresh mmaps would add page faults),
+runs all variants of a table in interleaved rounds after one warm-up round and keeps each
+variant's best: on a shared, noisy machine the load drifts over minutes, and interleaving makes
+the drift hit every variant alike.
 """
 
 import argparse
@@ -59,6 +60,7 @@ def make_step(device: str, chunk_size: int):
     cfg = M.ModelConfig(vocab_size=32000, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024)
     model = M.Llama(cfg).init_weights(0).to(device=device, dtype=dtype)
+    model.inv_freq = model.inv_freq.float()  # rope tables stay float32, as from_pretrained keeps them
     Bp, P, G, C = 4, 512, 8, 64
     prompts = torch.randint(0, 32000, (Bp, P)).tolist()
     completions = torch.randint(0, 32000, (Bp * G, C)).tolist()
@@ -129,7 +131,8 @@ def child_time(variants: list[str], device: str, chunk_size: int, rounds: int) -
 
 
 def spawn(args, *child_args: str) -> dict:
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+    # The mmap threshold only for memory runs: a fresh mmap per tensor costs page faults that would swamp the timings.
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536") if child_args[0] == "--memory" else None
     cmd = [sys.executable, os.path.abspath(__file__), "--device", args.device, "--chunk", str(args.chunk),
            "--rounds", str(args.rounds), *child_args]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
