@@ -1,0 +1,23 @@
+"""model.py on a CUDA GPU: bf16 logits against fp32, and the HF round trip on the device."""
+
+import pytest
+import torch
+
+import model as M
+from test_model import make
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def test_bf16_cuda_logits_track_fp32_cpu(tmp_path):
+    m = make(std=0.02)  # HF's init scale: logits of a realistic size
+    m.save_pretrained(str(tmp_path))
+    x = torch.randint(0, 96, (4, 64))
+    want = m(x)
+    fp32 = M.Llama.from_pretrained(str(tmp_path), device="cuda", dtype=torch.float32)
+    bf16 = M.Llama.from_pretrained(str(tmp_path), device="cuda", dtype=torch.bfloat16)
+    got32, got16 = fp32(x.cuda()).cpu(), bf16(x.cuda()).float().cpu()
+    print(f"max |logit| {want.abs().max():.3f}; fp32 cuda vs cpu {(got32 - want).abs().max():.2e}; "
+          f"bf16 cuda vs fp32 cpu {(got16 - want).abs().max():.2e}")
+    torch.testing.assert_close(got32, want, atol=1e-4, rtol=0)  # TF32 is off by default for matmuls
+    torch.testing.assert_close(got16, want, atol=5e-2, rtol=5e-2)  # bf16: 8 mantissa bits per op, 2 layers
