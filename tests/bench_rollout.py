@@ -86,11 +86,6 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def best(fn, repeats: int) -> dict:
-    runs = [fn() for _ in range(repeats)]
-    return min(runs, key=lambda r: r["seconds"])
-
-
 def engine(model: Llama, prompts: list[list[int]], num_samples: int, seed: int) -> dict:
     out = generate(model, prompts, num_samples=num_samples, max_new_tokens=NEW, seed=seed)
     assert out.stats["new_tokens"] == len(prompts) * num_samples * NEW
@@ -146,14 +141,12 @@ def gpu_bandwidth() -> None:
 
 
 def main() -> None:
-    quick, repeats = "--quick" in sys.argv, 3
+    quick, rounds = "--quick" in sys.argv, 3
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = Llama(CFG).init_weights(seed=0).to(device, dtype).eval()
-    print(f"device {device}, {torch.get_num_threads()} threads, {NUM_PROMPTS} prompts x {G} samples, {NEW} new tokens")
-    gflops, ceiling = linear_roofline(model, NUM_PROMPTS * G)
-    print(f"decode linears at {NUM_PROMPTS * G} rows: {gflops:.0f} GFLOP/s -> ceiling {ceiling:,.0f} new tokens/s")
-
+    print(f"device {device}, {torch.get_num_threads()} threads, {NUM_PROMPTS} prompts x {G} samples, {NEW} new tokens,"
+          f" best of {rounds} interleaved rounds (the machine is shared: a busy neighbour slows one run, not all)")
     hf_model = None
     if not quick:
         try:
@@ -166,21 +159,34 @@ def main() -> None:
 
     gen = torch.Generator().manual_seed(0)
     new_tokens = NUM_PROMPTS * G * NEW
-    print("\n  P | engine tok/s | naive tok/s | HF tok/s | engine/naive | engine/HF | prompt KV engine | naive")
+    table = []
     for P in ([64] if quick else [64, 512]):
         prompts = torch.randint(CFG.vocab_size, (NUM_PROMPTS, P), generator=gen).tolist()
         engine(model, prompts, G, 0)  # warm-up: first calls of every shape are slow on the CPU
-        e = best(lambda: engine(model, prompts, G, 1), repeats)
-        n = best(lambda: naive_generate(model, prompts, G, NEW, 1), max(1, repeats - 1))
-        h = best(lambda: hf_generate(hf_model, prompts, G, NEW, 1), 1) if hf_model is not None else None
+        runs: dict[str, list] = {"engine": [], "naive": [], "hf": [], "ceiling": []}
+        for _ in range(rounds):
+            runs["ceiling"].append(linear_roofline(model, NUM_PROMPTS * G))
+            runs["engine"].append(engine(model, prompts, G, 1))
+            runs["naive"].append(naive_generate(model, prompts, G, NEW, 1))
+            if hf_model is not None:
+                runs["hf"].append(hf_generate(hf_model, prompts, G, NEW, 1))
+        e, n = (min(runs[k], key=lambda r: r["seconds"]) for k in ("engine", "naive"))
+        h = min(runs["hf"], key=lambda r: r["seconds"]) if runs["hf"] else None
+        gflops, ceiling = max(runs["ceiling"])
+        table.append((P, e, n, h, gflops, ceiling))
+
+    print("\n  P | engine tok/s | naive tok/s | HF tok/s | engine/naive | engine/HF | prompt KV engine | naive")
+    for P, e, n, h, gflops, ceiling in table:
         hf = f"{new_tokens / h['seconds']:8,.0f} | " if h else "       - | "
         hf_ratio = f"{h['seconds'] / e['seconds']:8.1f}x" if h else "        -"
         print(f"{P:4d} | {new_tokens / e['seconds']:12,.0f} | {new_tokens / n['seconds']:11,.0f} | {hf}"
               f"{n['seconds'] / e['seconds']:11.1f}x | {hf_ratio} | {e['prompt_kv_bytes'] / 2**20:13.2f} MiB | "
               f"{n['prompt_kv_bytes'] / 2**20:.2f} MiB")
+    for P, e, n, h, gflops, ceiling in table:
         decode = new_tokens * (NEW - 1) / NEW / (e["seconds"] - e["prefill_seconds"])
-        print(f"       engine: prefill {e['prefill_seconds']:.3f}s of {e['seconds']:.3f}s; decode alone "
-              f"{decode:,.0f} tokens/s = {decode / ceiling:.0%} of the linear ceiling")
+        print(f"P = {P}: engine prefill {e['prefill_seconds']:.3f}s of {e['seconds']:.3f}s; decode alone "
+              f"{decode:,.0f} tokens/s = {decode / ceiling:.0%} of the ceiling set by the decode linears at "
+              f"{NUM_PROMPTS * G} rows ({gflops:.0f} GFLOP/s -> {ceiling:,.0f} tokens/s)")
     if quick:
         return
 
@@ -188,9 +194,12 @@ def main() -> None:
     print("     P | engine G=1 | engine G=8 | G=8/G=1 | naive G=8 | engine tok/s | naive tok/s")
     for P in (64, 256, 1024):
         prompts = torch.randint(CFG.vocab_size, (NUM_PROMPTS, P), generator=gen).tolist()
-        one = best(lambda: engine(model, prompts, 1, 2), repeats)
-        eight = best(lambda: engine(model, prompts, G, 2), repeats)
-        n = naive_generate(model, prompts, G, NEW, 2)
+        one, eight, n = [], [], []
+        for _ in range(rounds):
+            one.append(engine(model, prompts, 1, 2))
+            eight.append(engine(model, prompts, G, 2))
+            n.append(naive_generate(model, prompts, G, NEW, 2))
+        one, eight, n = (min(runs, key=lambda r: r["seconds"]) for runs in (one, eight, n))
         print(f"{P:6d} | {one['prefill_seconds']:10.3f} | {eight['prefill_seconds']:10.3f} | "
               f"{eight['prefill_seconds'] / one['prefill_seconds']:7.2f} | {n['prefill_seconds']:9.3f} | "
               f"{new_tokens / eight['seconds']:12,.0f} | {new_tokens / n['seconds']:11,.0f}")
