@@ -16,7 +16,7 @@ per prompt decoded on top of that one shared prompt KV, finished rows dropped as
 
 Leaves out: paged KV and continuous batching (a GRPO rollout is one static batch), speculative decoding,
 stop strings (stop ids only), prefix sharing across different prompts.
-CPU: the decode attention is prefix_attention's math through the fused flash kernel (3x faster at P = 512).
+CPU: the decode attention is prefix_attention's math with the prompt part through SDPA's fused kernel.
 CUDA: the decode step is a CUDA graph per layout of active rows; the private KV cache is bf16.
 
 Shapes: Bp prompts, G samples per prompt, R = Bp*G rows, N active rows, S = Bp'*G' slots of the grid,
@@ -34,7 +34,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from model import ModelConfig, causal_attention, prefix_attention
+from model import ModelConfig, attention_with_lse, causal_attention, prefix_attention
 
 # -----------------------------------------------------------------------------
 # Config and result
@@ -193,15 +193,16 @@ _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cp
 
 def _fused_prefix_attention(q: Tensor, k: Tensor, v: Tensor, prefix_k: Tensor, prefix_v: Tensor,
                             prefix_bias: Tensor) -> Tensor:
-    """model.prefix_attention for one token per row, all of k/v allowed, each part through SDPA's fused CPU kernel
-    (which also returns the log-sum-exp). q (S, H, 1, D), k/v (S, Hkv, T, D), prefix_bias (Bp, 1, 1, P) 0/-inf."""
+    """prefix_attention for one token per row, all of k/v allowed, on the CPU: the prompt part through SDPA's fused
+    kernel, which also returns the log-sum-exp (2x faster at P = 512; but 2x slower than attention_with_lse on
+    the own part's tiny problems). q (S, H, 1, D), k/v (S, Hkv, T, D), prefix_bias (Bp, 1, 1, P) 0 or -inf."""
     (S, H, _, D), (Bp, Hkv) = q.shape, prefix_k.shape[:2]
     G, rep = S // Bp, H // Hkv
     qp = q.view(Bp, G, Hkv, rep, D).transpose(1, 2).reshape(Bp, Hkv, G * rep, D)  # (Bp, Hkv, G*rep, D)
     out_p, lse_p = _CPU_FLASH(qp, prefix_k, prefix_v, attn_mask=prefix_bias)
     out_p = out_p.view(Bp, Hkv, G, rep, D).transpose(1, 2).reshape(S, H, 1, D)  # (S, H, 1, D)
     lse_p = lse_p.view(Bp, Hkv, G, rep).transpose(1, 2).reshape(S, H, 1)  # (S, H, 1)
-    out_s, lse_s = _CPU_FLASH(q.view(S, Hkv, rep, D), k, v)  # (S, Hkv, rep, D), (S, Hkv, rep)
+    out_s, lse_s = attention_with_lse(q.view(S, Hkv, rep, D), k, v, torch.ones((), dtype=torch.bool))  # (S, Hkv, rep, D)
     out_s, lse_s = out_s.reshape(S, H, 1, D), lse_s.reshape(S, H, 1)
     # The log-sum-exp merge, as one weight: e^lse_p / (e^lse_p + e^lse_s) = sigmoid(lse_p - lse_s).
     return torch.lerp(out_s, out_p, torch.sigmoid(lse_p - lse_s)[..., None])  # (S, H, 1, D)
@@ -325,8 +326,7 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], *, num_samples: i
         return Rollout([[] for _ in range(R)], [[] for _ in range(R)], ["length"] * R,
                        dict(prefill_tokens=0, decode_steps=0, new_tokens=0, seconds=0.0))
     weight, attn0 = next(model.parameters()), model.model.layers[0].self_attn
-    device, generator = weight.device, torch.Generator(weight.device)
-    graphed = device.type == "cuda" and cuda_graphs
+    device, generator, graphed = weight.device, torch.Generator(weight.device), weight.is_cuda and cuda_graphs
     generator.manual_seed(seed) if seed is not None else generator.seed()
     # Read the kv heads off the weights: a tensor-parallel shard has Hkv/tp of them.
     shape = (cfg.num_hidden_layers, attn0.k_proj.weight.shape[0] // attn0.head_dim, attn0.head_dim, Bp, G, max(lens))
