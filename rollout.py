@@ -202,8 +202,8 @@ def _fused_prefix_attention(q: Tensor, k: Tensor, v: Tensor, prefix_k: Tensor, p
     out_p, lse_p = _CPU_FLASH(qp, prefix_k, prefix_v, attn_mask=prefix_bias)
     out_p = out_p.view(Bp, Hkv, G, rep, D).transpose(1, 2).reshape(S, H, 1, D)  # (S, H, 1, D)
     lse_p = lse_p.view(Bp, Hkv, G, rep).transpose(1, 2).reshape(S, H, 1)  # (S, H, 1)
-    out_s, lse_s = attention_with_lse(q.view(S, Hkv, rep, D), k, v, torch.ones((), dtype=torch.bool))  # (S, Hkv, rep, D)
-    out_s, lse_s = out_s.reshape(S, H, 1, D), lse_s.reshape(S, H, 1)
+    out_s, lse_s = attention_with_lse(q.view(S, Hkv, rep, D), k, v, k.new_ones((), dtype=torch.bool))
+    out_s, lse_s = out_s.reshape(S, H, 1, D), lse_s.reshape(S, H, 1)  # (S, H, 1, D), (S, H, 1)
     # The log-sum-exp merge, as one weight: e^lse_p / (e^lse_p + e^lse_s) = sigmoid(lse_p - lse_s).
     return torch.lerp(out_s, out_p, torch.sigmoid(lse_p - lse_s)[..., None])  # (S, H, 1, D)
 
