@@ -205,7 +205,8 @@ def _fused_prefix_attention(q: Tensor, k: Tensor, v: Tensor, prefix_k: Tensor, p
     out_s, lse_s = attention_with_lse(q.view(S, Hkv, rep, D), k, v, k.new_ones((), dtype=torch.bool))
     out_s, lse_s = out_s.reshape(S, H, 1, D), lse_s.reshape(S, H, 1)  # (S, H, 1, D), (S, H, 1)
     # The log-sum-exp merge, as one weight: e^lse_p / (e^lse_p + e^lse_s) = sigmoid(lse_p - lse_s).
-    return torch.lerp(out_s, out_p, torch.sigmoid(lse_p - lse_s)[..., None])  # (S, H, 1, D)
+    # out_s is float32 (attention_with_lse accumulates there); a bf16 model gets bf16 back.
+    return torch.lerp(out_s, out_p.to(out_s.dtype), torch.sigmoid(lse_p - lse_s)[..., None]).to(q.dtype)  # (S, H, 1, D)
 
 
 class _DecodeAttention:

@@ -164,3 +164,12 @@ def test_jsonl_math_task_runs_on_a_model_directory(tmp_path):
                     "--steps", "2", "--max_new_tokens", "5")
     assert code == 0 and len(records(out)) == 2
     assert all(r["completion_len"] <= 5 for r in records(out))
+
+
+def test_bf16_sampler_with_reference_and_mu2_runs(tmp_path):
+    """Regression: a bf16 sampler on the CPU returned float32 from the fused decode attention and crashed."""
+    code, out = run(tmp_path, "--steps", "2", "--sampler_dtype", "bfloat16", "--beta", "0.1", "--mu", "2",
+                    "--activation_offload", "true")
+    recs = records(out)
+    assert code == 0 and len(recs) == 2
+    assert all(r["kl"] >= 0 and r["loss"] == r["loss"] for r in recs)  # old logprobs from the fp32 trainer
