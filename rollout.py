@@ -204,9 +204,9 @@ def _fused_prefix_attention(q: Tensor, k: Tensor, v: Tensor, prefix_k: Tensor, p
     lse_p = lse_p.view(Bp, Hkv, G, rep).transpose(1, 2).reshape(S, H, 1)  # (S, H, 1)
     out_s, lse_s = attention_with_lse(q.view(S, Hkv, rep, D), k, v, k.new_ones((), dtype=torch.bool))
     out_s, lse_s = out_s.reshape(S, H, 1, D), lse_s.reshape(S, H, 1)  # (S, H, 1, D), (S, H, 1)
-    # The log-sum-exp merge, as one weight: e^lse_p / (e^lse_p + e^lse_s) = sigmoid(lse_p - lse_s).
-    # out_s is float32 (attention_with_lse accumulates there); a bf16 model gets bf16 back.
-    return torch.lerp(out_s, out_p.to(out_s.dtype), torch.sigmoid(lse_p - lse_s)[..., None]).to(q.dtype)  # (S, H, 1, D)
+    # The log-sum-exp merge as one weight, sigmoid(lse_p - lse_s) = e^lse_p / (e^lse_p + e^lse_s), in float32.
+    merged = torch.lerp(out_s, out_p.to(out_s.dtype), torch.sigmoid(lse_p - lse_s)[..., None])  # (S, H, 1, D)
+    return merged.to(q.dtype)  # a bf16 model gets bf16 back
 
 
 class _DecodeAttention:
@@ -353,8 +353,7 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], *, num_samples: i
     attn, layout = _DecodeAttention(views, step, Tc), _Layout.of(list(range(R)), G, lens)
     attn.set_layout(layout, lens_t)
     base_positions = lens_t[rows // G][:, None]  # (N, 1)
-    decode_steps = row_steps = compactions = 0
-    run_graph: _GraphedStep | None = None
+    run_graph, decode_steps, row_steps, compactions = None, 0, 0, 0
 
     def decode(tokens: Tensor) -> Tensor:  # (N, 1) -> (N, V); every other input is a tensor held by attn
         positions = base_positions + step  # (N, 1): completion token t of prompt i sits at len_i + t

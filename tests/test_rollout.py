@@ -203,6 +203,17 @@ def test_decode_attention_over_all_completion_slots_masks_the_unwritten_ones(mon
     torch.testing.assert_close(attn(0, q, k, v), full, rtol=0, atol=1e-6)
 
 
+def test_bf16_model_on_the_cpu(model):
+    """A bf16 sampler on the CPU takes the fused path with bf16 inputs (it once returned float32 and crashed)."""
+    bf16 = Llama(CFG).to(torch.bfloat16).eval()
+    bf16.load_state_dict(model.state_dict())
+    out = generate(bf16, PROMPTS, num_samples=2, max_new_tokens=10, temperature=0)
+    assert [len(c) for c in out.completions] == [10] * 8
+    for row, completion in enumerate(out.completions):  # bf16 rounding (8e-3 relative) of logits of size ~5
+        expected = trainer_logprobs(bf16, PROMPTS[row // 2], completion, 1.0, 0, 1.0).float()
+        torch.testing.assert_close(torch.tensor(out.logprobs[row]), expected, rtol=0, atol=0.1)
+
+
 # -----------------------------------------------------------------------------
 # Sampling masks on hand-built distributions
 
