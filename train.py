@@ -219,6 +219,10 @@ def draw_prompts(cfg: TrainConfig, task, tokenizer, bos: int | None, step: int) 
     return examples, ids, truncated
 
 
+class StopTraining(Exception):
+    """A run that cannot go on (a reward function raised, losses stayed non-finite): one clear line."""
+
+
 def score(task, completions: list[str], references: list[str]) -> tuple[torch.Tensor, int]:
     """Weighted reward per completion; None/NaN from any reward function -> NaN (left out of the stats)."""
     rewards, missing = [], 0
@@ -228,7 +232,7 @@ def score(task, completions: list[str], references: list[str]) -> tuple[torch.Te
             try:
                 r = fn(text, ref)
             except Exception as e:  # a user's reward function: report it with the input that broke it
-                raise RuntimeError(f"task {task.name}: reward function {getattr(fn, '__name__', fn)} raised "
+                raise StopTraining(f"task {task.name}: reward function {getattr(fn, '__name__', fn)} raised "
                                    f"{type(e).__name__}: {e} on completion {text!r} (reference {ref!r})") from None
             total += float("nan") if r is None else weight * float(r)
         missing += math.isnan(total)
@@ -345,7 +349,7 @@ def run(cfg: TrainConfig, explicit: set[str]) -> None:
         texts = [tokenizer.decode([t for t in c if t not in stop_ids]) for c in out.completions]
         try:
             rewards, missing = score(task, texts, [ref for ref in references for _ in range(G)])
-        except RuntimeError:
+        except StopTraining:
             save(step)  # nothing lost: the state after the last finished step
             raise
         rewards = rewards.to(device)
@@ -421,7 +425,7 @@ def run(cfg: TrainConfig, explicit: set[str]) -> None:
         stop = bool(all_reduce_sum([float(bool(stop_requested))], groups, device)[0])
         if bad_in_a_row >= cfg.max_bad_steps:
             path = save(step + 1)
-            raise RuntimeError(f"{bad_in_a_row} steps in a row had a non-finite loss; stopped, checkpoint at {path}")
+            raise StopTraining(f"{bad_in_a_row} steps in a row had a non-finite loss; stopped, checkpoint at {path}")
         if last or stop or (cfg.save_every and (step + 1) % cfg.save_every == 0):
             path = save(step + 1)
             if stop:
@@ -437,9 +441,7 @@ def main(argv: list[str]) -> int:
         cfg = parse_args(argv)
         explicit = {a[2:].partition("=")[0] for a in argv if a.startswith("--")}
         run(cfg, explicit)
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
-        if isinstance(e, RuntimeError) and not str(e).startswith(("task ", "the KV cache")) and "steps in a row" not in str(e):
-            raise  # an internal error: keep its traceback
+    except (ValueError, FileNotFoundError, StopTraining) as e:  # bad input: one line; anything else keeps its trace
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:
