@@ -30,7 +30,7 @@ from model import Llama
 # Save
 
 
-def _barrier(groups: tp.ParallelGroups) -> None:
+def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()  # every rank: the directory exists / every rank has written its files
 
@@ -57,7 +57,7 @@ def save_checkpoint(out: str, step: int, model: Llama, tokenizer, optimizer: tor
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # a crash mid-save leaves only a .tmp, never a half checkpoint
         os.makedirs(tmp)
-    _barrier(groups)
+    _barrier()
     if groups.tp_size > 1:
         full = tp.full_state_dict(model, groups)  # collective over the tp ranks
         if rank == 0:
@@ -71,14 +71,15 @@ def save_checkpoint(out: str, step: int, model: Llama, tokenizer, optimizer: tor
     if rank == 0:
         tokenizer.save(os.path.join(tmp, "tokenizer.json"))
         with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-            json.dump({"step": step, "config": config, "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            json.dump({"step": step, "config": config, "world_size": world,
                        "torch_rng_state": torch.get_rng_state().tolist()}, f)
     if groups.dp_rank == 0:  # dp replicas hold identical optimizer state: one copy per tp rank
         tensors, plain = _optimizer_to_files(optimizer)
         save_file(tensors, os.path.join(tmp, f"optimizer-tp{groups.tp_rank}.safetensors"))
         with open(os.path.join(tmp, f"optimizer-tp{groups.tp_rank}.json"), "w") as f:
             json.dump(plain, f)
-    _barrier(groups)
+    _barrier()
     if rank == 0:
         if os.path.exists(final):  # saving the same step again (e.g. Ctrl-C right after a save)
             shutil.rmtree(final)
@@ -86,7 +87,7 @@ def save_checkpoint(out: str, step: int, model: Llama, tokenizer, optimizer: tor
         with open(os.path.join(out, "latest.tmp"), "w") as f:
             f.write(os.path.basename(final) + "\n")
         os.replace(os.path.join(out, "latest.tmp"), os.path.join(out, "latest"))
-    _barrier(groups)
+    _barrier()
     return final
 
 # -----------------------------------------------------------------------------

@@ -93,7 +93,7 @@ class TrainConfig:
     phases: bool = True              # memory.py sleep/wake of KV cache, grads, optimizer state between phases
     activation_checkpoint: bool = False  # recompute each block in backward (memory.py)
     activation_offload: bool = False # saved activations to (pinned) host memory in the training forward
-    threads: int = 1                 # CPU threads per process (1 suits tiny models and shared machines); 0 = torch's default
+    threads: int = 1                 # CPU threads per process (1 suits tiny models, shared machines); 0 = torch's
     # output
     out: str = "runs/default"        # metrics.jsonl and checkpoints go here
     save_every: int = 100            # checkpoint every N steps (and at the end); 0 = only at the end
@@ -153,9 +153,10 @@ def check_config(cfg: TrainConfig) -> None:
     for name in ("lr", "weight_decay", "grad_clip", "max_new_tokens", "save_every", "warmup_steps"):
         if getattr(cfg, name) < 0:
             raise ValueError(f"--{name} must be >= 0, got {getattr(cfg, name)}")
-    for name in ("dtype", "sampler_dtype"):
-        if getattr(cfg, name) not in ("float32", "bfloat16", "float16", "") or not getattr(cfg, "dtype"):
-            raise ValueError(f"--{name} must be float32, bfloat16 or float16, got {getattr(cfg, name)!r}")
+    dtypes = ("float32", "bfloat16", "float16")
+    for name, allowed in (("dtype", dtypes), ("sampler_dtype", ("", *dtypes))):
+        if getattr(cfg, name) not in allowed:
+            raise ValueError(f"--{name} must be one of {allowed}, got {getattr(cfg, name)!r}")
 
 
 def load_task(spec: str, data: str):
@@ -270,7 +271,8 @@ def run(cfg: TrainConfig, explicit: set[str]) -> None:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         torch.set_num_threads(cfg.threads or max(1, torch.get_num_threads() // local))  # no oversubscription
     if cfg.prompts_per_step % groups.dp_size:
-        raise ValueError(f"--prompts_per_step {cfg.prompts_per_step} must be divisible by dp = world / tp = {groups.dp_size}")
+        raise ValueError(f"--prompts_per_step {cfg.prompts_per_step} must be divisible by "
+                         f"dp = world / tp = {groups.dp_size}")
     task = load_task(cfg.task, cfg.task_data)
     resume_dir = checkpoint.resolve(cfg.resume, cfg.out) if cfg.resume else ""
     model, tokenizer = build_model(cfg, task, resume_dir or cfg.model, device, groups)
@@ -379,7 +381,8 @@ def run(cfg: TrainConfig, explicit: set[str]) -> None:
                 for group in optimizer.param_groups:
                     group["lr"] = learning_rate(cfg, opt_step, total_opt_steps)
                 optimizer.zero_grad(set_to_none=True)
-                sp = tp.sequence_parallel(model, cfg.sequence_parallel) if groups.tp_size > 1 else contextlib.nullcontext()
+                sp = (tp.sequence_parallel(model, cfg.sequence_parallel) if groups.tp_size > 1
+                      else contextlib.nullcontext())
                 with sp, mem.activations(model):
                     m = grpo.accumulate(model, batch, gcfg, logprob_fn=logprob_fn, num_seqs=int(num_seqs),
                                         num_tokens=max(1, int(num_tokens)))

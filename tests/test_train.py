@@ -90,6 +90,7 @@ def test_tp2_gloo_matches_tp1(tmp_path):
     (["--lr", "fast"], "--lr expects float, got 'fast'"),
     (["--phases", "maybe"], "--phases expects true or false"),
     (["--steps", "0"], "--steps must be >= 1"),
+    (["--dtype", "float64"], "--dtype must be one of"),
     (["--model", "/does/not/exist"], "/does/not/exist: not a directory"),
     (["--task", "tasks:nothing"], "--task tasks:nothing: cannot load it"),
     (["--task", "no_such_module:x"], "--task no_such_module:x: cannot load it"),
