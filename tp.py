@@ -37,7 +37,8 @@ from safetensors import safe_open
 from torch import Tensor
 from torch.autograd import Function
 
-from model import MLP, Attention, Llama, RMSNorm, apply_rotary_emb, checkpoint_files, load_config, rope_inv_freq
+from model import (MLP, Attention, Llama, RMSNorm, apply_rotary_emb, checkpoint_files, load_config, rms_norm,
+                   rope_inv_freq)
 
 # torch 2.13 renamed these two (same signatures); older versions only have the *_tensor names.
 _all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
@@ -239,8 +240,8 @@ class TPRMSNorm(RMSNorm):
         # Under SP a rank normalises only its N/tp tokens, so its weight grad is partial: f on the weight sums
         # it over tp ranks inside backward, and the grad stays replicated as in plain TP (so SP and non-SP
         # forwards can mix in one accumulation). The rest is model.RMSNorm's math, in HF's order.
-        weight, xf = CopyToTP.apply(self.weight, self.state.groups.tp_group), x.float()
-        return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        weight = CopyToTP.apply(self.weight, self.state.groups.tp_group)
+        return rms_norm(x, weight, self.eps)
 
 
 class TPAttention(Attention):
@@ -269,10 +270,13 @@ class TPMLP(MLP):
 
 
 def _tp_hidden(model: Llama, tokens: Tensor, positions: Tensor | None = None,
-               attention: Callable | None = None) -> Tensor:
+               attention: Callable | None = None, last: Tensor | None = None) -> Tensor:
     """Llama.hidden, then out of SP if the embedding went in: callers get the full (B, T, C) on every rank."""
-    h = Llama.hidden(model, tokens, positions, attention)  # (N/tp, C) under SP, else (B, T, C)
-    return GatherFromSP.apply(h, model.tp_state.groups.tp_group).view(*tokens.shape, -1) if h.dim() == 2 else h
+    sp = model.tp_state.sequence_parallel  # SP splits the tokens across ranks: `last` is then applied after the gather
+    h = Llama.hidden(model, tokens, positions, attention, None if sp else last)  # (N/tp, C) under SP, else (B, T, C)
+    if h.dim() == 2:
+        h = GatherFromSP.apply(h, model.tp_state.groups.tp_group).view(*tokens.shape, -1)  # (B, T, C)
+    return h[torch.arange(h.shape[0], device=h.device), last][:, None] if sp and last is not None else h
 
 
 @contextlib.contextmanager

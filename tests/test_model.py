@@ -110,6 +110,20 @@ def test_explicit_positions_equal_default_and_shift_changes_output():
     assert torch.equal(m(x), m(x, positions=pos))
     assert not torch.allclose(m(x), m(x, positions=pos + 3))
 
+
+def test_hidden_at_last_positions_equals_full_forward_and_hook_sees_every_position():
+    m = make()
+    x, last = torch.randint(0, 96, (3, 7)), torch.tensor([6, 2, 4])  # ragged: right-padded prompts
+    seen = []
+
+    def hook(layer, q, k, v):
+        seen.append(k.shape[2])
+        return M.causal_attention(layer, q, k, v)
+    got = m.hidden(x, None, hook, last)  # (3, 1, C)
+    assert got.shape == (3, 1, 64) and seen == [7, 7]  # the final layer's K/V still cover all 7 positions
+    # The final MLP runs on 3 rows instead of 21: the matmul may block differently, hence not bit-exact.
+    torch.testing.assert_close(got[:, 0], m.hidden(x)[torch.arange(3), last], atol=1e-5, rtol=1e-5)
+
 # -----------------------------------------------------------------------------
 # Shared-prefix attention (used by rollout.py and grpo.py) against plain concatenation
 
