@@ -34,7 +34,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from model import ModelConfig, attention_with_lse, causal_attention, prefix_attention
+from model import ModelConfig, causal_attention, prefix_attention
 
 # -----------------------------------------------------------------------------
 # Config and result

@@ -141,7 +141,7 @@ def gpu_bandwidth() -> None:
 
 
 def main() -> None:
-    quick, rounds = "--quick" in sys.argv, 3
+    quick, rounds = "--quick" in sys.argv, 5
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = Llama(CFG).init_weights(seed=0).to(device, dtype).eval()
