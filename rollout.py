@@ -51,7 +51,7 @@ class RolloutConfig:
     stop_ids: tuple[int, ...] = ()        # e.g. the eos id; the stop token is the last of its completion
     seed: int | None = None               # None: a fresh seed (the global RNG is left alone)
     check_every: int = 8                  # decode steps between the host syncs that drop finished rows
-    prefill_tokens: int = 4096            # padded prompt tokens per prefill forward (bounds activations)
+    prefill_tokens: int = 2048            # padded prompt tokens per prefill forward (bounds activations)
     cuda_graphs: bool = True              # capture the decode step on CUDA (ignored on the CPU)
 
     def __post_init__(self):
@@ -317,7 +317,7 @@ def _prefill(model: torch.nn.Module, prompts: list[list[int]], prefix_k: list[Te
 @torch.inference_mode()
 def generate(model: torch.nn.Module, prompts: list[list[int]], *, num_samples: int = 1, max_new_tokens: int = 64,
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, stop_ids: tuple[int, ...] = (),
-             seed: int | None = None, check_every: int = 8, prefill_tokens: int = 4096, cuda_graphs: bool = True,
+             seed: int | None = None, check_every: int = 8, prefill_tokens: int = 2048, cuda_graphs: bool = True,
              cache: KVCache | None = None, logits_fn: Callable[[Tensor], Tensor] | None = None) -> Rollout:
     """Sample `num_samples` completions of each prompt (module docstring, RolloutConfig); `cache` None allocates
     one for this call. `logits_fn` maps every (rows, V') logits tensor before sampling (under tensor parallelism
