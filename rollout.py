@@ -2,8 +2,8 @@
 The sampler that stands in for vLLM: a preallocated KV cache, each prompt prefilled once, G samples
 per prompt decoded on top of that one shared prompt KV, finished rows dropped as the batch runs.
 
-1. Prefill: the Bp ragged prompts, right-padded, in one batch (causal attention is exact for the valid
-   positions: the pads come after them). Each layer's K/V is stored once per prompt, (Bp, Hkv, P, D).
+1. Prefill: the Bp ragged prompts, right-padded, in chunks of `prefill_tokens` (causal attention is exact for
+   the valid positions: the pads come after them). Each layer's K/V is stored once per prompt, (Bp, Hkv, P, D).
 2. Fan-out: each prompt's last-position logits are repeated G times and every row draws its own first
    token (nanochat once broadcast one first token to all G rows).
 3. Decode: the attention hook writes each row's key/value into its own completion KV and runs
@@ -16,7 +16,8 @@ per prompt decoded on top of that one shared prompt KV, finished rows dropped as
 
 Leaves out: paged KV and continuous batching (a GRPO rollout is one static batch), speculative decoding,
 stop strings (stop ids only), prefix sharing across different prompts.
-CPU: the decode attention is prefix_attention's math with the prompt part through SDPA's fused kernel.
+CPU: the prompt part goes through SDPA's fused kernel (it returns its log-sum-exp), which then enters the
+own keys' softmax as one more score: the same merge in fewer kernels (_fused_prefix_attention).
 CUDA: the decode step is a CUDA graph per layout of active rows; the private KV cache is bf16.
 
 Shapes: Bp prompts, G samples per prompt, R = Bp*G rows, N active rows, S = Bp'*G' slots of the grid,
