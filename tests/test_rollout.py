@@ -160,14 +160,16 @@ def test_generate_takes_a_rollout_config_and_applies_logits_fn(model):
     assert isinstance(out, Rollout) and all(10 not in c for c in out.completions)
     assert calls[0] == (len(PROMPTS), CFG.vocab_size) and len(calls) == out.stats["decode_steps"] + 1
 
-def test_fused_cpu_attention_equals_model_prefix_attention():
-    """The CPU fast path (SDPA's fused kernel + lse merge) against model.prefix_attention, ragged prefixes."""
+@pytest.mark.parametrize("padded", [True, False])
+def test_fused_cpu_attention_equals_model_prefix_attention(padded):
+    """The CPU fast path (SDPA's fused kernel + lse merge) against model.prefix_attention, ragged prefixes
+    (a -inf bias on the padding) and equal ones (no bias at all)."""
     gen = torch.Generator().manual_seed(0)
     Bp, G, H, Hkv, D, P, T = 3, 4, 4, 2, 16, 9, 5
     q, k, v = (torch.randn(shape, generator=gen) for shape in [(Bp * G, H, 1, D)] + [(Bp * G, Hkv, T, D)] * 2)
     prefix_k, prefix_v = torch.randn(2, Bp, Hkv, P, D, generator=gen)
-    valid = torch.arange(P) < torch.tensor([9, 4, 1])[:, None]  # (Bp, P)
-    bias = torch.zeros(Bp, P).masked_fill(~valid, float("-inf"))[:, None, None]
+    valid = torch.arange(P) < torch.tensor([9, 4, 1] if padded else [9, 9, 9])[:, None]  # (Bp, P)
+    bias = torch.zeros(Bp, P).masked_fill(~valid, float("-inf"))[:, None, None] if padded else None
     expected = prefix_attention(q, k, v, torch.ones(1, 1, T, dtype=torch.bool), prefix_k, prefix_v, valid)
     got = rollout._fused_prefix_attention(q, k, v, prefix_k, prefix_v, bias)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)  # fp32, same math, different summation order
