@@ -447,12 +447,13 @@ def vocab_parallel_logprobs(logits: Tensor, targets: Tensor, groups: ParallelGro
 
 
 class DataParallelGrads:
-    """Sums gradients over the dp group through one flat buffer allocated once: copy in, one all-reduce,
-    copy out. SUM, not mean: train.py divides each loss by global counts (over the whole batch on all
-    dp ranks), so the sum is the one-big-batch gradient. Costs one more copy of the grads in memory
-    (Megatron makes the grads views into the buffer instead). Trainable params must share one dtype."""
+    """Sums gradients over the dp group through one flat buffer: copy in, one all-reduce, copy out. SUM, not
+    mean: train.py divides each loss by global counts (over the whole batch on all dp ranks), so the sum is
+    the one-big-batch gradient. The buffer is one more copy of the grads while it lives (Megatron makes the
+    grads views into it instead), so it lives only in all_reduce: kept, it would sit through the rollout phase,
+    where memory.py has released the grads. Trainable params must share one dtype."""
     def __init__(self, model: nn.Module, groups: ParallelGroups):
-        self.params, self.group, self.flat = [p for p in model.parameters() if p.requires_grad], groups.dp_group, None
+        self.params, self.group = [p for p in model.parameters() if p.requires_grad], groups.dp_group
 
     def all_reduce(self) -> None:
         if self.group is None:
@@ -460,12 +461,10 @@ class DataParallelGrads:
         for p in self.params:  # a missing grad sends zeros: every rank has the same layout
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        if self.flat is None:
-            self.flat = self.params[0].new_empty(sum(p.numel() for p in self.params))
-        torch.cat([p.grad.flatten() for p in self.params], out=self.flat)
-        dist.all_reduce(self.flat, group=self.group)  # DP: sum over dp ranks of each replica's gradient
-        for p, flat in zip(self.params, self.flat.split([p.numel() for p in self.params])):
-            p.grad.copy_(flat.view_as(p))
+        flat = torch.cat([p.grad.flatten() for p in self.params])  # (numel of all trainable params,)
+        dist.all_reduce(flat, group=self.group)  # DP: sum over dp ranks of each replica's gradient
+        for p, part in zip(self.params, flat.split([p.numel() for p in self.params])):
+            p.grad.copy_(part.view_as(p))
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float, groups: ParallelGroups) -> float:

@@ -395,6 +395,8 @@ def run(cfg: TrainConfig, explicit: set[str]) -> None:
                 m["grad_norm"] = tp.clip_grad_norm(model, cfg.grad_clip or float("inf"), groups)
                 optimizer.step()
                 opt_step += 1
+        if groups.tp_size > 1:  # SP's gather buffers (tp.MemoryBuffer) are not needed again until the next train phase
+            model.tp_state.buffer.tensors.clear()
         bad_in_a_row = bad_in_a_row + 1 if skipped == cfg.mu else 0
         t_train = time.perf_counter() - t0
         # 8. log
