@@ -3,7 +3,7 @@ Benchmark of rollout.generate against a naive KV-cached sampler and transformers
 
 Tiny Llama (dim 256, 4 layers, 8/4 heads, ffn 704, vocab 2048), 16 prompts x 8 samples, 64 new tokens,
 no early stop, fp32 on the CPU (bf16 on a GPU when one is present). Everything is measured side by side
-in one run (best of `--repeats`); only the ratios mean much on a shared machine.
+in one run (best of 5 interleaved rounds); only the ratios mean much on a shared machine.
 
 The naive sampler is the obvious design: every sample is its own cache row, so the prompt is prefilled
 G times and its KV stored G times (what nanochat-style engines and transformers' generate do).
@@ -11,6 +11,7 @@ It uses the same `sample` function, so the difference is the KV/prefill design a
 
     python tests/bench_rollout.py             # full tables (+ a bf16 1B-sized config when CUDA is present)
     python tests/bench_rollout.py --quick     # P = 64 only, no transformers
+    python tests/bench_rollout.py --breakdown # where a CPU decode step's wall clock goes, P = 64 and 512
 """
 
 import os
@@ -140,8 +141,56 @@ def gpu_bandwidth() -> None:
           f"= {(weights + kv) / step_seconds / bandwidth:.0%} of the measured copy bandwidth {bandwidth / 1e9:.0f} GB/s")
 
 
+def breakdown(model: Llama, P: int, rounds: int = 3) -> None:
+    """Where a decode step's wall clock goes, from module hooks (CPU: no sync needed; the hooks cost ~0.1 ms a
+    step). A generate of 1 new token (prefill + first sample) is subtracted from one of NEW tokens."""
+    def part(name: str) -> str | None:
+        last = name.rsplit(".", 1)[-1]
+        if last.endswith("_proj"):
+            return "attention linears" if ".self_attn." in name else "MLP linears"
+        if last.endswith("norm"):
+            return "norms"
+        return {"self_attn": "attention", "mlp": "MLP", "lm_head": "lm_head"}.get(last)
+    spent, started, handles = {}, {}, []
+
+    def pre(module, args):
+        started[module] = time.perf_counter()
+
+    def post(module, args, out):
+        spent[module.bench_part] = spent.get(module.bench_part, 0.0) + time.perf_counter() - started[module]
+    for name, module in model.named_modules():
+        if part(name):
+            module.bench_part = part(name)
+            handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+    prompts = torch.randint(CFG.vocab_size, (NUM_PROMPTS, P), generator=torch.Generator().manual_seed(0)).tolist()
+    best = {}
+    for new in [NEW, 1] * rounds:
+        spent.clear()
+        seconds = generate(model, prompts, num_samples=G, max_new_tokens=new, seed=1).stats["seconds"]
+        if new not in best or seconds < best[new][0]:
+            best[new] = (seconds, dict(spent))
+    for handle in handles:
+        handle.remove()
+    (full, parts), (first, first_parts) = best[NEW], best[1]
+    ms = {k: (v - first_parts.get(k, 0.0)) / (NEW - 1) * 1e3 for k, v in parts.items()}  # per decode step
+    step = (full - first) / (NEW - 1) * 1e3
+    rows = {"q/k/v/o linears": ms["attention linears"], "MLP linears": ms["MLP linears"], "lm_head": ms["lm_head"],
+            "attention: rope, KV write, attention": ms["attention"] - ms["attention linears"],
+            "MLP: silu, mul": ms["MLP"] - ms["MLP linears"], "norms": ms["norms"],
+            "rest: embedding, rope tables, residuals, sampling, loop": step - ms["attention"] - ms["MLP"]
+            - ms["norms"] - ms["lm_head"]}
+    print(f"\nP = {P}: one decode step, {step:.2f} ms (best of {rounds})")
+    for name, value in rows.items():
+        print(f"  {name:55s} {value:6.2f} ms  {value / step:4.0%}")
+
+
 def main() -> None:
     quick, rounds = "--quick" in sys.argv, 5
+    if "--breakdown" in sys.argv:
+        model = Llama(CFG).init_weights(seed=0).eval()
+        for P in (64, 512):
+            breakdown(model, P)
+        return
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = Llama(CFG).init_weights(seed=0).to(device, dtype).eval()
