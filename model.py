@@ -152,8 +152,8 @@ def rope_cos_sin(inv_freq: Tensor, positions: Tensor, dtype: torch.dtype) -> tup
     """cos and signed sin tables (B, T, D) for integer positions (B, T), computed in float32 like HF. The sin
     table's first half is negated, so that apply_rotary_emb's rotate-half is a roll (the same values as HF)."""
     freqs = positions[..., None].float() * inv_freq.float()  # (B, T, D/2)
-    sin = freqs.sin()
-    return torch.cat((freqs, freqs), dim=-1).cos().to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)  # (B, T, D)
+    cos, sin = freqs.cos(), freqs.sin()
+    return torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)  # (B, T, D)
 
 
 def apply_rotary_emb(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

@@ -180,15 +180,13 @@ class _Layout:
     group_size: int          # G'
     slots: list[int]         # slot of each active row in the grid
     prompt_len: int          # longest prompt among the groups
-    padded: bool             # some group's prompt is shorter than prompt_len
 
     @classmethod
     def of(cls, rows: list[int], G: int, prompt_lens: list[int]) -> "_Layout":
         counts = Counter(r // G for r in rows)  # in order of first appearance: rows are prompt-major
         group_size = max(counts.values())
         slots = [i * group_size + j for i, n in enumerate(counts.values()) for j in range(n)]
-        lens = [prompt_lens[p] for p in counts]
-        return cls(rows, list(counts), group_size, slots, max(lens), min(lens) < max(lens))
+        return cls(rows, list(counts), group_size, slots, max(prompt_lens[p] for p in counts))
 
 
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
@@ -247,9 +245,8 @@ class _DecodeAttention:
         self.slots = None if identity else torch.tensor(layout.slots, device=device)
         self.prefix_valid = torch.arange(P, device=device) < prompt_lens[layout.groups][:, None]  # (Bp', P')
         zeros = torch.zeros(self.prefix_valid.shape, dtype=self.prefix_k[0].dtype, device=device)
-        self.prefix_bias = zeros.masked_fill(~self.prefix_valid, float("-inf"))[:, None, None]  # (Bp', 1, 1, P')
-        if not layout.padded:  # the fused kernel skips its mask pass
-            self.prefix_bias = None
+        self.prefix_bias = (zeros.masked_fill(~self.prefix_valid, float("-inf"))[:, None, None]  # (Bp', 1, 1, P')
+                            if not self.prefix_valid.all() else None)  # no padding: the fused kernel skips its mask
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         if self.slots is not None:  # scatter the N rows into the grid; empty slots get zeros
@@ -385,7 +382,8 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], *, num_samples: i
         out_tokens[t + 1].index_copy_(0, rows, tokens)
         out_logprobs[t + 1].index_copy_(0, rows, logprobs)
         decode_steps, row_steps = decode_steps + 1, row_steps + len(layout.rows)
-        finished |= torch.isin(tokens, stop_t)
+        if stop_ids:
+            finished |= torch.isin(tokens, stop_t)
         if not stop_ids or (t + 2) % check_every or t + 1 == Tc:
             continue
         # The occasional host sync: drop finished rows. A graph re-capture costs about a step, so on
