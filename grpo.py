@@ -198,14 +198,15 @@ def shared_prompt_hidden(model, prompt_ids: Tensor, prompt_lens: Tensor, inputs:
     """Hidden states that predict each completion token: (N, T+1, C) for inputs (N, T) = completions
     without their last token. Row i's first state is its prompt's last valid position; the rest come
     from the completion forward on top of the prompt's keys/values, which stay in the graph."""
-    P = prompt_ids.shape[1]
+    Bp, P = prompt_ids.shape
     kv: dict[int, tuple[Tensor, Tensor]] = {}
 
     def record_kv(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         kv[layer] = (k, v)  # (Bp, Hkv, P, D), with grad: all G completions backpropagate into the prompt
         return causal_attention(layer, q, k, v)  # right padding comes after the valid tokens: exact
 
-    last = model.hidden(prompt_ids, None, record_kv, prompt_lens - 1)[:, 0]  # (Bp, C); K/V of every position
+    h_prompt = model.hidden(prompt_ids, None, record_kv)  # (Bp, P, C)
+    last = h_prompt[torch.arange(Bp, device=prompt_ids.device), prompt_lens - 1]  # (Bp, C)
     first = last.repeat_interleave(G, 0)[:, None]  # (N, 1, C): N*C floats, not G prompt copies
     T = inputs.shape[1]
     if T == 0:
