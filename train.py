@@ -342,13 +342,16 @@ def run(cfg: TrainConfig, explicit: set[str]) -> None:
         prompts, references = prompt_ids[lo:lo + local_prompts], [ref for _, ref in examples[lo:lo + local_prompts]]
         # 2-4. rollout: weights awake (sampler synced), KV cache allocated; both released after
         with phase("rollout"):
-            out = rollout.generate(sampler, prompts, num_samples=G, max_new_tokens=max_new,
-                                   temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, stop_ids=stop_ids,
+            rcfg = rollout.RolloutConfig(num_samples=G, max_new_tokens=max_new, temperature=cfg.temperature,
+                                         top_k=cfg.top_k, top_p=cfg.top_p,
+                                         cuda_graphs=groups.tp_size == 1)  # no collectives in a graph
+            out = rollout.generate(sampler, prompts, rcfg, stop_ids=stop_ids,
                                    seed=cfg.seed * 1_000_003 + step * 7919 + groups.dp_rank, cache=cache,
-                                   logits_fn=logits_fn, cuda_graphs=groups.tp_size == 1)  # no collectives in a graph
+                                   logits_fn=logits_fn)
+        completions = out.completions()
         t_rollout = time.perf_counter() - step_start
         # 5. rewards and advantages (over the whole generation batch: gather every dp rank's rewards)
-        texts = [tokenizer.decode([t for t in c if t not in stop_ids]) for c in out.completions]
+        texts = [tokenizer.decode([t for t in c if t not in stop_ids]) for c in completions]
         try:
             rewards, missing = score(task, texts, [ref for ref in references for _ in range(G)])
         except StopTraining:
@@ -363,16 +366,16 @@ def run(cfg: TrainConfig, explicit: set[str]) -> None:
             all_rewards = rewards
         advantages = grpo.group_advantages(all_rewards, G, scale=cfg.scale)
         rows = slice(lo * G, (lo + local_prompts) * G)
-        batch = grpo.GRPOBatch(prompts, out.completions, advantages[rows])
+        batch = grpo.GRPOBatch(prompts, completions, advantages[rows])
         # 6. old logprobs (mu > 1, or a sampler in another dtype) and reference logprobs, without grad
         t0 = time.perf_counter()
         if cfg.mu > 1 or sampler is not model:
-            batch.old_logp = grpo.batch_logprobs(model, prompts, out.completions, gcfg, logprob_fn=logprob_fn)
+            batch.old_logp = grpo.batch_logprobs(model, prompts, completions, gcfg, logprob_fn=logprob_fn)
         if reference is not None:
             with phase("reference"):
-                batch.ref_logp = grpo.batch_logprobs(reference, prompts, out.completions, gcfg, logprob_fn=logprob_fn)
+                batch.ref_logp = grpo.batch_logprobs(reference, prompts, completions, gcfg, logprob_fn=logprob_fn)
         t_logprobs = time.perf_counter() - t0
-        num_seqs, num_tokens = all_reduce_sum([len(out.completions), sum(map(len, out.completions))], groups, device)
+        num_seqs, num_tokens = all_reduce_sum([len(completions), sum(map(len, completions))], groups, device)
         # 7. mu optimizer steps over the one generation batch
         t0 = time.perf_counter()
         skipped = 0
@@ -407,7 +410,7 @@ def run(cfg: TrainConfig, explicit: set[str]) -> None:
                       reward_std=all_rewards[~all_rewards.isnan()].std().item() if all_rewards.numel() > 1 else 0.0,
                       **{k: v if k == "loss" else v / groups.dp_size for k, v in zip(keys, summed)},
                       grad_norm=m.get("grad_norm", float("nan")),
-                      completion_len=sum(map(len, out.completions)) / len(out.completions),
+                      completion_len=sum(map(len, completions)) / len(completions),
                       tokens_per_s=out.stats["new_tokens"] * groups.dp_size / max(t_rollout, 1e-9),
                       t_rollout=t_rollout, t_logprobs=t_logprobs, t_train=t_train, t_step=seconds,
                       peak_gb=peak_memory(device, mem), lr=optimizer.param_groups[0]["lr"],

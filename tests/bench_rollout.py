@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from model import Llama, ModelConfig  # noqa: E402
-from rollout import generate, sample  # noqa: E402
+from rollout import RolloutConfig, generate, sample  # noqa: E402
 
 CFG = ModelConfig(vocab_size=2048, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
                   num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048)
@@ -88,7 +88,7 @@ def sync(device: torch.device) -> None:
 
 
 def engine(model: Llama, prompts: list[list[int]], num_samples: int, seed: int) -> dict:
-    out = generate(model, prompts, num_samples=num_samples, max_new_tokens=NEW, seed=seed)
+    out = generate(model, prompts, RolloutConfig(num_samples=num_samples, max_new_tokens=NEW), seed=seed)
     assert out.stats["new_tokens"] == len(prompts) * num_samples * NEW
     return out.stats
 
@@ -122,8 +122,8 @@ def gpu_bandwidth() -> None:
         model = Llama(cfg)
     model = model.init_weights(seed=0).to(torch.bfloat16).eval()
     prompts = torch.randint(cfg.vocab_size, (32, 256), generator=torch.Generator().manual_seed(0)).tolist()
-    generate(model, prompts, num_samples=8, max_new_tokens=128, seed=0)  # warm-up (allocator, cuBLAS)
-    stats = generate(model, prompts, num_samples=8, max_new_tokens=128, seed=1).stats
+    generate(model, prompts, RolloutConfig(num_samples=8, max_new_tokens=128), seed=0)  # warm-up (allocator, cuBLAS)
+    stats = generate(model, prompts, RolloutConfig(num_samples=8, max_new_tokens=128), seed=1).stats
     step_seconds = (stats["seconds"] - stats["prefill_seconds"]) / stats["decode_steps"]
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     kv = stats["prompt_kv_bytes"] + stats["completion_kv_bytes"]  # bf16 cache, all of it read every step
@@ -166,7 +166,7 @@ def breakdown(model: Llama, P: int, rounds: int = 3) -> None:
     best = {}
     for new in [NEW, 1] * rounds:
         spent.clear()
-        seconds = generate(model, prompts, num_samples=G, max_new_tokens=new, seed=1).stats["seconds"]
+        seconds = generate(model, prompts, RolloutConfig(num_samples=G, max_new_tokens=new), seed=1).stats["seconds"]
         if new not in best or seconds < best[new][0]:
             best[new] = (seconds, dict(spent))
     for handle in handles:

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import model as M
 from memory import MemoryConfig, PhaseManager, checkpoint_blocks, offload_activations
-from rollout import KVCache, generate
+from rollout import KVCache, RolloutConfig, generate
 
 V = 128
 
@@ -224,12 +224,13 @@ def test_kv_cache_is_recreated_empty_as_the_same_object():
     with mgr.phase("train"):
         assert cache.buffer.untyped_storage().nbytes() == 0
         with pytest.raises(RuntimeError, match="KV cache is released"):
-            generate(trainer, [[1, 2, 3]], num_samples=2, max_new_tokens=3, cache=cache)
+            generate(trainer, [[1, 2, 3]], RolloutConfig(num_samples=2, max_new_tokens=3), cache=cache)
     with mgr.phase("rollout"):
         assert cache.buffer is buffer and cache.buffer.shape == shape
         assert cache.buffer.untyped_storage().nbytes() == 4096 * 4 and not cache.buffer.any()
-        out = generate(trainer, [[1, 2, 3]], num_samples=2, max_new_tokens=3, cache=cache, seed=0)
-        assert [len(c) for c in out.completions] == [3, 3]
+        cfg = RolloutConfig(num_samples=2, max_new_tokens=3)
+        out = generate(trainer, [[1, 2, 3]], cfg, cache=cache, seed=0)
+        assert out.mask.sum(1).tolist() == [3, 3]
 
 # -----------------------------------------------------------------------------
 # The guard and bad input

@@ -12,12 +12,19 @@ import torch
 
 import rollout
 from model import Llama, ModelConfig, prefix_attention
-from rollout import KVCache, Rollout, RolloutConfig, filter_logits, generate, sample
+from rollout import KVCache, Rollout, RolloutConfig, filter_logits, sample
 
 CFG = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=96)
 PROMPTS = [[3, 17, 5, 99, 42, 8, 1], [64, 2], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [7]]
 TOL = 1e-5
+
+
+def generate(model: Llama, prompts: list[list[int]], *, stop_ids=(), seed=None, cache=None,
+             logits_fn=None, **knobs) -> Rollout:
+    """rollout.generate with the sampling knobs given as keywords (a RolloutConfig is built)."""
+    return rollout.generate(model, prompts, RolloutConfig(**knobs), stop_ids=stop_ids, seed=seed,
+                            cache=cache, logits_fn=logits_fn)
 
 
 @pytest.fixture(scope="module")
@@ -57,10 +64,10 @@ def test_greedy_cached_equals_full_recompute_on_a_ragged_batch(model):
     for i, prompt in enumerate(PROMPTS):
         expected = seqs[i][len(prompt):]
         for row in range(i * G, i * G + G):
-            assert out.completions[row] == expected
-            got = torch.tensor(out.logprobs[row])
+            assert out.completions()[row] == expected
+            got = torch.tensor(out.logprob_lists()[row])
             torch.testing.assert_close(got, trainer_logprobs(model, prompt, expected, 1.0, 0, 1.0), rtol=0, atol=TOL)
-    assert out.finish_reasons == ["length"] * len(PROMPTS) * G
+    assert not out.stopped.any()
 
 
 def naive_sampler(model: Llama, prompts: list[list[int]], G: int, steps: int, temperature: float, top_k: int,
@@ -84,8 +91,8 @@ def test_prefill_once_fan_out_equals_independent_prefills(model, temperature, to
     out = generate(model, PROMPTS, num_samples=G, max_new_tokens=steps, temperature=temperature, top_k=top_k,
                    top_p=top_p, seed=seed)
     completions, logprobs = naive_sampler(model, PROMPTS, G, steps, temperature, top_k, top_p, seed)
-    assert out.completions == completions
-    torch.testing.assert_close(torch.tensor(out.logprobs), torch.tensor(logprobs), rtol=0, atol=TOL)
+    assert out.completions() == completions
+    torch.testing.assert_close(torch.tensor(out.logprob_lists()), torch.tensor(logprobs), rtol=0, atol=TOL)
     # The prompt KV is stored once per prompt, not once per row.
     assert out.stats["prompt_kv_bytes"] == 2 * 2 * len(PROMPTS) * 11 * CFG.num_key_value_heads * CFG.head_dim * 4
 
@@ -94,7 +101,7 @@ def test_first_tokens_differ_across_the_rows_of_a_prompt(model):
     G = 8
     out = generate(model, PROMPTS, num_samples=G, max_new_tokens=1, seed=0)
     for i in range(len(PROMPTS)):
-        firsts = [out.completions[row][0] for row in range(i * G, i * G + G)]
+        firsts = [out.completions()[row][0] for row in range(i * G, i * G + G)]
         assert len(set(firsts)) > 1, f"prompt {i}: all {G} rows started with the same token {firsts[0]}"
 
 
@@ -107,57 +114,77 @@ def test_logprobs_equal_trainer_forward_with_the_same_mask_while_rows_are_droppe
     # padded (Bp', G') grid with empty slots was used.
     assert out.stats["compactions"] > 0
     assert out.stats["row_steps"] < out.stats["decode_steps"] * len(PROMPTS) * G
-    lengths = [[len(c) for c in out.completions[i * G:i * G + G]] for i in range(len(PROMPTS))]
+    lengths = [[len(c) for c in out.completions()[i * G:i * G + G]] for i in range(len(PROMPTS))]
     assert any(max(group) - min(group) > 2 for group in lengths)
-    for row, (completion, reason) in enumerate(zip(out.completions, out.finish_reasons)):
+    for row, (completion, stopped) in enumerate(zip(out.completions(), out.stopped.tolist())):
         expected = trainer_logprobs(model, PROMPTS[row // G], completion, temperature, top_k, top_p)
-        torch.testing.assert_close(torch.tensor(out.logprobs[row]), expected, rtol=0, atol=TOL)
+        torch.testing.assert_close(torch.tensor(out.logprob_lists()[row]), expected, rtol=0, atol=TOL)
         assert all(t not in stop_ids for t in completion[:-1]), "a stop id inside a completion"
-        assert reason == ("stop" if completion[-1] in stop_ids else "length")
-        assert reason == "stop" or len(completion) == 40
+        assert stopped == (completion[-1] in stop_ids)
+        assert stopped or len(completion) == 40
 
 
 def test_stop_id_cuts_the_completion_after_it(model):
     reference = generate(model, PROMPTS, num_samples=1, max_new_tokens=12, temperature=0)
-    stop = reference.completions[0][5]
-    cut = reference.completions[0].index(stop) + 1
+    stop = reference.completions()[0][5]
+    cut = reference.completions()[0].index(stop) + 1
     out = generate(model, PROMPTS, num_samples=2, max_new_tokens=12, temperature=0, stop_ids=(stop,), check_every=3)
-    assert out.completions[0] == out.completions[1] == reference.completions[0][:cut]
-    assert out.finish_reasons[:2] == ["stop", "stop"]
+    assert out.completions()[0] == out.completions()[1] == reference.completions()[0][:cut]
+    assert out.stopped[:2].tolist() == [True, True]
     for i in range(1, len(PROMPTS)):
-        expected = reference.completions[i]
+        expected = reference.completions()[i]
         if stop in expected:
             expected = expected[:expected.index(stop) + 1]
-        assert out.completions[2 * i] == expected
-        assert out.finish_reasons[2 * i] == ("stop" if expected[-1] == stop else "length")
+        assert out.completions()[2 * i] == expected
+        assert out.stopped[2 * i] == (expected[-1] == stop)
+
+
+def test_result_is_one_set_of_device_tensors_cut_at_the_stop(model):
+    """The tensor contract GRPO trains on: tokens, mask, logprobs (R, Tc), Tc the longest row, 0 off
+    the mask; the stop token is the last masked token of a stopped row."""
+    G, stop_ids = 3, (5, 9, 17, 23, 31, 40, 64, 77, 90, 101)
+    out = generate(model, PROMPTS, num_samples=G, max_new_tokens=30, stop_ids=stop_ids, seed=3,
+                   temperature=0.7)
+    R = len(PROMPTS) * G
+    lengths = out.mask.sum(1)
+    assert out.tokens.shape == out.mask.shape == out.logprobs.shape == (R, int(lengths.max()))
+    assert out.tokens.dtype == torch.long and out.logprobs.dtype == torch.float32
+    assert (out.tokens[~out.mask] == 0).all() and (out.logprobs[~out.mask] == 0).all()
+    assert (out.logprobs[out.mask] < 0).all()
+    assert out.mask[:, 0].all() and (out.mask[:, 1:] <= out.mask[:, :-1]).all()  # a prefix
+    last = out.tokens[torch.arange(R), lengths - 1]
+    assert torch.equal(out.stopped, torch.isin(last, torch.tensor(stop_ids)))
+    assert out.stopped.any() and not out.stopped.all()
+    assert out.temperature == 0.7 and out.stats["new_tokens"] == int(lengths.sum())
 
 
 def test_max_new_tokens_zero_and_one(model):
     out = generate(model, PROMPTS, num_samples=2, max_new_tokens=0)
-    assert out.completions == [[]] * 8 and out.logprobs == [[]] * 8 and out.finish_reasons == ["length"] * 8
+    assert out.tokens.shape == out.mask.shape == out.logprobs.shape == (8, 0)
+    assert out.completions() == [[]] * 8 and not out.stopped.any()
     out = generate(model, PROMPTS, num_samples=2, max_new_tokens=1, temperature=0)
-    assert [len(c) for c in out.completions] == [1] * 8 and out.stats["decode_steps"] == 0
+    assert [len(c) for c in out.completions()] == [1] * 8 and out.stats["decode_steps"] == 0
 
 
 def test_same_seed_same_completions_and_no_global_rng_side_effect(model):
     kwargs = dict(num_samples=4, max_new_tokens=16, stop_ids=(5, 9), seed=3)
     state = torch.get_rng_state()
     a, b = generate(model, PROMPTS, **kwargs), generate(model, PROMPTS, **kwargs)
-    assert a.completions == b.completions and a.logprobs == b.logprobs
-    assert generate(model, PROMPTS, **{**kwargs, "seed": 4}).completions != a.completions
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.logprobs, b.logprobs)
+    assert generate(model, PROMPTS, **{**kwargs, "seed": 4}).completions() != a.completions()
     generate(model, PROMPTS, num_samples=2, max_new_tokens=4)  # seed=None draws its own seed
     assert torch.equal(torch.get_rng_state(), state)
 
 
 def test_generate_takes_a_rollout_config_and_applies_logits_fn(model):
-    cfg = RolloutConfig(num_samples=3, max_new_tokens=8, top_k=50, seed=5, stop_ids=(2,))
+    cfg = RolloutConfig(num_samples=3, max_new_tokens=8, top_k=50)
     calls = []
 
     def ban_token_10(logits):  # stands in for the TP all-gather: it sees every logits tensor before sampling
         calls.append(tuple(logits.shape))
         return logits.index_fill(-1, torch.tensor([10]), float("-inf"))
-    out = generate(model, PROMPTS, **vars(cfg), logits_fn=ban_token_10)
-    assert isinstance(out, Rollout) and all(10 not in c for c in out.completions)
+    out = rollout.generate(model, PROMPTS, cfg, stop_ids=(2,), seed=5, logits_fn=ban_token_10)
+    assert isinstance(out, Rollout) and all(10 not in c for c in out.completions())
     assert calls[0] == (len(PROMPTS), CFG.vocab_size) and len(calls) == out.stats["decode_steps"] + 1
 
 @pytest.mark.parametrize("padded", [True, False])
@@ -181,9 +208,8 @@ def test_generic_decode_path_equals_fused_path(model, monkeypatch):
     fused = generate(model, PROMPTS, **kwargs)
     monkeypatch.setattr(rollout, "_CPU_FLASH", None)
     generic = generate(model, PROMPTS, **kwargs)
-    assert generic.completions == fused.completions and fused.stats["compactions"] > 0
-    torch.testing.assert_close(torch.tensor(sum(generic.logprobs, [])), torch.tensor(sum(fused.logprobs, [])),
-                               rtol=0, atol=TOL)
+    assert torch.equal(generic.tokens, fused.tokens) and fused.stats["compactions"] > 0
+    torch.testing.assert_close(generic.logprobs, fused.logprobs, rtol=0, atol=TOL)
 
 
 def test_decode_attention_over_all_completion_slots_masks_the_unwritten_ones(monkeypatch):
@@ -210,10 +236,10 @@ def test_bf16_model_on_the_cpu(model):
     bf16 = Llama(CFG).to(torch.bfloat16).eval()
     bf16.load_state_dict(model.state_dict())
     out = generate(bf16, PROMPTS, num_samples=2, max_new_tokens=10, temperature=0)
-    assert [len(c) for c in out.completions] == [10] * 8
-    for row, completion in enumerate(out.completions):  # bf16 rounding (8e-3 relative) of logits of size ~5
+    assert [len(c) for c in out.completions()] == [10] * 8
+    for row, completion in enumerate(out.completions()):  # bf16 rounding (8e-3 relative) of logits of size ~5
         expected = trainer_logprobs(bf16, PROMPTS[row // 2], completion, 1.0, 0, 1.0).float()
-        torch.testing.assert_close(torch.tensor(out.logprobs[row]), expected, rtol=0, atol=0.1)
+        torch.testing.assert_close(torch.tensor(out.logprob_lists()[row]), expected, rtol=0, atol=0.1)
 
 
 # -----------------------------------------------------------------------------
@@ -265,7 +291,7 @@ def test_kv_cache_is_one_buffer_sized_for_the_batch_and_too_small_is_an_error(mo
     assert cache.buffer.dim() == 1 and cache.nbytes == per_token * len(PROMPTS) * (P + G * (new - 1))
     kwargs = dict(num_samples=G, max_new_tokens=new, seed=11)
     out = generate(model, PROMPTS, cache=cache, **kwargs)
-    assert out.completions == generate(model, PROMPTS, **kwargs).completions
+    assert out.completions() == generate(model, PROMPTS, **kwargs).completions()
     assert cache.buffer.abs().sum() > 0  # the KV lived in this buffer
     with pytest.raises(ValueError, match=r"KV cache is too small.*needs [\d,]+ bytes.*holds [\d,]+ bytes"):
         generate(model, PROMPTS, cache=cache, num_samples=G + 1, max_new_tokens=new)
@@ -280,7 +306,7 @@ def test_released_kv_cache_is_a_clear_error_and_wakes_in_place(model):
         generate(model, PROMPTS, num_samples=2, max_new_tokens=5, cache=cache)
     cache.buffer.untyped_storage().resize_(cache.nbytes)  # wake: garbage contents, carve() zeroes them
     out = generate(model, PROMPTS, num_samples=2, max_new_tokens=5, cache=cache, seed=2)
-    assert out.completions == generate(model, PROMPTS, num_samples=2, max_new_tokens=5, seed=2).completions
+    assert out.completions() == generate(model, PROMPTS, num_samples=2, max_new_tokens=5, seed=2).completions()
 
 
 @pytest.mark.parametrize("prompts,kwargs,message", [

@@ -273,13 +273,15 @@ def check_sampling(groups: tp.ParallelGroups) -> None:
     full = full_model(CONFIGS["llama"])
     prompts = [[1, 2, 3, 4, 5], [7, 8]]
     gather = functools.partial(tp.gather_vocab, groups=groups)
-    want = rollout.generate(full, prompts, num_samples=3, max_new_tokens=6, temperature=0.0).completions
+    greedy_cfg = rollout.RolloutConfig(num_samples=3, max_new_tokens=6, temperature=0.0)
+    sample_cfg = rollout.RolloutConfig(num_samples=3, max_new_tokens=6)
+    want = rollout.generate(full, prompts, greedy_cfg).tokens
     for sp in (False, True):
         m = tp.shard_model(copy.deepcopy(full), groups, sequence_parallel=sp)
-        sampled = rollout.generate(m, prompts, num_samples=3, max_new_tokens=6, seed=0, logits_fn=gather)
-        assert_same_on_all_ranks(torch.tensor(sampled.completions))
-        greedy = rollout.generate(m, prompts, num_samples=3, max_new_tokens=6, temperature=0.0, logits_fn=gather)
-        assert greedy.completions == want
+        sampled = rollout.generate(m, prompts, sample_cfg, seed=0, logits_fn=gather)
+        assert_same_on_all_ranks(sampled.tokens)
+        greedy = rollout.generate(m, prompts, greedy_cfg, logits_fn=gather)
+        assert torch.equal(greedy.tokens, want)
         m(torch.tensor([[1, 2, 3, 4]])).sum().backward()  # training after inference_mode reuses the buffer
 
 
