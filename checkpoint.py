@@ -11,6 +11,9 @@ It is written under `step-000123.tmp/` and renamed when complete (a rename is at
 (a one-line file, also replaced atomically) points at it. The prompts and sampling seeds of a step are a
 function of (seed, step), so weights + optimizer state + step are all a resumed run needs.
 
+The output directory holds one run: a new run into an --out that holds one is refused, unless it is
+resumed or explicitly overwritten, and nothing of the old run is touched before the new one is set up.
+
 Leaves out: keeping only the last K checkpoints, asynchronous saving, sharded model files under TP.
 """
 
@@ -107,16 +110,16 @@ def resolve(resume: str, out: str) -> str:
     return resume
 
 
-def saved_config(resume: str, out: str) -> dict:
+def saved_config(resume: str, out: str) -> dict[str, dict]:
+    """The configs a checkpoint was written with: {section: {field: value}}."""
     path = os.path.join(resolve(resume, out), "trainer_state.json")
     try:
         with open(path) as f:
             state = json.load(f)
-        config = dict(state["config"])
-    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
-        raise ValueError(f"{path}: corrupt or missing trainer state ({e!r}); pick another checkpoint") from None
-    config["resume"] = resume
-    return config
+        return {section: dict(values) for section, values in state["config"].items()}
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{path}: corrupt or missing trainer state ({e!r}); pick another "
+                         "checkpoint") from None
 
 
 def load_checkpoint(path: str, optimizer: torch.optim.Optimizer, groups: tp.ParallelGroups) -> int:
@@ -140,3 +143,44 @@ def load_checkpoint(path: str, optimizer: torch.optim.Optimizer, groups: tp.Para
         raise ValueError(f"--resume {path}: corrupt or incomplete checkpoint ({e!r}); pick another one") from None
     except ValueError as e:  # e.g. optimizer state that does not fit this model's parameters
         raise ValueError(f"--resume {path}: {e}") from None
+
+# -----------------------------------------------------------------------------
+# The output directory: never mix two runs, never lose one before the new one has started
+
+
+def holds_a_run(out: str) -> list[str]:
+    """The names in `out` that belong to a run (metrics, checkpoints, the latest pointer)."""
+    if not os.path.isdir(out):
+        return []
+    names = ("metrics.jsonl", "latest")
+    return sorted(n for n in os.listdir(out) if n in names or n.startswith("step-"))
+
+
+def check_out_dir(out: str, resume: str, overwrite: bool) -> None:
+    """Before anything is built: an --out that holds a run is resumed, or overwritten on request."""
+    found = holds_a_run(out)
+    if found and not resume and not overwrite:
+        raise ValueError(f"--out {out} already holds a run ({', '.join(found[:4])}); continue it "
+                         f"with --resume latest, start over with --overwrite true (deletes them), "
+                         f"or choose another --out")
+
+
+def start_out_dir(out: str, resume: str, overwrite: bool, start: int) -> str:
+    """Once the new run is set up (rank 0 only): clear an overwritten run, and drop the metrics
+    records a resume will recompute. Returns the metrics file."""
+    metrics_file = os.path.join(out, "metrics.jsonl")
+    os.makedirs(out, exist_ok=True)
+    if overwrite and not resume:
+        for name in holds_a_run(out):
+            path = os.path.join(out, name)
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            else:
+                os.remove(path)
+    if os.path.exists(metrics_file):
+        with open(metrics_file) as f:
+            kept = [line for line in f if json.loads(line)["step"] <= start]
+        with open(metrics_file + ".tmp", "w") as f:
+            f.writelines(kept)
+        os.replace(metrics_file + ".tmp", metrics_file)  # atomic, like the checkpoints
+    return metrics_file

@@ -562,3 +562,21 @@ def _decode(decoder: _Decoder, out_tokens: Tensor, out_logprobs: Tensor,
         tokens = tokens[keep_t]
         finished = finished[keep_t]
     return dict(decode_steps=decode_steps, row_steps=row_steps, compactions=compactions)
+
+# -----------------------------------------------------------------------------
+# Weight sync: the sampler receives the trainer's weights
+
+
+@torch.no_grad()
+def sync_weights(sampler: torch.nn.Module, trainer: torch.nn.Module) -> None:
+    """Copy (and cast) every trainer parameter into the sampler's same-named one, in place: what
+    vLLM's and SGLang's update_weights do between training and the next rollout. A no-op when the
+    sampler is the trainer itself."""
+    if sampler is trainer:
+        return
+    source = dict(trainer.named_parameters())
+    for name, p in sampler.named_parameters():
+        if name not in source or source[name].shape != p.shape:
+            raise ValueError(f"sync_weights: the sampler's '{name}' has no trainer parameter of "
+                             f"shape {tuple(p.shape)}")
+        p.copy_(source[name])

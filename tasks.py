@@ -1,25 +1,33 @@
 """
 Tasks: where prompts come from and how completions are scored.
 
-A task is a `Task`: a function that draws one (prompt, reference) pair from a random.Random, and one or
-more reward functions `reward(completion, reference) -> float | None`, each with a weight. The reward of
-a completion is the weighted sum; None or NaN from any function means "could not score": that sample is
-left out of its group's statistics (grpo.group_advantages) and counted in the log.
+A task is a `Task`: a function that draws one (prompt, reference) pair from a random.Random, and
+one or more reward functions `reward(completion, reference) -> float | None`, each with a weight.
+The reward of a completion is the weighted sum over the functions; None (or NaN) means "could not
+score": that function is left out, and a completion no function could score is left out of its
+group's statistics (grpo.group_advantages) and counted in the log.
 
-train.py loads a task by import path, `--task package.module:attr`, where attr is a Task or a function
-`attr(data: str) -> Task` that receives `--task_data`. Built in:
-- `tasks:reverse` (default): reverse a short digit string. The answer depends on the prompt's content,
-  the credit is per digit (dense), and a fresh tiny Llama learns it from scratch on a CPU in minutes.
-- `tasks:jsonl_math` with `--task_data FILE`: one {"prompt": ..., "answer": ...} per line (GSM8K-style
-  answers such as "... #### 42" are accepted); the last number in the completion is compared.
+train.py loads a task by import path (load_task), `--task package.module:attr`, where attr is a
+Task or a function `attr(data: str) -> Task` that receives `--task_data`, and scores completions
+with score(), which sums as TRL does; a reward that is not a finite number or None stops the run,
+naming the function and the completion. Built in:
+- `tasks:reverse` (default): reverse a short digit string. The answer depends on the prompt's
+  content, the credit is per digit (dense), and a fresh tiny Llama learns it on a CPU in minutes.
+- `tasks:jsonl_math` with `--task_data FILE`: one {"prompt": ..., "answer": ...} per line
+  (GSM8K-style answers such as "... #### 42" are accepted); the last number in the completion is
+  compared.
 """
 
+import importlib
 import json
 import math
+import numbers
 import random
 import re
 from dataclasses import dataclass, field
 from typing import Callable
+
+import torch
 
 Reward = Callable[[str, str], "float | None"]
 
@@ -29,8 +37,60 @@ class Task:
     name: str
     sample: Callable[[random.Random], tuple[str, str]]     # rng -> (prompt text, reference)
     rewards: list[tuple[Reward, float]] = field(default_factory=list)  # (reward fn, weight)
-    alphabet: str = ""         # characters a fresh character-level tokenizer needs (synthetic tasks)
-    max_new_tokens: int = 0    # the task's natural completion budget (0: train.py's setting decides)
+    alphabet: str = ""         # the characters a fresh character-level tokenizer needs
+    max_new_tokens: int = 0    # the task's completion budget (0: train.py's setting decides)
+
+
+
+class RewardError(ValueError):
+    """A reward function raised, or returned something that is not a reward."""
+
+
+def load_task(spec: str, data: str) -> Task:
+    """`package.module:attr`: a Task, or a function (data: str) -> Task called with --task_data."""
+    module_name, _, attr = spec.partition(":")
+    try:
+        obj = getattr(importlib.import_module(module_name), attr or "task")
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"--task {spec}: cannot load it ({e}); expected package.module:attr") \
+            from None
+    task = obj if isinstance(obj, Task) or not callable(obj) else obj(data)
+    if not isinstance(task, Task):
+        raise ValueError(f"--task {spec}: is a {type(task).__name__}, not a tasks.Task (or a "
+                         "function (task_data: str) -> Task)")
+    return task
+
+
+def check_reward(value, fn: Reward, text: str, ref: str, task: Task) -> float:
+    """A reward function's output as a float: None (or NaN) means "cannot score"."""
+    if value is None:
+        return math.nan
+    number = isinstance(value, numbers.Real) or (torch.is_tensor(value) and value.numel() == 1)
+    if number and not math.isinf(float(value)):
+        return float(value)
+    name = getattr(fn, "__name__", repr(fn))
+    raise RewardError(f"task {task.name}: reward function {name} returned {value!r} on completion "
+                      f"{text!r} (reference {ref!r}); a reward is a finite number, or None when "
+                      "the completion cannot be scored")
+
+
+def score(task: Task, texts: list[str], references: list[str]) -> torch.Tensor:
+    """(N,) weighted rewards of N completions, NaN where no reward function could score one. As TRL
+    sums them: a function returning None is left out, the others still count."""
+    per_function = torch.full((len(texts), len(task.rewards)), math.nan, dtype=torch.float64)
+    for j, (fn, _) in enumerate(task.rewards):
+        for i, (text, ref) in enumerate(zip(texts, references)):
+            try:
+                value = fn(text, ref)
+            except Exception as e:  # a user's function: report it with the input that broke it
+                name = getattr(fn, "__name__", repr(fn))
+                raise RewardError(f"task {task.name}: reward function {name} raised "
+                                  f"{type(e).__name__}: {e} on completion {text!r} "
+                                  f"(reference {ref!r})") from None
+            per_function[i, j] = check_reward(value, fn, text, ref, task)
+    weights = torch.tensor([w for _, w in task.rewards], dtype=torch.float64)
+    rewards = (per_function * weights).nansum(1)  # (N,)
+    return rewards.masked_fill(per_function.isnan().all(1), math.nan)
 
 # -----------------------------------------------------------------------------
 # Reverse a digit string: "<digits>=" -> the digits reversed, then <eos>
@@ -81,7 +141,8 @@ def has_number(completion: str, reference: str) -> float:
 
 def jsonl_math(data: str) -> Task:
     if not data:
-        raise ValueError("task jsonl_math needs --task_data FILE (one {\"prompt\", \"answer\"} object per line)")
+        raise ValueError("task jsonl_math needs --task_data FILE (one {\"prompt\", \"answer\"} "
+                         "object per line)")
     examples = []
     try:
         with open(data) as f:
@@ -89,14 +150,17 @@ def jsonl_math(data: str) -> Task:
                 if not line.strip():
                     continue
                 row = json.loads(line)
-                answer = str(row["answer"]).split("####")[-1].strip()  # GSM8K puts the number after ####
+                # GSM8K puts the number after ####
+                answer = str(row["answer"]).split("####")[-1].strip()
                 if parse_number(answer) is None:
                     raise ValueError(f"{data}:{i}: answer {row['answer']!r} holds no number")
                 examples.append((str(row["prompt"]), str(parse_number(answer))))
     except FileNotFoundError:
         raise ValueError(f"--task_data {data}: file not found") from None
     except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise ValueError(f"{data}:{i}: expected a JSON object with 'prompt' and 'answer' ({e!r})") from None
+        raise ValueError(f"{data}:{i}: expected a JSON object with 'prompt' and 'answer' "
+                         f"({e!r})") from None
     if not examples:
         raise ValueError(f"{data}: no examples")
-    return Task("jsonl_math", lambda rng: rng.choice(examples), [(answer_correct, 1.0), (has_number, 0.1)])
+    rewards = [(answer_correct, 1.0), (has_number, 0.1)]
+    return Task("jsonl_math", lambda rng: rng.choice(examples), rewards)

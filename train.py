@@ -1,27 +1,38 @@
 """
-GRPO training, end to end: `python train.py` on a CPU, `torchrun --nproc_per_node=N train.py` on GPUs.
+GRPO training, end to end: `python train.py` on a CPU, `torchrun --nproc_per_node=N train.py` on
+GPUs.
 
-One step, as data (DESIGN.md): draw B prompts from the task and tokenize them (left-truncated to
-max_prompt_len) -> wake the rollout phase and sample G completions per prompt, prefilling each prompt
-once (rollout.py) -> score them with the task's reward functions -> group advantages (grpo.py) -> old
-logprobs when mu > 1, reference logprobs when beta > 0 -> mu optimizer steps, each over the whole
-generation batch in micro-batches of whole groups (shared-prompt forward, chunked logprobs, GRPO loss)
--> one printed line and a metrics.jsonl record; a checkpoint every save_every steps and at the end.
+setup() builds everything once: process groups, the task, tokenizer and model (plus a sampler copy
+in another dtype and a frozen reference when asked), the optimizer and the memory phases. step() is
+one GRPO step, DESIGN.md's data flow in numbered pieces:
 
-Parallelism: world = tp x dp. The tp ranks of a dp group hold one sharded model (tp.py) and see the same
-prompts and tokens; each dp group takes its own slice of the prompts and gradients are summed over dp.
-Loss normalisers are counted over the whole generation batch on all ranks, so the update does not
-depend on how the batch is split.
+    1. draw the step's prompts (a function of seed and step: a resumed run draws the same ones)
+    2. rollout phase: sync the sampler's weights from the trainer, sample G completions per prompt
+    3. decode the completions and score them with the task's reward functions
+    4. group advantages over the whole generation batch (every data-parallel rank's rewards)
+    5. old logprobs (mu > 1, or a sampler in another dtype) and reference logprobs (beta > 0)
+    6. train phase: mu optimizer steps over the generation batch, micro-batch by micro-batch
+    7. the step's metrics, token-weighted over ranks and aggregated over the mu iterations
 
-Leaves out: pipeline parallelism, multi-node launch details, evaluation sets, chat templates, wandb.
+train() runs the steps: one printed line and a metrics.jsonl record each, checkpoints, and clean
+stops (Ctrl-C or SIGTERM: finish the step, checkpoint, exit 0; a fault: one line and a checkpoint).
+
+Parallelism: world = tp x dp. The tp ranks of a dp group hold one sharded model (tp.py) and see the
+same prompts and tokens; each dp group takes its own slice of the prompts; gradients are summed over
+dp. Loss normalisers count the whole generation batch on all ranks, so the update does not depend
+on how the batch is split.
+
+Each knob lives in the dataclass of the file that uses it (TrainConfig here, RolloutConfig,
+GRPOConfig, MemoryConfig); `--field value` is routed to its owner. `python train.py --help` lists
+them all. Leaves out: pipeline parallelism, multi-node launch details, chat templates (see
+--prompt_template), wandb.
 Shapes: Bp prompts, G samples per prompt, N = Bp*G completions, Tr completion length.
-Run `python train.py --help` for every option. Tested by tests/test_train.py.
+Tested by tests/test_train.py.
 """
 
 import contextlib
 import copy
 import dataclasses
-import importlib
 import inspect
 import json
 import math
@@ -31,19 +42,21 @@ import resource
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+import checkpoint
 import grpo
 import memory
 import rollout
 import tp
-import checkpoint
 from model import Llama, ModelConfig, build_char_tokenizer, load_tokenizer
+import tasks
+from tasks import Task
 
 # -----------------------------------------------------------------------------
 # Config and command line
@@ -52,146 +65,208 @@ from model import Llama, ModelConfig, build_char_tokenizer, load_tokenizer
 @dataclass
 class TrainConfig:
     # model
-    model: str = ""                  # Hugging Face checkpoint directory; "" = a fresh tiny Llama built for the task
+    model: str = ""                  # Hugging Face checkpoint directory; "" = a fresh tiny Llama
     dim: int = 64                    # fresh model: width
     layers: int = 2                  # fresh model: transformer blocks
     heads: int = 4                   # fresh model: attention heads
     kv_heads: int = 2                # fresh model: key/value heads (GQA)
     dtype: str = "float32"           # trainer weights: float32 or bfloat16
-    sampler_dtype: str = ""          # sampler weights; "" = same tensors as the trainer (no copy)
+    sampler_dtype: str = ""          # sampler weights; "" = the trainer's own tensors (no copy)
     # task
     task: str = "tasks:reverse"      # package.module:attr, a Task or a function (task_data) -> Task
-    task_data: str = ""              # passed to a task factory, e.g. a JSONL file for tasks:jsonl_math
-    # rollout
+    task_data: str = ""              # passed to a task factory, e.g. tasks:jsonl_math's JSONL file
+    prompt_template: str = ""        # text around "{prompt}", e.g. a chat turn; "" = the prompt
     prompts_per_step: int = 16       # Bp prompts per generation batch (over all dp ranks)
-    num_samples: int = 16            # G completions per prompt
     max_prompt_len: int = 256        # longer prompts are truncated on the left (counted in the log)
-    max_new_tokens: int = 0          # 0 = the task's own budget (or 256)
-    temperature: float = 1.0         # sampling temperature, also applied to the trainer's logprobs
-    top_k: int = 0                   # 0 = off
-    top_p: float = 1.0               # 1 = off
-    # GRPO
-    loss_type: str = "dapo"          # dapo | grpo | dr_grpo
-    scale: str = "group"             # advantage scaling: group | batch | none
-    eps_low: float = 0.2             # clip ratio below at 1 - eps_low
-    eps_high: float = 0.28           # clip ratio above at 1 + eps_high (clip-higher)
-    beta: float = 0.0                # KL weight to the initial model (k3); 0 = no reference model
-    mu: int = 1                      # optimizer steps per generation batch
-    micro_batch_groups: int = 16     # whole groups per forward/backward
-    chunk_size: int = 1024           # completion tokens per logprob chunk
     # optimisation
     steps: int = 800                 # generation batches to train on
-    lr: float = 1e-3                 # peak learning rate (tiny fresh model; ~1e-6 for a real checkpoint)
+    lr: float = 1e-3                 # peak learning rate (tiny fresh model; ~1e-6 for a real one)
     min_lr_ratio: float = 0.1        # cosine decay floor, as a fraction of lr
     warmup_steps: int = 10           # linear warmup, in optimizer steps
     weight_decay: float = 0.0        # AdamW weight decay
     grad_clip: float = 1.0           # global gradient-norm clip; 0 = off
-    max_bad_steps: int = 5           # stop (with a checkpoint) after this many non-finite losses in a row
+    max_bad_steps: int = 5           # stop after this many steps in a row with no finite update
+    max_unscored_steps: int = 5      # stop after this many steps in a row with no reward scored
     # parallelism and memory
     tp: int = 1                      # tensor-parallel size; world size = tp * dp
     sequence_parallel: bool = False  # tp.py's sequence parallelism in the training forward
-    phases: bool = True              # memory.py sleep/wake of KV cache, grads, optimizer state between phases
-    activation_checkpoint: bool = False  # recompute each block in backward (memory.py)
-    activation_offload: bool = False # saved activations to (pinned) host memory in the training forward
-    threads: int = 1                 # CPU threads per process (1 suits tiny models, shared machines); 0 = torch's
+    phases: bool = True              # memory.py sleep/wake between phases; false = all resident
+    threads: int = 1                 # CPU threads per process (1 suits tiny models); 0 = torch's
     # output
     out: str = "runs/default"        # metrics.jsonl and checkpoints go here
-    save_every: int = 100            # checkpoint every N steps (and at the end); 0 = only at the end
-    resume: str = ""                 # a checkpoint directory to continue from exactly ("latest" = out/latest)
-    seed: int = 0                    # model init, prompts and sampling are functions of (seed, step)
+    overwrite: bool = False          # start over in an --out that already holds a run
+    save_every: int = 100            # checkpoint every N steps and at the end; 0 = only at the end
+    resume: str = ""                 # a checkpoint directory to continue exactly ("latest" = out's)
+    seed: int = 0                    # init, prompts and sampling are functions of (seed, step)
 
 
-def field_help() -> dict[str, str]:
-    """The end-of-line comment of each TrainConfig field: the config's source is its documentation."""
+# Every knob has one home: the dataclass of the file that uses it. The CLI routes --name to it.
+SECTIONS = {"train": TrainConfig, "rollout": rollout.RolloutConfig, "grpo": grpo.GRPOConfig,
+            "memory": memory.MemoryConfig}
+
+
+@dataclass
+class Configs:
+    train: TrainConfig
+    rollout: rollout.RolloutConfig
+    grpo: grpo.GRPOConfig
+    memory: memory.MemoryConfig
+
+
+# TODO(grpo redesign): GRPOConfig still declares these; they are taken from the rollout config.
+FROM_ROLLOUT = ("num_samples", "temperature", "max_completion_len")
+
+
+def fields(cls: type) -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(cls)
+            if not (cls is grpo.GRPOConfig and f.name in FROM_ROLLOUT)]
+
+
+def field_owners() -> dict[str, str]:
+    """field name -> its section; a name declared in two sections would be ambiguous on the CLI."""
+    owners: dict[str, str] = {}
+    for section, cls in SECTIONS.items():
+        for f in fields(cls):
+            if f.name in owners:
+                raise TypeError(f"--{f.name} is declared by {owners[f.name]} and {section}")
+            owners[f.name] = section
+    return owners
+
+
+def field_help(cls: type) -> dict[str, str]:
+    """The end-of-line comment of each field: the config's source is its documentation."""
     out = {}
-    for line in inspect.getsource(TrainConfig).splitlines():
+    for line in inspect.getsource(cls).splitlines():
         name, _, rest = line.strip().partition(":")
         if "#" in rest and name.isidentifier():
             out[name] = rest.split("#", 1)[1].strip()
     return out
 
 
-def parse_args(argv: list[str]) -> TrainConfig:
-    """`--field value` or `--field=value` onto TrainConfig, converted to the field's type."""
-    kinds = {f.name: type(f.default) for f in dataclasses.fields(TrainConfig)}
-    if "-h" in argv or "--help" in argv:
-        print("usage: [torchrun ...] train.py [--field value ...]\n")
-        for f in dataclasses.fields(TrainConfig):
-            print(f"  --{f.name:<22} {kinds[f.name].__name__:<6} {f.default!r:<16} {field_help().get(f.name, '')}")
-        raise SystemExit(0)
-    values, i = {}, 0
+def print_help() -> None:
+    lines = ["usage: [torchrun ...] train.py [--field value ...]"]
+    for section, cls in SECTIONS.items():
+        lines.append(f"\n{section} ({cls.__module__}.py {cls.__name__}):")
+        comments = field_help(cls)
+        for f in fields(cls):
+            kind = type(f.default).__name__
+            lines.append(f"  --{f.name:<22} {kind:<6} {f.default!r:<16} {comments.get(f.name, '')}")
+    try:
+        print("\n".join(lines), flush=True)
+    except BrokenPipeError:  # `--help | head` closed the pipe: that is not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+def parse_value(name: str, value: str, kind: type):
+    if kind is bool:
+        if value.lower() not in ("true", "false", "1", "0"):
+            raise ValueError(f"--{name} expects true or false, got {value!r}")
+        return value.lower() in ("true", "1")
+    try:
+        return kind(value)
+    except ValueError:
+        raise ValueError(f"--{name} expects {kind.__name__}, got {value!r}") from None
+
+
+def parse_args(argv: list[str]) -> dict[str, object]:
+    """`--field value` or `--field=value` -> {field: value}, converted to the field's type."""
+    owners = field_owners()
+    kinds = {f.name: type(f.default) for cls in SECTIONS.values() for f in fields(cls)}
+    values = {}
+    i = 0
     while i < len(argv):
         arg = argv[i]
         if not arg.startswith("--"):
-            raise ValueError(f"unexpected argument {arg!r}; options look like --field value (see --help)")
+            raise ValueError(f"unexpected argument {arg!r}; options look like --field value "
+                             "(see --help)")
         name, eq, value = arg[2:].partition("=")
         if not eq:
             if i + 1 >= len(argv):
                 raise ValueError(f"--{name} needs a value")
-            value, i = argv[i + 1], i + 1
+            i += 1
+            value = argv[i]
         i += 1
-        if name not in kinds:
+        if name not in owners:
             raise ValueError(f"unknown option --{name} (see --help for the list)")
-        kind = kinds[name]
-        if kind is bool:
-            if value.lower() not in ("true", "false", "1", "0"):
-                raise ValueError(f"--{name} expects true or false, got {value!r}")
-            values[name] = value.lower() in ("true", "1")
-            continue
-        try:
-            values[name] = kind(value)
-        except ValueError:
-            raise ValueError(f"--{name} expects {kind.__name__}, got {value!r}") from None
-    return TrainConfig(**values)
+        values[name] = parse_value(name, value, kinds[name])
+    return values
 
 
-def check_config(cfg: TrainConfig) -> None:
-    positive = ("prompts_per_step", "num_samples", "max_prompt_len", "mu", "micro_batch_groups", "steps", "tp")
+def build_configs(values: dict[str, object]) -> Configs:
+    """One dataclass per section from flat {field: value}; each validates its own fields."""
+    owners = field_owners()
+    by_section: dict[str, dict] = {section: {} for section in SECTIONS}
+    for name, value in values.items():
+        by_section[owners[name]][name] = value
+    r = rollout.RolloutConfig(**by_section["rollout"])
+    by_section["grpo"].update(num_samples=r.num_samples, temperature=r.temperature or 1.0)
+    return Configs(**{s: cls(**by_section[s]) for s, cls in SECTIONS.items()})
+
+
+def check_config(cfgs: Configs) -> None:
+    """What the dataclasses cannot know alone: the values a training run needs."""
+    cfg = cfgs.train
+    positive = ("prompts_per_step", "max_prompt_len", "steps", "tp", "max_bad_steps",
+                "max_unscored_steps")
     for name in positive:
         if getattr(cfg, name) < 1:
             raise ValueError(f"--{name} must be >= 1, got {getattr(cfg, name)}")
-    for name in ("lr", "weight_decay", "grad_clip", "max_new_tokens", "save_every", "warmup_steps"):
+    for name in ("lr", "weight_decay", "grad_clip", "save_every", "warmup_steps"):
         if getattr(cfg, name) < 0:
             raise ValueError(f"--{name} must be >= 0, got {getattr(cfg, name)}")
     dtypes = ("float32", "bfloat16", "float16")
     for name, allowed in (("dtype", dtypes), ("sampler_dtype", ("", *dtypes))):
         if getattr(cfg, name) not in allowed:
             raise ValueError(f"--{name} must be one of {allowed}, got {getattr(cfg, name)!r}")
-
-
-def load_task(spec: str, data: str):
-    module_name, _, attr = spec.partition(":")
-    try:
-        task = getattr(importlib.import_module(module_name), attr or "task")
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"--task {spec}: cannot load it ({e}); expected package.module:attr") from None
-    return task if hasattr(task, "rewards") else task(data)
+    if cfg.prompt_template and "{prompt}" not in cfg.prompt_template:
+        raise ValueError(f"--prompt_template {cfg.prompt_template!r} has no {{prompt}} to replace")
+    r = cfgs.rollout
+    if r.temperature == 0:
+        raise ValueError("--temperature 0 (greedy) samples every completion of a group alike: "
+                         "every advantage would be 0; GRPO needs a temperature > 0")
+    if r.top_k or r.top_p < 1:
+        raise ValueError("--top_k/--top_p truncate the sampling distribution, which the trainer's "
+                         "logprobs do not (the GRPO ratio would not be 1 on-policy); leave them "
+                         "off for training (they are for evaluation with rollout.generate)")
 
 # -----------------------------------------------------------------------------
-# Model, tokenizer, optimizer
+# Setup: task, model, tokenizer, optimizer, memory phases
 
 
-def build_model(cfg: TrainConfig, task, source: str, device: torch.device, groups: tp.ParallelGroups):
-    """From a HF directory (--model, or a checkpoint being resumed), or fresh: a char tokenizer for the
-    task's alphabet and a tiny Llama initialised from the seed (the same on every rank)."""
+class StopTraining(Exception):
+    """A run that cannot go on (a reward function failed, no finite update for too long): one
+    clear line, after a checkpoint of the last good state."""
+
+
+def build_model(cfg: TrainConfig, task: Task, source: str, device: torch.device,
+                groups: tp.ParallelGroups) -> tuple[Llama, object]:
+    """From a HF directory (--model, or a checkpoint being resumed), or fresh: a char tokenizer for
+    the task's alphabet and a tiny Llama initialised from the seed (the same on every rank)."""
     dtype = getattr(torch, cfg.dtype)
     if source:
         if groups.tp_size > 1:
-            model = tp.load_sharded(source, groups, device, dtype)  # each rank reads only its slice
+            model = tp.load_sharded(source, groups, device, dtype)  # each rank reads its slice
         else:
             model = Llama.from_pretrained(source, device=device, dtype=dtype)
         return model, load_tokenizer(source)
     if not task.alphabet:
-        raise ValueError(f"task {task.name} has no alphabet for a fresh tokenizer: pass --model DIR")
+        raise ValueError(f"task {task.name} has no alphabet for a fresh tokenizer: pass --model "
+                         "DIR")
     tokenizer = build_char_tokenizer(task.alphabet)
-    mcfg = ModelConfig(vocab_size=tokenizer.get_vocab_size(), hidden_size=cfg.dim, intermediate_size=cfg.dim * 11 // 4,
-                       num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
+    mcfg = ModelConfig(vocab_size=tokenizer.get_vocab_size(), hidden_size=cfg.dim,
+                       intermediate_size=cfg.dim * 11 // 4, num_hidden_layers=cfg.layers,
+                       num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
                        max_position_embeddings=1024, bos_token_id=tokenizer.token_to_id("<bos>"),
                        eos_token_id=tokenizer.token_to_id("<eos>"))
-    model = Llama(mcfg).init_weights(cfg.seed).to(device=device, dtype=dtype)  # same init on every rank
+    model = Llama(mcfg).init_weights(cfg.seed).to(device=device, dtype=dtype)  # same on every rank
     if groups.tp_size > 1:
         tp.shard_model(model, groups)
     return model, tokenizer
+
+
+def stop_token_ids(mcfg: ModelConfig) -> tuple[int, ...]:
+    eos = mcfg.eos_token_id
+    return tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
 
 
 def learning_rate(cfg: TrainConfig, opt_step: int, total: int) -> float:
@@ -199,261 +274,435 @@ def learning_rate(cfg: TrainConfig, opt_step: int, total: int) -> float:
     if opt_step < cfg.warmup_steps:
         return cfg.lr * (opt_step + 1) / cfg.warmup_steps
     progress = min(1.0, (opt_step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
-
-# -----------------------------------------------------------------------------
-# One step's pieces
+    cosine = 0.5 * (1 + math.cos(math.pi * progress))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine)
 
 
-def draw_prompts(cfg: TrainConfig, task, tokenizer, bos: int | None, step: int) -> tuple[list, list[list[int]], int]:
-    """The step's prompts are a function of (seed, step) alone, so a resumed run draws the same ones."""
-    rng = random.Random(cfg.seed * 1_000_003 + step)
-    examples = [task.sample(rng) for _ in range(cfg.prompts_per_step)]
-    ids, truncated = [], 0
-    for text, _ in examples:
-        tokens = tokenizer.encode(text, add_special_tokens=False).ids
-        if bos is not None and (not tokens or tokens[0] != bos):
-            tokens = [bos] + tokens
-        if len(tokens) > cfg.max_prompt_len:  # keep the end: the question sits at the end of the prompt
-            tokens, truncated = tokens[-cfg.max_prompt_len:], truncated + 1
-        ids.append(tokens)
-    return examples, ids, truncated
+@dataclass
+class Run:
+    """Everything setup() builds once and step() uses."""
+    cfgs: Configs
+    explicit: set[str]               # options given on the command line (they beat a resume's)
+    rank: int
+    groups: tp.ParallelGroups
+    device: torch.device
+    task: Task
+    tokenizer: object
+    stop_ids: tuple[int, ...]
+    model: Llama
+    sampler: Llama                   # the trainer itself, or a copy in --sampler_dtype
+    reference: Llama | None          # the initial policy, when beta > 0
+    optimizer: torch.optim.Optimizer
+    mem: memory.PhaseManager
+    cache: rollout.KVCache
+    start: int = 0                   # steps done before this process (a resumed run)
+    opt_step: int = 0
+    bad_in_a_row: int = 0            # steps whose every update was skipped (non-finite)
+    unscored_in_a_row: int = 0       # steps with no reward scored at all
+    logits_fn: object = None         # TP: all-gather the vocab shards before sampling
+    logprob_fn: object = None        # TP: vocab-parallel logprobs
+    stop_signals: list = field(default_factory=list)
+
+    @property
+    def local_prompts(self) -> int:  # this dp rank's share of the generation batch
+        return self.cfgs.train.prompts_per_step // self.groups.dp_size
+
+    def phase(self, name: str):
+        return self.mem.phase(name) if self.cfgs.train.phases else contextlib.nullcontext()
 
 
-class StopTraining(Exception):
-    """A run that cannot go on (a reward function raised, losses stayed non-finite): one clear line."""
+def resolve_configs(values: dict[str, object]) -> tuple[Configs, set[str]]:
+    """The command line's configs, or a resumed run's saved ones with this command line's options
+    on top."""
+    explicit = set(values)
+    resume = values.get("resume", "")
+    if resume:
+        out = values.get("out", TrainConfig.out)
+        saved = checkpoint.saved_config(resume, out)
+        owners = field_owners()
+        flat = {name: value for section, fields in saved.items() for name, value in fields.items()
+                if owners.get(name) == section}
+        values = {**flat, **values}
+    return build_configs(values), explicit
 
 
-def score(task, completions: list[str], references: list[str]) -> tuple[torch.Tensor, int]:
-    """Weighted reward per completion; None/NaN from any reward function -> NaN (left out of the stats)."""
-    rewards, missing = [], 0
-    for text, ref in zip(completions, references):
-        total = 0.0
-        for fn, weight in task.rewards:
-            try:
-                r = fn(text, ref)
-            except Exception as e:  # a user's reward function: report it with the input that broke it
-                raise StopTraining(f"task {task.name}: reward function {getattr(fn, '__name__', fn)} raised "
-                                   f"{type(e).__name__}: {e} on completion {text!r} (reference {ref!r})") from None
-            total += float("nan") if r is None else weight * float(r)
-        missing += math.isnan(total)
-        rewards.append(total)
-    return torch.tensor(rewards), missing
-
-
-def peak_memory(device: torch.device, mem: memory.PhaseManager) -> float:
-    """GB: the peak of torch.cuda.max_memory_allocated over all phases on a GPU, the process's peak RSS
-    on a CPU."""
-    if device.type == "cuda":
-        return max(mem.peak_bytes(), torch.cuda.max_memory_allocated(device)) / 1e9
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # Linux reports KiB
-
-
-def all_reduce_sum(values: list[float], groups: tp.ParallelGroups, device) -> list[float]:
-    if groups.dp_group is None:
-        return values
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t, group=groups.dp_group)  # DP: sum of per-rank counts over the dp ranks
-    return t.tolist()
-
-# -----------------------------------------------------------------------------
-# The loop
-
-
-def run(cfg: TrainConfig, explicit: set[str]) -> None:
+def setup(values: dict[str, object]) -> Run:
     rank, world, device = tp.init_distributed()
+    cfgs, explicit = resolve_configs(values)
+    cfg = cfgs.train
+    check_config(cfgs)
     groups = tp.make_groups(cfg.tp)
-    if cfg.resume:  # continue with the saved config; options given on this command line still win
-        saved = checkpoint.saved_config(cfg.resume, cfg.out)
-        cfg = dataclasses.replace(TrainConfig(**saved), **{k: getattr(cfg, k) for k in explicit})
-    check_config(cfg)
-    if device.type == "cpu":
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        torch.set_num_threads(cfg.threads or max(1, torch.get_num_threads() // local))  # no oversubscription
     if cfg.prompts_per_step % groups.dp_size:
         raise ValueError(f"--prompts_per_step {cfg.prompts_per_step} must be divisible by "
                          f"dp = world / tp = {groups.dp_size}")
-    task = load_task(cfg.task, cfg.task_data)
+    checkpoint.check_out_dir(cfg.out, cfg.resume, cfg.overwrite)
+    if device.type == "cpu":
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # no oversubscription
+        torch.set_num_threads(cfg.threads or max(1, torch.get_num_threads() // local))
+    task = tasks.load_task(cfg.task, cfg.task_data)
     resume_dir = checkpoint.resolve(cfg.resume, cfg.out) if cfg.resume else ""
     model, tokenizer = build_model(cfg, task, resume_dir or cfg.model, device, groups)
-    mcfg = model.config
-    stop_ids = tuple(mcfg.eos_token_id if isinstance(mcfg.eos_token_id, list) else
-                     [mcfg.eos_token_id] if mcfg.eos_token_id is not None else [])
-    max_new = cfg.max_new_tokens or task.max_new_tokens or 256
-    G, local_prompts = cfg.num_samples, cfg.prompts_per_step // groups.dp_size
-    lo = groups.dp_rank * local_prompts  # this dp rank's slice of the generation batch
-
-    # The reference is the initial policy (built before any checkpoint is loaded); the sampler shares the
-    # trainer's tensors unless it runs in another dtype, then memory.py syncs it before each rollout.
+    if cfgs.rollout.max_new_tokens == 0:  # the task's own budget
+        budget = task.max_new_tokens or 256
+        cfgs.rollout = dataclasses.replace(cfgs.rollout, max_new_tokens=budget)
+    cfgs.grpo = dataclasses.replace(cfgs.grpo, max_completion_len=cfgs.rollout.max_new_tokens)
+    # The reference is the initial policy (built before any checkpoint is loaded).
     reference = None
-    if cfg.beta > 0:
-        reference = build_model(cfg, task, cfg.model, device, groups)[0] if resume_dir else copy.deepcopy(model)
+    if cfgs.grpo.beta > 0:
+        if resume_dir:
+            reference = build_model(cfg, task, cfg.model, device, groups)[0]
+        else:
+            reference = copy.deepcopy(model)
         reference.requires_grad_(False)
     sampler = model
     if cfg.sampler_dtype and cfg.sampler_dtype != cfg.dtype:
         sampler = copy.deepcopy(model).to(getattr(torch, cfg.sampler_dtype)).requires_grad_(False)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay)
-    gcfg = grpo.GRPOConfig(num_samples=G, loss_type=cfg.loss_type, scale=cfg.scale, eps_low=cfg.eps_low,
-                           eps_high=cfg.eps_high, beta=cfg.beta, temperature=cfg.temperature or 1.0,
-                           chunk_size=cfg.chunk_size, micro_batch_groups=min(cfg.micro_batch_groups, local_prompts),
-                           mu=cfg.mu, max_completion_len=max_new)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.99),
+                                  weight_decay=cfg.weight_decay)
     start = checkpoint.load_checkpoint(resume_dir, optimizer, groups) if resume_dir else 0
-    logprob_fn = partial(tp.vocab_parallel_logprobs, groups=groups) if groups.tp_size > 1 else None
-    logits_fn = partial(tp.gather_vocab, groups=groups) if groups.tp_size > 1 else None
-    dp_grads = tp.DataParallelGrads(model, groups)
-
-    cache = rollout.KVCache.for_batch(mcfg, local_prompts, G, cfg.max_prompt_len, max_new,
-                                      next(sampler.parameters()).dtype, device, tp_size=groups.tp_size)
-    mem = memory.PhaseManager(device, memory.MemoryConfig(activation_checkpoint=cfg.activation_checkpoint,
-                                                          activation_offload=cfg.activation_offload))
+    local_prompts = cfg.prompts_per_step // groups.dp_size
+    cache = rollout.KVCache.for_batch(model.config, local_prompts, cfgs.rollout.num_samples,
+                                      cfg.max_prompt_len, cfgs.rollout.max_new_tokens,
+                                      next(sampler.parameters()).dtype, device,
+                                      tp_size=groups.tp_size)
+    mem = memory.PhaseManager(device, cfgs.memory)
     mem.add_weights(model, sampler)
     mem.add_kv_cache(cache.buffer)
     mem.add_grads(model)
     mem.add_optimizer(optimizer)
     if reference is not None:
         mem.add_reference(reference)
-    phase = mem.phase if cfg.phases else (lambda name: contextlib.nullcontext())
+    run = Run(cfgs, explicit, rank, groups, device, task, tokenizer,
+              stop_token_ids(model.config), model, sampler, reference, optimizer, mem, cache,
+              start=start, opt_step=start * cfgs.grpo.mu)
+    if groups.tp_size > 1:
+        run.logits_fn = partial(tp.gather_vocab, groups=groups)
+        run.logprob_fn = partial(tp.vocab_parallel_logprobs, groups=groups)
+    return run
 
-    os.makedirs(cfg.out, exist_ok=True)
-    metrics_file = os.path.join(cfg.out, "metrics.jsonl")
-    if rank == 0:  # drop records past the step we resume from: they are about to be recomputed
-        kept = []
-        if os.path.exists(metrics_file) and start > 0:
-            with open(metrics_file) as f:
-                kept = [line for line in f if json.loads(line)["step"] <= start]
-        with open(metrics_file, "w") as f:
-            f.writelines(kept)
+# -----------------------------------------------------------------------------
+# Prompts and rewards
 
-    stop_requested = []
-    def on_sigint(signum, frame):  # finish the step, checkpoint, exit; a second Ctrl-C interrupts at once
-        stop_requested.append(signum)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGINT, on_sigint)
 
-    def save(step: int) -> str:
-        return checkpoint.save_checkpoint(cfg.out, step, model, tokenizer, optimizer, dataclasses.asdict(cfg), groups)
+def draw_prompts(run: Run, step: int) -> tuple[list[list[int]], list[str], int]:
+    """This rank's prompts (token ids) and references, and how many were truncated. The whole
+    batch is a function of (seed, step) alone, so a resumed run draws the same one."""
+    cfg = run.cfgs.train
+    rng = random.Random(cfg.seed * 1_000_003 + step)
+    examples = [run.task.sample(rng) for _ in range(cfg.prompts_per_step)]
+    lo = run.groups.dp_rank * run.local_prompts
+    examples = examples[lo:lo + run.local_prompts]
+    bos = run.model.config.bos_token_id
+    ids = []
+    truncated = 0
+    for text, _ in examples:
+        if cfg.prompt_template:
+            text = cfg.prompt_template.replace("{prompt}", text)
+        tokens = encode(run, text)
+        if bos is not None and (not tokens or tokens[0] != bos):
+            tokens = [bos] + tokens
+        if len(tokens) > cfg.max_prompt_len:  # keep the end: the question sits at the end
+            tokens = tokens[-cfg.max_prompt_len:]
+            truncated += 1
+        ids.append(tokens)
+    return ids, [ref for _, ref in examples], truncated
 
-    bad_in_a_row, opt_step, total_opt_steps = 0, start * cfg.mu, cfg.steps * cfg.mu
-    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, disable=rank != 0, dynamic_ncols=True)
-    for step in bar:
-        step_start = time.perf_counter()
-        # 1. prompts (the same on every rank; each dp rank takes its slice)
-        examples, prompt_ids, truncated = draw_prompts(cfg, task, tokenizer, mcfg.bos_token_id, step)
-        prompts, references = prompt_ids[lo:lo + local_prompts], [ref for _, ref in examples[lo:lo + local_prompts]]
-        # 2-4. rollout: weights awake (sampler synced), KV cache allocated; both released after
-        with phase("rollout"):
-            rcfg = rollout.RolloutConfig(num_samples=G, max_new_tokens=max_new, temperature=cfg.temperature,
-                                         top_k=cfg.top_k, top_p=cfg.top_p,
-                                         cuda_graphs=groups.tp_size == 1)  # no collectives in a graph
-            out = rollout.generate(sampler, prompts, rcfg, stop_ids=stop_ids,
-                                   seed=cfg.seed * 1_000_003 + step * 7919 + groups.dp_rank, cache=cache,
-                                   logits_fn=logits_fn)
-        completions = out.completions()
-        t_rollout = time.perf_counter() - step_start
-        # 5. rewards and advantages (over the whole generation batch: gather every dp rank's rewards)
-        texts = [tokenizer.decode([t for t in c if t not in stop_ids]) for c in completions]
+
+def encode(run: Run, text: str) -> list[int]:
+    try:
+        return run.tokenizer.encode(text, add_special_tokens=False).ids
+    except Exception:  # the tokenizers library raises plain Exceptions (e.g. no [UNK] token)
+        unknown = [c for c in text if run.tokenizer.token_to_id(c) is None]
+        what = f"the character {unknown[0]!r}" if unknown else "a character"
+        raise StopTraining(f"task {run.task.name}: prompt {text!r} has {what} that the tokenizer "
+                           f"cannot encode; a fresh model's vocabulary is the task's alphabet "
+                           f"{run.task.alphabet!r}") from None
+
+
+def completion_texts(run: Run, out: rollout.Rollout) -> list[str]:
+    """What a reward function sees: every token the model wrote, special ones included (a <pad>
+    inside an answer is the policy's doing), except the stop token that ended the row."""
+    texts = []
+    for tokens, stopped in zip(out.completions(), out.stopped.tolist()):
+        texts.append(run.tokenizer.decode(tokens[:-1] if stopped else tokens,
+                                          skip_special_tokens=False))
+    return texts
+
+
+# -----------------------------------------------------------------------------
+# Reductions over the data-parallel ranks
+
+
+def all_reduce_dp(values: list[float], run: Run, op=None) -> list[float]:
+    if run.groups.dp_group is None:
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=run.device)
+    dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=run.groups.dp_group)  # over dp ranks
+    return t.tolist()
+
+
+def gather_dp(t: torch.Tensor, run: Run) -> torch.Tensor:
+    """Every dp rank's tensor, concatenated in dp-rank order (the same on every rank)."""
+    if run.groups.dp_group is None:
+        return t
+    parts = [torch.empty_like(t) for _ in range(run.groups.dp_size)]
+    dist.all_gather(parts, t.contiguous(), group=run.groups.dp_group)  # DP: every rank's rows
+    return torch.cat(parts)
+
+# -----------------------------------------------------------------------------
+# One step
+
+
+def step(run: Run, step: int) -> dict:
+    """One GRPO step (the numbered pieces of the module docstring); returns its metrics record."""
+    cfgs = run.cfgs
+    G = cfgs.rollout.num_samples
+    times = {}
+    t0 = time.perf_counter()
+    # 1. The step's prompts.
+    prompts, references, truncated = draw_prompts(run, step)
+    try:
+        rollout.check_prompts(prompts, run.stop_ids, cfgs.rollout.max_new_tokens, run.model.config)
+    except ValueError as e:
+        raise StopTraining(f"task {run.task.name}: {e} (lower --max_prompt_len or "
+                           "--max_new_tokens)") from None
+    # 2. Rollout: the sampler gets the trainer's weights, then samples G completions per prompt.
+    with run.phase("rollout"):
+        rollout.sync_weights(run.sampler, run.model)
+        seed = cfgs.train.seed * 1_000_003 + step * 7919 + run.groups.dp_rank
+        out = rollout.generate(run.sampler, prompts, cfgs.rollout, stop_ids=run.stop_ids,
+                               seed=seed, cache=run.cache, logits_fn=run.logits_fn)
+    times["rollout"] = time.perf_counter() - t0
+    # 3. Rewards.
+    texts = completion_texts(run, out)
+    rewards = tasks.score(run.task, texts, [ref for ref in references for _ in range(G)])
+    all_rewards = gather_dp(rewards.to(run.device), run)  # (dp * N,)
+    # 4. Group advantages over the whole generation batch; this rank keeps its rows.
+    advantages = grpo.group_advantages(all_rewards, G, scale=cfgs.grpo.scale)
+    rows = slice(run.groups.dp_rank * len(rewards), (run.groups.dp_rank + 1) * len(rewards))
+    completions = out.completions()
+    batch = grpo.GRPOBatch(prompts, completions, advantages[rows])
+    # 5. Old and reference logprobs, without grad.
+    t0 = time.perf_counter()
+    if cfgs.grpo.mu > 1 or run.sampler is not run.model:
+        batch.old_logp = grpo.batch_logprobs(run.model, prompts, completions, cfgs.grpo,
+                                             logprob_fn=run.logprob_fn)
+    if run.reference is not None:
+        with run.phase("reference"):
+            batch.ref_logp = grpo.batch_logprobs(run.reference, prompts, completions, cfgs.grpo,
+                                                 logprob_fn=run.logprob_fn)
+    times["logprobs"] = time.perf_counter() - t0
+    # 6. Train: mu optimizer steps over the generation batch (none when nothing was scored).
+    t0 = time.perf_counter()
+    scored = int((~all_rewards.isnan()).sum())
+    iterations = train_phase(run, batch, out) if scored else []
+    times["train"] = time.perf_counter() - t0
+    # 7. Metrics.
+    return step_record(run, step, all_rewards, out, iterations, times, truncated)
+
+
+def train_phase(run: Run, batch: grpo.GRPOBatch, out: rollout.Rollout) -> list[dict]:
+    """mu optimizer steps over the one generation batch; each iteration's metrics, summed over
+    the dp ranks (token-weighted sums with their token count), and whether its update ran."""
+    cfgs = run.cfgs
+    num_seqs, num_tokens = all_reduce_dp([out.mask.shape[0], float(out.mask.sum())], run)
+    iterations = []
+    with run.phase("train"):
+        for _ in range(cfgs.grpo.mu):
+            lr = learning_rate(cfgs.train, run.opt_step, cfgs.train.steps * cfgs.grpo.mu)
+            for group in run.optimizer.param_groups:
+                group["lr"] = lr
+            run.optimizer.zero_grad(set_to_none=True)
+            sp = contextlib.nullcontext()
+            if run.groups.tp_size > 1:
+                sp = tp.sequence_parallel(run.model, cfgs.train.sequence_parallel)
+            with sp, run.mem.activations(run.model):
+                m = grpo.accumulate(run.model, batch, cfgs.grpo, logprob_fn=run.logprob_fn,
+                                    num_seqs=int(num_seqs), num_tokens=max(1, int(num_tokens)))
+            tp.DataParallelGrads(run.model, run.groups).all_reduce()
+            m["grad_norm"] = tp.clip_grad_norm(run.model, cfgs.train.grad_clip or math.inf,
+                                               run.groups)
+            # A non-finite loss or gradient anywhere: skip this update on every rank.
+            finite = math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])
+            (all_finite,) = all_reduce_dp([float(finite)], run, dist.ReduceOp.MIN)
+            m["updated"] = bool(all_finite)
+            if m["updated"]:
+                run.optimizer.step()
+                run.opt_step += 1
+            run.optimizer.zero_grad(set_to_none=True)
+            iterations.append(reduce_iteration(run, m, float(out.mask.sum())))
+        if run.groups.tp_size > 1:  # SP's gather buffers are not needed until the next train phase
+            run.model.tp_state.buffer.tensors.clear()
+    return iterations
+
+
+WEIGHTED = ("clip_low", "clip_high", "ratio_mean", "kl", "entropy")
+
+
+def reduce_iteration(run: Run, m: dict, tokens: float) -> dict:
+    """One iteration's metrics over the dp ranks: token-weighted means, the global loss (each
+    rank's is already normalised by the global counts: they sum), the ratio's min and max."""
+    keys = [k for k in WEIGHTED if k in m]
+    sums = all_reduce_dp([m["loss"], tokens] + [m[k] * tokens for k in keys], run)
+    extremes = all_reduce_dp([-m["ratio_min"], m["ratio_max"]], run, dist.ReduceOp.MAX)
+    out = dict(loss=sums[0], grad_norm=m["grad_norm"], updated=m["updated"])
+    out.update({k: s / max(sums[1], 1.0) for k, s in zip(keys, sums[2:])})
+    out.update(ratio_min=-extremes[0], ratio_max=extremes[1])
+    return out
+
+
+def step_record(run: Run, step: int, rewards: torch.Tensor, out: rollout.Rollout,
+                iterations: list[dict], times: dict, truncated: int) -> dict:
+    """The step as one JSON-able dict (null for what did not happen)."""
+    scored = rewards[~rewards.isnan()]
+    lengths, tokens, truncated = all_reduce_dp(
+        [float(out.mask.sum()), float(out.stats["new_tokens"]), truncated], run)
+    record = dict(step=step + 1, reward=scored.mean().item() if len(scored) else None,
+                  reward_std=scored.std().item() if len(scored) > 1 else None,
+                  missing_rewards=len(rewards) - len(scored), truncated_prompts=int(truncated),
+                  completion_len=lengths / len(rewards),
+                  tokens_per_s=tokens / max(times["rollout"], 1e-9))
+    updated = [it for it in iterations if it["updated"]]
+    record["updates"] = len(updated)
+    record["skipped_updates"] = len(iterations) - len(updated)
+    for key in ("loss", *WEIGHTED, "ratio_mean"):
+        values = [it[key] for it in iterations if key in it]
+        record[key] = sum(values) / len(values) if values else None
+    record["ratio_min"] = min((it["ratio_min"] for it in iterations), default=None)
+    record["ratio_max"] = max((it["ratio_max"] for it in iterations), default=None)
+    norms = [it["grad_norm"] for it in updated]
+    record["grad_norm"] = sum(norms) / len(norms) if norms else None
+    record["lr"] = run.optimizer.param_groups[0]["lr"]
+    record.update({f"t_{k}": v for k, v in times.items()})
+    record["peak_gb"] = peak_memory(run)
+    return record
+
+
+def peak_memory(run: Run) -> float:
+    """GB: the peak of max_memory_allocated over all phases on a GPU, peak RSS on a CPU."""
+    if run.device.type == "cuda":
+        return max(run.mem.peak_bytes(), torch.cuda.max_memory_allocated(run.device)) / 1e9
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # Linux reports KiB
+
+# -----------------------------------------------------------------------------
+# The loop
+
+
+def jsonable(record: dict) -> dict:
+    """NaN and inf are not JSON (strict readers refuse a bare NaN): they become null."""
+    def clean(v):
+        return None if isinstance(v, float) and not math.isfinite(v) else v
+    return {k: clean(v) for k, v in record.items()}
+
+
+def step_line(record: dict, steps: int, beta: float) -> str:
+    record = jsonable(record)
+
+    def num(key: str, fmt: str) -> str:
+        return "-" if record[key] is None else format(record[key], fmt)
+    parts = [f"step {record['step']}/{steps}",
+             f"reward {num('reward', '.3f')} ± {num('reward_std', '.2f')}",
+             f"loss {num('loss', '+.4f')}"]
+    if beta > 0:
+        parts.append(f"kl {num('kl', '.4f')}")
+    clip = None
+    if record["clip_low"] is not None:
+        clip = record["clip_low"] + record["clip_high"]
+    parts += [f"ent {num('entropy', '.3f')}", f"clip {'-' if clip is None else f'{clip:.3f}'}",
+              f"len {record['completion_len']:.1f}", f"{record['tokens_per_s']:.0f} tok/s",
+              f"roll {record['t_rollout']:.2f}s lp {record['t_logprobs']:.2f}s "
+              f"train {record['t_train']:.2f}s", f"peak {record['peak_gb']:.2f} GB"]
+    if record["reward"] is None:
+        parts.append(f"NO REWARD SCORED: all {record['missing_rewards']} missing, no update")
+    elif record["missing_rewards"]:
+        parts.append(f"{record['missing_rewards']} rewards missing")
+    if record["truncated_prompts"]:
+        parts.append(f"{record['truncated_prompts']} prompts truncated")
+    if record["skipped_updates"]:
+        parts.append(f"{record['skipped_updates']} updates skipped (non-finite loss or grads)")
+    return " | ".join(parts)
+
+
+def save(run: Run, step: int) -> str:
+    return checkpoint.save_checkpoint(run.cfgs.train.out, step, run.model, run.tokenizer,
+                                      run.optimizer, dataclasses.asdict(run.cfgs), run.groups)
+
+
+def check_health(run: Run, record: dict) -> None:
+    """Stop a run that is going nowhere, after a checkpoint of its last good state."""
+    cfg = run.cfgs.train
+    run.bad_in_a_row = run.bad_in_a_row + 1 if record["skipped_updates"] and not record["updates"] \
+        else 0
+    run.unscored_in_a_row = run.unscored_in_a_row + 1 if record["reward"] is None else 0
+    if run.bad_in_a_row >= cfg.max_bad_steps:
+        path = save(run, record["step"])
+        raise StopTraining(f"{run.bad_in_a_row} steps in a row had no finite update (non-finite "
+                           f"loss or gradients); stopped, last good state at {path}")
+    if run.unscored_in_a_row >= cfg.max_unscored_steps:
+        path = save(run, record["step"])
+        raise StopTraining(f"{run.unscored_in_a_row} steps in a row had no reward scored (every "
+                           f"reward function returned None); stopped, checkpoint at {path}")
+
+
+def train(run: Run) -> None:
+    cfg = run.cfgs.train
+    metrics_file = ""
+    if run.rank == 0:
+        metrics_file = checkpoint.start_out_dir(cfg.out, cfg.resume, cfg.overwrite, run.start)
+    bar = tqdm(range(run.start, cfg.steps), initial=run.start, total=cfg.steps,
+               disable=run.rank != 0, dynamic_ncols=True)
+    for i in bar:
         try:
-            rewards, missing = score(task, texts, [ref for ref in references for _ in range(G)])
-        except StopTraining:
-            save(step)  # nothing lost: the state after the last finished step
+            record = step(run, i)
+        except (StopTraining, tasks.RewardError):
+            save(run, i)  # nothing lost: the state after the last finished step
             raise
-        rewards = rewards.to(device)
-        if groups.dp_group is not None:
-            parts = [torch.empty_like(rewards) for _ in range(groups.dp_size)]
-            dist.all_gather(parts, rewards, group=groups.dp_group)  # DP: every rank's rewards, in dp-rank order
-            all_rewards = torch.cat(parts)
-        else:
-            all_rewards = rewards
-        advantages = grpo.group_advantages(all_rewards, G, scale=cfg.scale)
-        rows = slice(lo * G, (lo + local_prompts) * G)
-        batch = grpo.GRPOBatch(prompts, completions, advantages[rows])
-        # 6. old logprobs (mu > 1, or a sampler in another dtype) and reference logprobs, without grad
-        t0 = time.perf_counter()
-        if cfg.mu > 1 or sampler is not model:
-            batch.old_logp = grpo.batch_logprobs(model, prompts, completions, gcfg, logprob_fn=logprob_fn)
-        if reference is not None:
-            with phase("reference"):
-                batch.ref_logp = grpo.batch_logprobs(reference, prompts, completions, gcfg, logprob_fn=logprob_fn)
-        t_logprobs = time.perf_counter() - t0
-        num_seqs, num_tokens = all_reduce_sum([len(completions), sum(map(len, completions))], groups, device)
-        # 7. mu optimizer steps over the one generation batch
-        t0 = time.perf_counter()
-        skipped = 0
-        with phase("train"):
-            for _ in range(cfg.mu):
-                for group in optimizer.param_groups:
-                    group["lr"] = learning_rate(cfg, opt_step, total_opt_steps)
-                optimizer.zero_grad(set_to_none=True)
-                sp = (tp.sequence_parallel(model, cfg.sequence_parallel) if groups.tp_size > 1
-                      else contextlib.nullcontext())
-                with sp, mem.activations(model):
-                    m = grpo.accumulate(model, batch, gcfg, logprob_fn=logprob_fn, num_seqs=int(num_seqs),
-                                        num_tokens=max(1, int(num_tokens)))
-                dp_grads.all_reduce()
-                (finite,) = all_reduce_sum([float(math.isfinite(m["loss"]))], groups, device)
-                if finite < groups.dp_size:  # a NaN/inf loss anywhere: skip this update on every rank
-                    skipped += 1
-                    optimizer.zero_grad(set_to_none=True)
-                    continue
-                m["grad_norm"] = tp.clip_grad_norm(model, cfg.grad_clip or float("inf"), groups)
-                optimizer.step()
-                opt_step += 1
-        if groups.tp_size > 1:  # SP's gather buffers (tp.MemoryBuffer) are not needed again until the next train phase
-            model.tp_state.buffer.tensors.clear()
-        bad_in_a_row = bad_in_a_row + 1 if skipped == cfg.mu else 0
-        t_train = time.perf_counter() - t0
-        # 8. log
-        seconds = time.perf_counter() - step_start
-        keys = ["loss", "kl", "entropy", "clip_low", "clip_high"]
-        summed = all_reduce_sum([m.get(k, float("nan")) for k in keys], groups, device)
-        record = dict(step=step + 1, reward=all_rewards.nanmean().item(),
-                      reward_std=all_rewards[~all_rewards.isnan()].std().item() if all_rewards.numel() > 1 else 0.0,
-                      **{k: v if k == "loss" else v / groups.dp_size for k, v in zip(keys, summed)},
-                      grad_norm=m.get("grad_norm", float("nan")),
-                      completion_len=sum(map(len, completions)) / len(completions),
-                      tokens_per_s=out.stats["new_tokens"] * groups.dp_size / max(t_rollout, 1e-9),
-                      t_rollout=t_rollout, t_logprobs=t_logprobs, t_train=t_train, t_step=seconds,
-                      peak_gb=peak_memory(device, mem), lr=optimizer.param_groups[0]["lr"],
-                      missing_rewards=missing, truncated_prompts=truncated, skipped_updates=skipped)
-        if rank == 0:
+        if run.rank == 0:
             with open(metrics_file, "a") as f:
-                f.write(json.dumps(record) + "\n")
-            bar.write(f"step {step + 1}/{cfg.steps} | reward {record['reward']:.3f} ± {record['reward_std']:.2f} | "
-                      f"loss {record['loss']:+.4f} | " + (f"kl {record['kl']:.4f} | " if cfg.beta > 0 else "") +
-                      f"ent {record['entropy']:.3f} | "
-                      f"clip {record['clip_low'] + record['clip_high']:.3f} | len {record['completion_len']:.1f} | "
-                      f"{record['tokens_per_s']:.0f} tok/s | roll {t_rollout:.2f}s lp {t_logprobs:.2f}s "
-                      f"train {t_train:.2f}s | peak {record['peak_gb']:.2f} GB"
-                      + (f" | {missing} rewards missing" if missing else "")
-                      + (f" | {truncated} prompts truncated" if truncated else "")
-                      + (f" | {skipped} updates skipped (non-finite loss)" if skipped else ""))
-            if step == start and cfg.phases:
-                bar.write(mem.report())
-        last = step + 1 == cfg.steps
-        stop = bool(all_reduce_sum([float(bool(stop_requested))], groups, device)[0])
-        if bad_in_a_row >= cfg.max_bad_steps:
-            path = save(step + 1)
-            raise StopTraining(f"{bad_in_a_row} steps in a row had a non-finite loss; stopped, checkpoint at {path}")
-        if last or stop or (cfg.save_every and (step + 1) % cfg.save_every == 0):
-            path = save(step + 1)
+                f.write(json.dumps(jsonable(record), allow_nan=False) + "\n")
+            bar.write(step_line(record, cfg.steps, run.cfgs.grpo.beta))
+            if i == run.start and cfg.phases:
+                bar.write(run.mem.report())
+        check_health(run, record)
+        # A signal seen by any rank stops every rank after this same step.
+        (stop,) = all_reduce_dp([float(bool(run.stop_signals))], run, dist.ReduceOp.MAX)
+        if run.groups.tp_group is not None:
+            stop_t = torch.tensor([stop], device=run.device)
+            dist.all_reduce(stop_t, op=dist.ReduceOp.MAX, group=run.groups.tp_group)  # over tp
+            stop = stop_t.item()
+        last = i + 1 == cfg.steps
+        if last or stop or (cfg.save_every and (i + 1) % cfg.save_every == 0):
+            path = save(run, i + 1)
             if stop:
-                if rank == 0:
+                if run.rank == 0:
                     bar.write(f"interrupted: checkpoint at {path}; continue with --resume {path}")
                 break
     bar.close()
 
 
+def on_stop_signal(run: Run, signum: int, frame) -> None:
+    """Ctrl-C (SIGINT) or preemption (SIGTERM from torchrun, Slurm, Kubernetes): finish the step,
+    checkpoint, exit 0. A second Ctrl-C interrupts at once."""
+    run.stop_signals.append(signum)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def main(argv: list[str]) -> int:
-    previous_sigint = signal.getsignal(signal.SIGINT)
+    if "-h" in argv or "--help" in argv:
+        print_help()
+        return 0
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        cfg = parse_args(argv)
-        explicit = {a[2:].partition("=")[0] for a in argv if a.startswith("--")}
-        run(cfg, explicit)
-    except (ValueError, FileNotFoundError, StopTraining) as e:  # bad input: one line; anything else keeps its trace
+        run = setup(parse_args(argv))
+        for s in handlers:
+            signal.signal(s, partial(on_stop_signal, run))
+        train(run)
+    except (ValueError, FileNotFoundError, StopTraining) as e:  # one line; else: a traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:
-        signal.signal(signal.SIGINT, previous_sigint)
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0

@@ -1,9 +1,12 @@
-"""tasks.py: the built-in tasks' sampling and rewards, and the JSONL loader's errors."""
+"""tasks.py: the built-in tasks' sampling and rewards, the JSONL loader's errors, and score()."""
 
 import json
+import math
 import random
 
+import numpy as np
 import pytest
+import torch
 
 import tasks
 
@@ -50,3 +53,46 @@ def test_jsonl_math_errors_name_the_line(tmp_path, content, message):
         tasks.jsonl_math(str(f))
     with pytest.raises(ValueError, match="file not found"):
         tasks.jsonl_math(str(tmp_path / "missing.jsonl"))
+
+
+# -----------------------------------------------------------------------------
+# Scoring: TRL's sum over reward functions, and a clear error for anything that is not a reward
+
+
+def test_score_sums_the_functions_ignoring_none_and_a_row_is_missing_only_when_all_are():
+    def first(c, r):
+        return None if c[:1] in "12" else 1.0
+
+    def never(c, r):
+        return None
+
+    def half(c, r):
+        return None if c[:1] == "1" else 0.5
+    task = tasks.Task("t", tasks.sample_reverse, [(first, 1.0), (never, 3.0), (half, 2.0)])
+    got = tasks.score(task, ["1x", "2x", "3x"], ["", "", ""])
+    assert math.isnan(got[0]) and got[1:].tolist() == [1.0, 2.0]  # 0 + 2*0.5; 1 + 2*0.5
+    # Anything float() reads as a number is a reward: bools, numpy and 0-d torch scalars.
+    numbers = tasks.Task("n", tasks.sample_reverse, [(lambda c, r: True, 1.0),
+                                                      (lambda c, r: np.float32(0.5), 1.0),
+                                                      (lambda c, r: torch.tensor(0.25), 1.0)])
+    assert tasks.score(numbers, ["a"], [""]).tolist() == [1.75]
+
+
+@pytest.mark.parametrize("value,shown", [("good", "'good'"), (float("inf"), "inf"),
+                                         ([1.0], r"\[1.0\]")])
+def test_a_reward_that_is_not_a_finite_number_names_the_function(value, shown):
+    def judge(c, r):
+        return value
+    task = tasks.Task("t", tasks.sample_reverse, [(judge, 1.0)])
+    with pytest.raises(tasks.RewardError, match=f"task t: reward function judge returned {shown} "
+                                                "on completion 'abc'"):
+        tasks.score(task, ["abc"], ["ref"])
+
+
+def test_a_reward_function_that_raises_is_named_with_its_input():
+    def judge(c, r):
+        return {}[c]
+    task = tasks.Task("t", tasks.sample_reverse, [(judge, 1.0)])
+    with pytest.raises(tasks.RewardError, match="reward function judge raised KeyError: 'abc' on "
+                                                "completion 'abc' \\(reference 'ref'\\)"):
+        tasks.score(task, ["abc"], ["ref"])

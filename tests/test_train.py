@@ -1,6 +1,7 @@
 """train.py end to end: a short run, exact resume, Ctrl-C, tp=2 vs tp=1, and the clear errors."""
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -97,6 +98,12 @@ def test_tp2_gloo_matches_tp1(tmp_path):
     (["--tp", "2"], "tp"),
     (["--task", "tasks:jsonl_math"], "needs --task_data"),
     (["--resume", "/does/not/exist"], "--resume /does/not/exist: not a directory"),
+    (["--temperature", "0"], "--temperature 0 (greedy) samples every completion of a group alike"),
+    (["--top_p", "0.9"], "--top_k/--top_p truncate the sampling distribution"),
+    (["--top_k", "5"], "--top_k/--top_p truncate the sampling distribution"),
+    (["--prompt_template", "Q: {question}"], "has no {prompt} to replace"),
+    (["--task", "tasks:REVERSE_LEN"], "--task tasks:REVERSE_LEN: is a int, not a tasks.Task"),
+    (["--task", "tasks:parse_number"], "--task tasks:parse_number: is a NoneType, not a tasks.Task"),
 ])
 def test_bad_input_is_one_clear_line(tmp_path, capsys, args, message):
     code, _ = run(tmp_path, *args)
@@ -105,12 +112,30 @@ def test_bad_input_is_one_clear_line(tmp_path, capsys, args, message):
     assert len(err.strip().splitlines()) == 1
 
 
-def test_help_lists_every_field(capsys):
-    with pytest.raises(SystemExit):
-        train.main(["--help"])
+def test_help_lists_every_field_of_every_config(capsys):
+    assert train.main(["--help"]) == 0
     text = capsys.readouterr().out
-    for name in train.TrainConfig.__dataclass_fields__:
-        assert f"--{name} " in text
+    for section, cls in train.SECTIONS.items():
+        assert f"\n{section} (" in text
+        for f in train.fields(cls):
+            assert f"--{f.name} " in text
+
+
+def test_help_into_a_closed_pipe_ends_quietly():
+    """Regression: `python train.py --help | head` ended in a BrokenPipeError traceback."""
+    done = subprocess.run(f"{sys.executable} train.py --help | head -2", shell=True, cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert done.stdout.startswith("usage:") and len(done.stdout.splitlines()) == 2
+    assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr
+
+
+def test_every_knob_has_one_home():
+    """Each --field belongs to exactly one config dataclass (the CLI routes it there)."""
+    owners = train.field_owners()
+    assert owners["temperature"] == "rollout" and owners["num_samples"] == "rollout"
+    assert owners["loss_type"] == "grpo" and owners["activation_checkpoint"] == "memory"
+    cfgs = train.build_configs(train.parse_args(["--temperature", "0.7", "--beta", "0.1"]))
+    assert cfgs.rollout.temperature == 0.7 and cfgs.grpo.beta == 0.1
 
 
 def write_task(tmp_path, body: str) -> str:
@@ -130,15 +155,221 @@ def test_reward_that_raises_names_the_task_and_completion_and_keeps_a_checkpoint
     assert os.path.isdir(os.path.join(out, "step-000000"))
 
 
-def test_missing_rewards_are_counted_and_nan_losses_stop_the_run(tmp_path, capsys):
-    spec = write_task(tmp_path, "def reward(c, r):\n    return None if c[:1] == '1' else float('inf') if c[:1] == '2' else 0.5\n")
+def strict_records(out) -> list[dict]:
+    """metrics.jsonl read as strict JSON: a bare NaN or Infinity is an error."""
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line, parse_constant=refuse) for line in f]
+
+
+def test_missing_rewards_are_counted_as_trl_counts_them(tmp_path, capsys):
+    """A row is missing only when every reward function returned None; the others still count."""
+    (tmp_path / "twotask.py").write_text(
+        "import tasks\n"
+        "def sometimes(c, r):\n    return None if c[:1] in '12' else 1.0\n"
+        "def never(c, r):\n    return None\n"
+        "def half(c, r):\n    return None if c[:1] == '1' else 0.5\n"
+        "task = tasks.Task('two', tasks.sample_reverse, [(sometimes, 1.0), (never, 1.0), (half, 2.0)],"
+        " alphabet='0123456789=', max_new_tokens=4)\n")
+    sys.path.insert(0, str(tmp_path))
+    code, out = run(tmp_path, "--task", "twotask:task", "--steps", "3")
+    recs = strict_records(out)
+    assert code == 0 and sum(r["missing_rewards"] for r in recs) > 0
+    assert all(r["reward"] is not None for r in recs)
+
+
+def test_a_step_with_no_reward_scored_says_so_writes_null_and_stops(tmp_path, capsys):
+    spec = write_task(tmp_path, "def reward(c, r):\n    return None\n")
     sys.modules.pop("mytask", None)
-    code, out = run(tmp_path, "--task", spec, "--steps", "20", "--max_bad_steps", "2", "--scale", "batch")
+    code, out = run(tmp_path, "--task", spec, "--steps", "20", "--max_unscored_steps", "3")
+    captured = capsys.readouterr()
+    recs = strict_records(out)
+    assert code == 2 and len(recs) == 3
+    assert "3 steps in a row had no reward scored" in captured.err
+    assert all(r["reward"] is None and r["loss"] is None and r["updates"] == 0 for r in recs)
+    assert "NO REWARD SCORED: all 16 missing, no update" in captured.out
+    assert os.path.isdir(os.path.join(out, "step-000003"))
+
+
+def weights_of(out: str, step: int) -> dict:
+    from safetensors.torch import load_file
+    return load_file(os.path.join(out, f"step-{step:06d}", "model.safetensors"))
+
+
+def test_non_finite_losses_skip_the_update_and_stop_the_run(tmp_path, capsys, monkeypatch):
+    original = train.grpo.grpo_loss
+
+    def nan_loss(*args, **kwargs):
+        loss, metrics = original(*args, **kwargs)
+        return loss * float("nan"), {**metrics, "loss": float("nan")}
+    monkeypatch.setattr(train.grpo, "grpo_loss", nan_loss)
+    code, out = run(tmp_path, "--steps", "20", "--max_bad_steps", "2", "--save_every", "1")
     err = capsys.readouterr().err
-    recs = records(out)
-    assert any(r["missing_rewards"] > 0 for r in recs)
-    assert code == 2 and "steps in a row had a non-finite loss" in err
-    assert recs[-1]["skipped_updates"] == 1 and os.path.isdir(os.path.join(out, f"step-{len(recs):06d}"))
+    recs = strict_records(out)
+    assert code == 2 and "2 steps in a row had no finite update" in err and len(recs) == 2
+    assert all(r["skipped_updates"] == 1 and r["loss"] is None for r in recs)
+    first, last = weights_of(out, 1), weights_of(out, 2)
+    assert all(torch.equal(first[n], last[n]) for n in first)  # no update was applied
+
+
+def test_a_nan_gradient_with_a_finite_loss_skips_the_update(tmp_path, capsys, monkeypatch):
+    """Regression: a NaN gradient norm with a finite loss made the clip coefficient NaN and AdamW
+    wrote NaN into every weight."""
+    original = train.grpo.accumulate
+    calls = []
+
+    def poisoned(model, *args, **kwargs):
+        metrics = original(model, *args, **kwargs)
+        calls.append(1)
+        if len(calls) == 2:  # the second step's gradient only
+            next(model.parameters()).grad.view(-1)[0] = float("nan")
+        return metrics
+    monkeypatch.setattr(train.grpo, "accumulate", poisoned)
+    code, out = run(tmp_path, "--steps", "3", "--save_every", "1")
+    recs = strict_records(out)
+    assert code == 0 and [r["skipped_updates"] for r in recs] == [0, 1, 0]
+    assert recs[1]["grad_norm"] is None and math.isfinite(recs[1]["loss"])
+    one, two, three = (weights_of(out, s) for s in (1, 2, 3))
+    assert all(torch.equal(one[n], two[n]) for n in one)  # step 2 applied nothing
+    assert all(torch.isfinite(t).all() for t in three.values())
+
+
+def test_mu_iterations_are_aggregated_and_a_skipped_one_does_not_hide_the_others(tmp_path,
+                                                                                   monkeypatch):
+    """Regression: with mu > 1 only the last iteration's metrics were logged (grad_norm NaN when
+    that one was skipped)."""
+    original = train.grpo.accumulate
+    calls = []
+
+    def poisoned(model, *args, **kwargs):
+        metrics = original(model, *args, **kwargs)
+        calls.append(metrics)
+        if len(calls) == 2:  # the last of the first step's two iterations
+            next(model.parameters()).grad.view(-1)[0] = float("nan")
+        return metrics
+    monkeypatch.setattr(train.grpo, "accumulate", poisoned)
+    code, out = run(tmp_path, "--steps", "1", "--mu", "2")
+    (rec,) = strict_records(out)
+    assert code == 0 and rec["updates"] == 1 and rec["skipped_updates"] == 1
+    assert rec["grad_norm"] is not None and math.isfinite(rec["grad_norm"])
+    assert rec["loss"] == pytest.approx((calls[0]["loss"] + calls[1]["loss"]) / 2, rel=1e-9)
+    assert rec["entropy"] == pytest.approx((calls[0]["entropy"] + calls[1]["entropy"]) / 2,
+                                           rel=1e-9)
+
+
+def test_reward_that_returns_a_string_names_the_function_and_keeps_a_checkpoint(tmp_path, capsys):
+    """Regression: float(r) sat outside the try: the run stopped without naming the function."""
+    spec = write_task(tmp_path, "def reward(c, r):\n    return 'good'\n")
+    sys.modules.pop("mytask", None)
+    code, out = run(tmp_path, "--task", spec, "--steps", "2")
+    err = capsys.readouterr().err
+    assert code == 2 and "task mytask: reward function reward returned 'good' on completion" in err
+    assert "Traceback" not in err and os.path.isdir(os.path.join(out, "step-000000"))
+
+
+def test_prompt_outside_the_alphabet_names_the_character(tmp_path, capsys):
+    (tmp_path / "abctask.py").write_text(
+        "import tasks\n"
+        "def sample(rng):\n    return '12x=', '21'\n"
+        "task = tasks.Task('abc', sample, [(tasks.digits_correct, 1.0)], alphabet='0123456789=',"
+        " max_new_tokens=3)\n")
+    sys.path.insert(0, str(tmp_path))
+    code, out = run(tmp_path, "--task", "abctask:task", "--steps", "2")
+    err = capsys.readouterr().err
+    assert code == 2 and "task abc: prompt '12x=' has the character 'x'" in err
+    assert "Traceback" not in err and err.count("error:") == 1
+    assert os.path.isdir(os.path.join(out, "step-000000"))
+
+
+def test_a_prompt_too_long_for_the_model_found_mid_run_stops_with_a_checkpoint(tmp_path, capsys):
+    (tmp_path / "longtask.py").write_text(
+        "import tasks\n"
+        "calls = []\n"
+        "def sample(rng):\n    calls.append(1)\n"
+        "    return ('1' * (2000 if len(calls) > 8 else 3)) + '=', '1'\n"
+        "task = tasks.Task('long', sample, [(tasks.digits_correct, 1.0)], alphabet='0123456789=',"
+        " max_new_tokens=3)\n")
+    sys.path.insert(0, str(tmp_path))
+    code, out = run(tmp_path, "--task", "longtask:task", "--steps", "5", "--max_prompt_len", "4000")
+    err = capsys.readouterr().err
+    assert code == 2 and "task long: prompts[0] has 2002 tokens" in err and "max_prompt_len" in err
+    assert len(records(out)) == 2 and os.path.isdir(os.path.join(out, "step-000002"))
+
+
+def test_an_out_that_holds_a_run_is_refused_untouched_or_overwritten(tmp_path, capsys):
+    code, out = run(tmp_path, "--steps", "2")
+    assert code == 0
+    before = open(os.path.join(out, "metrics.jsonl")).read()
+    code, _ = run(tmp_path, "--steps", "3")  # same --out, no --resume
+    err = capsys.readouterr().err
+    assert code == 2 and "already holds a run" in err and "--resume latest" in err
+    assert "--overwrite true" in err
+    code, _ = run(tmp_path, "--steps", "3", "--overwrite", "true", "--task", "nope:x")
+    assert code == 2  # a new run that fails to start deletes nothing
+    assert open(os.path.join(out, "metrics.jsonl")).read() == before
+    assert os.path.isdir(os.path.join(out, "step-000002"))
+    code, _ = run(tmp_path, "--steps", "1", "--overwrite", "true")
+    assert code == 0 and len(records(out)) == 1
+    assert sorted(d for d in os.listdir(out) if d.startswith("step-")) == ["step-000001"]
+
+
+def test_sigterm_finishes_the_step_writes_a_checkpoint_and_exits_0(tmp_path):
+    """Preemption (torchrun, Slurm, Kubernetes send SIGTERM) loses nothing."""
+    out = str(tmp_path / "run")
+    proc = subprocess.Popen([sys.executable, "train.py", *FAST, "--steps", "10000", "--out", out],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = os.path.join(out, "metrics.jsonl")
+    deadline = time.time() + 120
+    while time.time() < deadline and not (os.path.exists(metrics) and os.path.getsize(metrics)):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, output
+    step = len(records(out))
+    assert f"interrupted: checkpoint at {out}/step-{step:06d}; continue with --resume" in output
+    assert os.path.isdir(os.path.join(out, f"step-{step:06d}"))
+
+
+def test_a_sampler_in_another_dtype_follows_the_trainer_with_phases_off(tmp_path, monkeypatch):
+    """Regression: with --phases false the bf16 sampler copy was never synced, so every rollout
+    sampled from the initial weights."""
+    original = train.rollout.generate
+    seen = []
+
+    def spy(model, prompts, cfg, **kwargs):
+        seen.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        return original(model, prompts, cfg, **kwargs)
+    monkeypatch.setattr(train.rollout, "generate", spy)
+    code, out = run(tmp_path, "--steps", "3", "--phases", "false", "--sampler_dtype", "bfloat16",
+                    "--save_every", "1")
+    assert code == 0 and len(seen) == 3
+    for step in (1, 2):  # the sampler of step s + 1 holds the trainer's weights after step s
+        trained = weights_of(out, step)
+        for name, t in seen[step].items():
+            assert t.dtype == torch.bfloat16 and torch.equal(t, trained[name].to(torch.bfloat16))
+    assert not torch.equal(seen[0]["lm_head.weight"], seen[2]["lm_head.weight"])
+
+
+def test_completion_text_keeps_special_tokens_but_not_the_stop(tmp_path, capsys):
+    """The reward sees every token the model wrote except the stop token: a <pad> inside an answer
+    is the policy's doing and must cost reward (it was silently dropped)."""
+    import train as T
+    from model import build_char_tokenizer
+    tok = build_char_tokenizer("0123456789=")
+
+    class Fake:
+        tokenizer = tok
+    out = train.rollout.Rollout(
+        tokens=torch.tensor([[3, 0, 4, 2], [5, 6, 0, 0]]),
+        mask=torch.tensor([[True, True, True, True], [True, True, False, False]]),
+        logprobs=torch.zeros(2, 4), stopped=torch.tensor([True, False]), temperature=1.0)
+    assert T.completion_texts(Fake, out) == ["0<pad>1", "23"]
+
+
+def test_prompt_template_wraps_each_prompt(tmp_path):
+    code, out = run(tmp_path, "--steps", "1", "--prompt_template", "=={prompt}")
+    assert code == 0 and len(records(out)) == 1
 
 
 def test_corrupt_checkpoint_on_resume_is_refused(tmp_path, capsys):
@@ -174,3 +405,37 @@ def test_bf16_sampler_with_reference_and_mu2_runs(tmp_path):
     recs = records(out)
     assert code == 0 and len(recs) == 2
     assert all(r["kl"] >= 0 and r["loss"] == r["loss"] for r in recs)  # old logprobs from the fp32 trainer
+
+# -----------------------------------------------------------------------------
+# Metrics over data-parallel ranks
+
+
+def _dp_metrics_worker(rank: int, tmp: str) -> None:
+    import types
+
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=2)
+    try:
+        groups = train.tp.make_groups(1)  # tp 1: dp = 2
+        run_ = types.SimpleNamespace(groups=groups, device=torch.device("cpu"))
+        # Rank 0 has 30 completion tokens of entropy 1.0, rank 1 has 10 of entropy 3.0.
+        m = [dict(loss=0.25, entropy=1.0, clip_low=0.1, clip_high=0.0, ratio_mean=1.0,
+                  ratio_min=0.9, ratio_max=1.2, grad_norm=2.0, updated=True),
+             dict(loss=0.5, entropy=3.0, clip_low=0.5, clip_high=0.2, ratio_mean=1.0,
+                  ratio_min=0.7, ratio_max=1.1, grad_norm=2.0, updated=True)][rank]
+        got = train.reduce_iteration(run_, m, [30.0, 10.0][rank])
+        assert got["entropy"] == pytest.approx((30 * 1.0 + 10 * 3.0) / 40)  # not (1 + 3) / 2
+        assert got["clip_low"] == pytest.approx((30 * 0.1 + 10 * 0.5) / 40)
+        assert got["loss"] == pytest.approx(0.75)  # each rank's is normalised globally: they sum
+        assert (got["ratio_min"], got["ratio_max"]) == (0.7, 1.2)
+        rewards = train.gather_dp(torch.tensor([1.0, 2.0]) + 10 * rank, run_)
+        assert rewards.tolist() == [1.0, 2.0, 11.0, 12.0]  # dp-rank order on every rank
+    finally:
+        dist.destroy_process_group()
+
+
+def test_metrics_are_token_weighted_over_data_parallel_ranks(tmp_path):
+    """Regression: entropy/clip/kl were averaged over dp ranks unweighted, while accumulate
+    weighs micro-batches by tokens."""
+    import torch.multiprocessing as mp
+    mp.start_processes(_dp_metrics_worker, args=(str(tmp_path),), nprocs=2, start_method="spawn")
