@@ -39,6 +39,7 @@ class Task:
     rewards: list[tuple[Reward, float]] = field(default_factory=list)  # (reward fn, weight)
     alphabet: str = ""         # the characters a fresh character-level tokenizer needs
     max_new_tokens: int = 0    # the task's completion budget (0: train.py's setting decides)
+    correct: Callable[[str, str], bool] | None = None  # a fully correct answer (the eval's share)
 
 
 
@@ -114,8 +115,12 @@ def exact_length(completion: str, reference: str) -> float:
     return float(len(completion) == len(reference))
 
 
+def exact(completion: str, reference: str) -> bool:
+    return completion == reference
+
+
 reverse = Task("reverse", sample_reverse, [(digits_correct, 0.8), (exact_length, 0.2)],
-               alphabet="0123456789=", max_new_tokens=REVERSE_LEN + 1)
+               alphabet="0123456789=", max_new_tokens=REVERSE_LEN + 1, correct=exact)
 
 # -----------------------------------------------------------------------------
 # Math word problems from a JSONL file (for real checkpoints, e.g. GSM8K-style files on disk)
@@ -163,4 +168,5 @@ def jsonl_math(data: str) -> Task:
     if not examples:
         raise ValueError(f"{data}: no examples")
     rewards = [(answer_correct, 1.0), (has_number, 0.1)]
-    return Task("jsonl_math", lambda rng: rng.choice(examples), rewards)
+    return Task("jsonl_math", lambda rng: rng.choice(examples), rewards,
+                correct=lambda c, r: answer_correct(c, r) == 1.0)

@@ -87,6 +87,9 @@ class TrainConfig:
     grad_clip: float = 1.0           # global gradient-norm clip; 0 = off
     max_bad_steps: int = 5           # stop after this many steps in a row with no finite update
     max_unscored_steps: int = 5      # stop after this many steps in a row with no reward scored
+    # evaluation
+    eval_every: int = 50             # greedy completions of held-out prompts every N steps; 0 = off
+    eval_prompts: int = 64           # held-out prompts (own RNG stream; training never draws them)
     # parallelism and memory
     tp: int = 1                      # tensor-parallel size; world size = tp * dp
     sequence_parallel: bool = False  # tp.py's sequence parallelism in the training forward
@@ -207,11 +210,11 @@ def check_config(cfgs: Configs) -> None:
     """What the dataclasses cannot know alone: the values a training run needs."""
     cfg = cfgs.train
     positive = ("prompts_per_step", "max_prompt_len", "steps", "tp", "max_bad_steps",
-                "max_unscored_steps")
+                "max_unscored_steps", "eval_prompts")
     for name in positive:
         if getattr(cfg, name) < 1:
             raise ValueError(f"--{name} must be >= 1, got {getattr(cfg, name)}")
-    for name in ("lr", "weight_decay", "grad_clip", "save_every", "warmup_steps"):
+    for name in ("lr", "weight_decay", "grad_clip", "save_every", "warmup_steps", "eval_every"):
         if getattr(cfg, name) < 0:
             raise ValueError(f"--{name} must be >= 0, got {getattr(cfg, name)}")
     dtypes = ("float32", "bfloat16", "float16")
@@ -299,6 +302,7 @@ class Run:
     opt_step: int = 0
     bad_in_a_row: int = 0            # steps whose every update was skipped (non-finite)
     unscored_in_a_row: int = 0       # steps with no reward scored at all
+    held_out: dict[str, str] = field(default_factory=dict)  # the eval's prompt -> reference
     logits_fn: object = None         # TP: all-gather the vocab shards before sampling
     logprob_fn: object = None        # TP: vocab-parallel logprobs
     stop_signals: list = field(default_factory=list)
@@ -375,6 +379,8 @@ def setup(values: dict[str, object]) -> Run:
     run = Run(cfgs, explicit, rank, groups, device, task, tokenizer,
               stop_token_ids(model.config), model, sampler, reference, optimizer, mem, cache,
               start=start, opt_step=start * cfgs.grpo.mu)
+    if cfg.eval_every:
+        run.held_out = held_out_prompts(task, cfg)  # may be empty: then there is no evaluation
     if groups.tp_size > 1:
         run.logits_fn = partial(tp.gather_vocab, groups=groups)
         run.logprob_fn = partial(tp.vocab_parallel_logprobs, groups=groups)
@@ -389,13 +395,45 @@ def draw_prompts(run: Run, step: int) -> tuple[list[list[int]], list[str], int]:
     batch is a function of (seed, step) alone, so a resumed run draws the same one."""
     cfg = run.cfgs.train
     rng = random.Random(cfg.seed * 1_000_003 + step)
-    examples = [run.task.sample(rng) for _ in range(cfg.prompts_per_step)]
+    examples = [draw_training_example(run, rng) for _ in range(cfg.prompts_per_step)]
     lo = run.groups.dp_rank * run.local_prompts
     examples = examples[lo:lo + run.local_prompts]
+    ids, truncated = tokenize_prompts(run, [text for text, _ in examples])
+    return ids, [ref for _, ref in examples], truncated
+
+
+def draw_training_example(run: Run, rng: random.Random) -> tuple[str, str]:
+    """A (prompt, reference) the evaluation does not hold out."""
+    for _ in range(1000):
+        example = run.task.sample(rng)
+        if example[0] not in run.held_out:
+            return example
+    raise StopTraining(f"task {run.task.name}: 1000 draws in a row were held out for the "
+                       f"evaluation; lower --eval_prompts (or --eval_every 0)")
+
+
+def held_out_prompts(task: Task, cfg: TrainConfig) -> dict[str, str]:
+    """The evaluation's distinct prompts and their references, from their own RNG stream. A task
+    with fewer distinct prompts than --eval_prompts (the stream runs dry) holds out half of them,
+    so that training keeps the other half."""
+    rng = random.Random(f"eval:{cfg.seed}")
+    examples: dict[str, str] = {}
+    for _ in range(100 * cfg.eval_prompts):
+        if len(examples) == cfg.eval_prompts:
+            return examples
+        prompt, reference = task.sample(rng)
+        examples.setdefault(prompt, reference)
+    return dict(list(examples.items())[:len(examples) // 2])
+
+
+def tokenize_prompts(run: Run, texts: list[str]) -> tuple[list[list[int]], int]:
+    """Token ids of each prompt (template applied, bos first), left-truncated to max_prompt_len;
+    and how many were truncated."""
+    cfg = run.cfgs.train
     bos = run.model.config.bos_token_id
     ids = []
     truncated = 0
-    for text, _ in examples:
+    for text in texts:
         if cfg.prompt_template:
             text = cfg.prompt_template.replace("{prompt}", text)
         tokens = encode(run, text)
@@ -405,7 +443,7 @@ def draw_prompts(run: Run, step: int) -> tuple[list[list[int]], list[str], int]:
             tokens = tokens[-cfg.max_prompt_len:]
             truncated += 1
         ids.append(tokens)
-    return ids, [ref for _, ref in examples], truncated
+    return ids, truncated
 
 
 def encode(run: Run, text: str) -> list[int]:
@@ -578,6 +616,35 @@ def step_record(run: Run, step: int, rewards: torch.Tensor, out: rollout.Rollout
     return record
 
 
+def evaluate(run: Run) -> dict:
+    """Greedy completions of the held-out prompts (each dp rank a share), scored by the task's own
+    reward functions: the mean reward and, where the task defines one, the share fully correct."""
+    t0 = time.perf_counter()
+    items = list(run.held_out.items())[run.groups.dp_rank::run.groups.dp_size]
+    greedy = dataclasses.replace(run.cfgs.rollout, num_samples=1, temperature=0.0)
+    rewards = []
+    correct = 0
+    for first in range(0, len(items), run.local_prompts):  # batches the KV cache was sized for
+        part = items[first:first + run.local_prompts]
+        prompts, _ = tokenize_prompts(run, [prompt for prompt, _ in part])
+        with run.phase("rollout"):
+            rollout.sync_weights(run.sampler, run.model)
+            out = rollout.generate(run.sampler, prompts, greedy, stop_ids=run.stop_ids,
+                                   cache=run.cache, logits_fn=run.logits_fn)
+        texts = completion_texts(run, out)
+        references = [ref for _, ref in part]
+        rewards.append(tasks.score(run.task, texts, references))
+        if run.task.correct is not None:
+            correct += sum(bool(run.task.correct(t, r)) for t, r in zip(texts, references))
+    scores = torch.cat(rewards) if rewards else torch.zeros(0, dtype=torch.float64)
+    scored = scores[~scores.isnan()]
+    total, count, right, prompts = all_reduce_dp(
+        [scored.sum().item(), len(scored), correct, len(items)], run)
+    return dict(eval_reward=total / count if count else None,
+                eval_correct=right / prompts if run.task.correct is not None else None,
+                t_eval=time.perf_counter() - t0)
+
+
 def peak_memory(run: Run) -> float:
     """GB: the peak of max_memory_allocated over all phases on a GPU, peak RSS on a CPU."""
     if run.device.type == "cuda":
@@ -612,6 +679,10 @@ def step_line(record: dict, steps: int, beta: float) -> str:
               f"len {record['completion_len']:.1f}", f"{record['tokens_per_s']:.0f} tok/s",
               f"roll {record['t_rollout']:.2f}s lp {record['t_logprobs']:.2f}s "
               f"train {record['t_train']:.2f}s", f"peak {record['peak_gb']:.2f} GB"]
+    if record.get("eval_reward") is not None:
+        right = record["eval_correct"]
+        parts.append(f"eval {record['eval_reward']:.3f}"
+                     + (f" ({right:.0%} correct)" if right is not None else ""))
     if record["reward"] is None:
         parts.append(f"NO REWARD SCORED: all {record['missing_rewards']} missing, no update")
     elif record["missing_rewards"]:
@@ -631,8 +702,8 @@ def save(run: Run, step: int) -> str:
 def check_health(run: Run, record: dict) -> None:
     """Stop a run that is going nowhere, after a checkpoint of its last good state."""
     cfg = run.cfgs.train
-    run.bad_in_a_row = run.bad_in_a_row + 1 if record["skipped_updates"] and not record["updates"] \
-        else 0
+    no_update = record["skipped_updates"] > 0 and record["updates"] == 0
+    run.bad_in_a_row = run.bad_in_a_row + 1 if no_update else 0
     run.unscored_in_a_row = run.unscored_in_a_row + 1 if record["reward"] is None else 0
     if run.bad_in_a_row >= cfg.max_bad_steps:
         path = save(run, record["step"])
@@ -654,6 +725,9 @@ def train(run: Run) -> None:
     for i in bar:
         try:
             record = step(run, i)
+            due = i == 0 or (i + 1) % max(cfg.eval_every, 1) == 0 or i + 1 == cfg.steps
+            if run.held_out and due:
+                record.update(evaluate(run))
         except (StopTraining, tasks.RewardError):
             save(run, i)  # nothing lost: the state after the last finished step
             raise

@@ -291,7 +291,8 @@ def test_a_prompt_too_long_for_the_model_found_mid_run_stops_with_a_checkpoint(t
         "task = tasks.Task('long', sample, [(tasks.digits_correct, 1.0)], alphabet='0123456789=',"
         " max_new_tokens=3)\n")
     sys.path.insert(0, str(tmp_path))
-    code, out = run(tmp_path, "--task", "longtask:task", "--steps", "5", "--max_prompt_len", "4000")
+    code, out = run(tmp_path, "--task", "longtask:task", "--steps", "5", "--max_prompt_len", "4000",
+                    "--eval_every", "0")  # the eval's draws would use up the short prompts
     err = capsys.readouterr().err
     assert code == 2 and "task long: prompts[0] has 2002 tokens" in err and "max_prompt_len" in err
     assert len(records(out)) == 2 and os.path.isdir(os.path.join(out, "step-000002"))
@@ -342,7 +343,7 @@ def test_a_sampler_in_another_dtype_follows_the_trainer_with_phases_off(tmp_path
         return original(model, prompts, cfg, **kwargs)
     monkeypatch.setattr(train.rollout, "generate", spy)
     code, out = run(tmp_path, "--steps", "3", "--phases", "false", "--sampler_dtype", "bfloat16",
-                    "--save_every", "1")
+                    "--save_every", "1", "--eval_every", "0")
     assert code == 0 and len(seen) == 3
     for step in (1, 2):  # the sampler of step s + 1 holds the trainer's weights after step s
         trained = weights_of(out, step)
@@ -365,6 +366,31 @@ def test_completion_text_keeps_special_tokens_but_not_the_stop(tmp_path, capsys)
         mask=torch.tensor([[True, True, True, True], [True, True, False, False]]),
         logprobs=torch.zeros(2, 4), stopped=torch.tensor([True, False]), temperature=1.0)
     assert T.completion_texts(Fake, out) == ["0<pad>1", "23"]
+
+
+def test_eval_scores_greedy_completions_of_prompts_training_never_draws(tmp_path, monkeypatch):
+    drawn, held = [], []
+    draw, hold = train.draw_training_example, train.held_out_prompts
+
+    def spy_draw(run, rng):
+        example = draw(run, rng)
+        drawn.append(example[0])
+        return example
+
+    def spy_hold(task, cfg):
+        held.append(hold(task, cfg))
+        return held[-1]
+    monkeypatch.setattr(train, "draw_training_example", spy_draw)
+    monkeypatch.setattr(train, "held_out_prompts", spy_hold)
+    code, out = run(tmp_path, "--steps", "5", "--eval_every", "2", "--eval_prompts", "40")
+    recs = strict_records(out)
+    assert code == 0 and len(held[0]) == 40 and len(drawn) == 5 * 4
+    assert not set(drawn) & set(held[0])  # held out: training never saw them
+    assert [r["step"] for r in recs if "eval_reward" in r] == [1, 2, 4, 5]
+    for r in recs:
+        if "eval_reward" in r:
+            assert 0 <= r["eval_correct"] <= 1 and 0 <= r["eval_reward"] <= 1
+            assert r["eval_correct"] <= r["eval_reward"] + 1e-9  # correct means reward 1
 
 
 def test_prompt_template_wraps_each_prompt(tmp_path):
