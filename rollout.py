@@ -410,3 +410,28 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], *, num_samples: i
         prefill_tokens=sum(lens), prefill_seconds=prefill_seconds, decode_steps=decode_steps, row_steps=row_steps,
         compactions=compactions, new_tokens=sum(map(len, completions)), prompt_kv_bytes=nbytes[0] + nbytes[1],
         completion_kv_bytes=nbytes[2] + nbytes[3], seconds=time.perf_counter() - started))
+
+# -----------------------------------------------------------------------------
+# Weight sync: the sampler receives the trainer's weights
+
+
+@torch.no_grad()
+def sync_weights(sampler: torch.nn.Module, model: torch.nn.Module) -> None:
+    """Copy every parameter of the trainer `model` into the sampler's same-named parameter, in place
+    and cast to the sampler's dtype (vLLM's and SGLang's update_weights): the sampler keeps its
+    objects and addresses. Nothing to do when they are the same module. Call it before each rollout,
+    with or without memory.py: a sampler that is not synced samples from stale weights."""
+    if sampler is model:
+        return
+    targets, sources = dict(sampler.named_parameters()), dict(model.named_parameters())
+    for name in sorted(targets.keys() | sources.keys()):  # check all before writing any
+        if name not in targets or name not in sources:
+            where = "sampler" if name in targets else "trainer"
+            raise ValueError(f"sync_weights: parameter '{name}' exists in the {where} only: "
+                             f"the sampler must be a copy of the trainer (deepcopy, .to(dtype))")
+        if targets[name].shape != sources[name].shape:
+            raise ValueError(f"sync_weights: parameter '{name}' has shape "
+                             f"{tuple(targets[name].shape)} in the sampler, "
+                             f"{tuple(sources[name].shape)} in the trainer")
+    for name, target in targets.items():
+        target.copy_(sources[name])
