@@ -568,15 +568,22 @@ def _decode(decoder: _Decoder, out_tokens: Tensor, out_logprobs: Tensor,
 
 
 @torch.no_grad()
-def sync_weights(sampler: torch.nn.Module, trainer: torch.nn.Module) -> None:
-    """Copy (and cast) every trainer parameter into the sampler's same-named one, in place: what
-    vLLM's and SGLang's update_weights do between training and the next rollout. A no-op when the
-    sampler is the trainer itself."""
-    if sampler is trainer:
+def sync_weights(sampler: torch.nn.Module, model: torch.nn.Module) -> None:
+    """Copy every parameter of the trainer `model` into the sampler's same-named parameter, in place
+    and cast to the sampler's dtype (vLLM's and SGLang's update_weights): the sampler keeps its
+    objects and addresses. Nothing to do when they are the same module. Call it before each rollout,
+    with or without memory.py: a sampler that is not synced samples from stale weights."""
+    if sampler is model:
         return
-    source = dict(trainer.named_parameters())
-    for name, p in sampler.named_parameters():
-        if name not in source or source[name].shape != p.shape:
-            raise ValueError(f"sync_weights: the sampler's '{name}' has no trainer parameter of "
-                             f"shape {tuple(p.shape)}")
-        p.copy_(source[name])
+    targets, sources = dict(sampler.named_parameters()), dict(model.named_parameters())
+    for name in sorted(targets.keys() | sources.keys()):  # check all before writing any
+        if name not in targets or name not in sources:
+            where = "sampler" if name in targets else "trainer"
+            raise ValueError(f"sync_weights: parameter '{name}' exists in the {where} only: "
+                             f"the sampler must be a copy of the trainer (deepcopy, .to(dtype))")
+        if targets[name].shape != sources[name].shape:
+            raise ValueError(f"sync_weights: parameter '{name}' has shape "
+                             f"{tuple(targets[name].shape)} in the sampler, "
+                             f"{tuple(sources[name].shape)} in the trainer")
+    for name, target in targets.items():
+        target.copy_(sources[name])

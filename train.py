@@ -369,6 +369,7 @@ def setup(values: dict[str, object]) -> Run:
                                       cfg.max_prompt_len, cfgs.rollout.max_new_tokens,
                                       next(sampler.parameters()).dtype, device,
                                       tp_size=groups.tp_size)
+    memory.checkpoint_blocks(model.model.layers, cfgs.memory.activation_checkpoint)
     mem = memory.PhaseManager(device, cfgs.memory)
     mem.add_weights(model, sampler)
     mem.add_kv_cache(cache.buffer)
@@ -376,6 +377,8 @@ def setup(values: dict[str, object]) -> Run:
     mem.add_optimizer(optimizer)
     if reference is not None:
         mem.add_reference(reference)
+    if groups.tp_size > 1:  # sequence parallelism's gathered activations
+        mem.add_scratch(model.tp_state.buffer.tensors)
     run = Run(cfgs, explicit, rank, groups, device, task, tokenizer,
               stop_token_ids(model.config), model, sampler, reference, optimizer, mem, cache,
               start=start, opt_step=start * cfgs.grpo.mu)
@@ -569,8 +572,6 @@ def train_phase(run: Run, batch: grpo.GRPOBatch, out: rollout.Rollout) -> list[d
                 run.opt_step += 1
             run.optimizer.zero_grad(set_to_none=True)
             iterations.append(reduce_iteration(run, m, float(out.mask.sum())))
-        if run.groups.tp_size > 1:  # SP's gather buffers are not needed until the next train phase
-            run.model.tp_state.buffer.tensors.clear()
     return iterations
 
 

@@ -1,16 +1,20 @@
 """Benchmark of memory.py. Run: python tests/bench_memory.py  (about a minute on a 2-core CPU)
 
-1. The plan: bytes per tag in each phase, and all resident at once (no phases), for the tiny config and
-   for a 1B Llama (Llama-3.2-1B shapes, built on the meta device: what it would be on a GPU).
+1. The plan: bytes per tag in each phase, and all resident at once (no phases), for the tiny config
+   and for a 1B Llama (Llama-3.2-1B shapes, built on the meta device: what it would be on a GPU).
 2. Measured on this machine: memory.report() after two GRPO-like steps of the tiny config.
-3. Offload and reload of the AdamW state (PhaseManager sleep/wake) next to a plain copy of the same bytes,
-   measured side by side, median of several cycles.
-4. One training forward+backward: plain, activation offload, per-block checkpointing. Peak = the highest
-   running sum of allocator bytes above the level at the start, from torch.profiler's memory events
-   (every CPU allocation and free, in order); "held" = that sum at the end of the forward (what autograd
-   keeps for backward). On a CPU host and device are the same memory, so offloading cannot lower these.
-On a CUDA GPU it also prints offload/reload GB/s next to a plain pinned copy and the peak of one step
-with phases vs without (torch.cuda.max_memory_allocated).
+3. Offload and reload of the AdamW state (PhaseManager sleep/wake) next to a plain copy of the same
+   bytes, measured side by side, median of several cycles.
+4. The released-tensor guard: sleep and wake of the bf16 sampler copy (class swap + free,
+   re-allocate + NaN fill) next to the sync_weights that follows each wake, and the forward of a
+   sampler that went through sleep/wake next to one that never did (an awake model pays nothing).
+5. One training forward+backward: plain, activation offload, per-block checkpointing. Peak = the
+   highest running sum of allocator bytes above the level at the start, from torch.profiler's
+   memory events (every CPU allocation and free, in order); "held" = that sum at the end of the
+   forward (what autograd keeps for backward). On a CPU host and device are the same memory, so
+   offloading cannot lower these.
+On a CUDA GPU it also prints offload/reload GB/s next to a plain pinned copy and the peak of one
+step with phases vs without (torch.cuda.max_memory_allocated).
 """
 
 import copy
@@ -30,26 +34,33 @@ from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E
 
 import model as M  # noqa: E402
 from memory import PHASE_TAGS, PhaseManager, checkpoint_blocks, offload_activations  # noqa: E402
-from rollout import KVCache  # noqa: E402
+from rollout import KVCache, RolloutConfig, generate, sync_weights  # noqa: E402
 
 TINY = M.ModelConfig(vocab_size=2048, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
                      num_attention_heads=8, num_key_value_heads=4)
-ONE_B = M.ModelConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                      num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True)
+ONE_B = M.ModelConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                      num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                      tie_word_embeddings=True)
+MID = M.ModelConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                    num_attention_heads=16, num_key_value_heads=8)
 
 
-def build(cfg: M.ModelConfig, device: str, prompts: int, samples: int, prompt_len: int, new_tokens: int):
-    """fp32 trainer + AdamW, bf16 sampler and reference copies, a bf16 KV cache sized like rollout.py's."""
+def build(cfg: M.ModelConfig, device: str, prompts: int, samples: int, prompt_len: int,
+          new_tokens: int):
+    """fp32 trainer + AdamW, bf16 sampler and reference copies, a bf16 KV cache sized like
+    rollout.py's."""
     if device == "meta":
         with torch.device("meta"):
             trainer = M.Llama(cfg)
     else:
         trainer = M.Llama(cfg).init_weights(0).to(device)
-    sampler, reference = copy.deepcopy(trainer).to(torch.bfloat16), copy.deepcopy(trainer).to(torch.bfloat16)
+    sampler = copy.deepcopy(trainer).to(torch.bfloat16)
+    reference = copy.deepcopy(trainer).to(torch.bfloat16)
     optimizer = torch.optim.AdamW(trainer.parameters(), lr=1e-3)
     if device == "meta":  # AdamW's state as its first step would create it
         for p in trainer.parameters():
-            optimizer.state[p] = dict(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+            optimizer.state[p] = dict(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p),
+                                      exp_avg_sq=torch.zeros_like(p))
     cache = KVCache.for_batch(cfg, prompts, samples, prompt_len, new_tokens, torch.bfloat16, device)
     mgr = PhaseManager(device)
     mgr.add_weights(trainer, sampler)
@@ -66,10 +77,12 @@ def print_plan(name: str, mgr: PhaseManager, unit: float, unit_name: str) -> Non
     print(f"\n{name}: {unit_name} resident per tag (activations not included)")
     print(f"{'tag':<10}" + "".join(f"{p:>11}" for p in PHASE_TAGS) + f"{'no phases':>11}")
     for tag in everything:
-        print(f"{tag:<10}" + "".join(f"{plan[p][tag] / unit:>11.2f}" for p in PHASE_TAGS) + f"{everything[tag] / unit:>11.2f}")
+        cells = "".join(f"{plan[p][tag] / unit:>11.2f}" for p in PHASE_TAGS)
+        print(f"{tag:<10}{cells}{everything[tag] / unit:>11.2f}")
     totals = [sum(plan[p].values()) for p in PHASE_TAGS]
     whole = sum(everything.values())
-    print(f"{'total':<10}" + "".join(f"{t / unit:>11.2f}" for t in totals) + f"{whole / unit:>11.2f}")
+    cells = "".join(f"{t / unit:>11.2f}" for t in totals)
+    print(f"{'total':<10}{cells}{whole / unit:>11.2f}")
     print(f"largest phase / no phases = {max(totals) / whole:.2f}")
 
 
@@ -82,6 +95,7 @@ def fake_steps(mgr, trainer, sampler, reference, optimizer, steps: int, device: 
     tokens = torch.randint(0, trainer.config.vocab_size, (4, 64), device=device)
     for _ in range(steps):
         with mgr.phase("rollout"), torch.no_grad():
+            sync_weights(sampler, trainer)
             sampler(tokens)
         with mgr.phase("reference"), torch.no_grad():
             reference(tokens)
@@ -92,27 +106,31 @@ def fake_steps(mgr, trainer, sampler, reference, optimizer, steps: int, device: 
 
 
 def offload_vs_copy(device: str, cycles: int = 7) -> None:
-    """Offload (sleep) and reload (wake) of the AdamW state next to one flat copy of the same bytes."""
-    mgr, trainer, sampler, reference, optimizer, cache = build(TINY if device == "cpu" else MID, device, 4, 2, 32, 32)
+    """Offload (sleep) and reload (wake) of the AdamW state next to one flat copy of the same
+    bytes."""
+    cfg = TINY if device == "cpu" else MID
+    mgr, trainer, sampler, reference, optimizer, cache = build(cfg, device, 4, 2, 32, 32)
     fake_steps(mgr, trainer, sampler, reference, optimizer, 1, device)  # AdamW state exists now
     group = next(g for g in mgr.groups if g.tag == "optimizer")
-    nbytes = mgr.resident_bytes(group)
+    moved = [t for t in mgr.transitions if t.tag == "optimizer"]
+    nbytes = moved[-1].nbytes  # leaving train offloaded the state: these bytes
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device == "cuda")
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    rows = {"offload (sleep)": [], "reload (wake)": [], "plain copy to host": [], "plain copy to device": [],
-            "fresh alloc + copy to device": []}
+    names = ["offload (sleep)", "reload (wake)", "plain copy to host", "plain copy to device",
+             "fresh alloc + copy to device"]
+    rows = {name: [] for name in names}
+    copies = {"plain copy to host": lambda: host.copy_(src, non_blocking=True),
+              "plain copy to device": lambda: src.copy_(host, non_blocking=True),
+              "fresh alloc + copy to device":
+                  lambda: torch.empty_like(src).copy_(host, non_blocking=True)}
     for _ in range(cycles):
-        mgr.enter("rollout")  # the optimizer state goes to the host
+        mgr.enter("train")  # the optimizer state comes back, and goes to the host again at exit
         mgr.exit()
-        mgr.enter("train")
-        mgr.exit()
-        done = [t for t in mgr.transitions if t.tag == "optimizer"][-2:]
-        rows["offload (sleep)"].append(done[0].seconds)
-        rows["reload (wake)"].append(done[1].seconds)
-        for name, fn in (("plain copy to host", lambda: host.copy_(src, non_blocking=True)),
-                         ("plain copy to device", lambda: src.copy_(host, non_blocking=True)),
-                         ("fresh alloc + copy to device", lambda: torch.empty_like(src).copy_(host, non_blocking=True))):
+        done = {t.action: t for t in mgr.transitions if t.tag == "optimizer"}  # the last of each
+        rows["offload (sleep)"].append(done["sleep"].seconds)
+        rows["reload (wake)"].append(done["wake"].seconds)
+        for name, fn in copies.items():
             sync()
             start = time.perf_counter()
             fn()
@@ -120,8 +138,8 @@ def offload_vs_copy(device: str, cycles: int = 7) -> None:
             rows[name].append(time.perf_counter() - start)
     base = {"to host": statistics.median(rows["plain copy to host"]),
             "to device": statistics.median(rows["plain copy to device"])}
-    print(f"\nAdamW state offload on {device}: {nbytes / 1e6:.1f} MB in {len(group.tensors())} tensors, "
-          f"median of {cycles} cycles; 'vs plain copy' = plain copy time / this time")
+    print(f"\nAdamW state offload on {device}: {nbytes / 1e6:.1f} MB in {len(group.tensors())} "
+          f"tensors, median of {cycles} cycles; 'vs plain copy' = plain copy time / this time")
     print(f"{'':<30}{'ms':>9}{'GB/s':>9}{'vs plain copy':>15}")
     for name, times in rows.items():
         t = statistics.median(times)
@@ -152,16 +170,57 @@ def profiled_peak(model: M.Llama, tokens: torch.Tensor, context) -> tuple[int, i
     return peak, held
 
 
+def released_guard(cycles: int = 7) -> None:
+    """The sampler copy's sleep (class swap, free) and wake (re-allocate, NaN fill) next to the
+    sync_weights that refills it, and an awake forward after sleep/wake cycles vs never released."""
+    mgr, trainer, sampler, reference, optimizer, cache = build(TINY, "cpu", 4, 2, 32, 32)
+    never = copy.deepcopy(sampler)
+    tokens = torch.randint(0, TINY.vocab_size, (8, 64))
+    group = next(g for g in mgr.groups if g.tag == "weights")
+    rows = {"sleep (release)": [], "wake (re-allocate)": [], "sync_weights": []}
+    with mgr.phase("rollout"):
+        pass  # registered awake: released at this exit, so that every cycle below wakes it
+    for _ in range(cycles):
+        mgr.enter("rollout")
+        start = time.perf_counter()
+        sync_weights(sampler, trainer)
+        rows["sync_weights"].append(time.perf_counter() - start)
+        mgr.exit()
+        done = {t.action: t for t in mgr.transitions if t.tag == "weights"}  # the last of each
+        rows["sleep (release)"].append(done["sleep"].seconds)
+        rows["wake (re-allocate)"].append(done["wake"].seconds)
+    print(f"\nthe bf16 sampler copy on the CPU: {group.full_bytes() / 1e6:.1f} MB in "
+          f"{len(group.held)} parameters, median of {cycles} cycles")
+    print(f"{'':<30}{'ms':>9}")
+    for name, times in rows.items():
+        print(f"{name:<30}{statistics.median(times) * 1e3:>9.2f}")
+    mgr.enter("rollout")
+    sync_weights(sampler, trainer)
+    sync_weights(never, trainer)
+    times = {"never released": [], "after sleep/wake": []}
+    with torch.no_grad():
+        for _ in range(cycles):  # interleaved: the machine's noise hits both alike
+            for name, model in (("never released", never), ("after sleep/wake", sampler)):
+                start = time.perf_counter()
+                model(tokens)
+                times[name].append(time.perf_counter() - start)
+    mgr.exit()
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    ratio = medians["after sleep/wake"] / medians["never released"]
+    print(f"awake forward (8 x 64 tokens): after sleep/wake / never released = {ratio:.3f}")
+
+
 def activation_memory(batch: int = 8, seq: int = 256) -> None:
     model = M.Llama(TINY).init_weights(0)
     tokens = torch.randint(0, TINY.vocab_size, (batch, seq))
     variants = {"plain": nullcontext, "activation offload": lambda: offload_activations(model),
                 "checkpoint blocks": nullcontext}
-    print(f"\none training forward+backward, tiny config, {batch} x {seq} tokens, CPU allocator (profiler)")
+    print(f"\none training forward+backward, tiny config, {batch} x {seq} tokens, "
+          f"CPU allocator (profiler)")
     print(f"{'':<20}{'peak MB':>9}{'held MB':>9}{'peak vs plain':>15}{'time vs plain':>15}")
     plain = None
     for name, context in variants.items():
-        checkpoint_blocks(model, enabled=name == "checkpoint blocks")
+        checkpoint_blocks(model.model.layers, enabled=name == "checkpoint blocks")
         times = []
         for _ in range(3):
             start = time.perf_counter()
@@ -174,12 +233,12 @@ def activation_memory(batch: int = 8, seq: int = 256) -> None:
         plain = plain or (peak, statistics.median(times))
         print(f"{name:<20}{peak / 1e6:>9.1f}{held / 1e6:>9.1f}{peak / plain[0]:>15.2f}"
               f"{statistics.median(times) / plain[1]:>15.2f}")
-    checkpoint_blocks(model, enabled=False)
+    checkpoint_blocks(model.model.layers, enabled=False)
 
 
 def cuda_step_peak() -> None:
-    """Peak of one GRPO-like step (rollout with a KV cache, then a training step) with and without phases."""
-    from rollout import generate
+    """Peak of one GRPO-like step (rollout with a KV cache, then a training step) with and
+    without phases."""
     print("\none step on CUDA (mid config, 16 prompts x 8 samples, 64 + 64 tokens): max allocated")
     peaks = {}
     for phases in (False, True):
@@ -192,9 +251,12 @@ def cuda_step_peak() -> None:
             if mgr is not None:
                 mgr.phase_peak.clear()
             with mgr.phase("rollout") if mgr else nullcontext():
-                out = generate(sampler, prompts, num_samples=8, max_new_tokens=64, cache=cache, seed=step)
-            tokens = torch.tensor([prompts[i // 8] + c + [0] * (64 - len(c)) for i, c in enumerate(out.completions)],
-                                  device="cuda")
+                sync_weights(sampler, trainer)
+                out = generate(sampler, prompts, RolloutConfig(num_samples=8, max_new_tokens=64),
+                               cache=cache, seed=step)
+            padded = [prompts[i // 8] + c + [0] * (64 - len(c))
+                      for i, c in enumerate(out.completions())]
+            tokens = torch.tensor(padded, device="cuda")
             with mgr.phase("train") if mgr else nullcontext():
                 for chunk in tokens.split(16):  # micro-batches of 16 sequences
                     loss_fn(trainer, chunk).backward()
@@ -209,17 +271,16 @@ def cuda_step_peak() -> None:
           f"ratio {peaks[True] / peaks[False]:.2f}")
 
 
-MID = M.ModelConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
-                    num_attention_heads=16, num_key_value_heads=8)
-
 if __name__ == "__main__":
     torch.manual_seed(0)
-    # One thread: these copies are memory-bound, and on a shared 2-core machine OpenMP's spinning barriers
-    # made the same 32 MB copy take 10 to 190 ms from one cycle to the next (1 thread: 9 to 16 ms).
+    # One thread: these copies are memory-bound, and on a shared 2-core machine OpenMP's spinning
+    # barriers made the same 32 MB copy take 10 to 190 ms from one cycle to the next (1 thread: 9
+    # to 16 ms).
     torch.set_num_threads(1)
-    for name, cfg, args in (("tiny config (16 prompts x 8 samples x 64 + 64 tokens)", TINY, (16, 8, 64, 64)),
-                            ("1B Llama (meta device; 16 prompts x 8 samples x 512 + 1024 tokens)", ONE_B,
-                             (16, 8, 512, 1024))):
+    plans = [("tiny config (16 prompts x 8 samples x 64 + 64 tokens)", TINY, (16, 8, 64, 64)),
+             ("1B Llama (meta device; 16 prompts x 8 samples x 512 + 1024 tokens)", ONE_B,
+              (16, 8, 512, 1024))]
+    for name, cfg, args in plans:
         mgr = build(cfg, "meta", *args)[0]
         print_plan(name, mgr, 1e6 if cfg is TINY else 1e9, "MB" if cfg is TINY else "GB")
     engine = build(TINY, "cpu", 16, 8, 64, 64)
@@ -228,6 +289,7 @@ if __name__ == "__main__":
     print(engine[0].report())
     del engine
     offload_vs_copy("cpu")
+    released_guard()
     activation_memory()
     if torch.cuda.is_available():
         offload_vs_copy("cuda")

@@ -333,3 +333,42 @@ def test_bad_input_is_a_clear_error(model, prompts, kwargs, message):
 def test_rollout_config_validates():
     with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\]"):
         RolloutConfig(top_p=2.0)
+
+# -----------------------------------------------------------------------------
+# sync_weights
+
+
+def test_sync_weights_copies_and_casts_the_trainer_into_the_sampler_in_place(model):
+    """With or without memory.py: the sampler must follow the trainer every rollout, or it samples
+    from its initial weights (the stale-sampler bug of a run with memory management off)."""
+    import copy
+    trainer = copy.deepcopy(model)
+    sampler = copy.deepcopy(model).to(torch.bfloat16)
+    objects = [(id(p), p.data_ptr()) for p in sampler.parameters()]
+    with torch.no_grad():
+        for p in trainer.parameters():
+            p.mul_(1.5)  # a training step
+    rollout.sync_weights(sampler, trainer)
+    assert [(id(p), p.data_ptr()) for p in sampler.parameters()] == objects  # in place
+    for (name, s), t in zip(sampler.named_parameters(), trainer.parameters()):
+        assert s.dtype == torch.bfloat16 and torch.equal(s, t.to(torch.bfloat16)), name
+    want = generate(trainer.to(torch.bfloat16), PROMPTS, num_samples=2, max_new_tokens=4, seed=1)
+    got = generate(sampler, PROMPTS, num_samples=2, max_new_tokens=4, seed=1)
+    assert torch.equal(got.tokens, want.tokens) and torch.equal(got.logprobs, want.logprobs)
+
+
+def test_sync_weights_is_a_no_op_on_the_same_module_and_refuses_other_models(model):
+    before = [p.clone() for p in model.parameters()]
+    rollout.sync_weights(model, model)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    narrow = Llama(ModelConfig(**{**vars(CFG), "intermediate_size": 96}))
+    narrow_before = [p.clone() for p in narrow.parameters()]
+    message = (r"sync_weights: parameter 'model.layers.0.mlp.down_proj.weight' has shape "
+               r"\(64, 96\) in the sampler, \(64, 176\) in the trainer")
+    with pytest.raises(ValueError, match=message):
+        rollout.sync_weights(narrow, model)
+    # Checked before any write: lm_head.weight (same shape, sorted first) was not copied either.
+    assert all(torch.equal(p, q) for p, q in zip(narrow.parameters(), narrow_before))
+    tied = Llama(ModelConfig(**{**vars(CFG), "tie_word_embeddings": True}))
+    with pytest.raises(ValueError, match=r"parameter 'lm_head.weight' exists in the trainer only"):
+        rollout.sync_weights(tied, model)

@@ -216,7 +216,7 @@ def check_tp_equals_one_process(cfg: M.ModelConfig, groups: tp.ParallelGroups) -
     for sp, recompute in ((False, False), (True, False), (True, True)):
         m = tp.shard_model(copy.deepcopy(full), groups, sequence_parallel=sp)
         if recompute:  # blocks rerun in backward (train.py's activation_checkpoint): SP must take the same path
-            assert memory.checkpoint_blocks(m) == cfg.num_hidden_layers
+            assert memory.checkpoint_blocks(m.model.layers) == cfg.num_hidden_layers
         assert [n for n, _ in m.named_parameters()] == [n for n, _ in full.named_parameters()]
         with torch.no_grad():
             logits = m(tokens)
