@@ -93,6 +93,15 @@ def make_groups(tp_size: int) -> ParallelGroups:
 # MemoryBuffer and the autograd collectives
 
 
+def collective_output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """An empty tensor for a collective to write into, never an inference tensor.
+    NOTE torch < 2.6's gloo writes a gather's output on its own thread, where the sampler's inference_mode
+    is off, and an inference tensor refuses that write ("Inplace update to inference tensor outside
+    InferenceMode"). A normal tensor may be written inside inference_mode and out of it."""
+    with torch.inference_mode(False):
+        return torch.empty(shape, dtype=dtype, device=device)
+
+
 class MemoryBuffer:
     """One reusable tensor per (name, dtype) for activations that are gathered and consumed at once
     (nanotron #203; Megatron's GlobalMemoryBuffer, but owned by one model, not global).
@@ -105,10 +114,10 @@ class MemoryBuffer:
     def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
         key, numel = (name, dtype), prod(shape)
         t = self.tensors.get(key)
-        # Grow (the old one dies with its last view); replace one made under inference_mode (the
-        # sampler's forward), which autograd may not write into later.
-        if t is None or t.numel() < numel or t.device != device or t.is_inference() > torch.is_inference_mode_enabled():
-            t = self.tensors[key] = torch.empty(numel, dtype=dtype, device=device)
+        # Grow (the old one dies with its last view). Made outside inference_mode (collective_output),
+        # the same tensor serves the sampler's forward and autograd's later writes.
+        if t is None or t.numel() < numel or t.device != device:
+            t = self.tensors[key] = collective_output((numel,), dtype, device)
         return t[:numel].view(shape)
 
 
@@ -145,7 +154,8 @@ class ReduceScatterToSP(Function):
     @staticmethod
     def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
         ctx.group = group
-        out = x.new_empty(x.shape[0] // dist.get_world_size(group), *x.shape[1:])  # (N/tp, C)
+        n = x.shape[0] // dist.get_world_size(group)
+        out = collective_output((n, *x.shape[1:]), x.dtype, x.device)  # (N/tp, C)
         _reduce_scatter(out, x.contiguous(), group=group)  # g (SP): sum partials over tp ranks, keep my N/tp tokens
         return out
 
@@ -162,7 +172,8 @@ class GatherFromSP(Function):
     @staticmethod
     def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
         ctx.group = group
-        full = x.new_empty(x.shape[0] * dist.get_world_size(group), *x.shape[1:])  # (N, C)
+        N = x.shape[0] * dist.get_world_size(group)
+        full = collective_output((N, *x.shape[1:]), x.dtype, x.device)  # (N, C)
         _all_gather(full, x.contiguous(), group=group)  # every rank's N/tp tokens, in rank order
         return full
 
@@ -386,7 +397,8 @@ def gather_vocab(logits: Tensor, groups: ParallelGroups) -> Tensor:
     """All-gather vocab-split logits (..., V/tp) -> (..., V), the same on every rank (sampling; no grad)."""
     if groups.tp_size == 1:
         return logits
-    parts = logits.new_empty(groups.tp_size * logits.numel())  # flat: gloo only gathers along dim 0
+    # flat: gloo only gathers along dim 0
+    parts = collective_output((groups.tp_size * logits.numel(),), logits.dtype, logits.device)
     _all_gather(parts, logits.contiguous().view(-1), group=groups.tp_group)  # every rank's vocab slice
     return parts.view(groups.tp_size, *logits.shape).movedim(0, -2).reshape(*logits.shape[:-1], -1)  # (..., V)
 

@@ -269,7 +269,9 @@ def check_load_and_full_state_dict(name: str, cfg: M.ModelConfig, groups: tp.Par
 
 def check_sampling(groups: tp.ParallelGroups) -> None:
     """rollout.generate on the sharded model, plain TP and SP (prefill of 2 x 5 and decode of 6 x 1 tokens
-    run SP; the sampler's KV-cache attention sees the same q/k/v either way)."""
+    run SP; the sampler's KV-cache attention sees the same q/k/v either way).
+    Regression (torch 2.5.1): gloo wrote the gathers' outputs, made under the sampler's inference_mode, on
+    its own thread and raised "Inplace update to inference tensor outside InferenceMode"."""
     full = full_model(CONFIGS["llama"])
     prompts = [[1, 2, 3, 4, 5], [7, 8]]
     gather = functools.partial(tp.gather_vocab, groups=groups)
