@@ -37,8 +37,8 @@ from safetensors import safe_open
 from torch import Tensor
 from torch.autograd import Function
 
-from model import (MLP, Attention, Llama, RMSNorm, apply_rotary_emb, checkpoint_files, load_config, rms_norm,
-                   rope_inv_freq)
+from model import (MLP, Attention, Llama, RMSNorm, apply_rotary_emb, check_checkpoint,
+                   expected_shapes, load_config, rms_norm, rope_inv_freq)
 
 # torch 2.13 renamed these two (same signatures); older versions only have the *_tensor names.
 _all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
@@ -351,28 +351,28 @@ def shard_model(model: Llama, groups: ParallelGroups, sequence_parallel: bool = 
 def load_sharded(path: str, groups: ParallelGroups, device: str | torch.device, dtype: torch.dtype,
                  sequence_parallel: bool = False) -> Llama:
     """The sharded model, each rank reading only its slices (safe_open(...).get_slice): no rank ever holds
-    the full checkpoint, nor one full tensor of a sharded parameter."""
+    the full checkpoint, nor one full tensor of a sharded parameter. The checkpoint is first checked
+    against the full model's tensors (model.check_checkpoint, as in Llama.from_pretrained), so every
+    rank refuses a bad one alike, before any slicing."""
     if groups.tp_size == 1:
         return Llama.from_pretrained(path, device, dtype)
     cfg = load_config(path)
+    files = check_checkpoint(path, expected_shapes(cfg))  # name -> file; full names, shapes checked
     with torch.device("meta"):  # shapes only: slicing meta tensors allocates nothing
         model = shard_model(Llama(cfg), groups, sequence_parallel)
     model.to_empty(device=device).to(dtype)  # NOTE: to_empty re-creates every parameter, which unties lm_head
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.inv_freq = rope_inv_freq(cfg).to(device)  # float32 always, like from_pretrained
-    files, params, sharded = checkpoint_files(path), dict(model.named_parameters()), model.tp_state.sharded
-    if missing := sorted(set(params) - set(files)):
-        raise ValueError(f"{path}: checkpoint is missing {len(missing)} tensors, e.g. '{missing[0]}'")
+    params = dict(model.named_parameters())  # tied lm_head appears once, as embed_tokens
     with torch.no_grad():
-        for file in sorted(set(files[name] for name in params)):
+        for file in sorted(set(files.values())):
             with safe_open(file, framework="pt", device="cpu") as f:
                 for name in [n for n in params if files[n] == file]:
-                    lazy, p = f.get_slice(name), params[name]
-                    dim, start, stop = sharded.get(name, (0, 0, len(p)))  # replicated: all of it
-                    want = [s * (groups.tp_size if name in sharded and d == dim else 1) for d, s in enumerate(p.shape)]
-                    if list(lazy.get_shape()) != want:
-                        raise ValueError(f"{file}: '{name}' has shape {lazy.get_shape()}, config.json implies {want}")
+                    p = params[name]
+                    # a replicated tensor (norms, row-parallel biases): all of it
+                    dim, start, stop = model.tp_state.sharded.get(name, (0, 0, len(p)))
+                    lazy = f.get_slice(name)
                     p.copy_(lazy[:, start:stop] if dim == 1 else lazy[start:stop])  # reads only these bytes
     return model
 

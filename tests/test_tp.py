@@ -243,8 +243,8 @@ def check_load_and_full_state_dict(name: str, cfg: M.ModelConfig, groups: tp.Par
     full, path = full_model(cfg), f"{tmp}/{name}"
     # Tensors that do not fit config.json: a wider MLP, or no q/k/v bias for a Qwen2 config.
     wrong, error = {
-        "llama": (dict(intermediate_size=128), r"'model.layers.0.mlp.gate_proj.weight' has shape \[128, 64\], "
-                                               r"config.json implies \[96, 64\]"),
+        "llama": (dict(intermediate_size=128), r"'model.layers.0.mlp.gate_proj.weight' has shape "
+                                               r"\(128, 64\), config.json implies \(96, 64\)"),
         "qwen_tied": (dict(attention_bias=False, architecture="LlamaForCausalLM"),
                       "checkpoint is missing 6 tensors, e.g. 'model.layers.0.self_attn.k_proj.bias'")}[name]
     if dist.get_rank() == 0:
