@@ -2,8 +2,9 @@
 Tensor parallelism (Megatron-LM style, by hand) and data parallelism for model.py's Llama.
 
 TP splits each block over the tp ranks: q/k/v and gate/up are column-parallel (H/tp heads, I/tp of the
-SwiGLU width per rank), o/down row-parallel (each rank computes a partial sum of the output), the
-embedding and lm_head are split by vocab and the logits stay split. Two collectives per block half, as
+SwiGLU width per rank, their biases split alike), o/down row-parallel (each rank computes a partial
+sum of the output; a bias is added once, after the sum), the embedding and lm_head are split by
+vocab and the logits stay split. Two collectives per block half, as
 in Megatron-LM (arXiv:1909.08053): f = CopyToTP (identity forward, all-reduce backward) before the
 column-parallel linears, g = ReduceFromTP (all-reduce forward, identity backward) after the row-parallel.
 Sequence parallelism (arXiv:2205.05198) also splits the tokens of the replicated part (norms, residual
@@ -255,11 +256,28 @@ class TPRMSNorm(RMSNorm):
         return rms_norm(x, weight, self.eps)
 
 
+class RowParallelLinear(nn.Linear):
+    """o_proj / down_proj: this rank's input columns give a partial sum of the output; g sums it
+    over the tp ranks (an all-reduce, or under SP a reduce-scatter to this rank's N/tp tokens), and
+    only then is the bias added: once, not once per rank. Its grad: the same full sum on every rank
+    without SP; under SP each rank sees only its tokens, so f on the bias sums the grads."""
+    def forward(self, x: Tensor) -> Tensor:
+        group = self.state.groups.tp_group
+        partial = F.linear(x, self.weight)  # (B, T, C), or (N, C) under SP: this rank's share
+        if x.dim() == 2:  # SP: x is (N, I/tp)
+            out = ReduceScatterToSP.apply(partial, group)  # (N/tp, C)
+            bias = None if self.bias is None else CopyToTP.apply(self.bias, group)
+        else:
+            out = ReduceFromTP.apply(partial, group)  # (B, T, C)
+            bias = self.bias
+        return out if bias is None else out + bias
+
+
 class TPAttention(Attention):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention: Callable) -> Tensor:
         group, qkv = self.state.groups.tp_group, (self.q_proj, self.k_proj, self.v_proj)
-        if x.dim() == 3:  # not SP: f, model.Attention on this rank's H/tp heads, g
-            return ReduceFromTP.apply(super().forward(CopyToTP.apply(x, group), cos, sin, attention), group)
+        if x.dim() == 3:  # not SP: f, model.Attention on this rank's H/tp heads, g in o_proj
+            return super().forward(CopyToTP.apply(x, group), cos, sin, attention)
         T = cos.shape[1]
         B = x.shape[0] * self.state.groups.tp_size // T
         q, k, v = GatherLinears.apply(x, group, self.state.buffer, *[m.weight for m in qkv], *[m.bias for m in qkv])
@@ -268,16 +286,18 @@ class TPAttention(Attention):
         v = v.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, Hkv/tp, T, D)
         q, k = apply_rotary_emb(q, cos, sin), apply_rotary_emb(k, cos, sin)
         y = attention(self.layer, q, k, v).transpose(1, 2).reshape(B * T, -1)  # (N, H/tp*D)
-        return ReduceScatterToSP.apply(self.o_proj(y), group)  # (N/tp, C)
+        return self.o_proj(y)  # (N/tp, C): reduce-scattered in o_proj
 
 
 class TPMLP(MLP):
     def forward(self, x: Tensor) -> Tensor:
-        group, gate_up = self.state.groups.tp_group, (self.gate_proj.weight, self.up_proj.weight)
-        if x.dim() == 3:  # not SP: f, SwiGLU on this rank's I/tp columns, g
-            return ReduceFromTP.apply(super().forward(CopyToTP.apply(x, group)), group)
-        gate, up = GatherLinears.apply(x, group, self.state.buffer, *gate_up, None, None)  # (N, I/tp) each
-        return ReduceScatterToSP.apply(self.down_proj(F.silu(gate) * up), group)  # (N/tp, C)
+        group, gate_up = self.state.groups.tp_group, (self.gate_proj, self.up_proj)
+        if x.dim() == 3:  # not SP: f, SwiGLU on this rank's I/tp columns, g in down_proj
+            return super().forward(CopyToTP.apply(x, group))
+        weights_then_biases = [m.weight for m in gate_up] + [m.bias for m in gate_up]
+        buffer = self.state.buffer
+        gate, up = GatherLinears.apply(x, group, buffer, *weights_then_biases)  # (N, I/tp) each
+        return self.down_proj(F.silu(gate) * up)  # (N/tp, C): reduce-scattered in down_proj
 
 
 def _tp_hidden(model: Llama, tokens: Tensor, positions: Tensor | None = None,
@@ -315,8 +335,10 @@ def shard_model(model: Llama, groups: ParallelGroups, sequence_parallel: bool = 
         return model
     state = TPState(groups, sequence_parallel, MemoryBuffer(), {})
 
-    def take(module: nn.Module, prefix: str, dim: int) -> None:  # keep this rank's slice of weight (and bias)
-        for pname in ("weight", "bias"):
+    def take(module: nn.Module, prefix: str, dim: int) -> None:
+        """Keep this rank's slice of the weight, and of a column-parallel bias (dim 0). A
+        row-parallel bias (dim 1) stays whole: RowParallelLinear adds it once, after g."""
+        for pname in ("weight", "bias") if dim == 0 else ("weight",):
             if (p := getattr(module, pname, None)) is not None:
                 size = p.shape[dim] // tp
                 state.sharded[f"{prefix}.{pname}"] = (dim, rank * size, (rank + 1) * size)
@@ -335,8 +357,9 @@ def shard_model(model: Llama, groups: ParallelGroups, sequence_parallel: bool = 
     for i, block in enumerate(body.layers):
         for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
             take(block.get_submodule(name), f"model.layers.{i}.{name}", 0)  # column-parallel: split output rows
-        for name in ("self_attn.o_proj", "mlp.down_proj"):  # row-parallel: split input columns (no bias here)
+        for name in ("self_attn.o_proj", "mlp.down_proj"):  # row-parallel: split input columns
             take(block.get_submodule(name), f"model.layers.{i}.{name}", 1)
+            modules.append((block.get_submodule(name), RowParallelLinear))
         modules += [(block.self_attn, TPAttention), (block.mlp, TPMLP),
                     (block.input_layernorm, TPRMSNorm), (block.post_attention_layernorm, TPRMSNorm)]
     # Same instances with their sliced parameters, so the names stay HF's; only forward() changes.
