@@ -300,14 +300,20 @@ class TPMLP(MLP):
         return self.down_proj(F.silu(gate) * up)  # (N/tp, C): reduce-scattered in down_proj
 
 
-def _tp_hidden(model: Llama, tokens: Tensor, positions: Tensor | None = None,
+class TPLlama(Llama):
+    """shard_model's model: Llama.hidden, then out of SP if the embedding went in, so callers get
+    the full (B, T, C) on every rank. forward() calls self.hidden, so it gets SP too."""
+    def hidden(self, tokens: Tensor, positions: Tensor | None = None,
                attention: Callable | None = None, last: Tensor | None = None) -> Tensor:
-    """Llama.hidden, then out of SP if the embedding went in: callers get the full (B, T, C) on every rank."""
-    sp = model.tp_state.sequence_parallel  # SP splits the tokens across ranks: `last` is then applied after the gather
-    h = Llama.hidden(model, tokens, positions, attention, None if sp else last)  # (N/tp, C) under SP, else (B, T, C)
-    if h.dim() == 2:
-        h = GatherFromSP.apply(h, model.tp_state.groups.tp_group).view(*tokens.shape, -1)  # (B, T, C)
-    return h[torch.arange(h.shape[0], device=h.device), last][:, None] if sp and last is not None else h
+        # SP splits the tokens across ranks: `last` is then applied after the gather.
+        sp = self.tp_state.sequence_parallel
+        h = super().hidden(tokens, positions, attention, None if sp else last)  # (N/tp, C) under SP
+        if h.dim() == 2:
+            h = GatherFromSP.apply(h, self.tp_state.groups.tp_group)  # (N, C)
+            h = h.view(*tokens.shape, -1)  # (B, T, C)
+        if sp and last is not None:
+            h = h[torch.arange(h.shape[0], device=h.device), last][:, None]  # (B, 1, C)
+        return h
 
 
 @contextlib.contextmanager
@@ -367,7 +373,7 @@ def shard_model(model: Llama, groups: ParallelGroups, sequence_parallel: bool = 
         module.__class__, module.state = cls, state
     body.embed_tokens.vocab_start = rank * body.embed_tokens.weight.shape[0]
     model.tp_state = state
-    model.hidden = types.MethodType(_tp_hidden, model)  # forward() calls self.hidden, so it gets SP too
+    model.__class__ = TPLlama  # as the modules above: the same object, the TP hidden()
     return model
 
 
