@@ -2,8 +2,9 @@
 Tensor parallelism (Megatron-LM style, by hand) and data parallelism for model.py's Llama.
 
 TP splits each block over the tp ranks: q/k/v and gate/up are column-parallel (H/tp heads, I/tp of the
-SwiGLU width per rank), o/down row-parallel (each rank computes a partial sum of the output), the
-embedding and lm_head are split by vocab and the logits stay split. Two collectives per block half, as
+SwiGLU width per rank, their biases split alike), o/down row-parallel (each rank computes a partial
+sum of the output; a bias is added once, after the sum), the embedding and lm_head are split by
+vocab and the logits stay split. Two collectives per block half, as
 in Megatron-LM (arXiv:1909.08053): f = CopyToTP (identity forward, all-reduce backward) before the
 column-parallel linears, g = ReduceFromTP (all-reduce forward, identity backward) after the row-parallel.
 Sequence parallelism (arXiv:2205.05198) also splits the tokens of the replicated part (norms, residual
@@ -37,8 +38,8 @@ from safetensors import safe_open
 from torch import Tensor
 from torch.autograd import Function
 
-from model import (MLP, Attention, Llama, RMSNorm, apply_rotary_emb, checkpoint_files, load_config, rms_norm,
-                   rope_inv_freq)
+from model import (MLP, Attention, Llama, RMSNorm, apply_rotary_emb, check_checkpoint,
+                   expected_shapes, load_config, rms_norm, rope_inv_freq)
 
 # torch 2.13 renamed these two (same signatures); older versions only have the *_tensor names.
 _all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
@@ -93,6 +94,15 @@ def make_groups(tp_size: int) -> ParallelGroups:
 # MemoryBuffer and the autograd collectives
 
 
+def collective_output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """An empty tensor for a collective to write into, never an inference tensor.
+    NOTE torch < 2.6's gloo writes a gather's output on its own thread, where the sampler's inference_mode
+    is off, and an inference tensor refuses that write ("Inplace update to inference tensor outside
+    InferenceMode"). A normal tensor may be written inside inference_mode and out of it."""
+    with torch.inference_mode(False):
+        return torch.empty(shape, dtype=dtype, device=device)
+
+
 class MemoryBuffer:
     """One reusable tensor per (name, dtype) for activations that are gathered and consumed at once
     (nanotron #203; Megatron's GlobalMemoryBuffer, but owned by one model, not global).
@@ -105,10 +115,10 @@ class MemoryBuffer:
     def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
         key, numel = (name, dtype), prod(shape)
         t = self.tensors.get(key)
-        # Grow (the old one dies with its last view); replace one made under inference_mode (the
-        # sampler's forward), which autograd may not write into later.
-        if t is None or t.numel() < numel or t.device != device or t.is_inference() > torch.is_inference_mode_enabled():
-            t = self.tensors[key] = torch.empty(numel, dtype=dtype, device=device)
+        # Grow (the old one dies with its last view). Made outside inference_mode (collective_output),
+        # the same tensor serves the sampler's forward and autograd's later writes.
+        if t is None or t.numel() < numel or t.device != device:
+            t = self.tensors[key] = collective_output((numel,), dtype, device)
         return t[:numel].view(shape)
 
 
@@ -145,7 +155,8 @@ class ReduceScatterToSP(Function):
     @staticmethod
     def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
         ctx.group = group
-        out = x.new_empty(x.shape[0] // dist.get_world_size(group), *x.shape[1:])  # (N/tp, C)
+        n = x.shape[0] // dist.get_world_size(group)
+        out = collective_output((n, *x.shape[1:]), x.dtype, x.device)  # (N/tp, C)
         _reduce_scatter(out, x.contiguous(), group=group)  # g (SP): sum partials over tp ranks, keep my N/tp tokens
         return out
 
@@ -162,7 +173,8 @@ class GatherFromSP(Function):
     @staticmethod
     def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
         ctx.group = group
-        full = x.new_empty(x.shape[0] * dist.get_world_size(group), *x.shape[1:])  # (N, C)
+        N = x.shape[0] * dist.get_world_size(group)
+        full = collective_output((N, *x.shape[1:]), x.dtype, x.device)  # (N, C)
         _all_gather(full, x.contiguous(), group=group)  # every rank's N/tp tokens, in rank order
         return full
 
@@ -244,11 +256,28 @@ class TPRMSNorm(RMSNorm):
         return rms_norm(x, weight, self.eps)
 
 
+class RowParallelLinear(nn.Linear):
+    """o_proj / down_proj: this rank's input columns give a partial sum of the output; g sums it
+    over the tp ranks (an all-reduce, or under SP a reduce-scatter to this rank's N/tp tokens), and
+    only then is the bias added: once, not once per rank. Its grad: the same full sum on every rank
+    without SP; under SP each rank sees only its tokens, so f on the bias sums the grads."""
+    def forward(self, x: Tensor) -> Tensor:
+        group = self.state.groups.tp_group
+        partial = F.linear(x, self.weight)  # (B, T, C), or (N, C) under SP: this rank's share
+        if x.dim() == 2:  # SP: x is (N, I/tp)
+            out = ReduceScatterToSP.apply(partial, group)  # (N/tp, C)
+            bias = None if self.bias is None else CopyToTP.apply(self.bias, group)
+        else:
+            out = ReduceFromTP.apply(partial, group)  # (B, T, C)
+            bias = self.bias
+        return out if bias is None else out + bias
+
+
 class TPAttention(Attention):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention: Callable) -> Tensor:
         group, qkv = self.state.groups.tp_group, (self.q_proj, self.k_proj, self.v_proj)
-        if x.dim() == 3:  # not SP: f, model.Attention on this rank's H/tp heads, g
-            return ReduceFromTP.apply(super().forward(CopyToTP.apply(x, group), cos, sin, attention), group)
+        if x.dim() == 3:  # not SP: f, model.Attention on this rank's H/tp heads, g in o_proj
+            return super().forward(CopyToTP.apply(x, group), cos, sin, attention)
         T = cos.shape[1]
         B = x.shape[0] * self.state.groups.tp_size // T
         q, k, v = GatherLinears.apply(x, group, self.state.buffer, *[m.weight for m in qkv], *[m.bias for m in qkv])
@@ -257,26 +286,34 @@ class TPAttention(Attention):
         v = v.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, Hkv/tp, T, D)
         q, k = apply_rotary_emb(q, cos, sin), apply_rotary_emb(k, cos, sin)
         y = attention(self.layer, q, k, v).transpose(1, 2).reshape(B * T, -1)  # (N, H/tp*D)
-        return ReduceScatterToSP.apply(self.o_proj(y), group)  # (N/tp, C)
+        return self.o_proj(y)  # (N/tp, C): reduce-scattered in o_proj
 
 
 class TPMLP(MLP):
     def forward(self, x: Tensor) -> Tensor:
-        group, gate_up = self.state.groups.tp_group, (self.gate_proj.weight, self.up_proj.weight)
-        if x.dim() == 3:  # not SP: f, SwiGLU on this rank's I/tp columns, g
-            return ReduceFromTP.apply(super().forward(CopyToTP.apply(x, group)), group)
-        gate, up = GatherLinears.apply(x, group, self.state.buffer, *gate_up, None, None)  # (N, I/tp) each
-        return ReduceScatterToSP.apply(self.down_proj(F.silu(gate) * up), group)  # (N/tp, C)
+        group, gate_up = self.state.groups.tp_group, (self.gate_proj, self.up_proj)
+        if x.dim() == 3:  # not SP: f, SwiGLU on this rank's I/tp columns, g in down_proj
+            return super().forward(CopyToTP.apply(x, group))
+        weights_then_biases = [m.weight for m in gate_up] + [m.bias for m in gate_up]
+        buffer = self.state.buffer
+        gate, up = GatherLinears.apply(x, group, buffer, *weights_then_biases)  # (N, I/tp) each
+        return self.down_proj(F.silu(gate) * up)  # (N/tp, C): reduce-scattered in down_proj
 
 
-def _tp_hidden(model: Llama, tokens: Tensor, positions: Tensor | None = None,
+class TPLlama(Llama):
+    """shard_model's model: Llama.hidden, then out of SP if the embedding went in, so callers get
+    the full (B, T, C) on every rank. forward() calls self.hidden, so it gets SP too."""
+    def hidden(self, tokens: Tensor, positions: Tensor | None = None,
                attention: Callable | None = None, last: Tensor | None = None) -> Tensor:
-    """Llama.hidden, then out of SP if the embedding went in: callers get the full (B, T, C) on every rank."""
-    sp = model.tp_state.sequence_parallel  # SP splits the tokens across ranks: `last` is then applied after the gather
-    h = Llama.hidden(model, tokens, positions, attention, None if sp else last)  # (N/tp, C) under SP, else (B, T, C)
-    if h.dim() == 2:
-        h = GatherFromSP.apply(h, model.tp_state.groups.tp_group).view(*tokens.shape, -1)  # (B, T, C)
-    return h[torch.arange(h.shape[0], device=h.device), last][:, None] if sp and last is not None else h
+        # SP splits the tokens across ranks: `last` is then applied after the gather.
+        sp = self.tp_state.sequence_parallel
+        h = super().hidden(tokens, positions, attention, None if sp else last)  # (N/tp, C) under SP
+        if h.dim() == 2:
+            h = GatherFromSP.apply(h, self.tp_state.groups.tp_group)  # (N, C)
+            h = h.view(*tokens.shape, -1)  # (B, T, C)
+        if sp and last is not None:
+            h = h[torch.arange(h.shape[0], device=h.device), last][:, None]  # (B, 1, C)
+        return h
 
 
 @contextlib.contextmanager
@@ -304,8 +341,10 @@ def shard_model(model: Llama, groups: ParallelGroups, sequence_parallel: bool = 
         return model
     state = TPState(groups, sequence_parallel, MemoryBuffer(), {})
 
-    def take(module: nn.Module, prefix: str, dim: int) -> None:  # keep this rank's slice of weight (and bias)
-        for pname in ("weight", "bias"):
+    def take(module: nn.Module, prefix: str, dim: int) -> None:
+        """Keep this rank's slice of the weight, and of a column-parallel bias (dim 0). A
+        row-parallel bias (dim 1) stays whole: RowParallelLinear adds it once, after g."""
+        for pname in ("weight", "bias") if dim == 0 else ("weight",):
             if (p := getattr(module, pname, None)) is not None:
                 size = p.shape[dim] // tp
                 state.sharded[f"{prefix}.{pname}"] = (dim, rank * size, (rank + 1) * size)
@@ -324,8 +363,9 @@ def shard_model(model: Llama, groups: ParallelGroups, sequence_parallel: bool = 
     for i, block in enumerate(body.layers):
         for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
             take(block.get_submodule(name), f"model.layers.{i}.{name}", 0)  # column-parallel: split output rows
-        for name in ("self_attn.o_proj", "mlp.down_proj"):  # row-parallel: split input columns (no bias here)
+        for name in ("self_attn.o_proj", "mlp.down_proj"):  # row-parallel: split input columns
             take(block.get_submodule(name), f"model.layers.{i}.{name}", 1)
+            modules.append((block.get_submodule(name), RowParallelLinear))
         modules += [(block.self_attn, TPAttention), (block.mlp, TPMLP),
                     (block.input_layernorm, TPRMSNorm), (block.post_attention_layernorm, TPRMSNorm)]
     # Same instances with their sliced parameters, so the names stay HF's; only forward() changes.
@@ -333,35 +373,35 @@ def shard_model(model: Llama, groups: ParallelGroups, sequence_parallel: bool = 
         module.__class__, module.state = cls, state
     body.embed_tokens.vocab_start = rank * body.embed_tokens.weight.shape[0]
     model.tp_state = state
-    model.hidden = types.MethodType(_tp_hidden, model)  # forward() calls self.hidden, so it gets SP too
+    model.__class__ = TPLlama  # as the modules above: the same object, the TP hidden()
     return model
 
 
 def load_sharded(path: str, groups: ParallelGroups, device: str | torch.device, dtype: torch.dtype,
                  sequence_parallel: bool = False) -> Llama:
     """The sharded model, each rank reading only its slices (safe_open(...).get_slice): no rank ever holds
-    the full checkpoint, nor one full tensor of a sharded parameter."""
+    the full checkpoint, nor one full tensor of a sharded parameter. The checkpoint is first checked
+    against the full model's tensors (model.check_checkpoint, as in Llama.from_pretrained), so every
+    rank refuses a bad one alike, before any slicing."""
     if groups.tp_size == 1:
         return Llama.from_pretrained(path, device, dtype)
     cfg = load_config(path)
+    files = check_checkpoint(path, expected_shapes(cfg))  # name -> file; full names, shapes checked
     with torch.device("meta"):  # shapes only: slicing meta tensors allocates nothing
         model = shard_model(Llama(cfg), groups, sequence_parallel)
     model.to_empty(device=device).to(dtype)  # NOTE: to_empty re-creates every parameter, which unties lm_head
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.inv_freq = rope_inv_freq(cfg).to(device)  # float32 always, like from_pretrained
-    files, params, sharded = checkpoint_files(path), dict(model.named_parameters()), model.tp_state.sharded
-    if missing := sorted(set(params) - set(files)):
-        raise ValueError(f"{path}: checkpoint is missing {len(missing)} tensors, e.g. '{missing[0]}'")
+    params = dict(model.named_parameters())  # tied lm_head appears once, as embed_tokens
     with torch.no_grad():
-        for file in sorted(set(files[name] for name in params)):
+        for file in sorted(set(files.values())):
             with safe_open(file, framework="pt", device="cpu") as f:
                 for name in [n for n in params if files[n] == file]:
-                    lazy, p = f.get_slice(name), params[name]
-                    dim, start, stop = sharded.get(name, (0, 0, len(p)))  # replicated: all of it
-                    want = [s * (groups.tp_size if name in sharded and d == dim else 1) for d, s in enumerate(p.shape)]
-                    if list(lazy.get_shape()) != want:
-                        raise ValueError(f"{file}: '{name}' has shape {lazy.get_shape()}, config.json implies {want}")
+                    p = params[name]
+                    # a replicated tensor (norms, row-parallel biases): all of it
+                    dim, start, stop = model.tp_state.sharded.get(name, (0, 0, len(p)))
+                    lazy = f.get_slice(name)
                     p.copy_(lazy[:, start:stop] if dim == 1 else lazy[start:stop])  # reads only these bytes
     return model
 
@@ -386,7 +426,8 @@ def gather_vocab(logits: Tensor, groups: ParallelGroups) -> Tensor:
     """All-gather vocab-split logits (..., V/tp) -> (..., V), the same on every rank (sampling; no grad)."""
     if groups.tp_size == 1:
         return logits
-    parts = logits.new_empty(groups.tp_size * logits.numel())  # flat: gloo only gathers along dim 0
+    # flat: gloo only gathers along dim 0
+    parts = collective_output((groups.tp_size * logits.numel(),), logits.dtype, logits.device)
     _all_gather(parts, logits.contiguous().view(-1), group=groups.tp_group)  # every rank's vocab slice
     return parts.view(groups.tp_size, *logits.shape).movedim(0, -2).reshape(*logits.shape[:-1], -1)  # (..., V)
 

@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -21,15 +22,26 @@ def tiny(**kw) -> M.ModelConfig:
 
 def make(seed: int = 0, std: float = 0.2, **kw) -> M.Llama:
     # std 0.2 (not HF's 0.02) so attention patterns and logits are far from uniform: bugs show.
-    return M.Llama(tiny(**kw)).init_weights(seed, std=std)
+    # Biases (zero after init_weights, as in HF) get the same std: a missing or misplaced one shows.
+    m = M.Llama(tiny(**kw)).init_weights(seed, std=std)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith(".bias"):
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+    return m
 
 # -----------------------------------------------------------------------------
 # The forward against a plain float64 loop
 
 
 def reference_forward(m: M.Llama, tokens: list[int]) -> torch.Tensor:
-    """One sequence, one token and one head at a time, float64, rope by explicit pair rotation."""
+    """One sequence, one token and one head at a time, float64, rope by explicit pair rotation.
+    Every linear adds its bias when the state dict has one (transformers' Llama, Qwen2)."""
     cfg, sd = m.config, {k: v.double() for k, v in m.state_dict().items()}
+
+    def linear(name, x):
+        return sd[name + ".weight"] @ x + sd.get(name + ".bias", 0.0)
     H, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     inv_freq = [cfg.rope_theta ** (-2 * i / D) for i in range(D // 2)]
 
@@ -48,9 +60,9 @@ def reference_forward(m: M.Llama, tokens: list[int]) -> torch.Tensor:
     for l in range(cfg.num_hidden_layers):
         p = f"model.layers.{l}."
         hs = [rms(x, sd[p + "input_layernorm.weight"]) for x in xs]
-        qs = [sd[p + "self_attn.q_proj.weight"] @ h for h in hs]
-        ks = [sd[p + "self_attn.k_proj.weight"] @ h for h in hs]
-        vs = [sd[p + "self_attn.v_proj.weight"] @ h for h in hs]
+        qs = [linear(p + "self_attn.q_proj", h) for h in hs]
+        ks = [linear(p + "self_attn.k_proj", h) for h in hs]
+        vs = [linear(p + "self_attn.v_proj", h) for h in hs]
         new = []
         for t in range(len(xs)):
             heads = []
@@ -60,18 +72,23 @@ def reference_forward(m: M.Llama, tokens: list[int]) -> torch.Tensor:
                 scores = [q @ rope(ks[s][g * D:(g + 1) * D], s) / math.sqrt(D) for s in range(t + 1)]
                 w = torch.softmax(torch.stack(scores), 0)
                 heads.append(sum(w[s] * vs[s][g * D:(g + 1) * D] for s in range(t + 1)))
-            x = xs[t] + sd[p + "self_attn.o_proj.weight"] @ torch.cat(heads)
+            x = xs[t] + linear(p + "self_attn.o_proj", torch.cat(heads))
             h2 = rms(x, sd[p + "post_attention_layernorm.weight"])
-            a = F.silu(sd[p + "mlp.gate_proj.weight"] @ h2) * (sd[p + "mlp.up_proj.weight"] @ h2)
-            new.append(x + sd[p + "mlp.down_proj.weight"] @ a)
+            a = F.silu(linear(p + "mlp.gate_proj", h2)) * linear(p + "mlp.up_proj", h2)
+            new.append(x + linear(p + "mlp.down_proj", a))
         xs = new
     head = sd["model.embed_tokens.weight"] if cfg.tie_word_embeddings else sd["lm_head.weight"]
     return torch.stack([head @ rms(x, sd["model.norm.weight"]) for x in xs])
 
 
-@pytest.mark.parametrize("kv_heads", [4, 2, 1])
-def test_forward_matches_float64_loop(kv_heads):
-    m = make(num_key_value_heads=kv_heads).double()
+@pytest.mark.parametrize("kw", [
+    dict(num_key_value_heads=4), dict(num_key_value_heads=2), dict(num_key_value_heads=1),
+    dict(attention_bias=True, mlp_bias=True),  # Llama: q/k/v/o and gate/up/down biases
+    dict(architecture="Qwen2ForCausalLM"),  # q/k/v biases only
+    dict(head_dim=32, rms_norm_eps=1e-2),  # D != C/H; an eps large enough to matter
+])
+def test_forward_matches_float64_loop(kw):
+    m = make(**kw).double()
     tokens = [5, 17, 3, 88, 41, 0, 9, 63, 12, 70]
     got = m(torch.tensor([tokens]))[0]
     want = reference_forward(m, tokens)
@@ -197,32 +214,151 @@ def test_llama3_rope_scaling_matches_scalar_formula():
             want = (1 - smooth) * b / 8 + smooth * b
         assert math.isclose(f, want, rel_tol=1e-6)
 
+# -----------------------------------------------------------------------------
+# config.json: both layouts in, refusals pinned (no transformers needed)
 
-def write_checkpoint(path, m: M.Llama, **config_overrides):
+LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+              original_max_position_embeddings=32)
+# name -> (transformers 4's rope_theta and rope_scaling, 5's rope_parameters, ModelConfig's scaling)
+ROPES = {
+    "default": ((500000.0, None), {"rope_type": "default", "rope_theta": 500000.0}, None),
+    "linear": ((10000.0, {"type": "linear", "factor": 4}),  # "type", an int: early v4 files
+               {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0},
+               {"rope_type": "linear", "factor": 4.0}),
+    "llama3": ((500000.0, LLAMA3), dict(LLAMA3, rope_theta=500000.0), LLAMA3),
+}
+ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_parameters")
+
+
+def written_config(m: M.Llama, path) -> dict:
+    """Save m and return its config.json as a dict, for the test to rewrite."""
     m.save_pretrained(str(path))
-    cfg_file = path / "config.json"
-    d = json.loads(cfg_file.read_text())
-    d.update(config_overrides)
-    cfg_file.write_text(json.dumps(d))
+    return json.loads((path / "config.json").read_text())
 
 
-@pytest.mark.parametrize("override,message", [
-    (dict(architectures=["MixtralForCausalLM"]), "architectures"),
-    (dict(num_local_experts=8), "num_local_experts"),
-    (dict(use_sliding_window=True), "use_sliding_window"),
-    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_scaling"),
-    (dict(hidden_act="gelu"), "hidden_act"),
-    (dict(hidden_size=None), "hidden_size"),
-])
-def test_unsupported_configs_are_refused_naming_file_and_field(tmp_path, override, message):
-    override = {k: v for k, v in override.items() if v is not None}
-    write_checkpoint(tmp_path, make(), **override)
-    if "hidden_size" == message:
-        d = json.loads((tmp_path / "config.json").read_text())
-        del d["hidden_size"]
+@pytest.mark.parametrize("rope", list(ROPES))
+def test_v4_and_v5_config_layouts_give_the_same_model(tmp_path, rope):
+    (theta, scaling), parameters, want = ROPES[rope]
+    m = make()  # theta 10000, no scaling: the fallback a misread file would silently get
+    ours = written_config(m, tmp_path)
+    base = {k: v for k, v in ours.items() if k not in ROPE_KEYS}
+    layouts = {"v4": dict(base, rope_theta=theta, rope_scaling=scaling),
+               "v5": dict(base, rope_parameters=parameters)}
+    configs = {name: M.config_from_hf(d) for name, d in layouts.items()}
+    assert configs["v4"] == configs["v5"]
+    assert configs["v4"].rope_theta == theta and configs["v4"].rope_scaling == want
+    layouts["ours"] = M.config_to_hf(configs["v4"], torch.float32)  # both layouts in one file
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 96, (2, 100), generator=gen)  # past llama3's 32 original positions
+    logits = {}
+    for name, d in layouts.items():
         (tmp_path / "config.json").write_text(json.dumps(d))
-    with pytest.raises(ValueError, match=f"config.json: field '{message}'"):
+        logits[name] = M.Llama.from_pretrained(str(tmp_path))(x)
+    assert torch.equal(logits["v4"], logits["v5"]) and torch.equal(logits["v4"], logits["ours"])
+    assert (logits["v4"] - m(x)).abs().max() > 1e-2  # the rope read does change the output
+
+
+DELETE = object()  # an override that removes the field
+LLAMA3_NO_LEN = {k: v for k, v in LLAMA3.items() if k != "original_max_position_embeddings"}
+
+
+@pytest.mark.parametrize("override, message", [
+    (dict(hidden_size="64"), "field 'hidden_size' is \"64\", expected a positive integer"),
+    (dict(num_hidden_layers=True),
+     "field 'num_hidden_layers' is true, expected a positive integer"),
+    (dict(tie_word_embeddings="yes"),
+     "field 'tie_word_embeddings' is \"yes\", expected true or false"),
+    (dict(eos_token_id=[1, "2"]),
+     "field 'eos_token_id' is [1, \"2\"], expected a token id or a list of token ids"),
+    (dict(rope_parameters=[1.0]), "field 'rope_parameters' is [1.0], expected a JSON object"),
+    (dict(hidden_size=DELETE), "field 'hidden_size' is missing"),
+    (dict(num_key_value_heads=3),
+     "field 'num_key_value_heads' is 3, which does not divide num_attention_heads=4"),
+    (dict(hidden_size=66, head_dim=None),
+     "field 'hidden_size' is 66, not a multiple of num_attention_heads=4 (no head_dim)"),
+    (dict(head_dim=15), "field 'head_dim' is 15; rotary embeddings need an even head_dim"),
+    (dict(architectures=["MixtralForCausalLM"]), "field 'architectures' is ['MixtralForCausalLM'], "
+     "expected one of ('LlamaForCausalLM', 'Qwen2ForCausalLM')"),
+    (dict(model_type="qwen2"),
+     "field 'model_type' is 'qwen2' but architectures is ['LlamaForCausalLM']"),
+    (dict(architectures=DELETE, model_type="mistral"), "field 'model_type' is 'mistral' and there "
+     "is no 'architectures' field; expected one of ('llama', 'qwen2')"),
+    (dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", num_key_value_heads=DELETE),
+     "field 'num_key_value_heads' is missing"),
+    (dict(num_local_experts=8),
+     "field 'num_local_experts' declares a mixture of experts; this engine runs dense models only"),
+    (dict(use_sliding_window=True),
+     "field 'use_sliding_window' asks for sliding-window attention, which is not supported"),
+    (dict(sliding_window=4096),
+     "field 'sliding_window' asks for sliding-window attention, which is not supported"),
+    (dict(layer_types=["full_attention", "sliding_attention"]),
+     "field 'layer_types' has 'sliding_attention'; only 'full_attention' layers are supported"),
+    (dict(hidden_act="gelu"), "field 'hidden_act' is 'gelu', only 'silu' (SwiGLU) is supported"),
+    (dict(pretraining_tp=2), "field 'pretraining_tp' is not 1"),
+    (dict(attention_dropout=0.1), "field 'attention_dropout' is not 0; this model has no dropout"),
+    (dict(quantization_config={"quant_method": "gptq"}),
+     "field 'quantization_config' is set; only unquantized checkpoints are loaded"),
+    (dict(partial_rotary_factor=0.5),
+     "field 'partial_rotary_factor' is not 1; rotary embeddings here cover the whole head"),
+    (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0}, rope_scaling=DELETE),
+     "field 'rope_parameters' has rope_type 'yarn'; supported: default, linear, llama3"),
+    (dict(rope_scaling={"type": "dynamic", "factor": 2.0}, rope_parameters=DELETE),
+     "field 'rope_scaling' has rope_type 'dynamic'; supported: default, linear, llama3"),
+    (dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "beta_fast": 32.0}),
+     "field 'rope_parameters' has 'beta_fast', which rope_type 'linear' does not use"),
+    (dict(rope_parameters={"rope_type": "default", "partial_rotary_factor": 0.5}),
+     "field 'rope_parameters' has partial_rotary_factor != 1; rotary embeddings here cover the "
+     "whole head"),
+    (dict(rope_parameters=LLAMA3_NO_LEN), "field 'rope_parameters' has "
+     "original_max_position_embeddings None, expected a positive integer > 0"),
+    (dict(rope_parameters=dict(LLAMA3, factor="8"), rope_scaling=DELETE),
+     "field 'rope_parameters' has factor '8', expected a number > 0"),
+    (dict(rope_theta=-1.0, rope_parameters=DELETE),
+     "field 'rope_theta' has rope_theta -1.0, expected a positive number"),
+    (dict(rope_theta=500000.0),  # next to rope_parameters' 10000
+     "field 'rope_theta' says 500000.0 but rope_parameters says 10000.0; the two config layouts "
+     "disagree"),
+    (dict(rope_scaling={"rope_type": "linear", "factor": 2.0}), "field 'rope_scaling' says "
+     "{'rope_type': 'linear', 'factor': 2.0} but rope_parameters says None; the two config "
+     "layouts disagree"),
+])
+def test_unsupported_configs_are_refused_in_one_line_naming_file_and_field(tmp_path, override,
+                                                                            message):
+    d = written_config(make(), tmp_path)
+    for key, value in override.items():
+        if value is DELETE:
+            del d[key]
+        else:
+            d[key] = value
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    with pytest.raises(ValueError) as error:
         M.Llama.from_pretrained(str(tmp_path))
+    assert str(error.value) == f"{tmp_path / 'config.json'}: {message}"
+
+
+def test_config_without_architectures_falls_back_on_model_type():
+    """Regression: LlamaConfig.save_pretrained alone writes no "architectures"; it was refused."""
+    d = M.config_to_hf(tiny(architecture="Qwen2ForCausalLM"), torch.float32)
+    del d["architectures"]
+    assert M.config_from_hf(d) == tiny(architecture="Qwen2ForCausalLM")
+    d = M.config_to_hf(tiny(), torch.float32)
+    del d["architectures"]
+    assert M.config_from_hf(d) == tiny()
+
+
+@pytest.mark.parametrize("kw, want", [
+    (dict(), set()),
+    (dict(attention_bias=True), {"q_proj", "k_proj", "v_proj", "o_proj"}),
+    (dict(mlp_bias=True), {"gate_proj", "up_proj", "down_proj"}),
+    (dict(architecture="Qwen2ForCausalLM"), {"q_proj", "k_proj", "v_proj"}),
+])
+def test_biases_are_where_transformers_puts_them(kw, want):
+    """transformers' Llama: attention_bias on q/k/v/o, mlp_bias on gate/up/down; Qwen2: q/k/v."""
+    params = M.Llama(tiny(**kw)).named_parameters()
+    assert {name.split(".")[-2] for name, _ in params if name.endswith(".bias")} == want
+
+# -----------------------------------------------------------------------------
+# Tensors: missing, unused, misshaped; generation_config.json and stop ids
 
 
 def test_missing_and_misshaped_tensors_are_refused(tmp_path):
@@ -235,7 +371,49 @@ def test_missing_and_misshaped_tensors_are_refused(tmp_path):
         M.Llama.from_pretrained(str(tmp_path))
     sd["model.layers.1.mlp.up_proj.weight"] = torch.zeros(3, 3)
     save_file(sd, f)
-    with pytest.raises(ValueError, match=r"model.safetensors: tensor 'model.layers.1.mlp.up_proj.weight' has shape \(3, 3\)"):
+    message = ("model.safetensors: tensor 'model.layers.1.mlp.up_proj.weight' has shape (3, 3), "
+               "config.json implies (96, 64)")
+    with pytest.raises(ValueError, match=re.escape(message) + "$"):
+        M.Llama.from_pretrained(str(tmp_path))
+
+
+@pytest.mark.parametrize("written, config, tensor, why", [
+    # Regression: an o_proj bias (a Llama with attention_bias) under a Qwen2 config was dropped.
+    (dict(attention_bias=True), dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2"),
+     "model.layers.0.self_attn.o_proj.bias (2 such tensors)", "config.json declares no such bias"),
+    (dict(mlp_bias=True), dict(mlp_bias=False),
+     "model.layers.0.mlp.down_proj.bias (6 such tensors)", "config.json declares no such bias"),
+    (dict(), dict(tie_word_embeddings=True), "lm_head.weight (1 such tensors)",
+     "config.json ties lm_head to the embedding (set tie_word_embeddings false)"),
+])
+def test_unused_tensors_are_refused_never_dropped(tmp_path, written, config, tensor, why):
+    d = written_config(make(**written), tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(dict(d, **config)))
+    name, count = tensor.split(" ", 1)
+    message = f"model.safetensors: tensor '{name}' is not used {count}: {why}"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        M.Llama.from_pretrained(str(tmp_path))
+
+
+def test_a_tensor_no_module_has_is_refused_and_shards_must_match_their_index(tmp_path):
+    make().save_pretrained(str(tmp_path), max_shard_bytes=20_000)
+    index_file = tmp_path / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    first, second = sorted(set(index["weight_map"].values()))[:2]
+    sd = load_file(str(tmp_path / first))
+    extra = {"model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8)}  # old HF files have it
+    save_file(dict(sd, **extra), str(tmp_path / first))
+    with pytest.raises(ValueError, match=re.escape(
+            f"{first}: tensor 'model.layers.0.self_attn.rotary_emb.inv_freq' is not used (1 such "
+            "tensors): no module of the model config.json describes uses it")):
+        M.Llama.from_pretrained(str(tmp_path))
+    save_file(sd, str(tmp_path / first))
+    name = next(n for n, f in index["weight_map"].items() if f == first)
+    index["weight_map"][name] = second
+    index_file.write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=re.escape(
+            f"model.safetensors.index.json: lists tensor '{name}' in {second}, which does not "
+            "hold it")):
         M.Llama.from_pretrained(str(tmp_path))
 
 
@@ -254,9 +432,39 @@ def test_bad_directories_are_refused(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
         M.Llama.from_pretrained(str(tmp_path))
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="config.json: is a JSON list, expected an object$"):
+        M.Llama.from_pretrained(str(tmp_path))
+
+
+def test_generation_config_round_trip_and_stop_token_ids(tmp_path):
+    m = make(eos_token_id=2, pad_token_id=0)
+    generation = {"eos_token_id": [7, 2], "temperature": 0.6}
+    m.save_pretrained(str(tmp_path), generation_config=generation)
+    assert M.load_generation_config(str(tmp_path)) == generation
+    cfg = M.load_config(str(tmp_path))
+    assert cfg == m.config and cfg.pad_token_id == 0
+    assert M.stop_token_ids(cfg, generation) == (2, 7)  # config.json's first, 2 once
+    assert M.stop_token_ids(cfg, None) == (2,)
+    assert M.stop_token_ids(tiny(eos_token_id=[5, 6]), {"eos_token_id": 9}) == (5, 6, 9)
+    assert M.stop_token_ids(tiny(), {"temperature": 1.0}) == ()
+    make().save_pretrained(str(tmp_path / "plain"))
+    assert M.load_generation_config(str(tmp_path / "plain")) is None
+    with pytest.raises(TypeError, match="generation_config must be a dict, got a list"):
+        m.save_pretrained(str(tmp_path / "bad"), generation_config=[2])
+    file = tmp_path / "generation_config.json"
+    file.write_text('{"eos_token_id": "2"}')
+    with pytest.raises(ValueError, match=re.escape(
+            "generation_config.json: field 'eos_token_id' is \"2\", expected a token id or a list "
+            "of token ids")):
+        M.load_generation_config(str(tmp_path))
+    file.write_text("[2]")
+    with pytest.raises(ValueError, match="generation_config.json: is a JSON list, expected an "
+                                         "object$"):
+        M.load_generation_config(str(tmp_path))
 
 # -----------------------------------------------------------------------------
-# Tokenizer and parity with transformers
+# Tokenizer
 
 
 def test_char_tokenizer_round_trips_through_tokenizer_json(tmp_path):
@@ -268,20 +476,98 @@ def test_char_tokenizer_round_trips_through_tokenizer_json(tmp_path):
     assert len(ids) == len(text) and tok2.decode(ids) == text
     assert tok2.token_to_id("<eos>") == 2 and tok2.encode("<bos>1").ids == [1, tok2.token_to_id("1")]
 
+# -----------------------------------------------------------------------------
+# Parity with transformers itself (skipped when it is not importable)
 
-@pytest.mark.parametrize("arch,tied", [("LlamaForCausalLM", False), ("LlamaForCausalLM", True), ("Qwen2ForCausalLM", True)])
-def test_logits_match_transformers(tmp_path, arch, tied):
-    """Only a comparison with the real library catches a wrong rotary convention (the model still trains)."""
+HF_BASE = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+HF_CASES = {  # name -> transformers config class, its arguments beyond HF_BASE
+    "theta_500000": ("LlamaConfig", dict(rope_theta=500000.0)),
+    "llama3_scaling": ("LlamaConfig", dict(rope_parameters=dict(LLAMA3, rope_theta=500000.0))),
+    "linear_scaling": ("LlamaConfig", dict(rope_parameters=dict(rope_type="linear", factor=4.0,
+                                                                rope_theta=10000.0))),
+    "qwen2_bias": ("Qwen2Config", dict(rope_theta=1000000.0)),
+    "qwen2_tied": ("Qwen2Config", dict(tie_word_embeddings=True)),
+    "attention_bias": ("LlamaConfig", dict(attention_bias=True)),
+    "mlp_bias": ("LlamaConfig", dict(mlp_bias=True)),
+    "head_dim_32": ("LlamaConfig", dict(head_dim=32)),  # C/H is 16
+    "tied": ("LlamaConfig", dict(tie_word_embeddings=True)),
+    "eps_1e-2": ("LlamaConfig", dict(rms_norm_eps=1e-2)),
+}
+
+
+def hf_checkpoint(path, config_class: str, **kw):
+    """A transformers model of that config with random weights, saved by transformers' writer."""
     transformers = pytest.importorskip("transformers")
-    scaling = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                   original_max_position_embeddings=32) if tied else None
-    m = make(architecture=arch, tie_word_embeddings=tied, attention_bias=arch.startswith("Qwen"), rope_scaling=scaling)
+    config = getattr(transformers, config_class)(**HF_BASE, **kw)
+    hf = transformers.AutoModelForCausalLM.from_config(config).eval()
+    gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        for n, p in m.named_parameters():
-            if n.endswith(".bias"):
-                p.normal_()
-    m.save_pretrained(str(tmp_path))
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32, attn_implementation="eager")
+        for name, p in hf.named_parameters():  # std 0.2 everywhere, biases too; norm weights near 1
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.2 + name.endswith("norm.weight"))
+    hf.save_pretrained(str(path))  # config.json, generation_config.json, model.safetensors
+    return hf
+
+
+@pytest.mark.parametrize("case", list(HF_CASES))
+def test_checkpoints_written_by_transformers_load_exactly(tmp_path, case):
+    """Regression: config.json as transformers 5 writes it (rope_parameters) was read with theta
+    10000, and a checkpoint's o_proj bias was dropped; the old parity test read only our files."""
+    config_class, kw = HF_CASES[case]
+    hf = hf_checkpoint(tmp_path, config_class, **kw)
+    m = M.Llama.from_pretrained(str(tmp_path))
+    assert m.config.rope_theta == hf.config.rope_parameters["rope_theta"]
+    assert sum(p.numel() for p in m.parameters()) == sum(p.numel() for p in hf.parameters())
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 96, (2, 100), generator=gen)  # past llama3's 32 original positions
+    with torch.no_grad():
+        # 1e-4 in fp32 (logits of order 1-10): the two differ only by summation order; a misread
+        # field (theta, scaling, eps, a bias) moves them by 1e-2 or more.
+        torch.testing.assert_close(m(x), hf(x).logits, atol=1e-4, rtol=0)
+    assert M.stop_token_ids(m.config, M.load_generation_config(str(tmp_path))) == (
+        () if hf.config.eos_token_id is None else (hf.config.eos_token_id,))
+
+
+@pytest.mark.parametrize("config_class, arch", [("LlamaConfig", "LlamaForCausalLM"),
+                                                ("Qwen2Config", "Qwen2ForCausalLM")])
+def test_config_written_by_transformers_config_alone_is_read(tmp_path, config_class, arch):
+    """Regression (the issue's reproduction): LlamaConfig(rope_theta=500000).save_pretrained(d) gave
+    rope_theta 10000; the file has no "architectures" either, only model_type."""
+    transformers = pytest.importorskip("transformers")
+    getattr(transformers, config_class)(**HF_BASE, rope_theta=500000).save_pretrained(str(tmp_path))
+    assert "architectures" not in json.loads((tmp_path / "config.json").read_text())
+    cfg = M.load_config(str(tmp_path))
+    assert cfg.rope_theta == 500000.0 and cfg.architecture == arch
+
+
+def test_unused_tensor_of_a_transformers_checkpoint_is_refused(tmp_path):
+    hf_checkpoint(tmp_path, "LlamaConfig", attention_bias=True)
+    d = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(dict(d, attention_bias=False)))
+    message = "model.safetensors: tensor 'model.layers.0.self_attn.k_proj.bias' is not used"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        M.Llama.from_pretrained(str(tmp_path))
+
+
+@pytest.mark.parametrize("arch, kw", [
+    ("LlamaForCausalLM", dict()),
+    ("LlamaForCausalLM", dict(tie_word_embeddings=True, rope_scaling=LLAMA3)),
+    ("LlamaForCausalLM", dict(rope_scaling={"rope_type": "linear", "factor": 4.0},
+                              rope_theta=500000.0)),
+    ("LlamaForCausalLM", dict(attention_bias=True, mlp_bias=True, head_dim=32, rms_norm_eps=1e-2)),
+    ("Qwen2ForCausalLM", dict(tie_word_embeddings=True, rope_theta=1000000.0)),
+])
+def test_transformers_reads_what_we_write(tmp_path, arch, kw):
+    """Only a comparison with the real library catches a wrong rotary convention (the model still
+    trains); our config.json carries both rope layouts, and transformers 5 must read it as we do."""
+    transformers = pytest.importorskip("transformers")
+    m = make(architecture=arch, eos_token_id=2, pad_token_id=0, **kw)
+    m.save_pretrained(str(tmp_path), generation_config={"eos_token_id": [2, 5]})
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32,
+                                                           attn_implementation="eager")
+    assert hf.config.rope_parameters["rope_theta"] == m.config.rope_theta
+    assert hf.config.pad_token_id == 0 and hf.generation_config.eos_token_id == [2, 5]
+    assert sum(p.numel() for p in m.parameters()) == sum(p.numel() for p in hf.parameters())
     x = torch.randint(0, 96, (2, 100))
     with torch.no_grad():
-        torch.testing.assert_close(m(x), hf(x).logits, atol=1e-4, rtol=0)  # the issue's bar: 1e-4 in fp32
+        torch.testing.assert_close(m(x), hf(x).logits, atol=1e-4, rtol=0)  # as above

@@ -8,6 +8,7 @@ failed assert in any rank fails the test with that rank's traceback.
 import copy
 import dataclasses
 import functools
+import json
 import multiprocessing
 import shutil
 
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 from torch.utils.checkpoint import checkpoint
 
 import grpo
@@ -36,18 +38,28 @@ def tiny(**kw) -> M.ModelConfig:
     return M.ModelConfig(**{**base, **kw})
 
 
-CONFIGS = {  # GQA, untied; and Qwen2-style q/k/v bias with tied embeddings
+# GQA, untied; Qwen2-style q/k/v bias with tied embeddings; Llama's q/k/v/o and MLP biases
+CONFIGS = {
     "llama": tiny(),
     "qwen_tied": tiny(architecture="Qwen2ForCausalLM", attention_bias=True, tie_word_embeddings=True),
+    "llama_bias": tiny(attention_bias=True, mlp_bias=True),
 }
 # Megatron's layout, written out independently of tp.py's own table: the dim each parameter is split on.
+# A row-parallel (dim 1) linear's bias is not split: it is added once, after the sum over ranks.
 SPLIT_DIM = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "gate_proj": 0, "up_proj": 0, "embed_tokens": 0,
              "lm_head": 0, "o_proj": 1, "down_proj": 1}
 
 
 def full_model(cfg: M.ModelConfig) -> M.Llama:
-    # std 0.2 (not HF's 0.02): peaked logits and attention, so a misrouted shard shows.
-    return M.Llama(cfg).init_weights(0, std=0.2)
+    # std 0.2 (not HF's 0.02): peaked logits and attention, so a misrouted shard shows. Biases (zero
+    # after init_weights) get it too: a row-parallel bias added on every rank instead of once shows.
+    m = M.Llama(cfg).init_weights(0, std=0.2)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith(".bias"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    return m
 
 
 def spawn(worker, nprocs: int, tmp_path) -> None:
@@ -70,7 +82,7 @@ def _entry(rank: int, worker, world: int, tmp: str) -> None:
 def unshard(name: str, t: torch.Tensor, groups: tp.ParallelGroups) -> torch.Tensor:
     """The full tensor from the tp ranks' slices (replicated tensors as they are)."""
     dim = next((d for key, d in SPLIT_DIM.items() if f"{key}." in name), None)
-    if dim is None:
+    if dim is None or (dim == 1 and name.endswith(".bias")):
         return t
     parts = [torch.empty_like(t) for _ in range(groups.tp_size)]
     dist.all_gather(parts, t.contiguous(), group=groups.tp_group)
@@ -239,21 +251,31 @@ def check_tp_equals_one_process(cfg: M.ModelConfig, groups: tp.ParallelGroups) -
         torch.testing.assert_close(tp.gather_vocab(twin(tokens), groups), want_logits, **TOL)
 
 
+# Tensors that do not fit config.json, and load_sharded's refusal (model.check_checkpoint's, as in
+# one process): a wider MLP, biases the config does not declare (never dropped), missing biases.
+WRONG = {
+    "llama": [(dict(intermediate_size=128), r"'model.layers.0.mlp.gate_proj.weight' has shape "
+                                            r"\(128, 64\), config.json implies \(96, 64\)"),
+              (dict(attention_bias=True),
+               r"tensor 'model.layers.0.self_attn.k_proj.bias' is not used \(8 such tensors\)")],
+    "qwen_tied": [(dict(attention_bias=False, architecture="LlamaForCausalLM"),
+                   "checkpoint is missing 6 tensors, e.g. 'model.layers.0.self_attn.k_proj.bias'")],
+    "llama_bias": [(dict(mlp_bias=False),
+                    "checkpoint is missing 6 tensors, e.g. 'model.layers.0.mlp.down_proj.bias'")],
+}
+
+
 def check_load_and_full_state_dict(name: str, cfg: M.ModelConfig, groups: tp.ParallelGroups, tmp: str) -> None:
     full, path = full_model(cfg), f"{tmp}/{name}"
-    # Tensors that do not fit config.json: a wider MLP, or no q/k/v bias for a Qwen2 config.
-    wrong, error = {
-        "llama": (dict(intermediate_size=128), r"'model.layers.0.mlp.gate_proj.weight' has shape \[128, 64\], "
-                                               r"config.json implies \[96, 64\]"),
-        "qwen_tied": (dict(attention_bias=False, architecture="LlamaForCausalLM"),
-                      "checkpoint is missing 6 tensors, e.g. 'model.layers.0.self_attn.k_proj.bias'")}[name]
     if dist.get_rank() == 0:
         full.save_pretrained(path, max_shard_bytes=40_000)  # several files + index.json
-        M.Llama(dataclasses.replace(cfg, **wrong)).save_pretrained(f"{path}_wrong")
-        shutil.copy(f"{path}/config.json", f"{path}_wrong/config.json")
+        for i, (wrong, _) in enumerate(WRONG[name]):
+            M.Llama(dataclasses.replace(cfg, **wrong)).save_pretrained(f"{path}_wrong{i}")
+            shutil.copy(f"{path}/config.json", f"{path}_wrong{i}/config.json")
     dist.barrier()
-    with pytest.raises(ValueError, match=error):
-        tp.load_sharded(f"{path}_wrong", groups, "cpu", torch.float32)
+    for i, (_, error) in enumerate(WRONG[name]):
+        with pytest.raises(ValueError, match=error):
+            tp.load_sharded(f"{path}_wrong{i}", groups, "cpu", torch.float32)
     loaded = tp.load_sharded(path, groups, "cpu", torch.float32)
     sliced = tp.shard_model(M.Llama.from_pretrained(path), groups)
     assert loaded.state_dict().keys() == sliced.state_dict().keys()
@@ -269,7 +291,9 @@ def check_load_and_full_state_dict(name: str, cfg: M.ModelConfig, groups: tp.Par
 
 def check_sampling(groups: tp.ParallelGroups) -> None:
     """rollout.generate on the sharded model, plain TP and SP (prefill of 2 x 5 and decode of 6 x 1 tokens
-    run SP; the sampler's KV-cache attention sees the same q/k/v either way)."""
+    run SP; the sampler's KV-cache attention sees the same q/k/v either way).
+    Regression (torch 2.5.1): gloo wrote the gathers' outputs, made under the sampler's inference_mode, on
+    its own thread and raised "Inplace update to inference tensor outside InferenceMode"."""
     full = full_model(CONFIGS["llama"])
     prompts = [[1, 2, 3, 4, 5], [7, 8]]
     gather = functools.partial(tp.gather_vocab, groups=groups)
@@ -298,6 +322,62 @@ def _tp2_worker(rank: int, tmp: str) -> None:
 
 def test_tp2_equals_one_process_logits_grpo_loss_grads_logprobs_loading_sampling(tmp_path):
     spawn(_tp2_worker, 2, tmp_path)
+
+
+# transformers config class and arguments, for checkpoints written by transformers' own writer: the
+# fields TP slices or adds differently (q/k/v/o and MLP biases, D != C/H, a tied vocab-split head).
+HF_CASES = {
+    "llama_bias": ("LlamaConfig", dict(
+        attention_bias=True, mlp_bias=True, head_dim=32,
+        rope_parameters=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                             high_freq_factor=4.0, original_max_position_embeddings=16,
+                             rope_theta=500000.0))),
+    "qwen2_tied": ("Qwen2Config", dict(tie_word_embeddings=True, rope_theta=1000000.0)),
+}
+
+
+def write_hf_checkpoint(path, config_class: str, kw: dict, x: torch.Tensor) -> None:
+    """A transformers model with random weights, saved by its own writer, and its logits on x."""
+    transformers = pytest.importorskip("transformers")
+    base = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    config = getattr(transformers, config_class)(**base, **kw)
+    hf = transformers.AutoModelForCausalLM.from_config(config).eval()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():  # std 0.2 everywhere, biases too; norm weights near 1
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.2 + name.endswith("norm.weight"))
+        hf.save_pretrained(str(path))
+        save_file({"x": x, "logits": hf(x).logits}, str(path / "expected.safetensors"))
+
+
+def _hf_worker(rank: int, tmp: str) -> None:
+    groups = tp.make_groups(2)
+    for name in HF_CASES:
+        expected = load_file(f"{tmp}/{name}/expected.safetensors")
+        for sp in (False, True):
+            m = tp.load_sharded(f"{tmp}/{name}", groups, "cpu", torch.float32, sequence_parallel=sp)
+            with torch.no_grad():
+                logits = tp.gather_vocab(m(expected["x"]), groups)
+            # 1e-4 in fp32, as tests/test_model.py's one-process parity: summation order only.
+            torch.testing.assert_close(logits, expected["logits"], atol=1e-4, rtol=0,
+                                       msg=f"{name} {sp=}")
+    unused = r"tensor 'model.layers.0.self_attn.k_proj.bias' is not used"
+    with pytest.raises(ValueError, match=unused):
+        tp.load_sharded(f"{tmp}/unused", groups, "cpu", torch.float32)
+
+
+def test_tp2_loads_checkpoints_written_by_transformers_to_its_logits(tmp_path):
+    """load_sharded on 2 processes, plain TP and SP, against transformers' own logits (computed
+    here, so the workers need not import transformers); and it refuses an unused tensor too."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randint(0, V, (2, 40), generator=gen)  # B*T even: SP runs
+    for name, (config_class, kw) in HF_CASES.items():
+        write_hf_checkpoint(tmp_path / name, config_class, kw, x)
+    shutil.copytree(tmp_path / "llama_bias", tmp_path / "unused")  # its 8 attention biases: unused
+    config = json.loads((tmp_path / "unused" / "config.json").read_text())
+    (tmp_path / "unused" / "config.json").write_text(json.dumps(dict(config, attention_bias=False)))
+    spawn(_hf_worker, 2, tmp_path)
 
 # -----------------------------------------------------------------------------
 # 4 processes: TP = 2 x DP = 2
