@@ -2,17 +2,21 @@
 Checkpoints that a crash cannot corrupt and a resume continues from exactly.
 
 A checkpoint is a directory `OUT/step-000123/` holding:
-- the policy as a Hugging Face directory: config.json, model.safetensors, tokenizer.json (any HF tool, and
-  `--model`, loads it);
-- `optimizer-tp{r}.safetensors` + `optimizer-tp{r}.json`: AdamW state of tensor-parallel rank r (tensors in
-  safetensors, the rest in JSON: nothing is ever unpickled);
-- `trainer_state.json`: step, the full TrainConfig, torch's RNG state.
-It is written under `step-000123.tmp/` and renamed when complete (a rename is atomic), then `OUT/latest`
-(a one-line file, also replaced atomically) points at it. The prompts and sampling seeds of a step are a
-function of (seed, step), so weights + optimizer state + step are all a resumed run needs.
+- the policy as a Hugging Face directory: config.json, model.safetensors, tokenizer.json, and the
+  source's generation_config.json when it had one (any HF tool, and `--model`, loads it);
+- `optimizer-tp{r}.safetensors` + `optimizer-tp{r}.json`: the AdamW state of tensor-parallel rank
+  r (tensors in safetensors, the rest in JSON: nothing is ever unpickled);
+- `trainer_state.json`: step, every config section, the tp size, torch's RNG state.
+It is written under `step-000123.tmp/` and renamed when complete (a rename is atomic), then
+`OUT/latest` (a one-line file, also replaced atomically) points at it. The prompts and sampling
+seeds of a step are a function of (seed, step), so weights + optimizer state + step are all a
+resumed run needs. A sharded model is gathered and written as the same tensors a one-process model
+writes (a tied lm_head once, as the embedding); loading checks every tensor's name and shape
+(model.py), and the optimizer state is loaded only if it covers every parameter with its shape.
 
-The output directory holds one run: a new run into an --out that holds one is refused, unless it is
-resumed or explicitly overwritten, and nothing of the old run is touched before the new one is set up.
+The output directory holds one run: a new run into an --out that holds one is refused, unless it
+is resumed or explicitly overwritten, and nothing of the old run is touched before the new one is
+set up.
 
 Leaves out: keeping only the last K checkpoints, asynchronous saving, sharded model files under TP.
 """
@@ -27,7 +31,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 import tp
-from model import Llama
+from model import Llama, write_pretrained
 
 # -----------------------------------------------------------------------------
 # Save
@@ -39,8 +43,10 @@ def _barrier() -> None:
 
 
 def _optimizer_to_files(optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """The optimizer's state_dict split into tensors (safetensors) and everything else (JSON)."""
     sd = optimizer.state_dict()
-    tensors, plain = {}, {"param_groups": sd["param_groups"], "state": {}}
+    tensors = {}
+    plain = {"param_groups": sd["param_groups"], "state": {}}
     for index, state in sd["state"].items():
         plain["state"][str(index)] = {}
         for key, value in state.items():
@@ -52,31 +58,29 @@ def _optimizer_to_files(optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
 
 
 def save_checkpoint(out: str, step: int, model: Llama, tokenizer, optimizer: torch.optim.Optimizer,
-                    config: dict, groups: tp.ParallelGroups) -> str:
+                    config: dict, groups: tp.ParallelGroups,
+                    generation_config: dict | None = None) -> str:
     """Collective under torchrun (every rank calls it). Returns the final directory."""
     final = os.path.join(out, f"step-{step:06d}")
     tmp = final + ".tmp"
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # a crash mid-save leaves only a .tmp, never a half checkpoint
+        shutil.rmtree(tmp, ignore_errors=True)  # a crash mid-save leaves a .tmp, never half a step
         os.makedirs(tmp)
     _barrier()
     if groups.tp_size > 1:
         full = tp.full_state_dict(model, groups)  # collective over the tp ranks
         if rank == 0:
-            with torch.device("meta"):
-                plain = Llama(model.config)
-            plain.to_empty(device="cpu")
-            plain.load_state_dict(full, strict=False)
-            plain.save_pretrained(tmp)
+            write_pretrained(tmp, model.config, full, generation_config=generation_config)
     elif rank == 0:
-        model.save_pretrained(tmp)
+        model.save_pretrained(tmp, generation_config=generation_config)
     if rank == 0:
         tokenizer.save(os.path.join(tmp, "tokenizer.json"))
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        state = {"step": step, "config": config, "world_size": world, "tp_size": groups.tp_size,
+                 "torch_rng_state": torch.get_rng_state().tolist()}
         with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-            world = dist.get_world_size() if dist.is_initialized() else 1
-            json.dump({"step": step, "config": config, "world_size": world,
-                       "torch_rng_state": torch.get_rng_state().tolist()}, f)
+            json.dump(state, f)
     if groups.dp_rank == 0:  # dp replicas hold identical optimizer state: one copy per tp rank
         tensors, plain = _optimizer_to_files(optimizer)
         save_file(tensors, os.path.join(tmp, f"optimizer-tp{groups.tp_rank}.safetensors"))
@@ -102,7 +106,8 @@ def resolve(resume: str, out: str) -> str:
     if resume == "latest":
         pointer = os.path.join(out, "latest")
         if not os.path.isfile(pointer):
-            raise FileNotFoundError(f"--resume latest: {pointer} not found (no checkpoint was written to --out {out})")
+            raise FileNotFoundError(f"--resume latest: {pointer} not found (no checkpoint was "
+                                    f"written to --out {out})")
         with open(pointer) as f:
             resume = os.path.join(out, f.read().strip())
     if not os.path.isdir(resume):
@@ -122,25 +127,54 @@ def saved_config(resume: str, out: str) -> dict[str, dict]:
                          "checkpoint") from None
 
 
-def load_checkpoint(path: str, optimizer: torch.optim.Optimizer, groups: tp.ParallelGroups) -> int:
-    """Load this tp rank's optimizer state in place and torch's RNG state; return the step. (The weights
-    are the HF directory itself: train.py loads them like any --model.)"""
+def _optimizer_state(path: str, tp_rank: int) -> dict:
+    """The state_dict saved by _optimizer_to_files, reassembled."""
+    tensors = load_file(os.path.join(path, f"optimizer-tp{tp_rank}.safetensors"))
+    with open(os.path.join(path, f"optimizer-tp{tp_rank}.json")) as f:
+        plain = json.load(f)
+    state = {int(index): dict(values) for index, values in plain["state"].items()}
+    for key, t in tensors.items():
+        index, _, name = key.partition(".")
+        state.setdefault(int(index), {})[name] = t
+    return {"param_groups": plain["param_groups"], "state": state}
+
+
+def _check_optimizer_state(saved: dict, optimizer: torch.optim.Optimizer) -> None:
+    """Every parameter has its state, each tensor the parameter's shape: torch's load_state_dict
+    would leave a missing one to be re-initialised silently (its moments lost)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if not saved["state"]:
+        return  # saved before the first optimizer step: nothing to restore
+    for index, p in enumerate(params):
+        state = saved["state"].get(index)
+        if state is None:
+            raise ValueError(f"the optimizer state has no entry for parameter {index} of "
+                             f"{len(params)}")
+        for key, value in state.items():
+            if torch.is_tensor(value) and value.dim() and value.shape != p.shape:
+                raise ValueError(f"optimizer state {index}.{key} has shape {tuple(value.shape)}, "
+                                 f"its parameter {tuple(p.shape)}")
+
+
+def load_checkpoint(path: str, optimizer: torch.optim.Optimizer,
+                    groups: tp.ParallelGroups) -> int:
+    """Load this tp rank's optimizer state in place and torch's RNG state; return the step. (The
+    weights are the HF directory itself: train.py loads them like any --model.)"""
     try:
         with open(os.path.join(path, "trainer_state.json")) as f:
             state = json.load(f)
-        tensors = load_file(os.path.join(path, f"optimizer-tp{groups.tp_rank}.safetensors"))
-        with open(os.path.join(path, f"optimizer-tp{groups.tp_rank}.json")) as f:
-            plain = json.load(f)
-        opt_state = {"param_groups": plain["param_groups"],
-                     "state": {int(index): dict(values) for index, values in plain["state"].items()}}
-        for key, t in tensors.items():
-            index, _, name = key.partition(".")
-            opt_state["state"].setdefault(int(index), {})[name] = t
-        optimizer.load_state_dict(opt_state)
+        saved_tp = state.get("tp_size", groups.tp_size)
+        if saved_tp != groups.tp_size:
+            raise ValueError(f"it was written with --tp {saved_tp}: resume with the same --tp "
+                             f"(each tp rank's optimizer state is its own shard)")
+        saved = _optimizer_state(path, groups.tp_rank)
+        _check_optimizer_state(saved, optimizer)
+        optimizer.load_state_dict(saved)
         torch.set_rng_state(torch.tensor(state["torch_rng_state"], dtype=torch.uint8))
         return int(state["step"])
     except (OSError, json.JSONDecodeError, KeyError, TypeError, SafetensorError) as e:
-        raise ValueError(f"--resume {path}: corrupt or incomplete checkpoint ({e!r}); pick another one") from None
+        raise ValueError(f"--resume {path}: corrupt or incomplete checkpoint ({e!r}); pick "
+                         "another one") from None
     except ValueError as e:  # e.g. optimizer state that does not fit this model's parameters
         raise ValueError(f"--resume {path}: {e}") from None
 

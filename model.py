@@ -324,38 +324,54 @@ class Llama(nn.Module):
                         generation_config: dict | None = None) -> None:
         """Write config.json and model.safetensors (or shards + model.safetensors.index.json), and
         generation_config.json when given one (the source's, from load_generation_config)."""
-        if generation_config is not None and not isinstance(generation_config, dict):
-            kind = type(generation_config).__name__
-            raise TypeError(f"generation_config must be a dict, got a {kind}")
-        os.makedirs(path, exist_ok=True)
-        if generation_config is not None:
-            with open(os.path.join(path, "generation_config.json"), "w") as f:
-                json.dump(generation_config, f, indent=2)
-        # Tied lm_head is not written, as HF does (and safetensors refuses shared storage anyway).
-        state = {n: p.detach().cpu().contiguous() for n, p in self.named_parameters()}
-        dtype = next(iter(state.values())).dtype
-        with open(os.path.join(path, "config.json"), "w") as f:
-            json.dump(config_to_hf(self.config, dtype), f, indent=2)
-        shards, size = [{}], 0
-        for name, t in state.items():
-            nbytes = t.numel() * t.element_size()
-            if max_shard_bytes and shards[-1] and size + nbytes > max_shard_bytes:
-                shards.append({})
-                size = 0
-            shards[-1][name] = t
-            size += nbytes
-        meta = {"format": "pt"}
-        if len(shards) == 1:
-            save_file(shards[0], os.path.join(path, "model.safetensors"), metadata=meta)
-            return
-        weight_map = {}
-        for i, shard in enumerate(shards):
-            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, os.path.join(path, fname), metadata=meta)
-            weight_map.update({name: fname for name in shard})
-        total = sum(t.numel() * t.element_size() for t in state.values())
-        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+        # A tied lm_head appears once, as the embedding: not written, as HF does (and safetensors
+        # refuses shared storage anyway).
+        tensors = {n: p.detach() for n, p in self.named_parameters()}
+        write_pretrained(path, self.config, tensors, max_shard_bytes, generation_config)
+
+
+def write_pretrained(path: str, config: ModelConfig, tensors: dict[str, Tensor],
+                     max_shard_bytes: int | None = None,
+                     generation_config: dict | None = None) -> None:
+    """A Hugging Face checkpoint directory from a config and the full tensors named as
+    Llama.named_parameters() names them (tp.py gathers a sharded model's into such a dict)."""
+    if generation_config is not None and not isinstance(generation_config, dict):
+        kind = type(generation_config).__name__
+        raise TypeError(f"generation_config must be a dict, got a {kind}")
+    expected = expected_shapes(config)
+    got = {name: tuple(t.shape) for name, t in tensors.items()}
+    if got != expected:
+        wrong = sorted(set(got.items()) ^ set(expected.items()))
+        raise ValueError(f"write_pretrained: tensors do not match the config, e.g. {wrong[0]}")
+    os.makedirs(path, exist_ok=True)
+    if generation_config is not None:
+        with open(os.path.join(path, "generation_config.json"), "w") as f:
+            json.dump(generation_config, f, indent=2)
+    state = {n: t.cpu().contiguous() for n, t in tensors.items()}
+    dtype = next(iter(state.values())).dtype
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config_to_hf(config, dtype), f, indent=2)
+    shards = [{}]
+    size = 0
+    for name, t in state.items():
+        nbytes = t.numel() * t.element_size()
+        if max_shard_bytes and shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    meta = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(path, "model.safetensors"), metadata=meta)
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(path, fname), metadata=meta)
+        weight_map.update({name: fname for name in shard})
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
 
 # -----------------------------------------------------------------------------
 # config.json: transformers 4 and 5 layouts in, one layout both read out

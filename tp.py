@@ -407,8 +407,9 @@ def load_sharded(path: str, groups: ParallelGroups, device: str | torch.device, 
 
 
 def full_state_dict(model: Llama, groups: ParallelGroups) -> dict[str, Tensor]:
-    """HF-named full CPU tensors with the keys of a plain Llama's state_dict, on every rank. Collective:
-    every tp rank must call it."""
+    """The full CPU tensors of a sharded model, named as a plain Llama's named_parameters() (a tied
+    lm_head appears once, as the embedding: the same tensors a TP=1 checkpoint holds), on every
+    rank. Collective: every tp rank must call it."""
     sharded, out = model.tp_state.sharded if hasattr(model, "tp_state") else {}, {}
     for name, p in model.named_parameters():  # a tied lm_head appears once, as the embedding
         t = p.detach()
@@ -417,8 +418,6 @@ def full_state_dict(model: Llama, groups: ParallelGroups) -> dict[str, Tensor]:
             dist.all_gather(parts, t.contiguous(), group=groups.tp_group)  # every rank's slice, in rank order
             t = torch.cat(parts, dim=sharded[name][0])
         out[name] = t.to("cpu", copy=True)
-    if model.config.tie_word_embeddings:
-        out["lm_head.weight"] = out["model.embed_tokens.weight"]
     return out
 
 

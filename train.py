@@ -54,7 +54,8 @@ import grpo
 import memory
 import rollout
 import tp
-from model import Llama, ModelConfig, build_char_tokenizer, load_tokenizer
+from model import (Llama, ModelConfig, build_char_tokenizer, load_generation_config, load_tokenizer,
+                   stop_token_ids)
 import tasks
 from tasks import Task
 
@@ -267,11 +268,6 @@ def build_model(cfg: TrainConfig, task: Task, source: str, device: torch.device,
     return model, tokenizer
 
 
-def stop_token_ids(mcfg: ModelConfig) -> tuple[int, ...]:
-    eos = mcfg.eos_token_id
-    return tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
-
-
 def learning_rate(cfg: TrainConfig, opt_step: int, total: int) -> float:
     """Linear warmup, then cosine decay to min_lr_ratio * lr."""
     if opt_step < cfg.warmup_steps:
@@ -291,7 +287,8 @@ class Run:
     device: torch.device
     task: Task
     tokenizer: object
-    stop_ids: tuple[int, ...]
+    stop_ids: tuple[int, ...]        # config.json's and generation_config.json's eos ids
+    generation_config: dict | None   # the source's, copied into every checkpoint
     model: Llama
     sampler: Llama                   # the trainer itself, or a copy in --sampler_dtype
     reference: Llama | None          # the initial policy, when beta > 0
@@ -345,7 +342,9 @@ def setup(values: dict[str, object]) -> Run:
         torch.set_num_threads(cfg.threads or max(1, torch.get_num_threads() // local))
     task = tasks.load_task(cfg.task, cfg.task_data)
     resume_dir = checkpoint.resolve(cfg.resume, cfg.out) if cfg.resume else ""
-    model, tokenizer = build_model(cfg, task, resume_dir or cfg.model, device, groups)
+    source = resume_dir or cfg.model
+    model, tokenizer = build_model(cfg, task, source, device, groups)
+    generation_config = load_generation_config(source) if source else None
     if cfgs.rollout.max_new_tokens == 0:  # the task's own budget
         budget = task.max_new_tokens or 256
         cfgs.rollout = dataclasses.replace(cfgs.rollout, max_new_tokens=budget)
@@ -379,9 +378,10 @@ def setup(values: dict[str, object]) -> Run:
         mem.add_reference(reference)
     if groups.tp_size > 1:  # sequence parallelism's gathered activations
         mem.add_scratch(model.tp_state.buffer.tensors)
-    run = Run(cfgs, explicit, rank, groups, device, task, tokenizer,
-              stop_token_ids(model.config), model, sampler, reference, optimizer, mem, cache,
-              start=start, opt_step=start * cfgs.grpo.mu)
+    stop_ids = stop_token_ids(model.config, generation_config)
+    run = Run(cfgs, explicit, rank, groups, device, task, tokenizer, stop_ids, generation_config,
+              model, sampler, reference, optimizer, mem, cache, start=start,
+              opt_step=start * cfgs.grpo.mu)
     if cfg.eval_every:
         run.held_out = held_out_prompts(task, cfg)  # may be empty: then there is no evaluation
     if groups.tp_size > 1:
@@ -697,7 +697,8 @@ def step_line(record: dict, steps: int, beta: float) -> str:
 
 def save(run: Run, step: int) -> str:
     return checkpoint.save_checkpoint(run.cfgs.train.out, step, run.model, run.tokenizer,
-                                      run.optimizer, dataclasses.asdict(run.cfgs), run.groups)
+                                      run.optimizer, dataclasses.asdict(run.cfgs), run.groups,
+                                      run.generation_config)
 
 
 def check_health(run: Run, record: dict) -> None:

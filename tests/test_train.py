@@ -70,17 +70,60 @@ def test_ctrl_c_writes_a_checkpoint(tmp_path):
     assert os.path.isdir(os.path.join(out, f"step-{step:06d}"))
 
 
-def test_tp2_gloo_matches_tp1(tmp_path):
-    args = [*FAST, "--steps", "2", "--dim", "32", "--heads", "4", "--kv_heads", "2"]
+def tied_checkpoint(tmp_path, generation_eos: list[int]) -> str:
+    """A fresh tied-embedding model directory whose generation_config.json adds stop ids."""
+    from model import ModelConfig, build_char_tokenizer
+    tok = build_char_tokenizer("0123456789=")
+    cfg = ModelConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                      bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
+    path = str(tmp_path / "tied")
+    Llama(cfg).init_weights(0).save_pretrained(path, generation_config={
+        "eos_token_id": generation_eos, "bos_token_id": 1})
+    tok.save(os.path.join(path, "tokenizer.json"))
+    return path
+
+
+def test_stop_ids_come_from_generation_config_and_it_is_copied_into_checkpoints(tmp_path,
+                                                                                  monkeypatch):
+    """Llama-3-Instruct stops on a list of ids given in generation_config.json."""
+    source = tied_checkpoint(tmp_path, [2, 8])  # <eos> and the digit '5'
+    seen = []
+    original = train.rollout.generate
+    monkeypatch.setattr(train.rollout, "generate",
+                        lambda *a, **kw: seen.append(kw["stop_ids"]) or original(*a, **kw))
+    code, out = run(tmp_path, "--model", source, "--steps", "1")
+    assert code == 0 and seen[0] == (2, 8)
+    copied = json.load(open(os.path.join(out, "step-000001", "generation_config.json")))
+    assert copied["eos_token_id"] == [2, 8]
+
+
+def test_tp2_gloo_matches_tp1_and_writes_the_same_tensors(tmp_path):
+    """Also the regression: a TP checkpoint of a tied model held an extra lm_head.weight."""
+    from safetensors.torch import load_file
+    source = tied_checkpoint(tmp_path, [2])
+    args = [*FAST, "--steps", "2", "--model", source]
     assert train.main(args + ["--out", str(tmp_path / "tp1")]) == 0
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
-           *args, "--tp", "2", "--out", str(tmp_path / "tp2")]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "train.py", *args, "--tp", "2", "--out", str(tmp_path / "tp2")]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     for a, b in zip(records(tmp_path / "tp1"), records(tmp_path / "tp2")):
         assert a["reward"] == b["reward"]  # same tokens sampled: gathered logits are exact
         # fp32 sums in another order (sharded matmuls, all-reduces): 1e-5 relative
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-6)
+    one, two = (load_file(str(tmp_path / name / "step-000002" / "model.safetensors"))
+                for name in ("tp1", "tp2"))
+    assert sorted(one) == sorted(two) and "lm_head.weight" not in two
+    for name in one:
+        torch.testing.assert_close(one[name], two[name], rtol=1e-4, atol=1e-6)
+    # A TP=2 run resumes from its own checkpoint, strictly.
+    resume = [*args, "--tp", "2", "--resume", "latest", "--steps", "3",
+              "--out", str(tmp_path / "tp2")]
+    done = subprocess.run(cmd[:5] + ["train.py"] + resume, cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert [r["step"] for r in records(tmp_path / "tp2")] == [1, 2, 3]
 
 # -----------------------------------------------------------------------------
 # Bad input: one clear line, nothing lost
@@ -406,6 +449,22 @@ def test_corrupt_checkpoint_on_resume_is_refused(tmp_path, capsys):
     code, _ = run(tmp_path, "--resume", ckpt, out="again")
     err = capsys.readouterr().err
     assert code == 2 and "corrupt or incomplete checkpoint" in err
+
+
+def test_optimizer_state_that_misses_a_parameter_is_refused_not_reinitialised(tmp_path, capsys):
+    """torch's load_state_dict would quietly re-initialise a parameter's missing AdamW moments."""
+    code, out = run(tmp_path, "--steps", "1")
+    ckpt = os.path.join(out, "step-000001")
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(os.path.join(ckpt, "optimizer-tp0.safetensors"))
+    save_file({k: v for k, v in tensors.items() if not k.startswith("3.")},
+              os.path.join(ckpt, "optimizer-tp0.safetensors"))
+    meta = json.load(open(os.path.join(ckpt, "optimizer-tp0.json")))
+    del meta["state"]["3"]
+    json.dump(meta, open(os.path.join(ckpt, "optimizer-tp0.json"), "w"))
+    code, _ = run(tmp_path, "--resume", ckpt, "--steps", "2", out="again")
+    err = capsys.readouterr().err
+    assert code == 2 and "the optimizer state has no entry for parameter 3" in err
 
 
 def test_jsonl_math_task_runs_on_a_model_directory(tmp_path):
