@@ -13,16 +13,16 @@ from grpo import GRPOBatch, GRPOConfig
 V = 128
 
 
-def tiny_model(seed: int = 0) -> M.Llama:
+def tiny_model(seed: int = 0, cls: type = M.Llama) -> M.Llama:
     cfg = M.ModelConfig(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
     # std 0.2 (not HF's 0.02): peaked logits and non-uniform attention, so indexing bugs show.
-    return M.Llama(cfg).init_weights(seed, std=0.2)
+    return cls(cfg).init_weights(seed, std=0.2)
 
 
 def ragged_batch(G: int = 3, seed: int = 0) -> tuple[list[list[int]], list[list[int]]]:
-    """Prompts of lengths 5, 11, 2 using token ids >= 100 only; completions of lengths 1..7 using ids < 100,
-    so an embedding row with gradient tells which part of the sequence it came from."""
+    """Prompts of lengths 5, 11, 2 using token ids >= 100 only; completions of lengths 1..7 using
+    ids < 100, so an embedding row with gradient tells which part of the sequence it came from."""
     gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(100, V, (n,), generator=gen).tolist() for n in (5, 11, 2)]
     lens = [1, 7, 4, 3, 6, 2, 5, 7, 1][:3 * G] + [3] * max(0, 3 * G - 9)
@@ -42,8 +42,8 @@ def assert_grads_close(got: dict, want: dict, rel: float):
 
 
 def oracle_logprobs(m: M.Llama, prompts, completions, G: int, temperature: float = 1.0):
-    """One full causal forward per (prompt + completion) sequence; token t is scored by the logits at
-    position len(prompt) - 1 + t. Returns per-row lists of logp and entropy."""
+    """One full causal forward per (prompt + completion) sequence; token t is scored by the logits
+    at position len(prompt) - 1 + t. Returns per-row lists of logp and entropy."""
     logps, ents = [], []
     for i, c in enumerate(completions):
         p = prompts[i // G]
@@ -68,8 +68,9 @@ def test_logprobs_and_grads_equal_one_forward_per_sequence(shared, chunk_size):
     G, temperature = 3, 0.7
     prompts, completions = ragged_batch(G)
     m = tiny_model()
-    logp, entropy, mask = grpo.completion_logprobs(m, prompts, completions, num_samples=G, temperature=temperature,
-                                                   chunk_size=chunk_size, shared_prompt=shared)
+    logp, entropy, mask = grpo.completion_logprobs(m, prompts, completions, num_samples=G,
+                                                   temperature=temperature, chunk_size=chunk_size,
+                                                   shared_prompt=shared)
     weighted_sum(logp, mask).backward()
     got = grads(m)
     m.zero_grad()
@@ -85,11 +86,14 @@ def test_logprobs_and_grads_equal_one_forward_per_sequence(shared, chunk_size):
     assert torch.equal(mask, ref_mask)
     assert torch.all(logp[~mask] == 0) and torch.all(entropy[~mask] == 0)
     weighted_sum(ref, ref_mask).backward()
-    assert_grads_close(got, grads(m), rel=1e-4)  # fp32 accumulation over ~40 tokens, relative to each grad's scale
+    # fp32 accumulation over ~40 tokens, relative to each grad's scale
+    assert_grads_close(got, grads(m), rel=1e-4)
 
 
-def truncated_prompt_logprobs(m: M.Llama, prompts, completions, G: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """What TRL PR #2669 first did: the prompt forward runs under no_grad and its cache is reused."""
+def truncated_prompt_logprobs(m: M.Llama, prompts, completions,
+                              G: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What TRL PR #2669 first did: the prompt forward runs under no_grad and its cache is
+    reused."""
     kv = {}
 
     def record(layer, q, k, v):
@@ -104,7 +108,8 @@ def truncated_prompt_logprobs(m: M.Llama, prompts, completions, G: int) -> tuple
     positions = lens.repeat_interleave(G)[:, None] + torch.arange(T)
     valid = torch.arange(ids.shape[1]) < lens[:, None]
     own = torch.ones(T, T, dtype=torch.bool).tril()[None]
-    h = m.hidden(comp[:, :-1], positions, lambda l, q, k, v: M.prefix_attention(q, k, v, own, *kv[l], valid))
+    h = m.hidden(comp[:, :-1], positions,
+                 lambda l, q, k, v: M.prefix_attention(q, k, v, own, *kv[l], valid))
     h = torch.cat([last.repeat_interleave(G, 0)[:, None], h], 1)
     logp = m.head(h).log_softmax(-1).gather(-1, comp[..., None]).squeeze(-1)
     return logp, torch.arange(T + 1) < comp_lens[:, None]
@@ -127,58 +132,70 @@ def test_no_grad_prompt_gives_a_different_gradient():
     weighted_sum(bad_logp, mask).backward()
     bad = grads(m)
     prompt_only = sorted({t for p in prompts for t in p})  # ids >= 100 never occur in completions
-    assert torch.all(bad["model.embed_tokens.weight"][prompt_only] == 0)  # ...but the prompt gets nothing
+    # ...but the prompt gets nothing
+    assert torch.all(bad["model.embed_tokens.weight"][prompt_only] == 0)
     assert torch.all(exact["model.embed_tokens.weight"][prompt_only].abs().sum(1) > 0)
     for name in ("model.layers.0.self_attn.k_proj.weight", "model.layers.1.mlp.up_proj.weight"):
         rel = (bad[name] - exact[name]).norm() / exact[name].norm()
         assert rel > 1e-2, f"{name}: truncated gradient only {rel:.2g} off"
-    torch.testing.assert_close(bad["lm_head.weight"], exact["lm_head.weight"])  # the head sees the same values
+    # the head sees the same values
+    torch.testing.assert_close(bad["lm_head.weight"], exact["lm_head.weight"])
 
 # -----------------------------------------------------------------------------
 # Chunked == unchunked; the token/position alignment
 
 
+class HeadSpy(M.Llama):
+    """Records the rows of every (rows, V) logits tensor: they are all made in head()."""
+    def __init__(self, cfg: M.ModelConfig):
+        super().__init__(cfg)
+        self.rows_seen: list[int] = []
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        self.rows_seen.append(h.shape[0])
+        return super().head(h)
+
+
 @pytest.mark.parametrize("chunk_size", [1, 7, 1000])
 @pytest.mark.parametrize("path", ["softmax", "checkpoint"])
 def test_chunked_equals_unchunked_and_never_holds_more_than_a_chunk(path, chunk_size):
-    """Both chunked paths (the default ChunkedSoftmaxLogprobs; checkpoint around a given logprob_fn, as
-    under tensor parallelism) against one log_softmax over all tokens; 7 does not divide n = 36."""
+    """Both chunked paths (the default ChunkedSoftmaxLogprobs; checkpoint around a given
+    logprob_fn, as under tensor parallelism) against one log_softmax over all tokens; 7 does not
+    divide n = 36."""
     G = 3
     prompts, completions = ragged_batch(G)
     n = sum(len(c) for c in completions)
-    m = tiny_model()
+    m = tiny_model(cls=HeadSpy)
     logp, ent, mask = grpo.completion_logprobs(m, prompts, completions, num_samples=G, chunk_size=0)
     weighted_sum(logp, mask).backward()
     want = grads(m)
     m.zero_grad()
-    rows_seen, head = [], m.head
-
-    def spy_head(h):  # every (rows, V) logits tensor is made here
-        rows_seen.append(h.shape[0])
-        return head(h)
-
-    m.head = spy_head  # instance attribute shadows the method
+    rows_seen = m.rows_seen
+    rows_seen.clear()  # the unchunked twin's rows
     fn = grpo.logprobs_from_logits if path == "checkpoint" else None
-    logp_c, ent_c, _ = grpo.completion_logprobs(m, prompts, completions, num_samples=G, chunk_size=chunk_size,
-                                                logprob_fn=fn)
+    logp_c, ent_c, _ = grpo.completion_logprobs(m, prompts, completions, num_samples=G,
+                                                chunk_size=chunk_size, logprob_fn=fn)
     chunks = math.ceil(n / chunk_size)
     assert len(rows_seen) == chunks and max(rows_seen) <= chunk_size and sum(rows_seen) == n
     weighted_sum(logp_c, mask).backward()
-    assert len(rows_seen) == 2 * chunks and max(rows_seen) <= chunk_size  # backward rebuilt each chunk
-    # Same math on row subsets; the matmul blocking changes with the row count: fp32 rounding of ~|5|.
+    # backward rebuilt each chunk
+    assert len(rows_seen) == 2 * chunks and max(rows_seen) <= chunk_size
+    # Same math on row subsets; the matmul blocking changes with the row count: fp32 rounding
+    # of ~|5|.
     torch.testing.assert_close(logp_c, logp, atol=1e-5, rtol=0)
     torch.testing.assert_close(ent_c, ent, atol=1e-5, rtol=0)
     assert_grads_close(grads(m), want, rel=1e-5)
     with torch.no_grad():  # no recompute without grad; same values
         rows_seen.clear()
-        logp_n, _, _ = grpo.completion_logprobs(m, prompts, completions, num_samples=G, chunk_size=chunk_size,
-                                                logprob_fn=fn)
+        logp_n, _, _ = grpo.completion_logprobs(m, prompts, completions, num_samples=G,
+                                                chunk_size=chunk_size, logprob_fn=fn)
     assert len(rows_seen) == chunks
     torch.testing.assert_close(logp_n, logp.detach(), atol=1e-5, rtol=0)
 
 
 class TinyHead(torch.nn.Module):
-    """A float64 stand-in for model.head (model.py normalises in float32, too coarse for gradcheck)."""
+    """A float64 stand-in for model.head (model.py normalises in float32, too coarse for
+    gradcheck)."""
     def __init__(self):
         super().__init__()
         self.lm_head = torch.nn.Linear(8, 11, dtype=torch.float64)
@@ -210,7 +227,8 @@ def test_logprob_of_token_t_comes_from_logits_at_t_minus_1(shared):
     m = tiny_model()
     prompt, completion = [3, 17, 42], [5, 9, 11, 60]
     logits = m(torch.tensor([prompt + completion]))[0]  # (7, V)
-    logp, _, _ = grpo.completion_logprobs(m, [prompt], [completion], num_samples=1, shared_prompt=shared)
+    logp, _, _ = grpo.completion_logprobs(m, [prompt], [completion], num_samples=1,
+                                          shared_prompt=shared)
     for t, tok in enumerate(completion):
         # completion token t sits at sequence position 3 + t and is predicted by position 2 + t
         want = logits[2 + t].log_softmax(-1)[tok]
@@ -226,7 +244,8 @@ def test_logprob_of_token_t_comes_from_logits_at_t_minus_1(shared):
 def training_batch(m: M.Llama, G: int = 2) -> tuple[GRPOBatch, GRPOConfig]:
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, V, (n,), generator=gen).tolist() for n in (4, 9, 2, 6)]
-    completions = [torch.randint(0, V, (n,), generator=gen).tolist() for n in (3, 6, 1, 5, 4, 4, 2, 6)][:4 * G]
+    lens = (3, 6, 1, 5, 4, 4, 2, 6)[:4 * G]
+    completions = [torch.randint(0, V, (n,), generator=gen).tolist() for n in lens]
     cfg = GRPOConfig(num_samples=G, beta=0.05, max_completion_len=8)
     adv = grpo.group_advantages(torch.randn(4 * G, generator=gen), G)
     current = grpo.batch_logprobs(m, prompts, completions, cfg)
@@ -242,8 +261,10 @@ def test_micro_batches_of_1_2_4_groups_equal_one_big_batch(loss_type):
     m = tiny_model()
     batch, cfg = training_batch(m)
     cfg.loss_type = loss_type
-    logp, ent, mask = grpo.completion_logprobs(m, batch.prompts, batch.completions, num_samples=cfg.num_samples)
-    loss, metrics = grpo.grpo_loss(logp, batch.old_logp, batch.ref_logp, batch.advantages, mask, cfg,
+    logp, ent, mask = grpo.completion_logprobs(m, batch.prompts, batch.completions,
+                                               num_samples=cfg.num_samples)
+    loss, metrics = grpo.grpo_loss(logp, batch.old_logp, batch.ref_logp, batch.advantages, mask,
+                                   cfg,
                                    num_seqs=len(batch.completions), num_tokens=int(mask.sum()))
     loss.backward()
     want = grads(m)
@@ -252,10 +273,12 @@ def test_micro_batches_of_1_2_4_groups_equal_one_big_batch(loss_type):
         m.zero_grad()
         cfg.micro_batch_groups = groups
         got = grpo.accumulate(m, batch, cfg)
-        assert abs(got["loss"] - loss.item()) <= 1e-6 * max(1.0, abs(loss.item()))  # fp32 summation order
+        # fp32 summation order
+        assert abs(got["loss"] - loss.item()) <= 1e-6 * max(1.0, abs(loss.item()))
         assert_grads_close(grads(m), want, rel=1e-5)
         for key in ("clip_low", "clip_high", "ratio_mean", "ratio_min", "ratio_max", "kl"):
-            assert abs(got[key] - metrics[key]) < 1e-6, key  # token-weighted, not micro-batch-weighted
+            # token-weighted, not micro-batch-weighted
+            assert abs(got[key] - metrics[key]) < 1e-6, key
         assert abs(got["entropy"] - ((ent * mask).sum() / mask.sum()).item()) < 1e-5
 
 
@@ -268,7 +291,8 @@ def test_accumulate_adds_to_existing_grads_and_batch_logprobs_match_one_pass():
     grpo.accumulate(m, batch, cfg)
     assert_grads_close(grads(m), {k: 2 * v for k, v in once.items()}, rel=1e-6)
     with torch.no_grad():
-        whole, _, _ = grpo.completion_logprobs(m, batch.prompts, batch.completions, num_samples=cfg.num_samples)
+        whole, _, _ = grpo.completion_logprobs(m, batch.prompts, batch.completions,
+                                               num_samples=cfg.num_samples)
     # fp32; a different batch shape changes the matmul blocking, logp ~ -5: a few ulps
     torch.testing.assert_close(grpo.batch_logprobs(m, batch.prompts, batch.completions, cfg), whole,
                                atol=1e-5, rtol=0)
@@ -294,7 +318,8 @@ def test_loss_gradient_matches_finite_differences(loss_type):
     cfg = GRPOConfig(num_samples=2, loss_type=loss_type, beta=0.1, max_completion_len=8)
     ratio = (logp - old).exp()
     # Finite differences are meaningless at the clip kinks: make sure no ratio sits near one.
-    assert ((ratio - (1 - cfg.eps_low)).abs() > 1e-3).all() and ((ratio - (1 + cfg.eps_high)).abs() > 1e-3).all()
+    assert ((ratio - (1 - cfg.eps_low)).abs() > 1e-3).all()
+    assert ((ratio - (1 + cfg.eps_high)).abs() > 1e-3).all()
     before = [t.clone() for t in (logp, old, ref, adv, mask)]
     f = lambda lp: grpo.grpo_loss(lp, old, ref, adv, mask, cfg, num_seqs=4, num_tokens=12)[0]
     assert torch.autograd.gradcheck(f, (logp.clone().requires_grad_(),), eps=1e-6, atol=1e-8)
@@ -333,19 +358,23 @@ def test_mu_1_ratio_is_one_and_gradient_is_the_policy_gradient():
     logp, _, mask = grpo.completion_logprobs(m, prompts, completions, num_samples=G)
     num_tokens = int(mask.sum())
     cfg = GRPOConfig(num_samples=G, loss_type="dapo")
-    loss, metrics = grpo.grpo_loss(logp, None, None, adv, mask, cfg, num_seqs=9, num_tokens=num_tokens)
+    loss, metrics = grpo.grpo_loss(logp, None, None, adv, mask, cfg, num_seqs=9,
+                                   num_tokens=num_tokens)
     assert metrics["ratio_min"] == metrics["ratio_max"] == metrics["ratio_mean"] == 1.0
     assert metrics["clip_low"] == metrics["clip_high"] == 0
     # Value: -sum(A * 1) / num_tokens (~0, not exactly: dapo weighs sequences by length).
     assert abs(loss.item() + (adv[:, None] * mask).sum().item() / num_tokens) < 1e-6
-    surrogate = -(adv[:, None] * logp * mask).sum() / num_tokens  # REINFORCE with the group-mean baseline
+    # REINFORCE with the group-mean baseline
+    surrogate = -(adv[:, None] * logp * mask).sum() / num_tokens
     loss.backward(retain_graph=True)
     got = grads(m)
     m.zero_grad()
     surrogate.backward(retain_graph=True)
     assert_grads_close(got, grads(m), rel=1e-6)
     cfg.loss_type = "grpo"  # sequence means: -mean(A), and A sums to 0 in every group
-    assert abs(grpo.grpo_loss(logp, None, None, adv, mask, cfg, num_seqs=9, num_tokens=num_tokens)[0].item()) < 1e-6
+    seq_loss, _ = grpo.grpo_loss(logp, None, None, adv, mask, cfg, num_seqs=9,
+                                 num_tokens=num_tokens)
+    assert abs(seq_loss.item()) < 1e-6
 
 # -----------------------------------------------------------------------------
 # Advantages
@@ -356,16 +385,17 @@ def test_group_advantages_edge_cases():
     r = torch.tensor([1.0, 2.0, 3.0, 0.1, 0.1, 0.1, 1.0, nan, 3.0, nan, nan, nan, 7.0, nan, nan])
     a = grpo.group_advantages(r, 3, "group", std_eps=eps)
     s = math.sqrt(2 / 3)  # population std of 1, 2, 3
-    want = [-1 / (s + eps), 0, 1 / (s + eps), 0, 0, 0, -1 / (1 + eps), 0, 1 / (1 + eps), 0, 0, 0, 0, 0, 0]
+    want = [-1 / (s + eps), 0, 1 / (s + eps), 0, 0, 0,
+            -1 / (1 + eps), 0, 1 / (1 + eps), 0, 0, 0, 0, 0, 0]
     torch.testing.assert_close(a, torch.tensor(want), atol=1e-6, rtol=0)
     assert torch.all(a[3:6] == 0)  # all-equal group: exactly 0 (0.1 * 3 / 3 != 0.1 in floats)
     assert not torch.isnan(a).any()  # NaN rewards and all-NaN groups get 0, never NaN
-    torch.testing.assert_close(grpo.group_advantages(r, 3, "none"),
-                               torch.tensor([-1.0, 0, 1, 0, 0, 0, -1, 0, 1, 0, 0, 0, 0, 0, 0]), atol=1e-6, rtol=0)
+    centred = torch.tensor([-1.0, 0, 1, 0, 0, 0, -1, 0, 1, 0, 0, 0, 0, 0, 0])
+    torch.testing.assert_close(grpo.group_advantages(r, 3, "none"), centred, atol=1e-6, rtol=0)
     valid = r[~torch.isnan(r)].double()
     batch_std = ((valid - valid.mean()) ** 2).mean().sqrt().item()
     torch.testing.assert_close(grpo.group_advantages(r, 3, "batch", std_eps=eps),
-                               grpo.group_advantages(r, 3, "none") / (batch_std + eps), atol=1e-6, rtol=0)
+                               centred / (batch_std + eps), atol=1e-6, rtol=0)
 
 # -----------------------------------------------------------------------------
 # Bad input: clear errors naming the argument
@@ -376,6 +406,10 @@ def bad_inputs():
     cfg = GRPOConfig(num_samples=1, beta=0.1)
     z = torch.zeros(2, 3)
     ok_mask = torch.ones(2, 3, dtype=torch.bool)
+
+    def loss(*tensors):
+        return grpo.grpo_loss(*tensors, cfg, num_seqs=2, num_tokens=6)
+
     return [
         (lambda: GRPOConfig(eps_low=-0.1), "eps_low"),
         (lambda: GRPOConfig(eps_high=-0.1), "eps_high"),
@@ -389,13 +423,14 @@ def bad_inputs():
         (lambda: grpo.group_advantages(torch.zeros(4), 2, scale="rank"), "scale"),
         (lambda: grpo.completion_logprobs(m, [[1]], [[2]] * 3, num_samples=2), "completions"),
         (lambda: grpo.completion_logprobs(m, [[]], [[2]], num_samples=1), r"prompts\[0\]"),
-        (lambda: grpo.grpo_loss(z, torch.zeros(2, 4), z, torch.zeros(2), ok_mask, cfg, num_seqs=2, num_tokens=6),
-         "old_logp"),
-        (lambda: grpo.grpo_loss(z, z, z, torch.zeros(3), ok_mask, cfg, num_seqs=2, num_tokens=6), "advantages"),
-        (lambda: grpo.grpo_loss(z, z, z, torch.zeros(2), ok_mask[:, :2], cfg, num_seqs=2, num_tokens=6), "mask"),
-        (lambda: grpo.grpo_loss(z, z, None, torch.zeros(2), ok_mask, cfg, num_seqs=2, num_tokens=6), "ref_logp"),
-        (lambda: grpo.accumulate(m, GRPOBatch([[1]], [[2]], torch.zeros(2)), cfg), "batch.advantages"),
-        (lambda: grpo.accumulate(m, GRPOBatch([[1]], [[2]], torch.zeros(1), torch.zeros(1, 2)), cfg), "batch.old_logp"),
+        (lambda: loss(z, torch.zeros(2, 4), z, torch.zeros(2), ok_mask), "old_logp"),
+        (lambda: loss(z, z, z, torch.zeros(3), ok_mask), "advantages"),
+        (lambda: loss(z, z, z, torch.zeros(2), ok_mask[:, :2]), "mask"),
+        (lambda: loss(z, z, None, torch.zeros(2), ok_mask), "ref_logp"),
+        (lambda: grpo.accumulate(m, GRPOBatch([[1]], [[2]], torch.zeros(2)), cfg),
+         "batch.advantages"),
+        (lambda: grpo.accumulate(m, GRPOBatch([[1]], [[2]], torch.zeros(1), torch.zeros(1, 2)),
+                                 cfg), "batch.old_logp"),
     ]
 
 
