@@ -56,7 +56,8 @@ class GRPOConfig:
     micro_batch_groups: int = 1       # whole groups per forward/backward
     mu: int = 1                       # optimizer steps per generation batch
     max_completion_len: int = 256     # Dr. GRPO's constant normaliser (per sequence)
-    std_eps: float = 1e-4             # advantage = (r - mean) / (std + std_eps)
+    std_eps: float = 1e-4             # advantage = (r - mean) / (std + std_eps), TRL's 1e-4
+    std_correction: int = 1           # 1: the n-1 (Bessel) std of TRL and verl; 0: population std
 
     def __post_init__(self):
         checks = [
@@ -64,6 +65,7 @@ class GRPOConfig:
             ("scale", self.scale in SCALES, f"must be one of {SCALES}"),
             ("eps_low", 0 <= self.eps_low < 1, "must be in [0, 1): the lower clip 1 - eps_low > 0"),
             ("temperature", self.temperature > 0, "must be > 0"),
+            ("std_correction", self.std_correction in (0, 1), "must be 0 or 1"),
         ]
         for field in ("num_samples", "micro_batch_groups", "mu", "max_completion_len"):
             checks.append((field, getattr(self, field) >= 1, "must be >= 1"))
@@ -78,11 +80,12 @@ class GRPOConfig:
 
 
 def group_advantages(rewards: Tensor, num_samples: int, scale: str = "group",
-                     std_eps: float = 1e-4) -> Tensor:
+                     std_eps: float = 1e-4, std_correction: int = 1) -> Tensor:
     """(N,) rewards, NaN for missing, prompt-major -> (N,) advantages r - mean(group), divided by
-    the group std ("group"), the batch std ("batch") or nothing ("none"). Stds are population stds
-    over valid rewards. A NaN reward is left out of every statistic and gets 0; an all-equal group
-    gets 0."""
+    the group std ("group"), the std of the whole batch's rewards ("batch") or nothing ("none"),
+    plus std_eps. Stds are over valid rewards, sum((r - mean)^2) / (count - std_correction):
+    1 is TRL's and verl's n-1 std, 0 the population std. A NaN reward is left out of every
+    statistic and gets 0; an all-equal group, or one with a single valid reward, gets 0."""
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be 1-D (N,), got shape {tuple(rewards.shape)}")
     if num_samples < 1 or rewards.shape[0] % num_samples:
@@ -90,19 +93,29 @@ def group_advantages(rewards: Tensor, num_samples: int, scale: str = "group",
                          f"{rewards.shape[0]}")
     if scale not in SCALES:
         raise ValueError(f"scale = {scale!r} must be one of {SCALES}")
+    if std_correction not in (0, 1):
+        raise ValueError(f"std_correction = {std_correction!r} must be 0 (population std) or 1 "
+                         f"(n-1)")
     r = rewards.double().view(-1, num_samples)  # (Bp, G)
     valid = ~torch.isnan(r)
     count = valid.sum(1, keepdim=True)  # (Bp, 1)
     mean = torch.where(valid, r, 0.0).sum(1, keepdim=True) / count.clamp_min(1)
     centred = torch.where(valid, r - mean, 0.0)
-    std = (centred.pow(2).sum(1, keepdim=True) / count.clamp_min(1)).sqrt()
+    # A single valid reward has r - mean = 0, so its std (NaN for n-1; TRL then zeroes the
+    # advantage) can be anything finite: clamp_min(1) makes it 0.
+    dof = (count - std_correction).clamp_min(1)  # (Bp, 1)
+    std = (centred.pow(2).sum(1, keepdim=True) / dof).sqrt()
     # All-equal groups: r - mean may be 1e-17, not 0, after rounding; force an exact 0 (never NaN).
     r_max = torch.where(valid, r, -torch.inf).amax(1)  # (Bp,)
     r_min = torch.where(valid, r, torch.inf).amin(1)  # (Bp,)
     centred = torch.where((r_max > r_min)[:, None], centred, 0.0)
-    if scale != "none":  # "batch": the std of the raw rewards over the whole batch
-        batch_std = r[valid].std(correction=0) if valid.any() else r.new_zeros(())
-        centred = centred / ((std if scale == "group" else batch_std) + std_eps)
+    if scale == "batch":  # centred by the group mean, scaled by the std of all valid rewards
+        all_valid = r[valid]  # (n_valid,); empty when every reward is missing: std 0, not NaN
+        n_valid = all_valid.numel()
+        batch_mean = all_valid.sum() / max(n_valid, 1)
+        std = ((all_valid - batch_mean).pow(2).sum() / max(n_valid - std_correction, 1)).sqrt()
+    if scale != "none":
+        centred = centred / (std + std_eps)
     return centred.view(-1).to(rewards.dtype)
 
 # -----------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 finite differences and hand-computed cases."""
 
 import math
+import statistics
 
 import pytest
 import torch
@@ -397,23 +398,63 @@ def test_mu_1_ratio_is_one_and_gradient_is_the_policy_gradient():
 # Advantages
 
 
-def test_group_advantages_edge_cases():
-    nan, eps = float("nan"), 1e-4
-    r = torch.tensor([1.0, 2.0, 3.0, 0.1, 0.1, 0.1, 1.0, nan, 3.0, nan, nan, nan, 7.0, nan, nan])
-    a = grpo.group_advantages(r, 3, "group", std_eps=eps)
-    s = math.sqrt(2 / 3)  # population std of 1, 2, 3
-    want = [-1 / (s + eps), 0, 1 / (s + eps), 0, 0, 0,
-            -1 / (1 + eps), 0, 1 / (1 + eps), 0, 0, 0, 0, 0, 0]
-    # float64 inside, float32 out: an ulp relative; exact zeros stay exact (checked below)
-    torch.testing.assert_close(a, torch.tensor(want), rtol=1e-6, atol=0)
-    assert torch.all(a[3:6] == 0)  # all-equal group: exactly 0 (0.1 * 3 / 3 != 0.1 in floats)
-    assert not torch.isnan(a).any()  # NaN rewards and all-NaN groups get 0, never NaN
-    centred = torch.tensor([-1.0, 0, 1, 0, 0, 0, -1, 0, 1, 0, 0, 0, 0, 0, 0])
-    torch.testing.assert_close(grpo.group_advantages(r, 3, "none"), centred, rtol=1e-6, atol=0)
-    valid = r[~torch.isnan(r)].double()
-    batch_std = ((valid - valid.mean()) ** 2).mean().sqrt().item()
-    torch.testing.assert_close(grpo.group_advantages(r, 3, "batch", std_eps=eps),
-                               centred / (batch_std + eps), rtol=1e-6, atol=0)
+NAN = float("nan")
+# Groups of 3: spread; all equal (0.1 * 3 / 3 != 0.1 in floats); one missing; all missing; one
+# valid; two equal and one not.
+REWARDS = [1.0, 2.0, 3.0, 0.1, 0.1, 0.1, 1.0, NAN, 3.0, NAN, NAN, NAN, 7.0, NAN, NAN, 0.0, 1.0, 1.0]
+
+
+def slow_advantages(rewards: list[float], G: int, scale: str, eps: float,
+                    correction: int) -> list[float]:
+    """The obvious twin in Python floats: statistics.stdev (n-1) or pstdev over the valid rewards
+    of the group ("group") or of the whole batch ("batch"); 0 for a missing reward and for a
+    group with fewer than two distinct valid rewards."""
+    std_of = statistics.stdev if correction else statistics.pstdev
+    batch = [x for x in rewards if not math.isnan(x)]
+    out = []
+    for start in range(0, len(rewards), G):
+        group = rewards[start:start + G]
+        valid = [x for x in group if not math.isnan(x)]
+        for x in group:
+            if math.isnan(x) or len(set(valid)) < 2:
+                out.append(0.0)
+            elif scale == "none":
+                out.append(x - statistics.fmean(valid))
+            else:
+                std = std_of(valid if scale == "group" else batch)
+                out.append((x - statistics.fmean(valid)) / (std + eps))
+    return out
+
+
+@pytest.mark.parametrize("correction", [1, 0])
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_group_advantages_equal_the_python_twin(scale, correction):
+    got = grpo.group_advantages(torch.tensor(REWARDS), 3, scale, std_eps=1e-4,
+                                std_correction=correction)
+    want = torch.tensor(slow_advantages(REWARDS, 3, scale, 1e-4, correction))
+    # float64 inside, float32 out: an ulp relative; the zeros must be exact zeros
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    assert torch.all(got[want == 0] == 0) and not torch.isnan(got).any()
+
+
+def test_group_advantages_default_to_the_n_minus_1_std_of_trl_and_verl():
+    """Regression: the population std made advantages sqrt(G / (G-1)) larger than TRL's and
+    verl's (29% at G = 2), and not uniformly so once some rewards are missing."""
+    eps = 1e-4
+    a = grpo.group_advantages(torch.tensor(REWARDS[:9]), 3, std_eps=eps)
+    # n-1 std: 1 for (1, 2, 3); sqrt(2) for (1, 3)
+    root2 = 2 ** 0.5
+    want = [-1 / (1 + eps), 0, 1 / (1 + eps), 0, 0, 0, -1 / (root2 + eps), 0, 1 / (root2 + eps)]
+    torch.testing.assert_close(a, torch.tensor(want), rtol=1e-6, atol=0)  # an ulp of float32
+    assert GRPOConfig().std_correction == 1
+    two = grpo.group_advantages(torch.tensor([0.0, 1.0]), 2, std_eps=0.0)
+    torch.testing.assert_close(two, torch.tensor([-0.5, 0.5]) / 0.5 ** 0.5, rtol=1e-6, atol=0)
+
+
+def test_group_advantages_with_every_reward_missing_are_zero():
+    for scale in ("group", "batch", "none"):
+        a = grpo.group_advantages(torch.full((6,), NAN), 3, scale)
+        assert torch.equal(a, torch.zeros(6)), scale  # never NaN
 
 # -----------------------------------------------------------------------------
 # Bad input: clear errors naming the argument
@@ -436,6 +477,8 @@ def bad_inputs():
         (lambda: GRPOConfig(num_samples=0), "num_samples"),
         (lambda: GRPOConfig(temperature=0.0), "temperature"),
         (lambda: GRPOConfig(beta=-1.0), "beta"),
+        (lambda: GRPOConfig(std_correction=2), "std_correction"),
+        (lambda: grpo.group_advantages(torch.zeros(4), 2, std_correction=-1), "std_correction"),
         (lambda: grpo.group_advantages(torch.zeros(5), 2), "num_samples"),
         (lambda: grpo.group_advantages(torch.zeros(2, 2), 2), "rewards"),
         (lambda: grpo.group_advantages(torch.zeros(4), 2, scale="rank"), "scale"),
@@ -452,7 +495,7 @@ def bad_inputs():
     ]
 
 
-@pytest.mark.parametrize("case", range(18))
+@pytest.mark.parametrize("case", range(len(bad_inputs())))
 def test_bad_input_raises_a_clear_error_naming_the_argument(case):
     call, match = bad_inputs()[case]
     with pytest.raises(ValueError, match=match):
