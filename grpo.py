@@ -18,7 +18,8 @@ Two memory tricks, each tested against its obvious slow twin in tests/test_grpo.
    autograd Function that keeps one log-sum-exp per token; a caller's logprob_fn (tp.py's
    vocab-parallel one) is wrapped in activation checkpointing instead.
 
-Leaves out: sampling (rollout.py), rewards (train.py), the optimizer step, value models, packing.
+Leaves out: sampling (rollout.py), calling the reward functions (train.py), the optimizer step,
+value models, packing.
 
 Shapes: Bp prompts, G samples per prompt, N = Bp*G rows, P prompt length, Tr completion length,
 n selected (valid) completion tokens, C width, V vocab (V/tp under tensor parallelism).
@@ -76,7 +77,24 @@ class GRPOConfig:
                 raise ValueError(f"GRPOConfig.{field} = {getattr(self, field)!r}: {why}")
 
 # -----------------------------------------------------------------------------
-# Advantages
+# Rewards and advantages
+
+
+def combine_rewards(per_function: Tensor, weights: list[float]) -> Tensor:
+    """(N, F) rewards of F reward functions, NaN where one returned None -> (N,) weighted sums
+    that skip the NaNs, as TRL sums them (nansum of weight * reward): a row is missing (NaN, left
+    out of the advantage statistics) only when every function returned NaN."""
+    shape = tuple(per_function.shape)
+    if len(shape) != 2 or shape[1] == 0 or not per_function.is_floating_point():
+        raise ValueError(f"per_function must be a float tensor (N, F) of N completions x F >= 1 "
+                         f"reward functions, got {per_function.dtype} {shape}")
+    if len(weights) != per_function.shape[1]:
+        raise ValueError(f"weights has {len(weights)} entries for {per_function.shape[1]} reward "
+                         f"functions (columns of per_function)")
+    w = torch.tensor(weights, dtype=per_function.dtype, device=per_function.device)  # (F,)
+    total = (per_function * w).nansum(1)  # (N,); nansum: a NaN reward adds nothing
+    missing = per_function.isnan().all(1)  # (N,)
+    return torch.where(missing, torch.nan, total)
 
 
 def group_advantages(rewards: Tensor, num_samples: int, scale: str = "group",

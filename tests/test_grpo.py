@@ -451,6 +451,22 @@ def test_group_advantages_default_to_the_n_minus_1_std_of_trl_and_verl():
     torch.testing.assert_close(two, torch.tensor([-0.5, 0.5]) / 0.5 ** 0.5, rtol=1e-6, atol=0)
 
 
+def test_combine_rewards_skips_missing_functions_like_trl():
+    """Regression: train.py made a row missing when ANY reward function returned None; TRL sums
+    the others (nansum), and a row is missing only when every function returned None."""
+    per_function = [[1.0, 0.5, NAN], [NAN, 2.0, 1.0], [NAN, NAN, NAN], [0.0, 0.0, 0.0],
+                    [NAN, NAN, -3.0]]
+    weights = [1.0, 0.5, 2.0]
+    want = []  # the obvious twin: a Python loop
+    for row in per_function:
+        valid = [w * r for w, r in zip(weights, row) if not math.isnan(r)]
+        want.append(sum(valid) if valid else NAN)
+    got = grpo.combine_rewards(torch.tensor(per_function, dtype=torch.float64), weights)
+    torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64), rtol=0, atol=0,
+                               equal_nan=True)  # sums of 2-3 exact binary fractions: exact
+    assert torch.isnan(got).tolist() == [False, False, True, False, False]
+
+
 def test_group_advantages_with_every_reward_missing_are_zero():
     for scale in ("group", "batch", "none"):
         a = grpo.group_advantages(torch.full((6,), NAN), 3, scale)
@@ -479,6 +495,10 @@ def bad_inputs():
         (lambda: GRPOConfig(beta=-1.0), "beta"),
         (lambda: GRPOConfig(std_correction=2), "std_correction"),
         (lambda: grpo.group_advantages(torch.zeros(4), 2, std_correction=-1), "std_correction"),
+        (lambda: grpo.combine_rewards(torch.zeros(4), [1.0]), "per_function"),
+        (lambda: grpo.combine_rewards(torch.zeros(4, 2, dtype=torch.long), [1.0, 1.0]),
+         "per_function"),
+        (lambda: grpo.combine_rewards(torch.zeros(4, 2), [1.0]), "weights"),
         (lambda: grpo.group_advantages(torch.zeros(5), 2), "num_samples"),
         (lambda: grpo.group_advantages(torch.zeros(2, 2), 2), "rewards"),
         (lambda: grpo.group_advantages(torch.zeros(4), 2, scale="rank"), "scale"),
