@@ -59,6 +59,7 @@ class GRPOConfig:
     max_completion_len: int = 256     # Dr. GRPO's constant normaliser (per sequence)
     std_eps: float = 1e-4             # advantage = (r - mean) / (std + std_eps), TRL's 1e-4
     std_correction: int = 1           # 1: the n-1 (Bessel) std of TRL and verl; 0: population std
+    use_bias_correction_kl: bool = True  # k3 KL times the ratio pi/pi_old, as TRL's default
 
     def __post_init__(self):
         checks = [
@@ -353,13 +354,16 @@ def grpo_loss(logp: Tensor, old_logp: Tensor | None, ref_logp: Tensor | None, ad
     1. Per-token ratio exp(logp - old_logp); old_logp None means logp.detach() (mu = 1).
     2. PPO clip with clip-higher: -min(ratio * A, clamp(ratio, 1 - eps_low, 1 + eps_high) * A).
     3. KL to the reference (beta > 0) with the k3 estimator exp(ref - logp) - (ref - logp) - 1,
-       per token, added to the loss (not folded into the reward).
+       per token, added to the loss (not folded into the reward). With use_bias_correction_kl
+       (TRL's default, DeepSeek-V3.2) k3 is multiplied by the ratio, gradient included: the tokens
+       were sampled from pi_old, and ratio * k3 estimates KL(pi || ref) under pi. It differs even
+       at mu = 1, where the ratio's value is 1 but its gradient adds k3 * d logp.
     4. Aggregation: "grpo" mean over each sequence's tokens, then sum / num_seqs; "dapo" sum over
        tokens / num_tokens; "dr_grpo" sum over tokens / (num_seqs * max_completion_len).
     5. Metrics over the micro-batch's valid tokens: clip_low (ratio < 1 - eps_low, A < 0) and
        clip_high (ratio > 1 + eps_high, A > 0), whose gradient the clip zeroes;
-       ratio_mean/min/max; kl if ref_logp is given. Entropy is not a loss term here: accumulate
-       reports completion_logprobs' entropy.
+       ratio_mean/min/max; kl (the per-token term the loss adds, as TRL logs it) if ref_logp is
+       given. Entropy is not a loss term here: accumulate reports completion_logprobs' entropy.
     """
     for name, t in (("old_logp", old_logp), ("ref_logp", ref_logp), ("mask", mask)):
         if t is not None and t.shape != logp.shape:
@@ -384,7 +388,10 @@ def grpo_loss(logp: Tensor, old_logp: Tensor | None, ref_logp: Tensor | None, ad
     kl = None
     if ref_logp is not None:
         delta = torch.where(mask, ref_logp - logp, zero)
-        kl = torch.exp(delta) - delta - 1  # k3: unbiased for KL(pi || ref), >= 0 per token
+        # k3 (N, Tr) >= 0: unbiased for KL(pi || ref) on tokens sampled from pi
+        kl = torch.exp(delta) - delta - 1
+        if cfg.use_bias_correction_kl:  # the tokens are pi_old's: reweight them to pi, with grad
+            kl = kl * ratio
     if cfg.beta > 0:  # ref_logp is not None: checked above
         per_token = per_token + cfg.beta * kl
     per_token = torch.where(mask, per_token, zero)

@@ -326,10 +326,12 @@ def loss_inputs(seed: int = 0):
     return logp, old, ref, adv, mask
 
 
+@pytest.mark.parametrize("bias_correction", [True, False])
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
-def test_loss_gradient_matches_finite_differences(loss_type):
+def test_loss_gradient_matches_finite_differences(loss_type, bias_correction):
     logp, old, ref, adv, mask = loss_inputs()
-    cfg = GRPOConfig(num_samples=2, loss_type=loss_type, beta=0.1, max_completion_len=8)
+    cfg = GRPOConfig(num_samples=2, loss_type=loss_type, beta=0.1, max_completion_len=8,
+                     use_bias_correction_kl=bias_correction)
     ratio = (logp - old).exp()
     # Finite differences are meaningless at the clip kinks: make sure no ratio sits near one.
     assert ((ratio - (1 - cfg.eps_low)).abs() > 1e-3).all()
@@ -342,6 +344,66 @@ def test_loss_gradient_matches_finite_differences(loss_type):
     assert torch.all(lp.grad[~mask] == 0)
     for b, a in zip(before, (logp, old, ref, adv, mask)):
         assert torch.equal(b, a)  # pure: inputs untouched
+
+
+def slow_loss(logp, old, ref, adv, mask, cfg: GRPOConfig, num_seqs: int, num_tokens: int):
+    """TRL's formulas written out token by token on 0-d tensors (autograd through the loop is the
+    twin's gradient): ratio r = exp(logp - old), -min(r A, clip(r) A), + beta k3 (times r with
+    the bias correction), each sequence's mean ("grpo") or sum, over the batch normaliser."""
+    total = logp.new_zeros(())
+    for i in range(logp.shape[0]):
+        length = int(mask[i].sum())
+        for t in range(length):  # the mask is a prefix: completions are right-padded
+            lp = logp[i, t]
+            r = torch.exp(lp - (lp.detach() if old is None else old[i, t]))
+            clipped = r.clamp(1 - cfg.eps_low, 1 + cfg.eps_high)
+            term = -torch.minimum(r * adv[i], clipped * adv[i])
+            if cfg.beta > 0:
+                d = ref[i, t] - lp
+                k3 = torch.exp(d) - d - 1
+                term = term + cfg.beta * (k3 * r if cfg.use_bias_correction_kl else k3)
+            total = total + (term / length if cfg.loss_type == "grpo" else term)
+    normaliser = {"grpo": num_seqs, "dapo": num_tokens,
+                  "dr_grpo": num_seqs * cfg.max_completion_len}[cfg.loss_type]
+    return total / normaliser
+
+
+@pytest.mark.parametrize("mu", [1, 2])
+@pytest.mark.parametrize("beta,bias_correction", [(0.0, True), (0.1, True), (0.1, False)])
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
+def test_loss_and_gradient_equal_the_token_by_token_twin(loss_type, beta, bias_correction, mu):
+    logp, old, ref, adv, mask = loss_inputs()
+    old = None if mu == 1 else old  # mu = 1: old_logp is the current policy, detached
+    cfg = GRPOConfig(num_samples=2, loss_type=loss_type, beta=beta, max_completion_len=8,
+                     use_bias_correction_kl=bias_correction)
+    got_lp = logp.clone().requires_grad_()
+    loss, metrics = grpo.grpo_loss(got_lp, old, ref, adv, mask, cfg, num_seqs=4, num_tokens=12)
+    loss.backward()
+    want_lp = logp.clone().requires_grad_()
+    want = slow_loss(want_lp, old, ref, adv, mask, cfg, num_seqs=4, num_tokens=12)
+    want.backward()
+    # float64, ~12 terms of ~1 that partly cancel: relative to the terms' scale
+    assert_rel(loss.item(), want.item(), 1e-12, floor=1.0, what="loss")
+    torch.testing.assert_close(got_lp.grad, want_lp.grad, rtol=1e-12, atol=1e-15)
+    if mu == 2 and beta > 0:
+        assert metrics["clip_low"] + metrics["clip_high"] > 0  # the clip is exercised
+
+
+def test_bias_corrected_kl_gradient_at_mu_1_is_hand_derived():
+    """Regression: grpo.py had only the plain k3 term. TRL's default multiplies it by the ratio,
+    which is 1 at mu = 1 but whose gradient adds beta * k3 per token: with d = ref - logp,
+    d/dlogp [-A r + beta k3 r] at r = 1 is -A + beta (1 - exp(d) + k3)."""
+    logp, _, ref, adv, mask = loss_inputs()
+    beta = 0.1
+    d = ref - logp
+    k3 = d.exp() - d - 1
+    for bias_correction in (True, False):
+        cfg = GRPOConfig(num_samples=2, beta=beta, use_bias_correction_kl=bias_correction)
+        lp = logp.clone().requires_grad_()
+        grpo.grpo_loss(lp, None, ref, adv, mask, cfg, num_seqs=4, num_tokens=12)[0].backward()
+        kl_grad = 1 - d.exp() + (k3 if bias_correction else 0)
+        want = (-adv[:, None] + beta * kl_grad) * mask / 12  # dapo: sum over the 12 tokens / 12
+        torch.testing.assert_close(lp.grad, want, rtol=1e-12, atol=1e-15)  # float64
 
 
 @pytest.mark.parametrize("ratio,adv,loss,grad,clip_low,clip_high", [
