@@ -18,6 +18,12 @@ Two memory tricks, each tested against its obvious slow twin in tests/test_grpo.
    autograd Function that keeps one log-sum-exp per token; a caller's logprob_fn (tp.py's
    vocab-parallel one) is wrapped in activation checkpointing instead.
 
+One contract for the three logprob routes (the plain logprobs_from_logits, the chunked
+ChunkedSoftmaxLogprobs, tp.vocab_parallel_logprobs): each returns logp and the entropy
+H = -sum p log p per token, BOTH differentiable (dH/dz = -p (log p + H)), so an entropy term in a
+loss trains the same at any tensor-parallel size. Entropy costs nothing in backward when no loss
+uses it.
+
 Leaves out: sampling (rollout.py), calling the reward functions (train.py), the optimizer step,
 value models, packing.
 
@@ -150,21 +156,37 @@ def head_logits(model, h: Tensor, temperature: float) -> Tensor:
 
 
 def logprobs_from_logits(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
-    """The plain twin: log_softmax + gather; entropy -sum(p log p) without grad.
+    """The plain twin: log_softmax + gather, and the entropy -sum(p log p), both differentiable.
     (n, V), (n,) -> (n,), (n,). tp.py's vocab-parallel function has the same signature, with
     logits (n, V/tp)."""
     logp_all = logits.log_softmax(-1)  # (n, V)
-    with torch.no_grad():
-        entropy = -(logp_all.exp() * logp_all).sum(-1)  # (n,)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)  # (n,)
     return logp_all.gather(-1, targets[:, None]).squeeze(-1), entropy
 
 
+def softmax_grads(z: Tensor, targets: Tensor, lse: Tensor, entropy: Tensor,
+                  grad_logp: Tensor | None, grad_entropy: Tensor | None) -> Tensor:
+    """d(loss)/dz (n, V) for logits z (n, V) from the grads of logp and entropy (n,) (None: no
+    loss uses it): g (onehot - p) - gH p (log p + H). Two (n, V) buffers without an entropy grad,
+    three with one."""
+    g = z.new_zeros(z.shape[0], 1) if grad_logp is None else grad_logp[:, None].to(z.dtype)
+    log_p = torch.sub(z, lse[:, None])  # (n, V)
+    if grad_entropy is None:
+        grad_z = log_p.exp_().mul_(-g)  # -g p, in place
+    else:
+        p = log_p.exp()  # (n, V)
+        g_entropy = grad_entropy[:, None].to(z.dtype)  # (n, 1)
+        # -p (g + gH (log p + H)), in place on log p
+        grad_z = log_p.add_(entropy[:, None]).mul_(g_entropy).add_(g).mul_(p).neg_()
+    return grad_z.scatter_add_(1, targets[:, None], g)  # + g onehot
+
+
 class ChunkedSoftmaxLogprobs(torch.autograd.Function):
-    """The default chunked path: h (n, C), targets (n,) -> logp (n,), entropy (n,) (not
-    differentiable). Forward keeps one log-sum-exp per token; backward rebuilds each chunk's logits
-    and applies d logp / d logits = onehot - softmax by hand: one lm_head matmul more than an
-    unchunked pass, but fewer (n, V) passes than log_softmax + gather, and no rerun of the softmax
-    as checkpoint would do."""
+    """The default chunked path: h (n, C), targets (n,) -> logp (n,), entropy (n,). Forward keeps
+    one log-sum-exp and one entropy per token; backward rebuilds each chunk's logits and applies
+    d logp / dz = onehot - p and dH / dz = -p (log p + H) by hand: one lm_head matmul more than
+    an unchunked pass, but fewer (n, V) passes than log_softmax + gather, and no rerun of the
+    softmax as checkpoint would do."""
 
     @staticmethod
     def forward(ctx, h: Tensor, targets: Tensor, model, temperature: float, chunk_size: int,
@@ -186,13 +208,14 @@ class ChunkedSoftmaxLogprobs(torch.autograd.Function):
         ctx.model = model
         ctx.temperature = temperature
         ctx.chunk_size = chunk_size
-        ctx.save_for_backward(h, targets, lse, *params)
-        ctx.mark_non_differentiable(entropy)
+        ctx.save_for_backward(h, targets, lse, entropy, *params)
+        # An output no loss uses gets None in backward, not zeros: no entropy work then.
+        ctx.set_materialize_grads(False)
         return logp, entropy
 
     @staticmethod
-    def backward(ctx, grad_logp: Tensor, grad_entropy: Tensor):
-        h, targets, lse, *params = ctx.saved_tensors
+    def backward(ctx, grad_logp: Tensor | None, grad_entropy: Tensor | None):
+        h, targets, lse, entropy, *params = ctx.saved_tensors
         grad_h = torch.empty_like(h)
         grad_params = [None] * len(params)
         for start in range(0, h.shape[0], ctx.chunk_size):
@@ -200,9 +223,9 @@ class ChunkedSoftmaxLogprobs(torch.autograd.Function):
             with torch.enable_grad():
                 h_chunk = h[rows].detach().requires_grad_()
                 z = head_logits(ctx.model, h_chunk, ctx.temperature)  # (n_chunk, V) rebuilt
-            g = grad_logp[rows, None].to(z.dtype)  # (n_chunk, 1)
-            grad_z = torch.sub(z.detach(), lse[rows, None]).exp_().mul_(-g)  # -g * softmax
-            grad_z.scatter_add_(1, targets[rows, None], g)  # + g * onehot
+            grad_z = softmax_grads(z.detach(), targets[rows], lse[rows], entropy[rows],
+                                   None if grad_logp is None else grad_logp[rows],
+                                   None if grad_entropy is None else grad_entropy[rows])
             grads = torch.autograd.grad(z, [h_chunk, *params], grad_z, allow_unused=True)
             grad_h[rows] = grads[0]
             # None: a parameter the head does not use
@@ -307,8 +330,8 @@ def completion_logprobs(model, prompts: list[list[int]], completions: list[list[
                         logprob_fn: Callable | None = None,
                         shared_prompt: bool = True) -> tuple[Tensor, Tensor, Tensor]:
     """Per-token logprobs of the completions under the model: logp (N, Tr) float32, entropy (N, Tr)
-    detached, mask (N, Tr) bool; zeros where mask is False. Works with grad and under no_grad.
-    prompts has N/G entries, completions N (prompt-major, ragged)."""
+    (differentiable too), mask (N, Tr) bool; zeros where mask is False. Works with grad and under
+    no_grad. prompts has N/G entries, completions N (prompt-major, ragged)."""
     G = num_samples
     if G < 1 or len(completions) != len(prompts) * G:
         raise ValueError(f"completions has {len(completions)} entries; expected len(prompts) * "
@@ -335,7 +358,7 @@ def completion_logprobs(model, prompts: list[list[int]], completions: list[list[
     logp, entropy = chunked_logprobs(model, h[mask], comp_ids[mask], temperature=temperature,
                                      chunk_size=chunk_size, logprob_fn=logprob_fn)  # (n,), (n,)
     zeros = torch.zeros(N, Tr, dtype=logp.dtype, device=device)
-    entropy = zeros.index_put((mask,), entropy.detach().to(logp.dtype))  # (N, Tr)
+    entropy = zeros.index_put((mask,), entropy.to(logp.dtype))  # (N, Tr)
     return zeros.index_put((mask,), logp), entropy, mask
 
 # -----------------------------------------------------------------------------
@@ -489,7 +512,7 @@ def accumulate(model, batch: GRPOBatch, cfg: GRPOConfig, *, logprob_fn: Callable
                                   num_seqs=num_seqs, num_tokens=max(num_tokens, 1))
         loss.backward()
         tokens = float(mask.sum())
-        metrics["entropy"] = float((entropy * mask).sum()) / max(tokens, 1.0)
+        metrics["entropy"] = float((entropy.detach() * mask).sum()) / max(tokens, 1.0)
         for key, value in metrics.items():
             prev = totals.get(key)
             if key == "ratio_min":

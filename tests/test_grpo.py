@@ -82,20 +82,24 @@ def test_logprobs_and_grads_equal_one_forward_per_sequence(shared, chunk_size):
     logp, entropy, mask = grpo.completion_logprobs(m, prompts, completions, num_samples=G,
                                                    temperature=temperature, chunk_size=chunk_size,
                                                    shared_prompt=shared)
-    weighted_sum(logp, mask).backward()
+    # The entropy is differentiable too (an entropy bonus trains through it): weigh both.
+    (weighted_sum(logp, mask) + weighted_sum(entropy, mask, seed=2)).backward()
     got = grads(m)
     m.zero_grad()
     ref_logp, ref_ent = oracle_logprobs(m, prompts, completions, G, temperature)
     ref_mask = torch.zeros_like(mask)
     ref = torch.zeros_like(logp).detach()
+    ref_entropy = torch.zeros_like(logp).detach()
     for i, c in enumerate(completions):
         ref_mask[i, :len(c)] = True
         torch.testing.assert_close(logp[i, :len(c)], ref_logp[i], **LOGP_TOL)
-        torch.testing.assert_close(entropy[i, :len(c)], ref_ent[i].detach(), **LOGP_TOL)
-        ref = ref.index_put((torch.tensor([i]), torch.arange(len(c))), ref_logp[i])
+        torch.testing.assert_close(entropy[i, :len(c)], ref_ent[i], **LOGP_TOL)
+        rows_cols = (torch.tensor([i]), torch.arange(len(c)))
+        ref = ref.index_put(rows_cols, ref_logp[i])
+        ref_entropy = ref_entropy.index_put(rows_cols, ref_ent[i])
     assert torch.equal(mask, ref_mask)
     assert torch.all(logp[~mask] == 0) and torch.all(entropy[~mask] == 0)
-    weighted_sum(ref, ref_mask).backward()
+    (weighted_sum(ref, ref_mask) + weighted_sum(ref_entropy, ref_mask, seed=2)).backward()
     # fp32 accumulation over ~40 tokens, relative to each grad's scale
     assert_grads_close(got, grads(m), rel=1e-4)
 
@@ -230,6 +234,46 @@ def test_chunked_softmax_logprobs_gradients_float64():
     for got, want in zip(*out):
         # float64: summation order only (values ~1: relative, and a floor for grads near 0)
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def float64_twin(m: TinyHead, h: torch.Tensor, targets: torch.Tensor, temperature: float):
+    """The definitions, autograd all the way: p = softmax(z), logp = log p[target],
+    H = -sum p log p."""
+    p = (m.head(h) / temperature).softmax(-1)  # (n, V)
+    logp = p.gather(-1, targets[:, None]).squeeze(-1).log()
+    return logp, -(p * p.log()).sum(-1)
+
+
+@pytest.mark.parametrize("route", ["plain", "chunked", "checkpoint"])
+def test_entropy_is_differentiable_on_every_logprob_route(route):
+    """Regression: the chunked Function marked the entropy non-differentiable and the plain twin
+    computed it without grad, while tp.py's route differentiated it: an entropy term in a loss
+    trained under tensor parallelism and was silently dropped at TP = 1. Each route's gradient of
+    w1 logp + w2 H against autograd of the float64 definitions (tests/test_tp.py: the TP route)."""
+    torch.manual_seed(0)
+    m = TinyHead()
+    h = torch.randn(7, 8, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 11, (7,))
+    w1 = torch.randn(7, dtype=torch.float64)
+    w2 = torch.randn(7, dtype=torch.float64)
+    kw = dict(temperature=0.7, chunk_size=0 if route == "plain" else 3,
+              logprob_fn=grpo.logprobs_from_logits if route == "checkpoint" else None)
+    logp, entropy = grpo.chunked_logprobs(m, h, targets, **kw)
+    assert entropy.requires_grad
+    (w1 * logp + w2 * entropy).sum().backward()
+    got = [h.grad.clone(), m.lm_head.weight.grad.clone(), m.lm_head.bias.grad.clone()]
+    h.grad = None
+    m.zero_grad()
+    want_logp, want_entropy = float64_twin(m, h, targets, 0.7)
+    (w1 * want_logp + w2 * want_entropy).sum().backward()
+    want = [h.grad, m.lm_head.weight.grad, m.lm_head.bias.grad]
+    # float64, values ~1: summation order only (relative, with a floor for grads near 0)
+    torch.testing.assert_close(entropy, want_entropy, rtol=1e-10, atol=1e-12)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+    # The entropy alone, and finite differences through the hand-written backward.
+    entropy_only = lambda x: grpo.chunked_logprobs(m, x, targets, **kw)[1]
+    assert torch.autograd.gradcheck(entropy_only, (h.detach().requires_grad_(),))
 
 
 @pytest.mark.parametrize("shared", [True, False])
