@@ -1,8 +1,10 @@
 """grpo.py against its slow twins: one forward per sequence, unchunked logprobs, one big batch,
-finite differences and hand-computed cases."""
+finite differences and hand-computed cases; and against TRL 1.16 itself where it is importable."""
 
+import dataclasses
 import math
 import statistics
+import warnings
 
 import pytest
 import torch
@@ -626,3 +628,229 @@ def test_bad_input_raises_a_clear_error_naming_the_argument(case):
     call, match = bad_inputs()[case]
     with pytest.raises(ValueError, match=match):
         call()
+
+# -----------------------------------------------------------------------------
+# Against TRL 1.16 itself, on the same weights. Each test skips when trl is not importable: trl is
+# a reference here, never a requirement. TRL runs its own code: a real GRPOTrainer on the CPU whose
+# generation is its rollout_func hook returning fixed completions, its own reward scoring and
+# advantages (_generate_and_score_completions) and its own loss (_compute_loss).
+
+TRL_MICRO_BATCHES = 2  # TRL's gradient_accumulation_steps; ours: as many micro-batches of groups
+TRL_TEMPERATURE = 0.7
+# Rows of (reward_a, reward_b), weights 1.0 and 0.5; None: the function could not score the row.
+# Some rows miss one function (TRL sums the other), one misses both (missing: advantage 0).
+TRL_REWARDS = [(1.0, 0.5), (0.0, None), (None, None), (2.0, 1.0), (1.0, None), (None, 3.0),
+               (0.5, 0.5), (1.5, 0.0), (0.5, None), (None, 1.0), (0.5, 0.0), (0.5, 0.0)]
+TRL_WEIGHTS = [1.0, 0.5]
+
+
+@pytest.fixture(scope="module")
+def hf_checkpoint(tmp_path_factory) -> tuple[str, object]:
+    """A tiny transformers Llama saved as safetensors (TRL's policy and model.Llama both load it)
+    and a word-level tokenizer built in memory, token i = "t{i}"."""
+    pytest.importorskip("trl")  # transformers, tokenizers and datasets come with it
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    path = str(tmp_path_factory.mktemp("hf_llama"))
+    config = transformers.LlamaConfig(
+        vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        initializer_range=0.2,  # peaked logits, non-uniform attention (as tiny_model)
+        tie_word_embeddings=False, pad_token_id=0, eos_token_id=1)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    words = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(V)}, unk_token="t0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=words, pad_token="t0",
+                                                     eos_token="t1", unk_token="t0")
+    return path, tokenizer
+
+
+def trl_batch(G: int, seed: int = 3) -> tuple[list[list[int]], list[list[int]]]:
+    """len(TRL_REWARDS) // G prompts of 5 tokens and ragged completions, ids >= 2 (not pad/eos).
+    Equal prompt lengths: TRL left-pads prompts without shifting positions, and HF computes rope
+    in float32, so ragged prompts alone would put ~1e-6 between the two models' logprobs."""
+    gen = torch.Generator().manual_seed(seed)
+    N = len(TRL_REWARDS)
+    prompts = [torch.randint(2, V, (5,), generator=gen).tolist() for _ in range(N // G)]
+    lens = [3, 6, 1, 5, 4, 4, 2, 6, 3, 1, 5, 2]
+    completions = [torch.randint(2, V, (n,), generator=gen).tolist() for n in lens]
+    return prompts, completions
+
+
+def trl_trainer(hf_checkpoint, tmp_path, prompts: list[list[int]], completions: list[list[int]],
+                **trl_config):
+    """A real trl.GRPOTrainer on the CPU in float64. Its rollout_func hook returns our prompts and
+    completions and the reward columns; the two reward functions return those columns."""
+    trl = pytest.importorskip("trl")
+    import datasets
+    import transformers
+
+    path, tokenizer = hf_checkpoint
+    N = len(completions)
+    G = N // len(prompts)
+
+    def rollout_func(prompt_texts: list[str], trainer) -> dict:
+        return {"prompt_ids": [prompts[i // G] for i in range(N)], "completion_ids": completions,
+                "logprobs": None, "reward_a": [r[0] for r in TRL_REWARDS],
+                "reward_b": [r[1] for r in TRL_REWARDS]}
+
+    def reward_a(completions, reward_a, **kwargs):
+        return reward_a
+
+    def reward_b(completions, reward_b, **kwargs):
+        return reward_b
+
+    policy = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float64)
+    dataset = datasets.Dataset.from_dict({"prompt": ["t2"] * N})
+    with warnings.catch_warnings():  # rollout_func is "experimental"; a renamed TrainingArguments
+        warnings.simplefilter("ignore")
+        args = trl.GRPOConfig(
+            output_dir=str(tmp_path / "trl"), use_cpu=True, report_to="none", bf16=False,
+            gradient_checkpointing=False, num_generations=G,
+            per_device_train_batch_size=N // TRL_MICRO_BATCHES,
+            gradient_accumulation_steps=TRL_MICRO_BATCHES, reward_weights=TRL_WEIGHTS,
+            temperature=TRL_TEMPERATURE, **trl_config)
+        trainer = trl.GRPOTrainer(model=policy, reward_funcs=[reward_a, reward_b], args=args,
+                                  train_dataset=dataset, processing_class=tokenizer,
+                                  rollout_func=rollout_func)
+    trainer.model.train()
+    return trainer
+
+
+def trl_scored(trainer, N: int) -> dict:
+    """TRL's generation batch: its padding, reward sums and advantages (and old/ref logprobs)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return trainer._generate_and_score_completions([{"prompt": "t2"} for _ in range(N)])
+
+
+def our_advantages(G: int, scale: str) -> torch.Tensor:
+    nan = float("nan")
+    rows = [[nan if r is None else r for r in row] for row in TRL_REWARDS]
+    rewards = grpo.combine_rewards(torch.tensor(rows), TRL_WEIGHTS)
+    return grpo.group_advantages(rewards, G, scale)
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_advantages_equal_trls_with_missing_rewards(hf_checkpoint, tmp_path, scale):
+    """TRL's own reward sums (nansum over functions, missing only when all are None) and advantages
+    ((r - group mean) / (n-1 std + 1e-4), NaN rows 0) against combine_rewards + group_advantages
+    with our defaults, G = 4 (one group has a missing row and a row scored by one function)."""
+    G = 4
+    prompts, completions = trl_batch(G)
+    trainer = trl_trainer(hf_checkpoint, tmp_path, prompts, completions, scale_rewards=scale)
+    want = trl_scored(trainer, len(completions))["advantages"]
+    got = our_advantages(G, scale)
+    # TRL computes in float32, we in float64 rounded to float32: a few ulps, relative; zeros exact
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    assert got[2] == 0 and want[2] == 0  # the unscorable row
+
+
+def trl_micro_batches(scored: dict, old: torch.Tensor | None, ref: torch.Tensor | None):
+    """TRL's inputs to _compute_loss, one per micro-batch: equal slices of whole groups (TRL
+    shuffles rows first; with equal sizes its normalisers do not depend on which rows)."""
+    N = scored["completion_ids"].shape[0]
+    size = N // TRL_MICRO_BATCHES
+    keys = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages")
+    for start in range(0, N, size):
+        rows = slice(start, start + size)
+        inputs = {key: scored[key][rows] for key in keys}
+        inputs["num_items_in_batch"] = scored["num_items_in_batch"]  # the generation batch's
+        if old is not None:
+            inputs["old_per_token_logps"] = old[rows]
+        if ref is not None:
+            inputs["ref_per_token_logps"] = ref[rows]
+        yield inputs
+
+
+def check_against_trl(trainer, scored: dict, ours: M.Llama, batch: GRPOBatch, cfg: GRPOConfig):
+    """TRL's _compute_loss run as its Trainer runs it (each micro-batch's loss, normalised per
+    micro-batch and by gradient_accumulation_steps, then backward) against accumulate with global
+    normalisers, equal for equal micro-batches: loss, metrics, every parameter's gradient."""
+    trainer.model.zero_grad()
+    trainer._metrics["train"].clear()
+    trainer.current_gradient_accumulation_steps = TRL_MICRO_BATCHES  # set by Trainer's loop
+    trl_loss = 0.0
+    tokens = []
+    for inputs in trl_micro_batches(scored, batch.old_logp, batch.ref_logp):
+        loss = trainer._compute_loss(trainer.model, inputs)
+        loss.backward()
+        trl_loss += loss.item()
+        tokens.append(float(inputs["completion_mask"].sum()))
+    ours.zero_grad()
+    got = grpo.accumulate(ours, batch, cfg)
+    # The loss sums terms ~1 that nearly cancel (advantages sum to 0 per group): floor 1. TRL's
+    # logp are float32-rounded (its chunked kernel casts logit tiles to float32), ~1e-7 relative.
+    assert_rel(got["loss"], trl_loss, 1e-6, floor=1.0, what="loss")
+    logged = trainer._metrics["train"]  # one value per micro-batch: weigh by its tokens
+    names = {"entropy": "entropy", "clip_low": "clip_ratio/low_mean",
+             "clip_high": "clip_ratio/high_mean"}
+    if cfg.beta > 0:
+        names["kl"] = "kl"
+    for our_name, trl_name in names.items():
+        want = sum(v * t for v, t in zip(logged[trl_name], tokens)) / sum(tokens)
+        assert_rel(got[our_name], want, 1e-5, floor=1e-3, what=our_name)
+    theirs = dict(trainer.model.named_parameters())
+    assert set(theirs) == {name for name, _ in ours.named_parameters()}
+    # Each parameter's gradient relative to its largest entry: TRL's float32 softmax statistics
+    # put ~1e-6 into d loss / d logits (seen up to 1.1e-6); 5e-6 leaves room for other builds.
+    assert_grads_close(grads(ours), {name: p.grad for name, p in theirs.items()}, rel=5e-6)
+    return got
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.1])
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
+def test_loss_metrics_and_grads_equal_trls_on_the_same_weights(hf_checkpoint, tmp_path, loss_type,
+                                                               beta):
+    """mu = 1 (no old_logp: TRL's own detached logp) and mu = 2 (old_logp given, off-policy, so the
+    clip acts); beta > 0 with ref_logp given, off the reference, so the KL (with TRL's default bias
+    correction) acts. Advantages from TRL's own scoring with missing rewards."""
+    G = 2
+    prompts, completions = trl_batch(G)
+    N = len(completions)
+    # num_iterations = 2 makes TRL compute old logprobs too; _compute_loss never reads it.
+    trainer = trl_trainer(hf_checkpoint, tmp_path, prompts, completions, loss_type=loss_type,
+                          beta=beta, num_iterations=2, epsilon=0.2, epsilon_high=0.28,
+                          max_completion_length=8)
+    scored = trl_scored(trainer, N)
+    ours = M.Llama.from_pretrained(hf_checkpoint[0], dtype=torch.float64)
+    cfg = GRPOConfig(num_samples=G, loss_type=loss_type, beta=beta, eps_low=0.2, eps_high=0.28,
+                     temperature=TRL_TEMPERATURE, chunk_size=5, max_completion_len=8,
+                     micro_batch_groups=N // G // TRL_MICRO_BATCHES)
+    advantages = our_advantages(G, "group")
+    torch.testing.assert_close(advantages, scored["advantages"], rtol=1e-6, atol=0)
+    current = grpo.batch_logprobs(ours, prompts, completions, cfg)  # (N, Tr)
+    mask = scored["completion_mask"].bool()
+    for key in ("old_per_token_logps", "ref_per_token_logps"):  # TRL's own, when it made them
+        if key in scored:  # TRL's softmax statistics are float32: ~1e-7 of the logits (|z| ~ 10)
+            torch.testing.assert_close(scored[key] * mask, current.to(scored[key].dtype),
+                                       **LOGP_TOL)
+    gen = torch.Generator().manual_seed(7)
+    ref = None
+    if beta > 0:
+        ref = current + 0.5 * torch.randn(current.shape, generator=gen, dtype=current.dtype) * mask
+    check_against_trl(trainer, scored, ours, GRPOBatch(prompts, completions, advantages, None, ref),
+                      cfg)
+    old = current + 0.3 * torch.randn(current.shape, generator=gen, dtype=current.dtype) * mask
+    got = check_against_trl(trainer, scored, ours,
+                            GRPOBatch(prompts, completions, advantages, old, ref), cfg)
+    assert got["clip_low"] + got["clip_high"] > 0  # the clip acts
+
+
+def test_defaults_are_trls_except_the_documented_differences():
+    """Our GRPOConfig defaults against TRL's GRPOConfig field defaults; the differences are on
+    purpose and listed in the README's table."""
+    trl = pytest.importorskip("trl")
+    theirs = {f.name: f.default for f in dataclasses.fields(trl.GRPOConfig)}
+    ours = GRPOConfig()
+    same = {"num_samples": "num_generations", "loss_type": "loss_type", "scale": "scale_rewards",
+            "eps_low": "epsilon", "beta": "beta", "temperature": "temperature",
+            "mu": "num_iterations", "use_bias_correction_kl": "use_bias_correction_kl"}
+    for our_name, trl_name in same.items():
+        assert getattr(ours, our_name) == theirs[trl_name], (our_name, trl_name)
+    # Clip-higher (DAPO) 0.28; TRL's epsilon_high None means epsilon, 0.2.
+    assert (ours.eps_high, theirs["epsilon_high"]) == (0.28, None)
+    # Dr. GRPO's constant: train.py sets it to the rollout's max_new_tokens.
+    assert (ours.max_completion_len, theirs["max_completion_length"]) == (256, 512)
