@@ -329,9 +329,10 @@ def completion_logprobs(model, prompts: list[list[int]], completions: list[list[
                         num_samples: int, temperature: float = 1.0, chunk_size: int = 512,
                         logprob_fn: Callable | None = None,
                         shared_prompt: bool = True) -> tuple[Tensor, Tensor, Tensor]:
-    """Per-token logprobs of the completions under the model: logp (N, Tr) float32, entropy (N, Tr)
-    (differentiable too), mask (N, Tr) bool; zeros where mask is False. Works with grad and under
-    no_grad. prompts has N/G entries, completions N (prompt-major, ragged)."""
+    """Per-token logprobs of the completions under the model: logp (N, Tr) float32 (float64 for a
+    float64 model), entropy (N, Tr) (differentiable too), mask (N, Tr) bool; zeros where mask is
+    False. Works with grad and under no_grad. prompts has N/G entries, completions N (prompt-major,
+    ragged)."""
     G = num_samples
     if G < 1 or len(completions) != len(prompts) * G:
         raise ValueError(f"completions has {len(completions)} entries; expected len(prompts) * "
@@ -461,10 +462,12 @@ def micro_batches(num_prompts: int, cfg: GRPOConfig) -> list[tuple[slice, slice]
 def batch_logprobs(model, prompts: list[list[int]], completions: list[list[int]],
                    cfg: GRPOConfig, *, logprob_fn: Callable | None = None) -> Tensor:
     """Old or reference logprobs (N, Tr) without grad, one micro-batch at a time (the same slices
-    accumulate uses), padded with zeros to the batch's longest completion."""
+    accumulate uses), padded with zeros to the batch's longest completion. float32, or float64 for
+    a float64 model (as completion_logprobs)."""
     Tr = max((len(c) for c in completions), default=0)
-    device = next(model.parameters()).device
-    out = torch.zeros(len(completions), Tr, device=device)
+    param = next(model.parameters())
+    dtype = torch.promote_types(param.dtype, torch.float32)
+    out = torch.zeros(len(completions), Tr, device=param.device, dtype=dtype)
     for prompt_rows, rows in micro_batches(len(prompts), cfg):
         logp, _, _ = completion_logprobs(
             model, prompts[prompt_rows], completions[rows], num_samples=cfg.num_samples,

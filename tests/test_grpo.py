@@ -356,6 +356,9 @@ def test_accumulate_adds_to_existing_grads_and_batch_logprobs_match_one_pass():
     # fp32; a different batch shape changes the matmul blocking, logp ~ -5: a few ulps
     torch.testing.assert_close(grpo.batch_logprobs(m, batch.prompts, batch.completions, cfg), whole,
                                **LOGP_TOL)
+    # A float64 model's old/reference logprobs stay float64 (they used to be rounded to float32).
+    m64 = m.double()
+    assert grpo.batch_logprobs(m64, batch.prompts, batch.completions, cfg).dtype == torch.float64
 
 # -----------------------------------------------------------------------------
 # The loss: finite differences, hand-built clipping, mu = 1
