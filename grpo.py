@@ -21,8 +21,14 @@ Two memory tricks, each tested against its obvious slow twin in tests/test_grpo.
 One contract for the three logprob routes (the plain logprobs_from_logits, the chunked
 ChunkedSoftmaxLogprobs, tp.vocab_parallel_logprobs): each returns logp and the entropy
 H = -sum p log p per token, BOTH differentiable (dH/dz = -p (log p + H)), so an entropy term in a
-loss trains the same at any tensor-parallel size. Entropy costs nothing in backward when no loss
-uses it.
+loss trains the same at any tensor-parallel size. The chunked Function does no entropy work in
+backward when no loss uses it. completion_logprobs returns the entropy in the graph; accumulate
+only logs it.
+
+By default the math is TRL 1.16's GRPOTrainer (tests/test_grpo.py runs TRL's own code against
+it): rewards summed over reward functions skipping None, (r - group mean) / (n-1 std + 1e-4),
+k3 KL weighted by the ratio, TRL's loss normalisers. Two defaults differ on purpose: eps_high 0.28
+(clip-higher; TRL 0.2) and max_completion_len 256 (train.py sets it to the rollout's budget).
 
 Leaves out: sampling (rollout.py), calling the reward functions (train.py), the optimizer step,
 value models, packing.
@@ -383,7 +389,12 @@ def grpo_loss(logp: Tensor, old_logp: Tensor | None, ref_logp: Tensor | None, ad
        were sampled from pi_old, and ratio * k3 estimates KL(pi || ref) under pi. It differs even
        at mu = 1, where the ratio's value is 1 but its gradient adds k3 * d logp.
     4. Aggregation: "grpo" mean over each sequence's tokens, then sum / num_seqs; "dapo" sum over
-       tokens / num_tokens; "dr_grpo" sum over tokens / (num_seqs * max_completion_len).
+       tokens / num_tokens; "dr_grpo" sum over tokens / (num_seqs * max_completion_len). TRL's
+       normalisers for grpo and dr_grpo are per micro-batch (its rows, divided again by the
+       gradient accumulation steps): equal to these when micro-batches have the same number of
+       rows. Where they do not (an uneven last micro-batch, uneven data-parallel ranks) ours stay
+       the big batch's, by design; TRL's would weigh the rows of a smaller micro-batch more. dapo
+       divides by the generation batch's tokens in both.
     5. Metrics over the micro-batch's valid tokens: clip_low (ratio < 1 - eps_low, A < 0) and
        clip_high (ratio > 1 + eps_high, A > 0), whose gradient the clip zeroes;
        ratio_mean/min/max; kl (the per-token term the loss adds, as TRL logs it) if ref_logp is
