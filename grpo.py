@@ -18,7 +18,20 @@ Two memory tricks, each tested against its obvious slow twin in tests/test_grpo.
    autograd Function that keeps one log-sum-exp per token; a caller's logprob_fn (tp.py's
    vocab-parallel one) is wrapped in activation checkpointing instead.
 
-Leaves out: sampling (rollout.py), rewards (train.py), the optimizer step, value models, packing.
+One contract for the three logprob routes (the plain logprobs_from_logits, the chunked
+ChunkedSoftmaxLogprobs, tp.vocab_parallel_logprobs): each returns logp and the entropy
+H = -sum p log p per token, BOTH differentiable (dH/dz = -p (log p + H)), so an entropy term in a
+loss trains the same at any tensor-parallel size. The chunked Function does no entropy work in
+backward when no loss uses it. completion_logprobs returns the entropy in the graph; accumulate
+only logs it.
+
+By default the math is TRL 1.16's GRPOTrainer (tests/test_grpo.py runs TRL's own code against
+it): rewards summed over reward functions skipping None, (r - group mean) / (n-1 std + 1e-4),
+k3 KL weighted by the ratio, TRL's loss normalisers. Two defaults differ on purpose: eps_high 0.28
+(clip-higher; TRL 0.2) and max_completion_len 256 (train.py sets it to the rollout's budget).
+
+Leaves out: sampling (rollout.py), calling the reward functions (train.py), the optimizer step,
+value models, packing.
 
 Shapes: Bp prompts, G samples per prompt, N = Bp*G rows, P prompt length, Tr completion length,
 n selected (valid) completion tokens, C width, V vocab (V/tp under tensor parallelism).
@@ -46,7 +59,7 @@ SCALES = ("group", "batch", "none")
 @dataclass
 class GRPOConfig:
     num_samples: int = 8              # G completions per prompt
-    loss_type: str = "dapo"           # "dapo": token mean over the generation batch, micro-batch invariant
+    loss_type: str = "dapo"           # token mean over the generation batch: micro-batch invariant
     scale: str = "group"              # advantage std: "group" (GRPO), "batch", "none" (Dr. GRPO)
     eps_low: float = 0.2              # ratio clipped below at 1 - eps_low
     eps_high: float = 0.28            # clip-higher (DAPO): more room for unlikely tokens to grow
@@ -56,46 +69,84 @@ class GRPOConfig:
     micro_batch_groups: int = 1       # whole groups per forward/backward
     mu: int = 1                       # optimizer steps per generation batch
     max_completion_len: int = 256     # Dr. GRPO's constant normaliser (per sequence)
-    std_eps: float = 1e-4             # advantage = (r - mean) / (std + std_eps)
+    std_eps: float = 1e-4             # advantage = (r - mean) / (std + std_eps), TRL's 1e-4
+    std_correction: int = 1           # 1: the n-1 (Bessel) std of TRL and verl; 0: population std
+    use_bias_correction_kl: bool = True  # k3 KL times the ratio pi/pi_old, as TRL's default
 
     def __post_init__(self):
-        checks = [("loss_type", self.loss_type in LOSS_TYPES, f"must be one of {LOSS_TYPES}"),
-                  ("scale", self.scale in SCALES, f"must be one of {SCALES}"),
-                  ("eps_low", 0 <= self.eps_low < 1, "must be in [0, 1): the lower clip 1 - eps_low stays > 0"),
-                  ("temperature", self.temperature > 0, "must be > 0")]
-        checks += [(f, getattr(self, f) >= 1, "must be >= 1") for f in ("num_samples", "micro_batch_groups", "mu",
-                                                                         "max_completion_len")]
-        checks += [(f, getattr(self, f) >= 0, "must be >= 0") for f in ("eps_high", "beta", "chunk_size", "std_eps")]
+        checks = [
+            ("loss_type", self.loss_type in LOSS_TYPES, f"must be one of {LOSS_TYPES}"),
+            ("scale", self.scale in SCALES, f"must be one of {SCALES}"),
+            ("eps_low", 0 <= self.eps_low < 1, "must be in [0, 1): the lower clip 1 - eps_low > 0"),
+            ("temperature", self.temperature > 0, "must be > 0"),
+            ("std_correction", self.std_correction in (0, 1), "must be 0 or 1"),
+        ]
+        for field in ("num_samples", "micro_batch_groups", "mu", "max_completion_len"):
+            checks.append((field, getattr(self, field) >= 1, "must be >= 1"))
+        for field in ("eps_high", "beta", "chunk_size", "std_eps"):
+            checks.append((field, getattr(self, field) >= 0, "must be >= 0"))
         for field, ok, why in checks:
             if not ok:
                 raise ValueError(f"GRPOConfig.{field} = {getattr(self, field)!r}: {why}")
 
 # -----------------------------------------------------------------------------
-# Advantages
+# Rewards and advantages
 
 
-def group_advantages(rewards: Tensor, num_samples: int, scale: str = "group", std_eps: float = 1e-4) -> Tensor:
-    """(N,) rewards, NaN for missing, prompt-major -> (N,) advantages r - mean(group), divided by the
-    group std ("group"), the batch std ("batch") or nothing ("none"). Stds are population stds over
-    valid rewards. A NaN reward is left out of every statistic and gets 0; an all-equal group gets 0."""
+def combine_rewards(per_function: Tensor, weights: list[float]) -> Tensor:
+    """(N, F) rewards of F reward functions, NaN where one returned None -> (N,) weighted sums
+    that skip the NaNs, as TRL sums them (nansum of weight * reward): a row is missing (NaN, left
+    out of the advantage statistics) only when every function returned NaN."""
+    shape = tuple(per_function.shape)
+    if len(shape) != 2 or shape[1] == 0 or not per_function.is_floating_point():
+        raise ValueError(f"per_function must be a float tensor (N, F) of N completions x F >= 1 "
+                         f"reward functions, got {per_function.dtype} {shape}")
+    if len(weights) != per_function.shape[1]:
+        raise ValueError(f"weights has {len(weights)} entries for {per_function.shape[1]} reward "
+                         f"functions (columns of per_function)")
+    w = torch.tensor(weights, dtype=per_function.dtype, device=per_function.device)  # (F,)
+    total = (per_function * w).nansum(1)  # (N,); nansum: a NaN reward adds nothing
+    missing = per_function.isnan().all(1)  # (N,)
+    return torch.where(missing, torch.nan, total)
+
+
+def group_advantages(rewards: Tensor, num_samples: int, scale: str = "group",
+                     std_eps: float = 1e-4, std_correction: int = 1) -> Tensor:
+    """(N,) rewards, NaN for missing, prompt-major -> (N,) advantages r - mean(group), divided by
+    the group std ("group"), the std of the whole batch's rewards ("batch") or nothing ("none"),
+    plus std_eps. Stds are over valid rewards, sum((r - mean)^2) / (count - std_correction):
+    1 is TRL's and verl's n-1 std, 0 the population std. A NaN reward is left out of every
+    statistic and gets 0; an all-equal group, or one with a single valid reward, gets 0."""
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be 1-D (N,), got shape {tuple(rewards.shape)}")
     if num_samples < 1 or rewards.shape[0] % num_samples:
-        raise ValueError(f"num_samples = {num_samples} must divide the number of rewards {rewards.shape[0]}")
+        raise ValueError(f"num_samples = {num_samples} must divide the number of rewards "
+                         f"{rewards.shape[0]}")
     if scale not in SCALES:
         raise ValueError(f"scale = {scale!r} must be one of {SCALES}")
+    if std_correction not in (0, 1):
+        raise ValueError(f"std_correction = {std_correction!r} must be 0 (population std) or 1 "
+                         f"(n-1)")
     r = rewards.double().view(-1, num_samples)  # (Bp, G)
     valid = ~torch.isnan(r)
     count = valid.sum(1, keepdim=True)  # (Bp, 1)
     mean = torch.where(valid, r, 0.0).sum(1, keepdim=True) / count.clamp_min(1)
     centred = torch.where(valid, r - mean, 0.0)
-    std = (centred.pow(2).sum(1, keepdim=True) / count.clamp_min(1)).sqrt()
+    # A single valid reward has r - mean = 0, so its std (NaN for n-1; TRL then zeroes the
+    # advantage) can be anything finite: clamp_min(1) makes it 0.
+    dof = (count - std_correction).clamp_min(1)  # (Bp, 1)
+    std = (centred.pow(2).sum(1, keepdim=True) / dof).sqrt()
     # All-equal groups: r - mean may be 1e-17, not 0, after rounding; force an exact 0 (never NaN).
-    r_max, r_min = torch.where(valid, r, -torch.inf).amax(1), torch.where(valid, r, torch.inf).amin(1)
+    r_max = torch.where(valid, r, -torch.inf).amax(1)  # (Bp,)
+    r_min = torch.where(valid, r, torch.inf).amin(1)  # (Bp,)
     centred = torch.where((r_max > r_min)[:, None], centred, 0.0)
-    if scale != "none":  # "batch": the std of the raw rewards over the whole batch (TRL's scale_rewards="batch")
-        batch_std = r[valid].std(correction=0) if valid.any() else r.new_zeros(())
-        centred = centred / ((std if scale == "group" else batch_std) + std_eps)
+    if scale == "batch":  # centred by the group mean, scaled by the std of all valid rewards
+        all_valid = r[valid]  # (n_valid,); empty when every reward is missing: std 0, not NaN
+        n_valid = all_valid.numel()
+        batch_mean = all_valid.sum() / max(n_valid, 1)
+        std = ((all_valid - batch_mean).pow(2).sum() / max(n_valid - std_correction, 1)).sqrt()
+    if scale != "none":
+        centred = centred / (std + std_eps)
     return centred.view(-1).to(rewards.dtype)
 
 # -----------------------------------------------------------------------------
@@ -103,31 +154,53 @@ def group_advantages(rewards: Tensor, num_samples: int, scale: str = "group", st
 
 
 def head_logits(model, h: Tensor, temperature: float) -> Tensor:
-    """Final norm + lm_head, (n, C) -> (n, V) in float32 (or float64), divided by the temperature the
-    way the sampler does, logits.float() / temperature: a mismatch gives ratio != 1 at mu = 1 (trl#4159)."""
+    """Final norm + lm_head, (n, C) -> (n, V) in float32 (or float64), divided by the temperature
+    the way the sampler does, logits.float() / temperature: a mismatch gives ratio != 1 at mu = 1
+    (trl#4159)."""
     logits = model.head(h).to(torch.promote_types(h.dtype, torch.float32))
     return logits if temperature == 1.0 else logits / temperature
 
 
 def logprobs_from_logits(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
-    """The plain twin: log_softmax + gather; entropy -sum(p log p) without grad. (n, V), (n,) -> (n,), (n,).
-    tp.py's vocab-parallel function has the same signature, with logits (n, V/tp)."""
+    """The plain twin: log_softmax + gather, and the entropy -sum(p log p), both differentiable.
+    (n, V), (n,) -> (n,), (n,). tp.py's vocab-parallel function has the same signature, with
+    logits (n, V/tp)."""
     logp_all = logits.log_softmax(-1)  # (n, V)
-    with torch.no_grad():
-        entropy = -(logp_all.exp() * logp_all).sum(-1)  # (n,)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)  # (n,)
     return logp_all.gather(-1, targets[:, None]).squeeze(-1), entropy
 
 
+def softmax_grads(z: Tensor, targets: Tensor, lse: Tensor, entropy: Tensor,
+                  grad_logp: Tensor | None, grad_entropy: Tensor | None) -> Tensor:
+    """d(loss)/dz (n, V) for logits z (n, V) from the grads of logp and entropy (n,) (None: no
+    loss uses it): g (onehot - p) - gH p (log p + H). Two (n, V) buffers without an entropy grad,
+    three with one."""
+    g = z.new_zeros(z.shape[0], 1) if grad_logp is None else grad_logp[:, None].to(z.dtype)
+    log_p = torch.sub(z, lse[:, None])  # (n, V)
+    if grad_entropy is None:
+        grad_z = log_p.exp_().mul_(-g)  # -g p, in place
+    else:
+        p = log_p.exp()  # (n, V)
+        g_entropy = grad_entropy[:, None].to(z.dtype)  # (n, 1)
+        # -p (g + gH (log p + H)), in place on log p
+        grad_z = log_p.add_(entropy[:, None]).mul_(g_entropy).add_(g).mul_(p).neg_()
+    return grad_z.scatter_add_(1, targets[:, None], g)  # + g onehot
+
+
 class ChunkedSoftmaxLogprobs(torch.autograd.Function):
-    """The default chunked path: h (n, C), targets (n,) -> logp (n,), entropy (n,) (not differentiable).
-    Forward keeps one log-sum-exp per token; backward rebuilds each chunk's logits and applies
-    d logp / d logits = onehot - softmax by hand: one lm_head matmul more than an unchunked pass, but
-    fewer (n, V) passes than log_softmax + gather, and no rerun of the softmax as checkpoint would do."""
+    """The default chunked path: h (n, C), targets (n,) -> logp (n,), entropy (n,). Forward keeps
+    one log-sum-exp and one entropy per token; backward rebuilds each chunk's logits and applies
+    d logp / dz = onehot - p and dH / dz = -p (log p + H) by hand: one lm_head matmul more than
+    an unchunked pass, but fewer (n, V) passes than log_softmax + gather, and no rerun of the
+    softmax as checkpoint would do."""
 
     @staticmethod
-    def forward(ctx, h: Tensor, targets: Tensor, model, temperature: float, chunk_size: int, *params: Tensor):
+    def forward(ctx, h: Tensor, targets: Tensor, model, temperature: float, chunk_size: int,
+                *params: Tensor):
         dtype = torch.promote_types(h.dtype, torch.float32)
-        logp, entropy, lse = (torch.empty(h.shape[0], device=h.device, dtype=dtype) for _ in range(3))
+        logp = torch.empty(h.shape[0], device=h.device, dtype=dtype)
+        entropy = torch.empty_like(logp)
+        lse = torch.empty_like(logp)
         for start in range(0, h.shape[0], chunk_size):
             rows = slice(start, start + chunk_size)
             z = head_logits(model, h[rows], temperature)  # (n_chunk, V), no graph inside forward
@@ -135,51 +208,66 @@ class ChunkedSoftmaxLogprobs(torch.autograd.Function):
             e = torch.sub(z, row_max).exp_()  # (n_chunk, V) unnormalised softmax, exp in place
             total = e.sum(-1)  # (n_chunk,)
             lse[rows] = row_max.squeeze(-1) + total.log()
-            entropy[rows] = lse[rows] - (e[:, None] @ z[:, :, None]).view(-1) / total  # H = lse - E_p[z]
+            # H = lse - E_p[z]
+            entropy[rows] = lse[rows] - (e[:, None] @ z[:, :, None]).view(-1) / total
             logp[rows] = z.gather(-1, targets[rows, None]).squeeze(-1) - lse[rows]
-        ctx.model, ctx.temperature, ctx.chunk_size = model, temperature, chunk_size
-        ctx.save_for_backward(h, targets, lse, *params)
-        ctx.mark_non_differentiable(entropy)
+        ctx.model = model
+        ctx.temperature = temperature
+        ctx.chunk_size = chunk_size
+        ctx.save_for_backward(h, targets, lse, entropy, *params)
+        # An output no loss uses gets None in backward, not zeros: no entropy work then.
+        ctx.set_materialize_grads(False)
         return logp, entropy
 
     @staticmethod
-    def backward(ctx, grad_logp: Tensor, grad_entropy: Tensor):
-        h, targets, lse, *params = ctx.saved_tensors
-        grad_h, grad_params = torch.empty_like(h), [None] * len(params)
+    def backward(ctx, grad_logp: Tensor | None, grad_entropy: Tensor | None):
+        h, targets, lse, entropy, *params = ctx.saved_tensors
+        grad_h = torch.empty_like(h)
+        grad_params = [None] * len(params)
         for start in range(0, h.shape[0], ctx.chunk_size):
             rows = slice(start, start + ctx.chunk_size)
             with torch.enable_grad():
                 h_chunk = h[rows].detach().requires_grad_()
                 z = head_logits(ctx.model, h_chunk, ctx.temperature)  # (n_chunk, V) rebuilt
-            g = grad_logp[rows, None].to(z.dtype)  # (n_chunk, 1)
-            grad_z = torch.sub(z.detach(), lse[rows, None]).exp_().mul_(-g)  # -g * softmax
-            grad_z.scatter_add_(1, targets[rows, None], g)  # + g * onehot
+            grad_z = softmax_grads(z.detach(), targets[rows], lse[rows], entropy[rows],
+                                   None if grad_logp is None else grad_logp[rows],
+                                   None if grad_entropy is None else grad_entropy[rows])
             grads = torch.autograd.grad(z, [h_chunk, *params], grad_z, allow_unused=True)
             grad_h[rows] = grads[0]
-            grad_params = [new if acc is None else acc if new is None else acc.add_(new)  # None: not in the head
+            # None: a parameter the head does not use
+            grad_params = [new if acc is None else acc if new is None else acc.add_(new)
                            for acc, new in zip(grad_params, grads[1:])]
         return grad_h, None, None, None, None, *grad_params
 
 
-def chunked_logprobs(model, h: Tensor, targets: Tensor, *, temperature: float = 1.0, chunk_size: int = 512,
+def chunked_logprobs(model, h: Tensor, targets: Tensor, *, temperature: float = 1.0,
+                     chunk_size: int = 512,
                      logprob_fn: Callable | None = None) -> tuple[Tensor, Tensor]:
-    """logp and entropy (n,) of targets (n,) under softmax(model.head(h) / temperature), h (n, C), chunk_size
-    rows at a time: at most one chunk of (chunk_size, V) logits is alive, forward or backward.
-    chunk_size = 0 is the unchunked twin. logprob_fn (e.g. tp.py's) is checkpointed chunk by chunk."""
+    """logp and entropy (n,) of targets (n,) under softmax(model.head(h) / temperature), h (n, C),
+    chunk_size rows at a time: at most one chunk of (chunk_size, V) logits is alive, forward or
+    backward. chunk_size = 0 is the unchunked twin. logprob_fn (e.g. tp.py's) is checkpointed
+    chunk by chunk."""
     if chunk_size == 0 or h.shape[0] == 0:
         return (logprob_fn or logprobs_from_logits)(head_logits(model, h, temperature), targets)
     if logprob_fn is None:
-        params = [p for p in model.parameters() if p.requires_grad]  # those the head uses get grads
+        # those the head uses get grads
+        params = [p for p in model.parameters() if p.requires_grad]
         return ChunkedSoftmaxLogprobs.apply(h, targets, model, temperature, chunk_size, *params)
 
     def one_chunk(h_chunk: Tensor, t_chunk: Tensor) -> tuple[Tensor, Tensor]:
         return logprob_fn(head_logits(model, h_chunk, temperature), t_chunk)
 
-    # NOTE: chunks depend only on n, the same on all tensor-parallel ranks (same batch): a vocab-parallel
-    # logprob_fn runs collectives, so all ranks must run the same chunks in the same order, backward too.
-    parts = [checkpoint(one_chunk, h[s:s + chunk_size], targets[s:s + chunk_size], use_reentrant=False)
-             if torch.is_grad_enabled() else one_chunk(h[s:s + chunk_size], targets[s:s + chunk_size])
-             for s in range(0, h.shape[0], chunk_size)]
+    # NOTE: chunks depend only on n, the same on all tensor-parallel ranks (same batch): a
+    # vocab-parallel logprob_fn runs collectives, so all ranks must run the same chunks in the same
+    # order, backward too.
+    parts = []
+    for s in range(0, h.shape[0], chunk_size):
+        h_chunk = h[s:s + chunk_size]
+        t_chunk = targets[s:s + chunk_size]
+        if torch.is_grad_enabled():
+            parts.append(checkpoint(one_chunk, h_chunk, t_chunk, use_reentrant=False))
+        else:
+            parts.append(one_chunk(h_chunk, t_chunk))
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])  # (n,), (n,)
 
 # -----------------------------------------------------------------------------
@@ -190,19 +278,23 @@ def pad_right(seqs: list[list[int]], device: torch.device) -> tuple[Tensor, Tens
     """Ragged token lists -> ids (B, T) right-padded with 0, lengths (B,)."""
     lens = [len(s) for s in seqs]
     T = max(lens, default=0)
-    ids = torch.tensor([s + [0] * (T - len(s)) for s in seqs], dtype=torch.long).reshape(len(seqs), T)
+    padded = [s + [0] * (T - len(s)) for s in seqs]
+    ids = torch.tensor(padded, dtype=torch.long).reshape(len(seqs), T)  # (B, T)
     return ids.to(device), torch.tensor(lens, dtype=torch.long, device=device)
 
 
-def shared_prompt_hidden(model, prompt_ids: Tensor, prompt_lens: Tensor, inputs: Tensor, G: int) -> Tensor:
-    """Hidden states that predict each completion token: (N, T+1, C) for inputs (N, T) = completions
-    without their last token. Row i's first state is its prompt's last valid position; the rest come
-    from the completion forward on top of the prompt's keys/values, which stay in the graph."""
+def shared_prompt_hidden(model, prompt_ids: Tensor, prompt_lens: Tensor, inputs: Tensor,
+                         G: int) -> Tensor:
+    """Hidden states that predict each completion token: (N, T+1, C) for inputs (N, T) =
+    completions without their last token. Row i's first state is its prompt's last valid position;
+    the rest come from the completion forward on top of the prompt's keys/values, which stay in the
+    graph."""
     Bp, P = prompt_ids.shape
     kv: dict[int, tuple[Tensor, Tensor]] = {}
 
     def record_kv(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        kv[layer] = (k, v)  # (Bp, Hkv, P, D), with grad: all G completions backpropagate into the prompt
+        # (Bp, Hkv, P, D), with grad: all G completions backpropagate into the prompt
+        kv[layer] = (k, v)
         return causal_attention(layer, q, k, v)  # right padding comes after the valid tokens: exact
 
     h_prompt = model.hidden(prompt_ids, None, record_kv)  # (Bp, P, C)
@@ -218,44 +310,53 @@ def shared_prompt_hidden(model, prompt_ids: Tensor, prompt_lens: Tensor, inputs:
 
     def attend_to_prompt(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         prompt_k, prompt_v = kv[layer]
-        return prefix_attention(q, k, v, own_allowed, prompt_k, prompt_v, prefix_valid)  # (N, H, T, D)
+        # (N, H, T, D)
+        return prefix_attention(q, k, v, own_allowed, prompt_k, prompt_v, prefix_valid)
 
     h_completion = model.hidden(inputs, positions, attend_to_prompt)  # (N, T, C)
     return torch.cat([first, h_completion], 1)  # (N, T+1, C)
 
 
-def naive_hidden(model, prompts: list[list[int]], completions: list[list[int]], G: int, Tr: int) -> Tensor:
+def naive_hidden(model, prompts: list[list[int]], completions: list[list[int]], G: int,
+                 Tr: int) -> Tensor:
     """The slow twin: each prompt repeated G times in one causal forward. Returns (N, Tr, C), the
     states at positions len(prompt)-1+t, which predict completion token t."""
     device = next(model.parameters()).device
     ids, _ = pad_right([prompts[i // G] + c[:-1] for i, c in enumerate(completions)], device)
     h = model.hidden(ids)  # (N, L, C)
-    prompt_lens = torch.tensor([len(prompts[i // G]) for i in range(len(completions))], device=device)
-    idx = (prompt_lens[:, None] - 1 + torch.arange(Tr, device=device)).clamp(max=h.shape[1] - 1)  # (N, Tr)
+    prompt_lens = torch.tensor([len(prompts[i // G]) for i in range(len(completions))],
+                               device=device)
+    idx = prompt_lens[:, None] - 1 + torch.arange(Tr, device=device)  # (N, Tr)
+    idx = idx.clamp(max=h.shape[1] - 1)
     return h.gather(1, idx[..., None].expand(-1, -1, h.shape[2]))  # (N, Tr, C)
 
 
-def completion_logprobs(model, prompts: list[list[int]], completions: list[list[int]], *, num_samples: int,
-                        temperature: float = 1.0, chunk_size: int = 512, logprob_fn: Callable | None = None,
+def completion_logprobs(model, prompts: list[list[int]], completions: list[list[int]], *,
+                        num_samples: int, temperature: float = 1.0, chunk_size: int = 512,
+                        logprob_fn: Callable | None = None,
                         shared_prompt: bool = True) -> tuple[Tensor, Tensor, Tensor]:
-    """Per-token logprobs of the completions under the model: logp (N, Tr) float32, entropy (N, Tr)
-    detached, mask (N, Tr) bool; zeros where mask is False. Works with grad and under no_grad.
-    prompts has N/G entries, completions N (prompt-major, ragged)."""
+    """Per-token logprobs of the completions under the model: logp (N, Tr) float32 (float64 for a
+    float64 model), entropy (N, Tr) (differentiable too), mask (N, Tr) bool; zeros where mask is
+    False. Works with grad and under no_grad. prompts has N/G entries, completions N (prompt-major,
+    ragged)."""
     G = num_samples
     if G < 1 or len(completions) != len(prompts) * G:
-        raise ValueError(f"completions has {len(completions)} entries; expected len(prompts) * num_samples "
-                         f"= {len(prompts)} * {num_samples} (prompt-major rows)")
+        raise ValueError(f"completions has {len(completions)} entries; expected len(prompts) * "
+                         f"num_samples = {len(prompts)} * {num_samples} (prompt-major rows)")
     for i, p in enumerate(prompts):
         if len(p) == 0:
-            raise ValueError(f"prompts[{i}] is empty: the first completion token needs a prompt position")
+            raise ValueError(f"prompts[{i}] is empty: the first completion token needs a prompt "
+                             f"position")
     if temperature <= 0 or chunk_size < 0:
-        raise ValueError(f"temperature = {temperature} must be > 0 and chunk_size = {chunk_size} >= 0")
+        raise ValueError(f"temperature = {temperature} must be > 0 and chunk_size = {chunk_size} "
+                         f">= 0")
     device = next(model.parameters()).device
     comp_ids, comp_lens = pad_right(completions, device)  # (N, Tr), (N,)
     N, Tr = comp_ids.shape
     if shared_prompt:
         prompt_ids, prompt_lens = pad_right(prompts, device)  # (Bp, P), (Bp,)
-        h = shared_prompt_hidden(model, prompt_ids, prompt_lens, comp_ids[:, :max(Tr - 1, 0)], G)  # (N, Tr|1, C)
+        inputs = comp_ids[:, :max(Tr - 1, 0)]  # (N, Tr-1): the last token predicts nothing
+        h = shared_prompt_hidden(model, prompt_ids, prompt_lens, inputs, G)  # (N, Tr|1, C)
         h = h[:, :Tr]  # (N, Tr, C); Tr = 0 when every completion is empty
     else:
         h = naive_hidden(model, prompts, completions, G, Tr)  # (N, Tr, C)
@@ -264,65 +365,88 @@ def completion_logprobs(model, prompts: list[list[int]], completions: list[list[
     logp, entropy = chunked_logprobs(model, h[mask], comp_ids[mask], temperature=temperature,
                                      chunk_size=chunk_size, logprob_fn=logprob_fn)  # (n,), (n,)
     zeros = torch.zeros(N, Tr, dtype=logp.dtype, device=device)
-    return zeros.index_put((mask,), logp), zeros.index_put((mask,), entropy.detach().to(logp.dtype)), mask
+    entropy = zeros.index_put((mask,), entropy.to(logp.dtype))  # (N, Tr)
+    return zeros.index_put((mask,), logp), entropy, mask
 
 # -----------------------------------------------------------------------------
 # The loss
 
 
-def grpo_loss(logp: Tensor, old_logp: Tensor | None, ref_logp: Tensor | None, advantages: Tensor, mask: Tensor,
-              cfg: GRPOConfig, *, num_seqs: int, num_tokens: int) -> tuple[Tensor, dict[str, float]]:
-    """Clipped policy-gradient loss of a micro-batch, logp/old_logp/ref_logp/mask (N, Tr), advantages (N,).
-    num_seqs and num_tokens count the WHOLE generation batch (all micro-batches, all data-parallel
-    ranks), so the micro-batch losses sum to the big-batch loss. Pure: never modifies its inputs.
+def grpo_loss(logp: Tensor, old_logp: Tensor | None, ref_logp: Tensor | None, advantages: Tensor,
+              mask: Tensor, cfg: GRPOConfig, *, num_seqs: int,
+              num_tokens: int) -> tuple[Tensor, dict[str, float]]:
+    """Clipped policy-gradient loss of a micro-batch, logp/old_logp/ref_logp/mask (N, Tr),
+    advantages (N,). num_seqs and num_tokens count the WHOLE generation batch (all micro-batches,
+    all data-parallel ranks), so the micro-batch losses sum to the big-batch loss. Pure: never
+    modifies its inputs.
 
     Algorithmic choices:
     1. Per-token ratio exp(logp - old_logp); old_logp None means logp.detach() (mu = 1).
     2. PPO clip with clip-higher: -min(ratio * A, clamp(ratio, 1 - eps_low, 1 + eps_high) * A).
     3. KL to the reference (beta > 0) with the k3 estimator exp(ref - logp) - (ref - logp) - 1,
-       per token, added to the loss (not folded into the reward).
+       per token, added to the loss (not folded into the reward). With use_bias_correction_kl
+       (TRL's default, DeepSeek-V3.2) k3 is multiplied by the ratio, gradient included: the tokens
+       were sampled from pi_old, and ratio * k3 estimates KL(pi || ref) under pi. It differs even
+       at mu = 1, where the ratio's value is 1 but its gradient adds k3 * d logp.
     4. Aggregation: "grpo" mean over each sequence's tokens, then sum / num_seqs; "dapo" sum over
-       tokens / num_tokens; "dr_grpo" sum over tokens / (num_seqs * max_completion_len).
-    5. Metrics over the micro-batch's valid tokens: clip_low (ratio < 1 - eps_low, A < 0) and clip_high
-       (ratio > 1 + eps_high, A > 0), whose gradient the clip zeroes; ratio_mean/min/max; kl if ref_logp
-       is given. Entropy is not a loss term here: accumulate reports completion_logprobs' entropy.
+       tokens / num_tokens; "dr_grpo" sum over tokens / (num_seqs * max_completion_len). TRL's
+       normalisers for grpo and dr_grpo are per micro-batch (its rows, divided again by the
+       gradient accumulation steps): equal to these when micro-batches have the same number of
+       rows. Where they do not (an uneven last micro-batch, uneven data-parallel ranks) ours stay
+       the big batch's, by design; TRL's would weigh the rows of a smaller micro-batch more. dapo
+       divides by the generation batch's tokens in both.
+    5. Metrics over the micro-batch's valid tokens: clip_low (ratio < 1 - eps_low, A < 0) and
+       clip_high (ratio > 1 + eps_high, A > 0), whose gradient the clip zeroes;
+       ratio_mean/min/max; kl (the per-token term the loss adds, as TRL logs it) if ref_logp is
+       given. Entropy is not a loss term here: accumulate reports completion_logprobs' entropy.
     """
     for name, t in (("old_logp", old_logp), ("ref_logp", ref_logp), ("mask", mask)):
         if t is not None and t.shape != logp.shape:
             raise ValueError(f"{name} has shape {tuple(t.shape)}, logp has {tuple(logp.shape)}")
     if advantages.shape != logp.shape[:1]:
-        raise ValueError(f"advantages has shape {tuple(advantages.shape)}, expected ({logp.shape[0]},)")
+        raise ValueError(f"advantages has shape {tuple(advantages.shape)}, expected "
+                         f"({logp.shape[0]},)")
     if cfg.beta > 0 and ref_logp is None:
         raise ValueError(f"ref_logp is None but beta = {cfg.beta} > 0 needs reference logprobs")
     if num_seqs < 1 or num_tokens < 1:
         raise ValueError(f"num_seqs = {num_seqs} and num_tokens = {num_tokens} must be >= 1")
-    # With mu = 1 and old_logp = logp.detach() the ratio is exactly 1, so the loss VALUE is ~0 (-mean A),
-    # which is expected; its GRADIENT is still the policy gradient: d exp(logp - logp.detach()) = d logp.
+    # With mu = 1 and old_logp = logp.detach() the ratio is exactly 1, so the loss VALUE is ~0
+    # (-mean A), which is expected; its GRADIENT is still the policy gradient:
+    # d exp(logp - logp.detach()) = d logp.
     old_logp = logp.detach() if old_logp is None else old_logp
     zero = torch.zeros_like(logp)
     # Zero the padding BEFORE exp: garbage there would give inf, and inf * 0 = NaN in backward.
     ratio = torch.exp(torch.where(mask, logp - old_logp, zero))  # (N, Tr)
     adv = advantages[:, None].to(logp.dtype)  # (N, 1)
-    per_token = -torch.min(ratio * adv, ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high) * adv)  # (N, Tr)
-    delta = None if ref_logp is None else torch.where(mask, ref_logp - logp, zero)
-    kl = None if delta is None else torch.exp(delta) - delta - 1  # k3: unbiased for KL(pi || ref), >= 0 per token
+    clipped = ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high)
+    per_token = -torch.min(ratio * adv, clipped * adv)  # (N, Tr)
+    kl = None
+    if ref_logp is not None:
+        delta = torch.where(mask, ref_logp - logp, zero)
+        # k3 (N, Tr) >= 0: unbiased for KL(pi || ref) on tokens sampled from pi
+        kl = torch.exp(delta) - delta - 1
+        if cfg.use_bias_correction_kl:  # the tokens are pi_old's: reweight them to pi, with grad
+            kl = kl * ratio
     if cfg.beta > 0:  # ref_logp is not None: checked above
         per_token = per_token + cfg.beta * kl
     per_token = torch.where(mask, per_token, zero)
-    if cfg.loss_type == "grpo":  # each sequence's token mean first: long completions weigh less per token
+    if cfg.loss_type == "grpo":  # each sequence's token mean first: long completions weigh less
         per_token = per_token / mask.sum(1, keepdim=True).clamp_min(1)
-    normaliser = {"grpo": num_seqs, "dapo": num_tokens, "dr_grpo": num_seqs * cfg.max_completion_len}
-    loss = per_token.sum() / normaliser[cfg.loss_type]
+    normaliser = {"grpo": num_seqs, "dapo": num_tokens,
+                  "dr_grpo": num_seqs * cfg.max_completion_len}[cfg.loss_type]
+    loss = per_token.sum() / normaliser
     with torch.no_grad():
         n = mask.sum().clamp_min(1)
-        stats = {"loss": loss, "clip_low": ((ratio < 1 - cfg.eps_low) & (adv < 0) & mask).sum() / n,
+        stats = {"loss": loss,
+                 "clip_low": ((ratio < 1 - cfg.eps_low) & (adv < 0) & mask).sum() / n,
                  "clip_high": ((ratio > 1 + cfg.eps_high) & (adv > 0) & mask).sum() / n,
                  "ratio_mean": torch.where(mask, ratio, zero).sum() / n,
                  "ratio_min": torch.where(mask, ratio, torch.inf).amin(),
                  "ratio_max": torch.where(mask, ratio, -torch.inf).amax()}
         if kl is not None:
             stats["kl"] = torch.where(mask, kl, zero).sum() / n
-        values = torch.stack([v.float() for v in stats.values()]).tolist()  # one host sync for all metrics
+        # one host sync for all metrics
+        values = torch.stack([v.float() for v in stats.values()]).tolist()
     return loss, dict(zip(stats, values))
 
 # -----------------------------------------------------------------------------
@@ -334,67 +458,85 @@ class GRPOBatch:
     prompts: list[list[int]]          # Bp prompts
     completions: list[list[int]]      # N = Bp*G, prompt-major, ragged
     advantages: Tensor                # (N,)
-    old_logp: Tensor | None = None    # (N, Tr) from batch_logprobs when mu > 1; None = current, detached
+    old_logp: Tensor | None = None    # (N, Tr) from batch_logprobs when mu > 1; None: current
     ref_logp: Tensor | None = None    # (N, Tr) from the reference model when beta > 0
 
 
 def micro_batches(num_prompts: int, cfg: GRPOConfig) -> list[tuple[slice, slice]]:
     """(prompt slice, row slice) of each micro-batch of cfg.micro_batch_groups whole groups."""
-    step, G = cfg.micro_batch_groups, cfg.num_samples
+    step = cfg.micro_batch_groups
+    G = cfg.num_samples
     return [(slice(s, s + step), slice(s * G, (s + step) * G)) for s in range(0, num_prompts, step)]
 
 
 @torch.no_grad()
-def batch_logprobs(model, prompts: list[list[int]], completions: list[list[int]], cfg: GRPOConfig, *,
-                   logprob_fn: Callable | None = None) -> Tensor:
+def batch_logprobs(model, prompts: list[list[int]], completions: list[list[int]],
+                   cfg: GRPOConfig, *, logprob_fn: Callable | None = None) -> Tensor:
     """Old or reference logprobs (N, Tr) without grad, one micro-batch at a time (the same slices
-    accumulate uses), padded with zeros to the batch's longest completion."""
-    Tr, device = max((len(c) for c in completions), default=0), next(model.parameters()).device
-    out = torch.zeros(len(completions), Tr, device=device)
+    accumulate uses), padded with zeros to the batch's longest completion. float32, or float64 for
+    a float64 model (as completion_logprobs)."""
+    Tr = max((len(c) for c in completions), default=0)
+    param = next(model.parameters())
+    dtype = torch.promote_types(param.dtype, torch.float32)
+    out = torch.zeros(len(completions), Tr, device=param.device, dtype=dtype)
     for prompt_rows, rows in micro_batches(len(prompts), cfg):
-        logp, _, _ = completion_logprobs(model, prompts[prompt_rows], completions[rows], num_samples=cfg.num_samples,
-                                         temperature=cfg.temperature, chunk_size=cfg.chunk_size, logprob_fn=logprob_fn)
+        logp, _, _ = completion_logprobs(
+            model, prompts[prompt_rows], completions[rows], num_samples=cfg.num_samples,
+            temperature=cfg.temperature, chunk_size=cfg.chunk_size, logprob_fn=logprob_fn)
         out[rows, :logp.shape[1]] = logp
     return out
 
 
-def accumulate(model, batch: GRPOBatch, cfg: GRPOConfig, *, logprob_fn: Callable | None = None,
-               num_seqs: int | None = None, num_tokens: int | None = None) -> dict[str, float]:
-    """Forward, loss and backward over the generation batch in micro-batches of whole groups; grads
-    accumulate into .grad (no zero_grad, no step). num_seqs/num_tokens default to this batch's counts;
-    pass global counts under data parallelism. Returns "loss" (the summed, i.e. big-batch, loss),
-    token-weighted means of the other metrics, the min/max of ratio_min/ratio_max, and "entropy"."""
+def check_batch(batch: GRPOBatch, cfg: GRPOConfig) -> None:
+    """One clear error for a batch whose rows, advantages or logprobs do not line up."""
     N = len(batch.completions)
     if N != len(batch.prompts) * cfg.num_samples:
-        raise ValueError(f"batch.completions has {N} entries, expected len(batch.prompts) * num_samples "
-                         f"= {len(batch.prompts)} * {cfg.num_samples}")
+        raise ValueError(f"batch.completions has {N} entries, expected len(batch.prompts) * "
+                         f"num_samples = {len(batch.prompts)} * {cfg.num_samples}")
     if batch.advantages.shape != (N,):
-        raise ValueError(f"batch.advantages has shape {tuple(batch.advantages.shape)}, expected ({N},)")
+        raise ValueError(f"batch.advantages has shape {tuple(batch.advantages.shape)}, expected "
+                         f"({N},)")
     Tr = max((len(c) for c in batch.completions), default=0)
     for name, t in (("old_logp", batch.old_logp), ("ref_logp", batch.ref_logp)):
         if t is not None and t.shape != (N, Tr):
             raise ValueError(f"batch.{name} has shape {tuple(t.shape)}, expected ({N}, {Tr})")
-    num_seqs = N if num_seqs is None else num_seqs
+
+
+def accumulate(model, batch: GRPOBatch, cfg: GRPOConfig, *, logprob_fn: Callable | None = None,
+               num_seqs: int | None = None, num_tokens: int | None = None) -> dict[str, float]:
+    """Forward, loss and backward over the generation batch in micro-batches of whole groups;
+    grads accumulate into .grad (no zero_grad, no step). num_seqs/num_tokens default to this
+    batch's counts; pass global counts under data parallelism. Returns "loss" (the summed, i.e.
+    big-batch, loss), token-weighted means of the other metrics, the min/max of
+    ratio_min/ratio_max, and "entropy"."""
+    check_batch(batch, cfg)
+    num_seqs = len(batch.completions) if num_seqs is None else num_seqs
     num_tokens = sum(len(c) for c in batch.completions) if num_tokens is None else num_tokens
     totals: dict[str, float] = {}
     tokens_seen = 0.0  # valid completion tokens of the micro-batches so far: the metrics' weights
     for prompt_rows, rows in micro_batches(len(batch.prompts), cfg):
         logp, entropy, mask = completion_logprobs(
-            model, batch.prompts[prompt_rows], batch.completions[rows], num_samples=cfg.num_samples,
-            temperature=cfg.temperature, chunk_size=cfg.chunk_size, logprob_fn=logprob_fn)  # (n_rows, Tr_micro)
-        T = logp.shape[1]  # the micro-batch's longest completion; the batch tensors are padded further
+            model, batch.prompts[prompt_rows], batch.completions[rows],
+            num_samples=cfg.num_samples, temperature=cfg.temperature,
+            chunk_size=cfg.chunk_size, logprob_fn=logprob_fn)  # (n_rows, Tr_micro)
+        T = logp.shape[1]  # the micro-batch's longest completion; the batch tensors are longer
         old = None if batch.old_logp is None else batch.old_logp[rows, :T]
         ref = None if batch.ref_logp is None else batch.ref_logp[rows, :T]
         loss, metrics = grpo_loss(logp, old, ref, batch.advantages[rows], mask, cfg,
                                   num_seqs=num_seqs, num_tokens=max(num_tokens, 1))
         loss.backward()
         tokens = float(mask.sum())
-        metrics["entropy"] = float((entropy * mask).sum()) / max(tokens, 1.0)
+        metrics["entropy"] = float((entropy.detach() * mask).sum()) / max(tokens, 1.0)
         for key, value in metrics.items():
             prev = totals.get(key)
-            if key in ("ratio_min", "ratio_max"):
-                totals[key] = value if prev is None else (min if key == "ratio_min" else max)(prev, value)
-            else:  # loss: a plain sum (already normalised by the batch counts); others: token-weighted sums
-                totals[key] = (prev or 0.0) + (value if key == "loss" else value * tokens)
+            if key == "ratio_min":
+                totals[key] = value if prev is None else min(prev, value)
+            elif key == "ratio_max":
+                totals[key] = value if prev is None else max(prev, value)
+            elif key == "loss":  # a plain sum: already normalised by the batch counts
+                totals[key] = (prev or 0.0) + value
+            else:  # token-weighted sums
+                totals[key] = (prev or 0.0) + value * tokens
         tokens_seen += tokens
-    return {k: v if k in ("loss", "ratio_min", "ratio_max") else v / max(tokens_seen, 1.0) for k, v in totals.items()}
+    return {k: v if k in ("loss", "ratio_min", "ratio_max") else v / max(tokens_seen, 1.0)
+            for k, v in totals.items()}

@@ -1,7 +1,10 @@
 """grpo.py against its slow twins: one forward per sequence, unchunked logprobs, one big batch,
-finite differences and hand-computed cases."""
+finite differences and hand-computed cases; and against TRL 1.16 itself where it is importable."""
 
+import dataclasses
 import math
+import statistics
+import warnings
 
 import pytest
 import torch
@@ -11,18 +14,23 @@ import model as M
 from grpo import GRPOBatch, GRPOConfig
 
 V = 128
+# fp32 logprobs and entropies (|logp| ~ 2-8, H ~ 2-5 here) computed in a different order (prefix
+# attention merges two softmaxes, chunks change the matmul blocking): seen up to 7e-7 relative.
+# Relative, with an absolute floor for values near 0 (a 1e-6 absolute tolerance on a ratio of 1.76
+# failed on torch 2.14.1).
+LOGP_TOL = dict(rtol=1e-5, atol=1e-6)
 
 
-def tiny_model(seed: int = 0) -> M.Llama:
+def tiny_model(seed: int = 0, cls: type = M.Llama) -> M.Llama:
     cfg = M.ModelConfig(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
     # std 0.2 (not HF's 0.02): peaked logits and non-uniform attention, so indexing bugs show.
-    return M.Llama(cfg).init_weights(seed, std=0.2)
+    return cls(cfg).init_weights(seed, std=0.2)
 
 
 def ragged_batch(G: int = 3, seed: int = 0) -> tuple[list[list[int]], list[list[int]]]:
-    """Prompts of lengths 5, 11, 2 using token ids >= 100 only; completions of lengths 1..7 using ids < 100,
-    so an embedding row with gradient tells which part of the sequence it came from."""
+    """Prompts of lengths 5, 11, 2 using token ids >= 100 only; completions of lengths 1..7 using
+    ids < 100, so an embedding row with gradient tells which part of the sequence it came from."""
     gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(100, V, (n,), generator=gen).tolist() for n in (5, 11, 2)]
     lens = [1, 7, 4, 3, 6, 2, 5, 7, 1][:3 * G] + [3] * max(0, 3 * G - 9)
@@ -34,6 +42,11 @@ def grads(m: M.Llama) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in m.named_parameters()}
 
 
+def assert_rel(got: float, want: float, rel: float, floor: float = 1e-6, what: str = ""):
+    """|got - want| <= rel * max(|want|, floor): relative; the floor keeps values near 0 sane."""
+    assert abs(got - want) <= rel * max(abs(want), floor), f"{what}: {got!r} vs {want!r}"
+
+
 def assert_grads_close(got: dict, want: dict, rel: float):
     for name in want:
         scale = want[name].abs().max().clamp_min(1e-12)
@@ -42,8 +55,8 @@ def assert_grads_close(got: dict, want: dict, rel: float):
 
 
 def oracle_logprobs(m: M.Llama, prompts, completions, G: int, temperature: float = 1.0):
-    """One full causal forward per (prompt + completion) sequence; token t is scored by the logits at
-    position len(prompt) - 1 + t. Returns per-row lists of logp and entropy."""
+    """One full causal forward per (prompt + completion) sequence; token t is scored by the logits
+    at position len(prompt) - 1 + t. Returns per-row lists of logp and entropy."""
     logps, ents = [], []
     for i, c in enumerate(completions):
         p = prompts[i // G]
@@ -68,28 +81,35 @@ def test_logprobs_and_grads_equal_one_forward_per_sequence(shared, chunk_size):
     G, temperature = 3, 0.7
     prompts, completions = ragged_batch(G)
     m = tiny_model()
-    logp, entropy, mask = grpo.completion_logprobs(m, prompts, completions, num_samples=G, temperature=temperature,
-                                                   chunk_size=chunk_size, shared_prompt=shared)
-    weighted_sum(logp, mask).backward()
+    logp, entropy, mask = grpo.completion_logprobs(m, prompts, completions, num_samples=G,
+                                                   temperature=temperature, chunk_size=chunk_size,
+                                                   shared_prompt=shared)
+    # The entropy is differentiable too (an entropy bonus trains through it): weigh both.
+    (weighted_sum(logp, mask) + weighted_sum(entropy, mask, seed=2)).backward()
     got = grads(m)
     m.zero_grad()
     ref_logp, ref_ent = oracle_logprobs(m, prompts, completions, G, temperature)
     ref_mask = torch.zeros_like(mask)
     ref = torch.zeros_like(logp).detach()
+    ref_entropy = torch.zeros_like(logp).detach()
     for i, c in enumerate(completions):
         ref_mask[i, :len(c)] = True
-        # fp32, different summation orders (prefix attention merges two softmaxes): 1e-5
-        torch.testing.assert_close(logp[i, :len(c)], ref_logp[i], atol=1e-5, rtol=0)
-        torch.testing.assert_close(entropy[i, :len(c)], ref_ent[i].detach(), atol=1e-5, rtol=0)
-        ref = ref.index_put((torch.tensor([i]), torch.arange(len(c))), ref_logp[i])
+        torch.testing.assert_close(logp[i, :len(c)], ref_logp[i], **LOGP_TOL)
+        torch.testing.assert_close(entropy[i, :len(c)], ref_ent[i], **LOGP_TOL)
+        rows_cols = (torch.tensor([i]), torch.arange(len(c)))
+        ref = ref.index_put(rows_cols, ref_logp[i])
+        ref_entropy = ref_entropy.index_put(rows_cols, ref_ent[i])
     assert torch.equal(mask, ref_mask)
     assert torch.all(logp[~mask] == 0) and torch.all(entropy[~mask] == 0)
-    weighted_sum(ref, ref_mask).backward()
-    assert_grads_close(got, grads(m), rel=1e-4)  # fp32 accumulation over ~40 tokens, relative to each grad's scale
+    (weighted_sum(ref, ref_mask) + weighted_sum(ref_entropy, ref_mask, seed=2)).backward()
+    # fp32 accumulation over ~40 tokens, relative to each grad's scale
+    assert_grads_close(got, grads(m), rel=1e-4)
 
 
-def truncated_prompt_logprobs(m: M.Llama, prompts, completions, G: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """What TRL PR #2669 first did: the prompt forward runs under no_grad and its cache is reused."""
+def truncated_prompt_logprobs(m: M.Llama, prompts, completions,
+                              G: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What TRL PR #2669 first did: the prompt forward runs under no_grad and its cache is
+    reused."""
     kv = {}
 
     def record(layer, q, k, v):
@@ -104,7 +124,8 @@ def truncated_prompt_logprobs(m: M.Llama, prompts, completions, G: int) -> tuple
     positions = lens.repeat_interleave(G)[:, None] + torch.arange(T)
     valid = torch.arange(ids.shape[1]) < lens[:, None]
     own = torch.ones(T, T, dtype=torch.bool).tril()[None]
-    h = m.hidden(comp[:, :-1], positions, lambda l, q, k, v: M.prefix_attention(q, k, v, own, *kv[l], valid))
+    h = m.hidden(comp[:, :-1], positions,
+                 lambda l, q, k, v: M.prefix_attention(q, k, v, own, *kv[l], valid))
     h = torch.cat([last.repeat_interleave(G, 0)[:, None], h], 1)
     logp = m.head(h).log_softmax(-1).gather(-1, comp[..., None]).squeeze(-1)
     return logp, torch.arange(T + 1) < comp_lens[:, None]
@@ -123,62 +144,73 @@ def test_no_grad_prompt_gives_a_different_gradient():
     m.zero_grad()
     bad_logp, bad_mask = truncated_prompt_logprobs(m, prompts, completions, G)
     assert torch.equal(mask, bad_mask)
-    torch.testing.assert_close(bad_logp * mask, logp, atol=1e-5, rtol=0)  # same values...
+    torch.testing.assert_close(bad_logp * mask, logp, **LOGP_TOL)  # same values...
     weighted_sum(bad_logp, mask).backward()
     bad = grads(m)
     prompt_only = sorted({t for p in prompts for t in p})  # ids >= 100 never occur in completions
-    assert torch.all(bad["model.embed_tokens.weight"][prompt_only] == 0)  # ...but the prompt gets nothing
+    # ...but the prompt gets nothing
+    assert torch.all(bad["model.embed_tokens.weight"][prompt_only] == 0)
     assert torch.all(exact["model.embed_tokens.weight"][prompt_only].abs().sum(1) > 0)
     for name in ("model.layers.0.self_attn.k_proj.weight", "model.layers.1.mlp.up_proj.weight"):
         rel = (bad[name] - exact[name]).norm() / exact[name].norm()
         assert rel > 1e-2, f"{name}: truncated gradient only {rel:.2g} off"
-    torch.testing.assert_close(bad["lm_head.weight"], exact["lm_head.weight"])  # the head sees the same values
+    # the head sees the same values
+    torch.testing.assert_close(bad["lm_head.weight"], exact["lm_head.weight"])
 
 # -----------------------------------------------------------------------------
 # Chunked == unchunked; the token/position alignment
 
 
+class HeadSpy(M.Llama):
+    """Records the rows of every (rows, V) logits tensor: they are all made in head()."""
+    def __init__(self, cfg: M.ModelConfig):
+        super().__init__(cfg)
+        self.rows_seen: list[int] = []
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        self.rows_seen.append(h.shape[0])
+        return super().head(h)
+
+
 @pytest.mark.parametrize("chunk_size", [1, 7, 1000])
 @pytest.mark.parametrize("path", ["softmax", "checkpoint"])
 def test_chunked_equals_unchunked_and_never_holds_more_than_a_chunk(path, chunk_size):
-    """Both chunked paths (the default ChunkedSoftmaxLogprobs; checkpoint around a given logprob_fn, as
-    under tensor parallelism) against one log_softmax over all tokens; 7 does not divide n = 36."""
+    """Both chunked paths (the default ChunkedSoftmaxLogprobs; checkpoint around a given
+    logprob_fn, as under tensor parallelism) against one log_softmax over all tokens; 7 does not
+    divide n = 36."""
     G = 3
     prompts, completions = ragged_batch(G)
     n = sum(len(c) for c in completions)
-    m = tiny_model()
+    m = tiny_model(cls=HeadSpy)
     logp, ent, mask = grpo.completion_logprobs(m, prompts, completions, num_samples=G, chunk_size=0)
     weighted_sum(logp, mask).backward()
     want = grads(m)
     m.zero_grad()
-    rows_seen, head = [], m.head
-
-    def spy_head(h):  # every (rows, V) logits tensor is made here
-        rows_seen.append(h.shape[0])
-        return head(h)
-
-    m.head = spy_head  # instance attribute shadows the method
+    rows_seen = m.rows_seen
+    rows_seen.clear()  # the unchunked twin's rows
     fn = grpo.logprobs_from_logits if path == "checkpoint" else None
-    logp_c, ent_c, _ = grpo.completion_logprobs(m, prompts, completions, num_samples=G, chunk_size=chunk_size,
-                                                logprob_fn=fn)
+    logp_c, ent_c, _ = grpo.completion_logprobs(m, prompts, completions, num_samples=G,
+                                                chunk_size=chunk_size, logprob_fn=fn)
     chunks = math.ceil(n / chunk_size)
     assert len(rows_seen) == chunks and max(rows_seen) <= chunk_size and sum(rows_seen) == n
     weighted_sum(logp_c, mask).backward()
-    assert len(rows_seen) == 2 * chunks and max(rows_seen) <= chunk_size  # backward rebuilt each chunk
-    # Same math on row subsets; the matmul blocking changes with the row count: fp32 rounding of ~|5|.
-    torch.testing.assert_close(logp_c, logp, atol=1e-5, rtol=0)
-    torch.testing.assert_close(ent_c, ent, atol=1e-5, rtol=0)
+    # backward rebuilt each chunk
+    assert len(rows_seen) == 2 * chunks and max(rows_seen) <= chunk_size
+    # Same math on row subsets; the matmul blocking changes with the row count.
+    torch.testing.assert_close(logp_c, logp, **LOGP_TOL)
+    torch.testing.assert_close(ent_c, ent, **LOGP_TOL)
     assert_grads_close(grads(m), want, rel=1e-5)
     with torch.no_grad():  # no recompute without grad; same values
         rows_seen.clear()
-        logp_n, _, _ = grpo.completion_logprobs(m, prompts, completions, num_samples=G, chunk_size=chunk_size,
-                                                logprob_fn=fn)
+        logp_n, _, _ = grpo.completion_logprobs(m, prompts, completions, num_samples=G,
+                                                chunk_size=chunk_size, logprob_fn=fn)
     assert len(rows_seen) == chunks
-    torch.testing.assert_close(logp_n, logp.detach(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(logp_n, logp.detach(), **LOGP_TOL)
 
 
 class TinyHead(torch.nn.Module):
-    """A float64 stand-in for model.head (model.py normalises in float32, too coarse for gradcheck)."""
+    """A float64 stand-in for model.head (model.py normalises in float32, too coarse for
+    gradcheck)."""
     def __init__(self):
         super().__init__()
         self.lm_head = torch.nn.Linear(8, 11, dtype=torch.float64)
@@ -202,7 +234,48 @@ def test_chunked_softmax_logprobs_gradients_float64():
         (w * logp).sum().backward()
         out.append((logp, entropy, m.lm_head.weight.grad.clone(), m.lm_head.bias.grad.clone()))
     for got, want in zip(*out):
-        torch.testing.assert_close(got, want, atol=1e-12, rtol=0)  # float64: summation order only
+        # float64: summation order only (values ~1: relative, and a floor for grads near 0)
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def float64_twin(m: TinyHead, h: torch.Tensor, targets: torch.Tensor, temperature: float):
+    """The definitions, autograd all the way: p = softmax(z), logp = log p[target],
+    H = -sum p log p."""
+    p = (m.head(h) / temperature).softmax(-1)  # (n, V)
+    logp = p.gather(-1, targets[:, None]).squeeze(-1).log()
+    return logp, -(p * p.log()).sum(-1)
+
+
+@pytest.mark.parametrize("route", ["plain", "chunked", "checkpoint"])
+def test_entropy_is_differentiable_on_every_logprob_route(route):
+    """Regression: the chunked Function marked the entropy non-differentiable and the plain twin
+    computed it without grad, while tp.py's route differentiated it: an entropy term in a loss
+    trained under tensor parallelism and was silently dropped at TP = 1. Each route's gradient of
+    w1 logp + w2 H against autograd of the float64 definitions (tests/test_tp.py: the TP route)."""
+    torch.manual_seed(0)
+    m = TinyHead()
+    h = torch.randn(7, 8, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 11, (7,))
+    w1 = torch.randn(7, dtype=torch.float64)
+    w2 = torch.randn(7, dtype=torch.float64)
+    kw = dict(temperature=0.7, chunk_size=0 if route == "plain" else 3,
+              logprob_fn=grpo.logprobs_from_logits if route == "checkpoint" else None)
+    logp, entropy = grpo.chunked_logprobs(m, h, targets, **kw)
+    assert entropy.requires_grad
+    (w1 * logp + w2 * entropy).sum().backward()
+    got = [h.grad.clone(), m.lm_head.weight.grad.clone(), m.lm_head.bias.grad.clone()]
+    h.grad = None
+    m.zero_grad()
+    want_logp, want_entropy = float64_twin(m, h, targets, 0.7)
+    (w1 * want_logp + w2 * want_entropy).sum().backward()
+    want = [h.grad, m.lm_head.weight.grad, m.lm_head.bias.grad]
+    # float64, values ~1: summation order only (relative, with a floor for grads near 0)
+    torch.testing.assert_close(entropy, want_entropy, rtol=1e-10, atol=1e-12)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+    # The entropy alone, and finite differences through the hand-written backward.
+    entropy_only = lambda x: grpo.chunked_logprobs(m, x, targets, **kw)[1]
+    assert torch.autograd.gradcheck(entropy_only, (h.detach().requires_grad_(),))
 
 
 @pytest.mark.parametrize("shared", [True, False])
@@ -210,12 +283,13 @@ def test_logprob_of_token_t_comes_from_logits_at_t_minus_1(shared):
     m = tiny_model()
     prompt, completion = [3, 17, 42], [5, 9, 11, 60]
     logits = m(torch.tensor([prompt + completion]))[0]  # (7, V)
-    logp, _, _ = grpo.completion_logprobs(m, [prompt], [completion], num_samples=1, shared_prompt=shared)
+    logp, _, _ = grpo.completion_logprobs(m, [prompt], [completion], num_samples=1,
+                                          shared_prompt=shared)
     for t, tok in enumerate(completion):
         # completion token t sits at sequence position 3 + t and is predicted by position 2 + t
         want = logits[2 + t].log_softmax(-1)[tok]
         off_by_one = logits[3 + t].log_softmax(-1)[tok] if t < 3 else None
-        assert abs(logp[0, t].item() - want.item()) < 1e-5
+        assert_rel(logp[0, t].item(), want.item(), 1e-5, what=f"token {t}")  # fp32, |logp| ~ 5
         if off_by_one is not None:
             assert abs(logp[0, t].item() - off_by_one.item()) > 1e-3
 
@@ -226,7 +300,8 @@ def test_logprob_of_token_t_comes_from_logits_at_t_minus_1(shared):
 def training_batch(m: M.Llama, G: int = 2) -> tuple[GRPOBatch, GRPOConfig]:
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, V, (n,), generator=gen).tolist() for n in (4, 9, 2, 6)]
-    completions = [torch.randint(0, V, (n,), generator=gen).tolist() for n in (3, 6, 1, 5, 4, 4, 2, 6)][:4 * G]
+    lens = (3, 6, 1, 5, 4, 4, 2, 6)[:4 * G]
+    completions = [torch.randint(0, V, (n,), generator=gen).tolist() for n in lens]
     cfg = GRPOConfig(num_samples=G, beta=0.05, max_completion_len=8)
     adv = grpo.group_advantages(torch.randn(4 * G, generator=gen), G)
     current = grpo.batch_logprobs(m, prompts, completions, cfg)
@@ -242,8 +317,10 @@ def test_micro_batches_of_1_2_4_groups_equal_one_big_batch(loss_type):
     m = tiny_model()
     batch, cfg = training_batch(m)
     cfg.loss_type = loss_type
-    logp, ent, mask = grpo.completion_logprobs(m, batch.prompts, batch.completions, num_samples=cfg.num_samples)
-    loss, metrics = grpo.grpo_loss(logp, batch.old_logp, batch.ref_logp, batch.advantages, mask, cfg,
+    logp, ent, mask = grpo.completion_logprobs(m, batch.prompts, batch.completions,
+                                               num_samples=cfg.num_samples)
+    loss, metrics = grpo.grpo_loss(logp, batch.old_logp, batch.ref_logp, batch.advantages, mask,
+                                   cfg,
                                    num_seqs=len(batch.completions), num_tokens=int(mask.sum()))
     loss.backward()
     want = grads(m)
@@ -252,11 +329,17 @@ def test_micro_batches_of_1_2_4_groups_equal_one_big_batch(loss_type):
         m.zero_grad()
         cfg.micro_batch_groups = groups
         got = grpo.accumulate(m, batch, cfg)
-        assert abs(got["loss"] - loss.item()) <= 1e-6 * max(1.0, abs(loss.item()))  # fp32 summation order
+        # The loss is a sum of terms ~1 that nearly cancel (advantages sum to 0 in each group):
+        # its fp32 error scales with the terms, not with the small result, hence the floor of 1.
+        assert_rel(got["loss"], loss.item(), 1e-6, floor=1.0, what="loss")
+        # fp32: logp in another batch shape is ~1e-6 relative off, and so are ratios exp(logp - old)
+        # (ratio_max 1.76 was 2.5e-6 off); the floor covers clip fractions near 0.
         assert_grads_close(grads(m), want, rel=1e-5)
         for key in ("clip_low", "clip_high", "ratio_mean", "ratio_min", "ratio_max", "kl"):
-            assert abs(got[key] - metrics[key]) < 1e-6, key  # token-weighted, not micro-batch-weighted
-        assert abs(got["entropy"] - ((ent * mask).sum() / mask.sum()).item()) < 1e-5
+            # token-weighted, not micro-batch-weighted
+            assert_rel(got[key], metrics[key], 1e-5, what=key)
+        want_entropy = ((ent * mask).sum() / mask.sum()).item()
+        assert_rel(got["entropy"], want_entropy, 1e-5, what="entropy")
 
 
 def test_accumulate_adds_to_existing_grads_and_batch_logprobs_match_one_pass():
@@ -268,10 +351,14 @@ def test_accumulate_adds_to_existing_grads_and_batch_logprobs_match_one_pass():
     grpo.accumulate(m, batch, cfg)
     assert_grads_close(grads(m), {k: 2 * v for k, v in once.items()}, rel=1e-6)
     with torch.no_grad():
-        whole, _, _ = grpo.completion_logprobs(m, batch.prompts, batch.completions, num_samples=cfg.num_samples)
+        whole, _, _ = grpo.completion_logprobs(m, batch.prompts, batch.completions,
+                                               num_samples=cfg.num_samples)
     # fp32; a different batch shape changes the matmul blocking, logp ~ -5: a few ulps
     torch.testing.assert_close(grpo.batch_logprobs(m, batch.prompts, batch.completions, cfg), whole,
-                               atol=1e-5, rtol=0)
+                               **LOGP_TOL)
+    # A float64 model's old/reference logprobs stay float64 (they used to be rounded to float32).
+    m64 = m.double()
+    assert grpo.batch_logprobs(m64, batch.prompts, batch.completions, cfg).dtype == torch.float64
 
 # -----------------------------------------------------------------------------
 # The loss: finite differences, hand-built clipping, mu = 1
@@ -288,13 +375,16 @@ def loss_inputs(seed: int = 0):
     return logp, old, ref, adv, mask
 
 
+@pytest.mark.parametrize("bias_correction", [True, False])
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
-def test_loss_gradient_matches_finite_differences(loss_type):
+def test_loss_gradient_matches_finite_differences(loss_type, bias_correction):
     logp, old, ref, adv, mask = loss_inputs()
-    cfg = GRPOConfig(num_samples=2, loss_type=loss_type, beta=0.1, max_completion_len=8)
+    cfg = GRPOConfig(num_samples=2, loss_type=loss_type, beta=0.1, max_completion_len=8,
+                     use_bias_correction_kl=bias_correction)
     ratio = (logp - old).exp()
     # Finite differences are meaningless at the clip kinks: make sure no ratio sits near one.
-    assert ((ratio - (1 - cfg.eps_low)).abs() > 1e-3).all() and ((ratio - (1 + cfg.eps_high)).abs() > 1e-3).all()
+    assert ((ratio - (1 - cfg.eps_low)).abs() > 1e-3).all()
+    assert ((ratio - (1 + cfg.eps_high)).abs() > 1e-3).all()
     before = [t.clone() for t in (logp, old, ref, adv, mask)]
     f = lambda lp: grpo.grpo_loss(lp, old, ref, adv, mask, cfg, num_seqs=4, num_tokens=12)[0]
     assert torch.autograd.gradcheck(f, (logp.clone().requires_grad_(),), eps=1e-6, atol=1e-8)
@@ -303,6 +393,66 @@ def test_loss_gradient_matches_finite_differences(loss_type):
     assert torch.all(lp.grad[~mask] == 0)
     for b, a in zip(before, (logp, old, ref, adv, mask)):
         assert torch.equal(b, a)  # pure: inputs untouched
+
+
+def slow_loss(logp, old, ref, adv, mask, cfg: GRPOConfig, num_seqs: int, num_tokens: int):
+    """TRL's formulas written out token by token on 0-d tensors (autograd through the loop is the
+    twin's gradient): ratio r = exp(logp - old), -min(r A, clip(r) A), + beta k3 (times r with
+    the bias correction), each sequence's mean ("grpo") or sum, over the batch normaliser."""
+    total = logp.new_zeros(())
+    for i in range(logp.shape[0]):
+        length = int(mask[i].sum())
+        for t in range(length):  # the mask is a prefix: completions are right-padded
+            lp = logp[i, t]
+            r = torch.exp(lp - (lp.detach() if old is None else old[i, t]))
+            clipped = r.clamp(1 - cfg.eps_low, 1 + cfg.eps_high)
+            term = -torch.minimum(r * adv[i], clipped * adv[i])
+            if cfg.beta > 0:
+                d = ref[i, t] - lp
+                k3 = torch.exp(d) - d - 1
+                term = term + cfg.beta * (k3 * r if cfg.use_bias_correction_kl else k3)
+            total = total + (term / length if cfg.loss_type == "grpo" else term)
+    normaliser = {"grpo": num_seqs, "dapo": num_tokens,
+                  "dr_grpo": num_seqs * cfg.max_completion_len}[cfg.loss_type]
+    return total / normaliser
+
+
+@pytest.mark.parametrize("mu", [1, 2])
+@pytest.mark.parametrize("beta,bias_correction", [(0.0, True), (0.1, True), (0.1, False)])
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
+def test_loss_and_gradient_equal_the_token_by_token_twin(loss_type, beta, bias_correction, mu):
+    logp, old, ref, adv, mask = loss_inputs()
+    old = None if mu == 1 else old  # mu = 1: old_logp is the current policy, detached
+    cfg = GRPOConfig(num_samples=2, loss_type=loss_type, beta=beta, max_completion_len=8,
+                     use_bias_correction_kl=bias_correction)
+    got_lp = logp.clone().requires_grad_()
+    loss, metrics = grpo.grpo_loss(got_lp, old, ref, adv, mask, cfg, num_seqs=4, num_tokens=12)
+    loss.backward()
+    want_lp = logp.clone().requires_grad_()
+    want = slow_loss(want_lp, old, ref, adv, mask, cfg, num_seqs=4, num_tokens=12)
+    want.backward()
+    # float64, ~12 terms of ~1 that partly cancel: relative to the terms' scale
+    assert_rel(loss.item(), want.item(), 1e-12, floor=1.0, what="loss")
+    torch.testing.assert_close(got_lp.grad, want_lp.grad, rtol=1e-12, atol=1e-15)
+    if mu == 2 and beta > 0:
+        assert metrics["clip_low"] + metrics["clip_high"] > 0  # the clip is exercised
+
+
+def test_bias_corrected_kl_gradient_at_mu_1_is_hand_derived():
+    """Regression: grpo.py had only the plain k3 term. TRL's default multiplies it by the ratio,
+    which is 1 at mu = 1 but whose gradient adds beta * k3 per token: with d = ref - logp,
+    d/dlogp [-A r + beta k3 r] at r = 1 is -A + beta (1 - exp(d) + k3)."""
+    logp, _, ref, adv, mask = loss_inputs()
+    beta = 0.1
+    d = ref - logp
+    k3 = d.exp() - d - 1
+    for bias_correction in (True, False):
+        cfg = GRPOConfig(num_samples=2, beta=beta, use_bias_correction_kl=bias_correction)
+        lp = logp.clone().requires_grad_()
+        grpo.grpo_loss(lp, None, ref, adv, mask, cfg, num_seqs=4, num_tokens=12)[0].backward()
+        kl_grad = 1 - d.exp() + (k3 if bias_correction else 0)
+        want = (-adv[:, None] + beta * kl_grad) * mask / 12  # dapo: sum over the 12 tokens / 12
+        torch.testing.assert_close(lp.grad, want, rtol=1e-12, atol=1e-15)  # float64
 
 
 @pytest.mark.parametrize("ratio,adv,loss,grad,clip_low,clip_high", [
@@ -320,8 +470,10 @@ def test_clipping_on_hand_built_cases(ratio, adv, loss, grad, clip_low, clip_hig
     out, metrics = grpo.grpo_loss(logp, old, None, torch.tensor([adv], dtype=torch.float64),
                                   torch.ones(1, 1, dtype=torch.bool), cfg, num_seqs=1, num_tokens=1)
     out.backward()
-    assert abs(out.item() - loss) < 1e-12
-    assert abs(logp.grad.item() - grad) < 1e-12  # d(-ratio * A)/d logp = -ratio * A when unclipped
+    # float64, values ~1: exp(log(ratio)) is a few ulps off ratio
+    assert_rel(out.item(), loss, 1e-12, floor=1e-3, what="loss")
+    # d(-ratio * A)/d logp = -ratio * A when unclipped, exactly 0 when clipped
+    assert_rel(logp.grad.item(), grad, 1e-12, floor=1e-3, what="grad")
     assert (metrics["clip_low"], metrics["clip_high"]) == (clip_low, clip_high)
 
 
@@ -333,39 +485,103 @@ def test_mu_1_ratio_is_one_and_gradient_is_the_policy_gradient():
     logp, _, mask = grpo.completion_logprobs(m, prompts, completions, num_samples=G)
     num_tokens = int(mask.sum())
     cfg = GRPOConfig(num_samples=G, loss_type="dapo")
-    loss, metrics = grpo.grpo_loss(logp, None, None, adv, mask, cfg, num_seqs=9, num_tokens=num_tokens)
+    loss, metrics = grpo.grpo_loss(logp, None, None, adv, mask, cfg, num_seqs=9,
+                                   num_tokens=num_tokens)
     assert metrics["ratio_min"] == metrics["ratio_max"] == metrics["ratio_mean"] == 1.0
     assert metrics["clip_low"] == metrics["clip_high"] == 0
     # Value: -sum(A * 1) / num_tokens (~0, not exactly: dapo weighs sequences by length).
-    assert abs(loss.item() + (adv[:, None] * mask).sum().item() / num_tokens) < 1e-6
-    surrogate = -(adv[:, None] * logp * mask).sum() / num_tokens  # REINFORCE with the group-mean baseline
+    # a sum of terms ~1 that nearly cancel: the floor of 1 is their scale
+    assert_rel(loss.item(), -(adv[:, None] * mask).sum().item() / num_tokens, 1e-6, floor=1.0,
+               what="loss")
+    # REINFORCE with the group-mean baseline
+    surrogate = -(adv[:, None] * logp * mask).sum() / num_tokens
     loss.backward(retain_graph=True)
     got = grads(m)
     m.zero_grad()
     surrogate.backward(retain_graph=True)
     assert_grads_close(got, grads(m), rel=1e-6)
     cfg.loss_type = "grpo"  # sequence means: -mean(A), and A sums to 0 in every group
-    assert abs(grpo.grpo_loss(logp, None, None, adv, mask, cfg, num_seqs=9, num_tokens=num_tokens)[0].item()) < 1e-6
+    seq_loss, _ = grpo.grpo_loss(logp, None, None, adv, mask, cfg, num_seqs=9,
+                                 num_tokens=num_tokens)
+    assert abs(seq_loss.item()) < 1e-6  # a value near 0: absolute, fp32 sums of ~1
 
 # -----------------------------------------------------------------------------
 # Advantages
 
 
-def test_group_advantages_edge_cases():
-    nan, eps = float("nan"), 1e-4
-    r = torch.tensor([1.0, 2.0, 3.0, 0.1, 0.1, 0.1, 1.0, nan, 3.0, nan, nan, nan, 7.0, nan, nan])
-    a = grpo.group_advantages(r, 3, "group", std_eps=eps)
-    s = math.sqrt(2 / 3)  # population std of 1, 2, 3
-    want = [-1 / (s + eps), 0, 1 / (s + eps), 0, 0, 0, -1 / (1 + eps), 0, 1 / (1 + eps), 0, 0, 0, 0, 0, 0]
-    torch.testing.assert_close(a, torch.tensor(want), atol=1e-6, rtol=0)
-    assert torch.all(a[3:6] == 0)  # all-equal group: exactly 0 (0.1 * 3 / 3 != 0.1 in floats)
-    assert not torch.isnan(a).any()  # NaN rewards and all-NaN groups get 0, never NaN
-    torch.testing.assert_close(grpo.group_advantages(r, 3, "none"),
-                               torch.tensor([-1.0, 0, 1, 0, 0, 0, -1, 0, 1, 0, 0, 0, 0, 0, 0]), atol=1e-6, rtol=0)
-    valid = r[~torch.isnan(r)].double()
-    batch_std = ((valid - valid.mean()) ** 2).mean().sqrt().item()
-    torch.testing.assert_close(grpo.group_advantages(r, 3, "batch", std_eps=eps),
-                               grpo.group_advantages(r, 3, "none") / (batch_std + eps), atol=1e-6, rtol=0)
+NAN = float("nan")
+# Groups of 3: spread; all equal (0.1 * 3 / 3 != 0.1 in floats); one missing; all missing; one
+# valid; two equal and one not.
+REWARDS = [1.0, 2.0, 3.0, 0.1, 0.1, 0.1, 1.0, NAN, 3.0, NAN, NAN, NAN, 7.0, NAN, NAN, 0.0, 1.0, 1.0]
+
+
+def slow_advantages(rewards: list[float], G: int, scale: str, eps: float,
+                    correction: int) -> list[float]:
+    """The obvious twin in Python floats: statistics.stdev (n-1) or pstdev over the valid rewards
+    of the group ("group") or of the whole batch ("batch"); 0 for a missing reward and for a
+    group with fewer than two distinct valid rewards."""
+    std_of = statistics.stdev if correction else statistics.pstdev
+    batch = [x for x in rewards if not math.isnan(x)]
+    out = []
+    for start in range(0, len(rewards), G):
+        group = rewards[start:start + G]
+        valid = [x for x in group if not math.isnan(x)]
+        for x in group:
+            if math.isnan(x) or len(set(valid)) < 2:
+                out.append(0.0)
+            elif scale == "none":
+                out.append(x - statistics.fmean(valid))
+            else:
+                std = std_of(valid if scale == "group" else batch)
+                out.append((x - statistics.fmean(valid)) / (std + eps))
+    return out
+
+
+@pytest.mark.parametrize("correction", [1, 0])
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_group_advantages_equal_the_python_twin(scale, correction):
+    got = grpo.group_advantages(torch.tensor(REWARDS), 3, scale, std_eps=1e-4,
+                                std_correction=correction)
+    want = torch.tensor(slow_advantages(REWARDS, 3, scale, 1e-4, correction))
+    # float64 inside, float32 out: an ulp relative; the zeros must be exact zeros
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    assert torch.all(got[want == 0] == 0) and not torch.isnan(got).any()
+
+
+def test_group_advantages_default_to_the_n_minus_1_std_of_trl_and_verl():
+    """Regression: the population std made advantages sqrt(G / (G-1)) larger than TRL's and
+    verl's (29% at G = 2), and not uniformly so once some rewards are missing."""
+    eps = 1e-4
+    a = grpo.group_advantages(torch.tensor(REWARDS[:9]), 3, std_eps=eps)
+    # n-1 std: 1 for (1, 2, 3); sqrt(2) for (1, 3)
+    root2 = 2 ** 0.5
+    want = [-1 / (1 + eps), 0, 1 / (1 + eps), 0, 0, 0, -1 / (root2 + eps), 0, 1 / (root2 + eps)]
+    torch.testing.assert_close(a, torch.tensor(want), rtol=1e-6, atol=0)  # an ulp of float32
+    assert GRPOConfig().std_correction == 1
+    two = grpo.group_advantages(torch.tensor([0.0, 1.0]), 2, std_eps=0.0)
+    torch.testing.assert_close(two, torch.tensor([-0.5, 0.5]) / 0.5 ** 0.5, rtol=1e-6, atol=0)
+
+
+def test_combine_rewards_skips_missing_functions_like_trl():
+    """Regression: train.py made a row missing when ANY reward function returned None; TRL sums
+    the others (nansum), and a row is missing only when every function returned None."""
+    per_function = [[1.0, 0.5, NAN], [NAN, 2.0, 1.0], [NAN, NAN, NAN], [0.0, 0.0, 0.0],
+                    [NAN, NAN, -3.0]]
+    weights = [1.0, 0.5, 2.0]
+    want = []  # the obvious twin: a Python loop
+    for row in per_function:
+        valid = [w * r for w, r in zip(weights, row) if not math.isnan(r)]
+        want.append(sum(valid) if valid else NAN)
+    got = grpo.combine_rewards(torch.tensor(per_function, dtype=torch.float64), weights)
+    torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64), rtol=0, atol=0,
+                               equal_nan=True)  # sums of 2-3 exact binary fractions: exact
+    assert torch.isnan(got).tolist() == [False, False, True, False, False]
+
+
+def test_group_advantages_with_every_reward_missing_are_zero():
+    for scale in ("group", "batch", "none"):
+        a = grpo.group_advantages(torch.full((6,), NAN), 3, scale)
+        assert torch.equal(a, torch.zeros(6)), scale  # never NaN
 
 # -----------------------------------------------------------------------------
 # Bad input: clear errors naming the argument
@@ -376,6 +592,10 @@ def bad_inputs():
     cfg = GRPOConfig(num_samples=1, beta=0.1)
     z = torch.zeros(2, 3)
     ok_mask = torch.ones(2, 3, dtype=torch.bool)
+
+    def loss(*tensors):
+        return grpo.grpo_loss(*tensors, cfg, num_seqs=2, num_tokens=6)
+
     return [
         (lambda: GRPOConfig(eps_low=-0.1), "eps_low"),
         (lambda: GRPOConfig(eps_high=-0.1), "eps_high"),
@@ -384,23 +604,258 @@ def bad_inputs():
         (lambda: GRPOConfig(num_samples=0), "num_samples"),
         (lambda: GRPOConfig(temperature=0.0), "temperature"),
         (lambda: GRPOConfig(beta=-1.0), "beta"),
+        (lambda: GRPOConfig(std_correction=2), "std_correction"),
+        (lambda: grpo.group_advantages(torch.zeros(4), 2, std_correction=-1), "std_correction"),
+        (lambda: grpo.combine_rewards(torch.zeros(4), [1.0]), "per_function"),
+        (lambda: grpo.combine_rewards(torch.zeros(4, 2, dtype=torch.long), [1.0, 1.0]),
+         "per_function"),
+        (lambda: grpo.combine_rewards(torch.zeros(4, 2), [1.0]), "weights"),
         (lambda: grpo.group_advantages(torch.zeros(5), 2), "num_samples"),
         (lambda: grpo.group_advantages(torch.zeros(2, 2), 2), "rewards"),
         (lambda: grpo.group_advantages(torch.zeros(4), 2, scale="rank"), "scale"),
         (lambda: grpo.completion_logprobs(m, [[1]], [[2]] * 3, num_samples=2), "completions"),
         (lambda: grpo.completion_logprobs(m, [[]], [[2]], num_samples=1), r"prompts\[0\]"),
-        (lambda: grpo.grpo_loss(z, torch.zeros(2, 4), z, torch.zeros(2), ok_mask, cfg, num_seqs=2, num_tokens=6),
-         "old_logp"),
-        (lambda: grpo.grpo_loss(z, z, z, torch.zeros(3), ok_mask, cfg, num_seqs=2, num_tokens=6), "advantages"),
-        (lambda: grpo.grpo_loss(z, z, z, torch.zeros(2), ok_mask[:, :2], cfg, num_seqs=2, num_tokens=6), "mask"),
-        (lambda: grpo.grpo_loss(z, z, None, torch.zeros(2), ok_mask, cfg, num_seqs=2, num_tokens=6), "ref_logp"),
-        (lambda: grpo.accumulate(m, GRPOBatch([[1]], [[2]], torch.zeros(2)), cfg), "batch.advantages"),
-        (lambda: grpo.accumulate(m, GRPOBatch([[1]], [[2]], torch.zeros(1), torch.zeros(1, 2)), cfg), "batch.old_logp"),
+        (lambda: loss(z, torch.zeros(2, 4), z, torch.zeros(2), ok_mask), "old_logp"),
+        (lambda: loss(z, z, z, torch.zeros(3), ok_mask), "advantages"),
+        (lambda: loss(z, z, z, torch.zeros(2), ok_mask[:, :2]), "mask"),
+        (lambda: loss(z, z, None, torch.zeros(2), ok_mask), "ref_logp"),
+        (lambda: grpo.accumulate(m, GRPOBatch([[1]], [[2]], torch.zeros(2)), cfg),
+         "batch.advantages"),
+        (lambda: grpo.accumulate(m, GRPOBatch([[1]], [[2]], torch.zeros(1), torch.zeros(1, 2)),
+                                 cfg), "batch.old_logp"),
     ]
 
 
-@pytest.mark.parametrize("case", range(18))
+@pytest.mark.parametrize("case", range(len(bad_inputs())))
 def test_bad_input_raises_a_clear_error_naming_the_argument(case):
     call, match = bad_inputs()[case]
     with pytest.raises(ValueError, match=match):
         call()
+
+# -----------------------------------------------------------------------------
+# Against TRL 1.16 itself, on the same weights. Each test skips when trl is not importable: trl is
+# a reference here, never a requirement. TRL runs its own code: a real GRPOTrainer on the CPU whose
+# generation is its rollout_func hook returning fixed completions, its own reward scoring and
+# advantages (_generate_and_score_completions) and its own loss (_compute_loss).
+
+TRL_MICRO_BATCHES = 2  # TRL's gradient_accumulation_steps; ours: as many micro-batches of groups
+TRL_TEMPERATURE = 0.7
+# Rows of (reward_a, reward_b), weights 1.0 and 0.5; None: the function could not score the row.
+# Some rows miss one function (TRL sums the other), one misses both (missing: advantage 0).
+TRL_REWARDS = [(1.0, 0.5), (0.0, None), (None, None), (2.0, 1.0), (1.0, None), (None, 3.0),
+               (0.5, 0.5), (1.5, 0.0), (0.5, None), (None, 1.0), (0.5, 0.0), (0.5, 0.0)]
+TRL_WEIGHTS = [1.0, 0.5]
+
+
+@pytest.fixture(scope="module")
+def hf_checkpoint(tmp_path_factory) -> tuple[str, object]:
+    """A tiny transformers Llama saved as safetensors (TRL's policy and model.Llama both load it)
+    and a word-level tokenizer built in memory, token i = "t{i}"."""
+    pytest.importorskip("trl")  # transformers, tokenizers and datasets come with it
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    path = str(tmp_path_factory.mktemp("hf_llama"))
+    config = transformers.LlamaConfig(
+        vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        initializer_range=0.2,  # peaked logits, non-uniform attention (as tiny_model)
+        tie_word_embeddings=False, pad_token_id=0, eos_token_id=1)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    words = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(V)}, unk_token="t0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=words, pad_token="t0",
+                                                     eos_token="t1", unk_token="t0")
+    return path, tokenizer
+
+
+def trl_batch(G: int, seed: int = 3) -> tuple[list[list[int]], list[list[int]]]:
+    """len(TRL_REWARDS) // G prompts of 5 tokens and ragged completions, ids >= 2 (not pad/eos).
+    Equal prompt lengths: TRL left-pads prompts and passes no position_ids, so a shorter prompt
+    sits at shifted positions; rope makes that exact in exact arithmetic, but its angles are
+    float32, and ragged prompts alone put ~1.3e-6 between the two models' logprobs (2.7e-15
+    with equal lengths). Ragged prompts are tested against our own slow twin above."""
+    gen = torch.Generator().manual_seed(seed)
+    N = len(TRL_REWARDS)
+    prompts = [torch.randint(2, V, (5,), generator=gen).tolist() for _ in range(N // G)]
+    lens = [3, 6, 1, 5, 4, 4, 2, 6, 3, 1, 5, 2]
+    completions = [torch.randint(2, V, (n,), generator=gen).tolist() for n in lens]
+    return prompts, completions
+
+
+def trl_trainer(hf_checkpoint, tmp_path, prompts: list[list[int]], completions: list[list[int]],
+                **trl_config):
+    """A real trl.GRPOTrainer on the CPU in float64. Its rollout_func hook returns our prompts and
+    completions and the reward columns; the two reward functions return those columns."""
+    trl = pytest.importorskip("trl")
+    import datasets
+    import transformers
+
+    path, tokenizer = hf_checkpoint
+    N = len(completions)
+    G = N // len(prompts)
+
+    def rollout_func(prompt_texts: list[str], trainer) -> dict:
+        return {"prompt_ids": [prompts[i // G] for i in range(N)], "completion_ids": completions,
+                "logprobs": None, "reward_a": [r[0] for r in TRL_REWARDS],
+                "reward_b": [r[1] for r in TRL_REWARDS]}
+
+    def reward_a(completions, reward_a, **kwargs):
+        return reward_a
+
+    def reward_b(completions, reward_b, **kwargs):
+        return reward_b
+
+    policy = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float64)
+    dataset = datasets.Dataset.from_dict({"prompt": ["t2"] * N})
+    with warnings.catch_warnings():  # rollout_func is "experimental"; a renamed TrainingArguments
+        warnings.simplefilter("ignore")
+        args = trl.GRPOConfig(
+            output_dir=str(tmp_path / "trl"), use_cpu=True, report_to="none", bf16=False,
+            gradient_checkpointing=False, num_generations=G,
+            per_device_train_batch_size=N // TRL_MICRO_BATCHES,
+            gradient_accumulation_steps=TRL_MICRO_BATCHES, reward_weights=TRL_WEIGHTS,
+            temperature=TRL_TEMPERATURE, **trl_config)
+        trainer = trl.GRPOTrainer(model=policy, reward_funcs=[reward_a, reward_b], args=args,
+                                  train_dataset=dataset, processing_class=tokenizer,
+                                  rollout_func=rollout_func)
+    trainer.model.train()
+    return trainer
+
+
+def trl_scored(trainer, N: int) -> dict:
+    """TRL's generation batch: its padding, reward sums and advantages (and old/ref logprobs)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return trainer._generate_and_score_completions([{"prompt": "t2"} for _ in range(N)])
+
+
+def our_advantages(G: int, scale: str) -> torch.Tensor:
+    nan = float("nan")
+    rows = [[nan if r is None else r for r in row] for row in TRL_REWARDS]
+    rewards = grpo.combine_rewards(torch.tensor(rows), TRL_WEIGHTS)
+    return grpo.group_advantages(rewards, G, scale)
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_advantages_equal_trls_with_missing_rewards(hf_checkpoint, tmp_path, scale):
+    """TRL's own reward sums (nansum over functions, missing only when all are None) and advantages
+    ((r - group mean) / (n-1 std + 1e-4), NaN rows 0) against combine_rewards + group_advantages
+    with our defaults, G = 4 (one group has a missing row and a row scored by one function)."""
+    G = 4
+    prompts, completions = trl_batch(G)
+    trainer = trl_trainer(hf_checkpoint, tmp_path, prompts, completions, scale_rewards=scale)
+    want = trl_scored(trainer, len(completions))["advantages"]
+    got = our_advantages(G, scale)
+    # TRL computes in float32, we in float64 rounded to float32: a few ulps, relative; zeros exact
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    assert got[2] == 0 and want[2] == 0  # the unscorable row
+
+
+def trl_micro_batches(scored: dict, old: torch.Tensor | None, ref: torch.Tensor | None):
+    """TRL's inputs to _compute_loss, one per micro-batch: equal slices of whole groups (TRL
+    shuffles rows first; with equal sizes its normalisers do not depend on which rows)."""
+    N = scored["completion_ids"].shape[0]
+    size = N // TRL_MICRO_BATCHES
+    keys = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages")
+    for start in range(0, N, size):
+        rows = slice(start, start + size)
+        inputs = {key: scored[key][rows] for key in keys}
+        inputs["num_items_in_batch"] = scored["num_items_in_batch"]  # the generation batch's
+        if old is not None:
+            inputs["old_per_token_logps"] = old[rows]
+        if ref is not None:
+            inputs["ref_per_token_logps"] = ref[rows]
+        yield inputs
+
+
+def check_against_trl(trainer, scored: dict, ours: M.Llama, batch: GRPOBatch, cfg: GRPOConfig):
+    """TRL's _compute_loss run as its Trainer runs it (each micro-batch's loss, normalised per
+    micro-batch and by gradient_accumulation_steps, then backward) against accumulate with global
+    normalisers, equal for equal micro-batches: loss, metrics, every parameter's gradient."""
+    trainer.model.zero_grad()
+    trainer._metrics["train"].clear()
+    trainer.current_gradient_accumulation_steps = TRL_MICRO_BATCHES  # set by Trainer's loop
+    trl_loss = 0.0
+    tokens = []
+    for inputs in trl_micro_batches(scored, batch.old_logp, batch.ref_logp):
+        loss = trainer._compute_loss(trainer.model, inputs)
+        loss.backward()
+        trl_loss += loss.item()
+        tokens.append(float(inputs["completion_mask"].sum()))
+    ours.zero_grad()
+    got = grpo.accumulate(ours, batch, cfg)
+    # The loss sums terms ~1 that nearly cancel (advantages sum to 0 per group): floor 1. TRL's
+    # logp are float32-rounded (its chunked kernel casts logit tiles to float32), ~1e-7 relative.
+    assert_rel(got["loss"], trl_loss, 1e-6, floor=1.0, what="loss")
+    logged = trainer._metrics["train"]  # one value per micro-batch: weigh by its tokens
+    names = {"entropy": "entropy", "clip_low": "clip_ratio/low_mean",
+             "clip_high": "clip_ratio/high_mean"}
+    if cfg.beta > 0:
+        names["kl"] = "kl"
+    for our_name, trl_name in names.items():
+        want = sum(v * t for v, t in zip(logged[trl_name], tokens)) / sum(tokens)
+        assert_rel(got[our_name], want, 1e-5, floor=1e-3, what=our_name)
+    theirs = dict(trainer.model.named_parameters())
+    assert set(theirs) == {name for name, _ in ours.named_parameters()}
+    # Each parameter's gradient relative to its largest entry: TRL's float32 softmax statistics
+    # put ~1e-6 into d loss / d logits (seen up to 1.1e-6); 5e-6 leaves room for other builds.
+    assert_grads_close(grads(ours), {name: p.grad for name, p in theirs.items()}, rel=5e-6)
+    return got
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.1])
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
+def test_loss_metrics_and_grads_equal_trls_on_the_same_weights(hf_checkpoint, tmp_path, loss_type,
+                                                               beta):
+    """mu = 1 (no old_logp: TRL's own detached logp) and mu = 2 (old_logp given, off-policy, so the
+    clip acts); beta > 0 with ref_logp given, off the reference, so the KL (with TRL's default bias
+    correction) acts. Advantages from TRL's own scoring with missing rewards."""
+    G = 2
+    prompts, completions = trl_batch(G)
+    N = len(completions)
+    # num_iterations = 2 makes TRL compute old logprobs too; _compute_loss never reads it.
+    trainer = trl_trainer(hf_checkpoint, tmp_path, prompts, completions, loss_type=loss_type,
+                          beta=beta, num_iterations=2, epsilon=0.2, epsilon_high=0.28,
+                          max_completion_length=8)
+    scored = trl_scored(trainer, N)
+    ours = M.Llama.from_pretrained(hf_checkpoint[0], dtype=torch.float64)
+    cfg = GRPOConfig(num_samples=G, loss_type=loss_type, beta=beta, eps_low=0.2, eps_high=0.28,
+                     temperature=TRL_TEMPERATURE, chunk_size=5, max_completion_len=8,
+                     micro_batch_groups=N // G // TRL_MICRO_BATCHES)
+    advantages = our_advantages(G, "group")
+    torch.testing.assert_close(advantages, scored["advantages"], rtol=1e-6, atol=0)
+    current = grpo.batch_logprobs(ours, prompts, completions, cfg)  # (N, Tr)
+    mask = scored["completion_mask"].bool()
+    for key in ("old_per_token_logps", "ref_per_token_logps"):  # TRL's own, when it made them
+        if key in scored:  # TRL's softmax statistics are float32: ~1e-7 of the logits (|z| ~ 10)
+            torch.testing.assert_close(scored[key] * mask, current.to(scored[key].dtype),
+                                       **LOGP_TOL)
+    gen = torch.Generator().manual_seed(7)
+    ref = None
+    if beta > 0:
+        ref = current + 0.5 * torch.randn(current.shape, generator=gen, dtype=current.dtype) * mask
+    check_against_trl(trainer, scored, ours, GRPOBatch(prompts, completions, advantages, None, ref),
+                      cfg)
+    old = current + 0.3 * torch.randn(current.shape, generator=gen, dtype=current.dtype) * mask
+    got = check_against_trl(trainer, scored, ours,
+                            GRPOBatch(prompts, completions, advantages, old, ref), cfg)
+    assert got["clip_low"] + got["clip_high"] > 0  # the clip acts
+
+
+def test_defaults_are_trls_except_the_documented_differences():
+    """Our GRPOConfig defaults against TRL's GRPOConfig field defaults; the differences are on
+    purpose and listed in the README's table."""
+    trl = pytest.importorskip("trl")
+    theirs = {f.name: f.default for f in dataclasses.fields(trl.GRPOConfig)}
+    ours = GRPOConfig()
+    same = {"num_samples": "num_generations", "loss_type": "loss_type", "scale": "scale_rewards",
+            "eps_low": "epsilon", "beta": "beta", "temperature": "temperature",
+            "mu": "num_iterations", "use_bias_correction_kl": "use_bias_correction_kl"}
+    for our_name, trl_name in same.items():
+        assert getattr(ours, our_name) == theirs[trl_name], (our_name, trl_name)
+    # Clip-higher (DAPO) 0.28; TRL's epsilon_high None means epsilon, 0.2.
+    assert (ours.eps_high, theirs["epsilon_high"]) == (0.28, None)
+    # Dr. GRPO's constant: train.py sets it to the rollout's max_new_tokens.
+    assert (ours.max_completion_len, theirs["max_completion_length"]) == (256, 512)

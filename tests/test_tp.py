@@ -151,6 +151,47 @@ def check_vocab_parallel_logprobs(groups: tp.ParallelGroups) -> None:
     torch.testing.assert_close(again.grad, shard.grad, atol=0, rtol=0)
 
 
+def check_entropy_gradient(groups: tp.ParallelGroups) -> None:
+    """grpo.py's contract for its three logprob routes: the entropy is differentiable. The
+    vocab-parallel route against autograd of the float64 definitions, then inside
+    grpo.chunked_logprobs on a sharded head (checkpointed chunks) against TP = 1's chunked
+    Function, with an entropy term in the loss: every parameter's gradient."""
+    rank, n = groups.tp_rank, 9
+    gen = torch.Generator().manual_seed(6)
+    logits = torch.randn(n, V, generator=gen, dtype=torch.float64) * 3
+    targets = torch.randint(0, V, (n,), generator=gen)
+    w1 = torch.randn(n, generator=gen, dtype=torch.float64)
+    w2 = torch.randn(n, generator=gen, dtype=torch.float64)
+    cols = slice(rank * V // 2, (rank + 1) * V // 2)
+    shard = logits[:, cols].clone().requires_grad_()
+    logp, entropy = tp.vocab_parallel_logprobs(shard, targets, groups)
+    (w1 * logp + w2 * entropy).sum().backward()
+    full = logits.clone().requires_grad_()
+    p = full.softmax(-1)  # (n, V)
+    want_logp = p.gather(-1, targets[:, None]).squeeze(-1).log()
+    want_entropy = -(p * p.log()).sum(-1)
+    (w1 * want_logp + w2 * want_entropy).sum().backward()
+    # The route computes in float32 (logits.float()): relative to values and grads ~1.
+    torch.testing.assert_close(entropy.double(), want_entropy, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(shard.grad, full.grad[:, cols], rtol=1e-5, atol=1e-6)
+    # The whole head, sharded: checkpointed chunks of 4 rows of vocab-parallel logprobs.
+    one = full_model(CONFIGS["llama"])
+    m = tp.shard_model(copy.deepcopy(one), groups)
+    h = torch.randn(n, one.config.hidden_size, generator=gen)
+    logprob_fn = functools.partial(tp.vocab_parallel_logprobs, groups=groups)
+    grad_h = []
+    for model, fn in ((m, logprob_fn), (one, None)):
+        x = h.clone().requires_grad_()
+        logp, entropy = grpo.chunked_logprobs(model, x, targets, temperature=0.7, chunk_size=4,
+                                              logprob_fn=fn)
+        (w1.float() * logp + w2.float() * entropy).sum().backward()
+        grad_h.append(x.grad)
+    torch.testing.assert_close(grad_h[0], grad_h[1], **TOL)
+    for (name, p), (_, q) in zip(m.named_parameters(), one.named_parameters()):
+        if q.grad is not None:  # the head's: final norm and lm_head
+            torch.testing.assert_close(unshard(name, p.grad, groups), q.grad, **TOL, msg=name)
+
+
 class Bug203(torch.autograd.Function):
     """nanotron #203's first version: the gathered input lives in the shared buffer AND is kept for
     backward (as F.linear keeps its input), so a later gather overwrites it before backward reads it.
@@ -316,6 +357,7 @@ def _tp2_worker(rank: int, tmp: str) -> None:
     groups = tp.make_groups(2)
     assert (groups.tp_rank, groups.tp_size, groups.dp_rank, groups.dp_size, groups.dp_group) == (rank, 2, 0, 1, None)
     check_vocab_parallel_logprobs(groups)
+    check_entropy_gradient(groups)
     check_two_fused_gather_linears(groups)
     for name, cfg in CONFIGS.items():
         check_tp_equals_one_process(cfg, groups)
