@@ -1,10 +1,13 @@
 """
 GRPO: group advantages, completion logprobs with the prompt computed once per group, and the loss.
 
-A generation batch is Bp prompts x G completions, prompt-major (prompt i owns rows i*G .. i*G+G-1).
-Rewards become advantages within each group. The trainer then scores the completions with the
-current policy and minimises the clipped policy-gradient loss, micro-batch by micro-batch of whole
-groups, mu times per generation batch (generate once per effective batch, TRL PR #3283).
+A generation batch (GRPOBatch) is Bp prompts x G completions, prompt-major (prompt i owns rows
+i*G .. i*G+G-1), held as the sampler returned them: device tensors of tokens and a mask, the
+sampler's logprobs and the temperature it sampled at, which the trainer scores under (trl#4159: a
+trainer at another temperature has ratio != 1 on-policy; here it cannot be set apart). Rewards
+become advantages within each group. The trainer then scores the completions with the current
+policy and minimises the clipped policy-gradient loss, micro-batch by micro-batch of whole groups,
+mu times per generation batch (generate once per effective batch, TRL PR #3283).
 
 Two memory tricks, each tested against its obvious slow twin in tests/test_grpo.py:
 1. Shared prompt (TRL PR #2669, done exactly): each prompt is forwarded once, WITH grad, and its
@@ -27,8 +30,8 @@ only logs it.
 
 By default the math is TRL 1.16's GRPOTrainer (tests/test_grpo.py runs TRL's own code against
 it): rewards summed over reward functions skipping None, (r - group mean) / (n-1 std + 1e-4),
-k3 KL weighted by the ratio, TRL's loss normalisers. Two defaults differ on purpose: eps_high 0.28
-(clip-higher; TRL 0.2) and max_completion_len 256 (train.py sets it to the rollout's budget).
+k3 KL weighted by the ratio, TRL's loss normalisers (Dr. GRPO's constant is the sampler's
+budget). One default differs on purpose: eps_high 0.28 (DAPO's clip-higher; TRL 0.2).
 
 Leaves out: sampling (rollout.py), calling the reward functions (train.py), the optimizer step,
 value models, packing.
@@ -58,30 +61,29 @@ SCALES = ("group", "batch", "none")
 
 @dataclass
 class GRPOConfig:
-    num_samples: int = 8              # G completions per prompt
+    """The loss and its optimisation knobs. The group size, the sampling temperature and the
+    completion budget are not here: they are the rollout's (RolloutConfig), and the batch carries
+    what the sampler did (GRPOBatch), so the trainer cannot score another distribution."""
     loss_type: str = "dapo"           # token mean over the generation batch: micro-batch invariant
     scale: str = "group"              # advantage std: "group" (GRPO), "batch", "none" (Dr. GRPO)
     eps_low: float = 0.2              # ratio clipped below at 1 - eps_low
     eps_high: float = 0.28            # clip-higher (DAPO): more room for unlikely tokens to grow
     beta: float = 0.0                 # k3 KL weight; 0 means no reference model is needed
-    temperature: float = 1.0          # must equal the sampler's, or ratio != 1 at mu = 1 (trl#4159)
-    chunk_size: int = 512             # completion tokens per logprob chunk (0 = unchunked twin)
-    micro_batch_groups: int = 1       # whole groups per forward/backward
-    mu: int = 1                       # optimizer steps per generation batch
-    max_completion_len: int = 256     # Dr. GRPO's constant normaliser (per sequence)
+    use_bias_correction_kl: bool = True  # k3 KL times the ratio pi/pi_old, as TRL's default
     std_eps: float = 1e-4             # advantage = (r - mean) / (std + std_eps), TRL's 1e-4
     std_correction: int = 1           # 1: the n-1 (Bessel) std of TRL and verl; 0: population std
-    use_bias_correction_kl: bool = True  # k3 KL times the ratio pi/pi_old, as TRL's default
+    mu: int = 1                       # optimizer steps per generation batch
+    micro_batch_groups: int = 16      # whole groups per forward/backward
+    chunk_size: int = 1024            # completion tokens per logprob chunk (0 = unchunked twin)
 
     def __post_init__(self):
         checks = [
             ("loss_type", self.loss_type in LOSS_TYPES, f"must be one of {LOSS_TYPES}"),
             ("scale", self.scale in SCALES, f"must be one of {SCALES}"),
             ("eps_low", 0 <= self.eps_low < 1, "must be in [0, 1): the lower clip 1 - eps_low > 0"),
-            ("temperature", self.temperature > 0, "must be > 0"),
             ("std_correction", self.std_correction in (0, 1), "must be 0 or 1"),
         ]
-        for field in ("num_samples", "micro_batch_groups", "mu", "max_completion_len"):
+        for field in ("micro_batch_groups", "mu"):
             checks.append((field, getattr(self, field) >= 1, "must be >= 1"))
         for field in ("eps_high", "beta", "chunk_size", "std_eps"):
             checks.append((field, getattr(self, field) >= 0, "must be >= 0"))
@@ -148,6 +150,93 @@ def group_advantages(rewards: Tensor, num_samples: int, scale: str = "group",
     if scale != "none":
         centred = centred / (std + std_eps)
     return centred.view(-1).to(rewards.dtype)
+
+# -----------------------------------------------------------------------------
+# The generation batch, as the sampler returned it
+
+
+def pad_right(seqs: list[list[int]], device: torch.device) -> tuple[Tensor, Tensor]:
+    """Ragged token lists -> ids (B, T) right-padded with 0, lengths (B,)."""
+    lens = [len(s) for s in seqs]
+    T = max(lens, default=0)
+    padded = [s + [0] * (T - len(s)) for s in seqs]
+    ids = torch.tensor(padded, dtype=torch.long).reshape(len(seqs), T)  # (B, T)
+    return ids.to(device), torch.tensor(lens, dtype=torch.long, device=device)
+
+
+@dataclass
+class GRPOBatch:
+    """Bp prompts and their N = Bp*G completions, prompt-major, on the device: the sampler's tensors
+    as they are (rollout.Rollout), plus what the step computed for them."""
+    prompt_ids: Tensor                # (Bp, P) right-padded with 0
+    prompt_lens: Tensor               # (Bp,)
+    tokens: Tensor                    # (N, Tr) completion tokens, 0 after each row's end
+    mask: Tensor                      # (N, Tr) bool: each row's tokens (a prefix of the row)
+    temperature: float                # the sampler's: the trainer scores the same distribution
+    max_new_tokens: int               # the completion budget: Dr. GRPO's constant normaliser
+    advantages: Tensor | None = None  # (N,)
+    sampler_logp: Tensor | None = None  # (N, Tr) the sampler's logprobs: the mismatch metric
+    old_logp: Tensor | None = None    # (N, Tr) when mu > 1 (or another sampler); None: current
+    ref_logp: Tensor | None = None    # (N, Tr) from the reference model when beta > 0
+
+    @property
+    def num_samples(self) -> int:  # G
+        return self.tokens.shape[0] // max(self.prompt_ids.shape[0], 1)
+
+    @classmethod
+    def from_lists(cls, prompts: list[list[int]], completions: list[list[int]], *,
+                   temperature: float = 1.0, max_new_tokens: int | None = None,
+                   device: str | torch.device = "cpu", **tensors: Tensor) -> "GRPOBatch":
+        """From ragged token lists (tests, benchmarks, a researcher's own data)."""
+        prompt_ids, prompt_lens = pad_right(prompts, torch.device(device))
+        tokens, lens = pad_right(completions, torch.device(device))
+        mask = torch.arange(tokens.shape[1], device=tokens.device) < lens[:, None]  # (N, Tr)
+        budget = max_new_tokens or max((len(c) for c in completions), default=1)
+        return cls(prompt_ids, prompt_lens, tokens, mask, temperature, budget, **tensors)
+
+    def lists(self) -> tuple[list[list[int]], list[list[int]]]:
+        """The prompts and completions as ragged Python lists (one host copy)."""
+        prompts = [p[:n] for p, n in zip(self.prompt_ids.tolist(), self.prompt_lens.tolist())]
+        lengths = self.mask.sum(1).tolist()
+        return prompts, [c[:n] for c, n in zip(self.tokens.tolist(), lengths)]
+
+    def groups(self, first: int, stop: int) -> "GRPOBatch":
+        """Prompts first..stop-1 and their completions, cut to their own longest completion."""
+        G = self.num_samples
+        rows = slice(first * G, stop * G)
+        Tr = int(self.mask[rows].sum(1).max()) if self.mask[rows].numel() else 0
+        Tp = int(self.prompt_lens[first:stop].max())
+
+        def cut(t: Tensor | None) -> Tensor | None:
+            return None if t is None else t[rows, :Tr]
+        return GRPOBatch(self.prompt_ids[first:stop, :Tp], self.prompt_lens[first:stop],
+                         cut(self.tokens), cut(self.mask), self.temperature, self.max_new_tokens,
+                         None if self.advantages is None else self.advantages[rows],
+                         cut(self.sampler_logp), cut(self.old_logp), cut(self.ref_logp))
+
+    def check(self) -> None:
+        """One clear error for a batch whose rows, advantages or logprobs do not line up."""
+        Bp, P = self.prompt_ids.shape
+        N, Tr = self.tokens.shape
+        if Bp == 0 or N % Bp:
+            raise ValueError(f"batch.tokens has {N} rows for {Bp} prompts: expected G rows per "
+                             f"prompt, prompt-major")
+        if self.prompt_lens.shape != (Bp,) or not (self.prompt_lens >= 1).all():
+            raise ValueError(f"batch.prompt_lens must be ({Bp},) lengths >= 1 (the first "
+                             f"completion token needs a prompt position), got {self.prompt_lens}")
+        if self.mask.shape != (N, Tr) or self.mask.dtype != torch.bool:
+            raise ValueError(f"batch.mask must be a bool ({N}, {Tr}) tensor, got "
+                             f"{self.mask.dtype} {tuple(self.mask.shape)}")
+        if not self.temperature > 0:
+            raise ValueError(f"batch.temperature = {self.temperature}: logprobs need a sampling "
+                             f"temperature > 0")
+        if self.advantages is not None and self.advantages.shape != (N,):
+            raise ValueError(f"batch.advantages has shape {tuple(self.advantages.shape)}, "
+                             f"expected ({N},)")
+        for name in ("sampler_logp", "old_logp", "ref_logp"):
+            t = getattr(self, name)
+            if t is not None and t.shape != (N, Tr):
+                raise ValueError(f"batch.{name} has shape {tuple(t.shape)}, expected ({N}, {Tr})")
 
 # -----------------------------------------------------------------------------
 # Chunked logprobs
@@ -274,15 +363,6 @@ def chunked_logprobs(model, h: Tensor, targets: Tensor, *, temperature: float = 
 # Completion logprobs: shared prompt (exact) and its naive twin
 
 
-def pad_right(seqs: list[list[int]], device: torch.device) -> tuple[Tensor, Tensor]:
-    """Ragged token lists -> ids (B, T) right-padded with 0, lengths (B,)."""
-    lens = [len(s) for s in seqs]
-    T = max(lens, default=0)
-    padded = [s + [0] * (T - len(s)) for s in seqs]
-    ids = torch.tensor(padded, dtype=torch.long).reshape(len(seqs), T)  # (B, T)
-    return ids.to(device), torch.tensor(lens, dtype=torch.long, device=device)
-
-
 def shared_prompt_hidden(model, prompt_ids: Tensor, prompt_lens: Tensor, inputs: Tensor,
                          G: int) -> Tensor:
     """Hidden states that predict each completion token: (N, T+1, C) for inputs (N, T) =
@@ -317,68 +397,58 @@ def shared_prompt_hidden(model, prompt_ids: Tensor, prompt_lens: Tensor, inputs:
     return torch.cat([first, h_completion], 1)  # (N, T+1, C)
 
 
-def naive_hidden(model, prompts: list[list[int]], completions: list[list[int]], G: int,
-                 Tr: int) -> Tensor:
+def naive_hidden(model, batch: "GRPOBatch") -> Tensor:
     """The slow twin: each prompt repeated G times in one causal forward. Returns (N, Tr, C), the
     states at positions len(prompt)-1+t, which predict completion token t."""
-    device = next(model.parameters()).device
+    prompts, completions = batch.lists()
+    G = batch.num_samples
+    Tr = batch.tokens.shape[1]
+    device = batch.tokens.device
     ids, _ = pad_right([prompts[i // G] + c[:-1] for i, c in enumerate(completions)], device)
     h = model.hidden(ids)  # (N, L, C)
-    prompt_lens = torch.tensor([len(prompts[i // G]) for i in range(len(completions))],
-                               device=device)
+    prompt_lens = batch.prompt_lens.repeat_interleave(G)  # (N,)
     idx = prompt_lens[:, None] - 1 + torch.arange(Tr, device=device)  # (N, Tr)
     idx = idx.clamp(max=h.shape[1] - 1)
     return h.gather(1, idx[..., None].expand(-1, -1, h.shape[2]))  # (N, Tr, C)
 
 
-def completion_logprobs(model, prompts: list[list[int]], completions: list[list[int]], *,
-                        num_samples: int, temperature: float = 1.0, chunk_size: int = 512,
+def completion_logprobs(model, batch: "GRPOBatch", *, chunk_size: int = 1024,
                         logprob_fn: Callable | None = None,
-                        shared_prompt: bool = True) -> tuple[Tensor, Tensor, Tensor]:
-    """Per-token logprobs of the completions under the model: logp (N, Tr) float32 (float64 for a
-    float64 model), entropy (N, Tr) (differentiable too), mask (N, Tr) bool; zeros where mask is
-    False. Works with grad and under no_grad. prompts has N/G entries, completions N (prompt-major,
-    ragged)."""
-    G = num_samples
-    if G < 1 or len(completions) != len(prompts) * G:
-        raise ValueError(f"completions has {len(completions)} entries; expected len(prompts) * "
-                         f"num_samples = {len(prompts)} * {num_samples} (prompt-major rows)")
-    for i, p in enumerate(prompts):
-        if len(p) == 0:
-            raise ValueError(f"prompts[{i}] is empty: the first completion token needs a prompt "
-                             f"position")
-    if temperature <= 0 or chunk_size < 0:
-        raise ValueError(f"temperature = {temperature} must be > 0 and chunk_size = {chunk_size} "
-                         f">= 0")
-    device = next(model.parameters()).device
-    comp_ids, comp_lens = pad_right(completions, device)  # (N, Tr), (N,)
-    N, Tr = comp_ids.shape
+                        shared_prompt: bool = True) -> tuple[Tensor, Tensor]:
+    """Per-token logprobs of the batch's completions under the model, at the temperature they were
+    sampled with: logp (N, Tr) float32 (float64 for a float64 model) and the entropy (N, Tr)
+    (differentiable too), zeros where batch.mask is False. Works with grad and under no_grad."""
+    if chunk_size < 0:
+        raise ValueError(f"chunk_size = {chunk_size} must be >= 0 (0: unchunked)")
+    N, Tr = batch.tokens.shape
     if shared_prompt:
-        prompt_ids, prompt_lens = pad_right(prompts, device)  # (Bp, P), (Bp,)
-        inputs = comp_ids[:, :max(Tr - 1, 0)]  # (N, Tr-1): the last token predicts nothing
-        h = shared_prompt_hidden(model, prompt_ids, prompt_lens, inputs, G)  # (N, Tr|1, C)
+        inputs = batch.tokens[:, :max(Tr - 1, 0)]  # (N, Tr-1): the last token predicts nothing
+        h = shared_prompt_hidden(model, batch.prompt_ids, batch.prompt_lens, inputs,
+                                 batch.num_samples)  # (N, Tr|1, C)
         h = h[:, :Tr]  # (N, Tr, C); Tr = 0 when every completion is empty
     else:
-        h = naive_hidden(model, prompts, completions, G, Tr)  # (N, Tr, C)
-    mask = torch.arange(Tr, device=device) < comp_lens[:, None]  # (N, Tr)
+        h = naive_hidden(model, batch)  # (N, Tr, C)
+    mask = batch.mask
     # Only valid tokens reach the head: the padding never costs a vocab-sized row.
-    logp, entropy = chunked_logprobs(model, h[mask], comp_ids[mask], temperature=temperature,
-                                     chunk_size=chunk_size, logprob_fn=logprob_fn)  # (n,), (n,)
-    zeros = torch.zeros(N, Tr, dtype=logp.dtype, device=device)
+    logp, entropy = chunked_logprobs(model, h[mask], batch.tokens[mask],
+                                     temperature=batch.temperature, chunk_size=chunk_size,
+                                     logprob_fn=logprob_fn)  # (n,), (n,)
+    zeros = torch.zeros(N, Tr, dtype=logp.dtype, device=mask.device)
     entropy = zeros.index_put((mask,), entropy.to(logp.dtype))  # (N, Tr)
-    return zeros.index_put((mask,), logp), entropy, mask
+    return zeros.index_put((mask,), logp), entropy
 
 # -----------------------------------------------------------------------------
 # The loss
 
 
 def grpo_loss(logp: Tensor, old_logp: Tensor | None, ref_logp: Tensor | None, advantages: Tensor,
-              mask: Tensor, cfg: GRPOConfig, *, num_seqs: int,
-              num_tokens: int) -> tuple[Tensor, dict[str, float]]:
+              mask: Tensor, cfg: GRPOConfig, *, num_seqs: int, num_tokens: int,
+              max_completion_len: int) -> tuple[Tensor, dict[str, float]]:
     """Clipped policy-gradient loss of a micro-batch, logp/old_logp/ref_logp/mask (N, Tr),
     advantages (N,). num_seqs and num_tokens count the WHOLE generation batch (all micro-batches,
-    all data-parallel ranks), so the micro-batch losses sum to the big-batch loss. Pure: never
-    modifies its inputs.
+    all data-parallel ranks), so the micro-batch losses sum to the big-batch loss;
+    max_completion_len is the sampler's budget (Dr. GRPO's constant). Pure: never modifies its
+    inputs.
 
     Algorithmic choices:
     1. Per-token ratio exp(logp - old_logp); old_logp None means logp.detach() (mu = 1).
@@ -408,8 +478,9 @@ def grpo_loss(logp: Tensor, old_logp: Tensor | None, ref_logp: Tensor | None, ad
                          f"({logp.shape[0]},)")
     if cfg.beta > 0 and ref_logp is None:
         raise ValueError(f"ref_logp is None but beta = {cfg.beta} > 0 needs reference logprobs")
-    if num_seqs < 1 or num_tokens < 1:
-        raise ValueError(f"num_seqs = {num_seqs} and num_tokens = {num_tokens} must be >= 1")
+    if num_seqs < 1 or num_tokens < 1 or max_completion_len < 1:
+        raise ValueError(f"num_seqs = {num_seqs}, num_tokens = {num_tokens} and "
+                         f"max_completion_len = {max_completion_len} must be >= 1")
     # With mu = 1 and old_logp = logp.detach() the ratio is exactly 1, so the loss VALUE is ~0
     # (-mean A), which is expected; its GRADIENT is still the policy gradient:
     # d exp(logp - logp.detach()) = d logp.
@@ -433,7 +504,7 @@ def grpo_loss(logp: Tensor, old_logp: Tensor | None, ref_logp: Tensor | None, ad
     if cfg.loss_type == "grpo":  # each sequence's token mean first: long completions weigh less
         per_token = per_token / mask.sum(1, keepdim=True).clamp_min(1)
     normaliser = {"grpo": num_seqs, "dapo": num_tokens,
-                  "dr_grpo": num_seqs * cfg.max_completion_len}[cfg.loss_type]
+                  "dr_grpo": num_seqs * max_completion_len}[cfg.loss_type]
     loss = per_token.sum() / normaliser
     with torch.no_grad():
         n = mask.sum().clamp_min(1)
@@ -453,53 +524,30 @@ def grpo_loss(logp: Tensor, old_logp: Tensor | None, ref_logp: Tensor | None, ad
 # One pass over a generation batch, micro-batch by micro-batch
 
 
-@dataclass
-class GRPOBatch:
-    prompts: list[list[int]]          # Bp prompts
-    completions: list[list[int]]      # N = Bp*G, prompt-major, ragged
-    advantages: Tensor                # (N,)
-    old_logp: Tensor | None = None    # (N, Tr) from batch_logprobs when mu > 1; None: current
-    ref_logp: Tensor | None = None    # (N, Tr) from the reference model when beta > 0
-
-
-def micro_batches(num_prompts: int, cfg: GRPOConfig) -> list[tuple[slice, slice]]:
-    """(prompt slice, row slice) of each micro-batch of cfg.micro_batch_groups whole groups."""
+def micro_batches(batch: GRPOBatch, cfg: GRPOConfig) -> list[tuple[slice, GRPOBatch]]:
+    """(rows, sub-batch) of each micro-batch of cfg.micro_batch_groups whole groups."""
+    Bp = batch.prompt_ids.shape[0]
+    G = batch.num_samples
     step = cfg.micro_batch_groups
-    G = cfg.num_samples
-    return [(slice(s, s + step), slice(s * G, (s + step) * G)) for s in range(0, num_prompts, step)]
+    return [(slice(s * G, min(s + step, Bp) * G), batch.groups(s, min(s + step, Bp)))
+            for s in range(0, Bp, step)]
 
 
 @torch.no_grad()
-def batch_logprobs(model, prompts: list[list[int]], completions: list[list[int]],
-                   cfg: GRPOConfig, *, logprob_fn: Callable | None = None) -> Tensor:
+def batch_logprobs(model, batch: GRPOBatch, cfg: GRPOConfig, *,
+                   logprob_fn: Callable | None = None) -> Tensor:
     """Old or reference logprobs (N, Tr) without grad, one micro-batch at a time (the same slices
-    accumulate uses), padded with zeros to the batch's longest completion. float32, or float64 for
-    a float64 model (as completion_logprobs)."""
-    Tr = max((len(c) for c in completions), default=0)
+    accumulate uses), zeros off the mask. float32, or float64 for a float64 model (as
+    completion_logprobs)."""
+    batch.check()
     param = next(model.parameters())
     dtype = torch.promote_types(param.dtype, torch.float32)
-    out = torch.zeros(len(completions), Tr, device=param.device, dtype=dtype)
-    for prompt_rows, rows in micro_batches(len(prompts), cfg):
-        logp, _, _ = completion_logprobs(
-            model, prompts[prompt_rows], completions[rows], num_samples=cfg.num_samples,
-            temperature=cfg.temperature, chunk_size=cfg.chunk_size, logprob_fn=logprob_fn)
+    out = torch.zeros(batch.tokens.shape, device=batch.tokens.device, dtype=dtype)  # (N, Tr)
+    for rows, micro in micro_batches(batch, cfg):
+        logp, _ = completion_logprobs(model, micro, chunk_size=cfg.chunk_size,
+                                      logprob_fn=logprob_fn)
         out[rows, :logp.shape[1]] = logp
     return out
-
-
-def check_batch(batch: GRPOBatch, cfg: GRPOConfig) -> None:
-    """One clear error for a batch whose rows, advantages or logprobs do not line up."""
-    N = len(batch.completions)
-    if N != len(batch.prompts) * cfg.num_samples:
-        raise ValueError(f"batch.completions has {N} entries, expected len(batch.prompts) * "
-                         f"num_samples = {len(batch.prompts)} * {cfg.num_samples}")
-    if batch.advantages.shape != (N,):
-        raise ValueError(f"batch.advantages has shape {tuple(batch.advantages.shape)}, expected "
-                         f"({N},)")
-    Tr = max((len(c) for c in batch.completions), default=0)
-    for name, t in (("old_logp", batch.old_logp), ("ref_logp", batch.ref_logp)):
-        if t is not None and t.shape != (N, Tr):
-            raise ValueError(f"batch.{name} has shape {tuple(t.shape)}, expected ({N}, {Tr})")
 
 
 def accumulate(model, batch: GRPOBatch, cfg: GRPOConfig, *, logprob_fn: Callable | None = None,
@@ -507,26 +555,30 @@ def accumulate(model, batch: GRPOBatch, cfg: GRPOConfig, *, logprob_fn: Callable
     """Forward, loss and backward over the generation batch in micro-batches of whole groups;
     grads accumulate into .grad (no zero_grad, no step). num_seqs/num_tokens default to this
     batch's counts; pass global counts under data parallelism. Returns "loss" (the summed, i.e.
-    big-batch, loss), token-weighted means of the other metrics, the min/max of
-    ratio_min/ratio_max, and "entropy"."""
-    check_batch(batch, cfg)
-    num_seqs = len(batch.completions) if num_seqs is None else num_seqs
-    num_tokens = sum(len(c) for c in batch.completions) if num_tokens is None else num_tokens
+    big-batch, loss), token-weighted means of the other metrics (with "entropy", and
+    "sampler_logp_diff" = mean |logp - sampler_logp| when the batch has the sampler's logprobs),
+    the min/max of ratio_min/ratio_max, and "tokens" (this batch's valid tokens)."""
+    batch.check()
+    if batch.advantages is None:
+        raise ValueError("batch.advantages is None: accumulate needs one advantage per row")
+    num_seqs = batch.tokens.shape[0] if num_seqs is None else num_seqs
+    num_tokens = int(batch.mask.sum()) if num_tokens is None else num_tokens
     totals: dict[str, float] = {}
     tokens_seen = 0.0  # valid completion tokens of the micro-batches so far: the metrics' weights
-    for prompt_rows, rows in micro_batches(len(batch.prompts), cfg):
-        logp, entropy, mask = completion_logprobs(
-            model, batch.prompts[prompt_rows], batch.completions[rows],
-            num_samples=cfg.num_samples, temperature=cfg.temperature,
-            chunk_size=cfg.chunk_size, logprob_fn=logprob_fn)  # (n_rows, Tr_micro)
-        T = logp.shape[1]  # the micro-batch's longest completion; the batch tensors are longer
-        old = None if batch.old_logp is None else batch.old_logp[rows, :T]
-        ref = None if batch.ref_logp is None else batch.ref_logp[rows, :T]
-        loss, metrics = grpo_loss(logp, old, ref, batch.advantages[rows], mask, cfg,
-                                  num_seqs=num_seqs, num_tokens=max(num_tokens, 1))
+    for _, micro in micro_batches(batch, cfg):
+        logp, entropy = completion_logprobs(model, micro, chunk_size=cfg.chunk_size,
+                                            logprob_fn=logprob_fn)  # (n_rows, Tr_micro)
+        mask = micro.mask
+        loss, metrics = grpo_loss(logp, micro.old_logp, micro.ref_logp, micro.advantages, mask,
+                                  cfg, num_seqs=num_seqs, num_tokens=max(num_tokens, 1),
+                                  max_completion_len=batch.max_new_tokens)
         loss.backward()
         tokens = float(mask.sum())
-        metrics["entropy"] = float((entropy.detach() * mask).sum()) / max(tokens, 1.0)
+        with torch.no_grad():
+            metrics["entropy"] = float((entropy * mask).sum()) / max(tokens, 1.0)
+            if micro.sampler_logp is not None:  # the health check of the whole engine
+                diff = (logp - micro.sampler_logp).abs() * mask
+                metrics["sampler_logp_diff"] = float(diff.sum()) / max(tokens, 1.0)
         for key, value in metrics.items():
             prev = totals.get(key)
             if key == "ratio_min":
@@ -538,5 +590,7 @@ def accumulate(model, batch: GRPOBatch, cfg: GRPOConfig, *, logprob_fn: Callable
             else:  # token-weighted sums
                 totals[key] = (prev or 0.0) + value * tokens
         tokens_seen += tokens
-    return {k: v if k in ("loss", "ratio_min", "ratio_max") else v / max(tokens_seen, 1.0)
-            for k, v in totals.items()}
+    out = {k: v if k in ("loss", "ratio_min", "ratio_max") else v / max(tokens_seen, 1.0)
+           for k, v in totals.items()}
+    out["tokens"] = tokens_seen
+    return out

@@ -521,6 +521,8 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], cfg: RolloutConfi
     # 6. Cut each row at its stop id; the result stays on the device.
     tokens, mask, logprobs, stopped = _cut_at_stop(out_tokens.T, out_logprobs.T, stop_ids)
     stats.update(new_tokens=int(mask.sum()), seconds=time.perf_counter() - started)
+    with torch.inference_mode(False):  # normal tensors: training may index with them (autograd)
+        tokens, mask, logprobs, stopped = (t.clone() for t in (tokens, mask, logprobs, stopped))
     return Rollout(tokens, mask, logprobs, stopped, cfg.temperature, stats)
 
 

@@ -9,8 +9,9 @@ group's statistics (grpo.group_advantages) and counted in the log.
 
 train.py loads a task by import path (load_task), `--task package.module:attr`, where attr is a
 Task or a function `attr(data: str) -> Task` that receives `--task_data`, and scores completions
-with score(), which sums as TRL does; a reward that is not a finite number or None stops the run,
-naming the function and the completion. Built in:
+with score() (one column per reward function; grpo.combine_rewards sums them as TRL does); a reward
+that is not a finite number or None stops the run, naming the function and the completion.
+Built in:
 - `tasks:reverse` (default): reverse a short digit string. The answer depends on the prompt's
   content, the credit is per digit (dense), and a fresh tiny Llama learns it on a CPU in minutes.
 - `tasks:jsonl_math` with `--task_data FILE`: one {"prompt": ..., "answer": ...} per line
@@ -76,8 +77,8 @@ def check_reward(value, fn: Reward, text: str, ref: str, task: Task) -> float:
 
 
 def score(task: Task, texts: list[str], references: list[str]) -> torch.Tensor:
-    """(N,) weighted rewards of N completions, NaN where no reward function could score one. As TRL
-    sums them: a function returning None is left out, the others still count."""
+    """(N, F) rewards of N completions by the task's F reward functions, NaN where a function
+    returned None (grpo.combine_rewards sums them, weighted, as TRL does)."""
     per_function = torch.full((len(texts), len(task.rewards)), math.nan, dtype=torch.float64)
     for j, (fn, _) in enumerate(task.rewards):
         for i, (text, ref) in enumerate(zip(texts, references)):
@@ -89,12 +90,7 @@ def score(task: Task, texts: list[str], references: list[str]) -> torch.Tensor:
                                   f"{type(e).__name__}: {e} on completion {text!r} "
                                   f"(reference {ref!r})") from None
             per_function[i, j] = check_reward(value, fn, text, ref, task)
-    weights = torch.tensor([w for _, w in task.rewards], dtype=torch.float64)
-    rewards = (per_function * weights).nansum(1)  # (N,)
-    return rewards.masked_fill(per_function.isnan().all(1), math.nan)
-
-# -----------------------------------------------------------------------------
-# Reverse a digit string: "<digits>=" -> the digits reversed, then <eos>
+    return per_function
 
 
 REVERSE_LEN = 3

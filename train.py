@@ -117,20 +117,11 @@ class Configs:
     memory: memory.MemoryConfig
 
 
-# TODO(grpo redesign): GRPOConfig still declares these; they are taken from the rollout config.
-FROM_ROLLOUT = ("num_samples", "temperature", "max_completion_len")
-
-
-def fields(cls: type) -> list[dataclasses.Field]:
-    return [f for f in dataclasses.fields(cls)
-            if not (cls is grpo.GRPOConfig and f.name in FROM_ROLLOUT)]
-
-
 def field_owners() -> dict[str, str]:
     """field name -> its section; a name declared in two sections would be ambiguous on the CLI."""
     owners: dict[str, str] = {}
     for section, cls in SECTIONS.items():
-        for f in fields(cls):
+        for f in dataclasses.fields(cls):
             if f.name in owners:
                 raise TypeError(f"--{f.name} is declared by {owners[f.name]} and {section}")
             owners[f.name] = section
@@ -152,7 +143,7 @@ def print_help() -> None:
     for section, cls in SECTIONS.items():
         lines.append(f"\n{section} ({cls.__module__}.py {cls.__name__}):")
         comments = field_help(cls)
-        for f in fields(cls):
+        for f in dataclasses.fields(cls):
             kind = type(f.default).__name__
             lines.append(f"  --{f.name:<22} {kind:<6} {f.default!r:<16} {comments.get(f.name, '')}")
     try:
@@ -175,7 +166,8 @@ def parse_value(name: str, value: str, kind: type):
 def parse_args(argv: list[str]) -> dict[str, object]:
     """`--field value` or `--field=value` -> {field: value}, converted to the field's type."""
     owners = field_owners()
-    kinds = {f.name: type(f.default) for cls in SECTIONS.values() for f in fields(cls)}
+    kinds = {f.name: type(f.default) for cls in SECTIONS.values()
+             for f in dataclasses.fields(cls)}
     values = {}
     i = 0
     while i < len(argv):
@@ -202,8 +194,6 @@ def build_configs(values: dict[str, object]) -> Configs:
     by_section: dict[str, dict] = {section: {} for section in SECTIONS}
     for name, value in values.items():
         by_section[owners[name]][name] = value
-    r = rollout.RolloutConfig(**by_section["rollout"])
-    by_section["grpo"].update(num_samples=r.num_samples, temperature=r.temperature or 1.0)
     return Configs(**{s: cls(**by_section[s]) for s, cls in SECTIONS.items()})
 
 
@@ -348,7 +338,6 @@ def setup(values: dict[str, object]) -> Run:
     if cfgs.rollout.max_new_tokens == 0:  # the task's own budget
         budget = task.max_new_tokens or 256
         cfgs.rollout = dataclasses.replace(cfgs.rollout, max_new_tokens=budget)
-    cfgs.grpo = dataclasses.replace(cfgs.grpo, max_completion_len=cfgs.rollout.max_new_tokens)
     # The reference is the initial policy (built before any checkpoint is loaded).
     reference = None
     if cfgs.grpo.beta > 0:
@@ -514,39 +503,44 @@ def step(run: Run, step: int) -> dict:
         out = rollout.generate(run.sampler, prompts, cfgs.rollout, stop_ids=run.stop_ids,
                                seed=seed, cache=run.cache, logits_fn=run.logits_fn)
     times["rollout"] = time.perf_counter() - t0
-    # 3. Rewards.
+    # 3. Rewards: each reward function's score, summed as TRL sums them (None leaves one out).
     texts = completion_texts(run, out)
-    rewards = tasks.score(run.task, texts, [ref for ref in references for _ in range(G)])
-    all_rewards = gather_dp(rewards.to(run.device), run)  # (dp * N,)
+    per_function = tasks.score(run.task, texts, [ref for ref in references for _ in range(G)])
+    weights = [weight for _, weight in run.task.rewards]
+    rewards = grpo.combine_rewards(per_function, weights).to(run.device)  # (N,), NaN: missing
+    all_rewards = gather_dp(rewards, run)  # (dp * N,)
     # 4. Group advantages over the whole generation batch; this rank keeps its rows.
-    advantages = grpo.group_advantages(all_rewards, G, scale=cfgs.grpo.scale)
+    g = cfgs.grpo
+    advantages = grpo.group_advantages(all_rewards, G, g.scale, g.std_eps, g.std_correction)
     rows = slice(run.groups.dp_rank * len(rewards), (run.groups.dp_rank + 1) * len(rewards))
-    completions = out.completions()
-    batch = grpo.GRPOBatch(prompts, completions, advantages[rows])
+    prompt_ids, prompt_lens = grpo.pad_right(prompts, run.device)
+    # The sampler's tensors as they are; the batch carries the temperature they were sampled at.
+    batch = grpo.GRPOBatch(prompt_ids, prompt_lens, out.tokens, out.mask, out.temperature,
+                           cfgs.rollout.max_new_tokens, advantages[rows],
+                           sampler_logp=out.logprobs)
     # 5. Old and reference logprobs, without grad.
     t0 = time.perf_counter()
-    if cfgs.grpo.mu > 1 or run.sampler is not run.model:
-        batch.old_logp = grpo.batch_logprobs(run.model, prompts, completions, cfgs.grpo,
-                                             logprob_fn=run.logprob_fn)
+    if g.mu > 1 or run.sampler is not run.model:
+        batch.old_logp = grpo.batch_logprobs(run.model, batch, g, logprob_fn=run.logprob_fn)
     if run.reference is not None:
         with run.phase("reference"):
-            batch.ref_logp = grpo.batch_logprobs(run.reference, prompts, completions, cfgs.grpo,
+            batch.ref_logp = grpo.batch_logprobs(run.reference, batch, g,
                                                  logprob_fn=run.logprob_fn)
     times["logprobs"] = time.perf_counter() - t0
     # 6. Train: mu optimizer steps over the generation batch (none when nothing was scored).
     t0 = time.perf_counter()
     scored = int((~all_rewards.isnan()).sum())
-    iterations = train_phase(run, batch, out) if scored else []
+    iterations = train_phase(run, batch) if scored else []
     times["train"] = time.perf_counter() - t0
     # 7. Metrics.
     return step_record(run, step, all_rewards, out, iterations, times, truncated)
 
 
-def train_phase(run: Run, batch: grpo.GRPOBatch, out: rollout.Rollout) -> list[dict]:
+def train_phase(run: Run, batch: grpo.GRPOBatch) -> list[dict]:
     """mu optimizer steps over the one generation batch; each iteration's metrics, summed over
     the dp ranks (token-weighted sums with their token count), and whether its update ran."""
     cfgs = run.cfgs
-    num_seqs, num_tokens = all_reduce_dp([out.mask.shape[0], float(out.mask.sum())], run)
+    num_seqs, num_tokens = all_reduce_dp([batch.mask.shape[0], float(batch.mask.sum())], run)
     iterations = []
     with run.phase("train"):
         for _ in range(cfgs.grpo.mu):
@@ -571,11 +565,11 @@ def train_phase(run: Run, batch: grpo.GRPOBatch, out: rollout.Rollout) -> list[d
                 run.optimizer.step()
                 run.opt_step += 1
             run.optimizer.zero_grad(set_to_none=True)
-            iterations.append(reduce_iteration(run, m, float(out.mask.sum())))
+            iterations.append(reduce_iteration(run, m, m["tokens"]))
     return iterations
 
 
-WEIGHTED = ("clip_low", "clip_high", "ratio_mean", "kl", "entropy")
+WEIGHTED = ("clip_low", "clip_high", "ratio_mean", "kl", "entropy", "sampler_logp_diff")
 
 
 def reduce_iteration(run: Run, m: dict, tokens: float) -> dict:
@@ -604,9 +598,12 @@ def step_record(run: Run, step: int, rewards: torch.Tensor, out: rollout.Rollout
     updated = [it for it in iterations if it["updated"]]
     record["updates"] = len(updated)
     record["skipped_updates"] = len(iterations) - len(updated)
-    for key in ("loss", *WEIGHTED, "ratio_mean"):
+    for key in ("loss", *WEIGHTED):
         values = [it[key] for it in iterations if key in it]
         record[key] = sum(values) / len(values) if values else None
+    # Before any update of this step, the trainer's logprobs are the sampler's up to numerics.
+    first = iterations[0] if iterations else {}
+    record["sampler_logp_diff"] = first.get("sampler_logp_diff")
     record["ratio_min"] = min((it["ratio_min"] for it in iterations), default=None)
     record["ratio_max"] = max((it["ratio_max"] for it in iterations), default=None)
     norms = [it["grad_norm"] for it in updated]
@@ -634,7 +631,8 @@ def evaluate(run: Run) -> dict:
                                    cache=run.cache, logits_fn=run.logits_fn)
         texts = completion_texts(run, out)
         references = [ref for _, ref in part]
-        rewards.append(tasks.score(run.task, texts, references))
+        weights = [weight for _, weight in run.task.rewards]
+        rewards.append(grpo.combine_rewards(tasks.score(run.task, texts, references), weights))
         if run.task.correct is not None:
             correct += sum(bool(run.task.correct(t, r)) for t, r in zip(texts, references))
     scores = torch.cat(rewards) if rewards else torch.zeros(0, dtype=torch.float64)
@@ -677,6 +675,7 @@ def step_line(record: dict, steps: int, beta: float) -> str:
     if record["clip_low"] is not None:
         clip = record["clip_low"] + record["clip_high"]
     parts += [f"ent {num('entropy', '.3f')}", f"clip {'-' if clip is None else f'{clip:.3f}'}",
+              f"|dlogp| {num('sampler_logp_diff', '.1e')}",
               f"len {record['completion_len']:.1f}", f"{record['tokens_per_s']:.0f} tok/s",
               f"roll {record['t_rollout']:.2f}s lp {record['t_logprobs']:.2f}s "
               f"train {record['t_train']:.2f}s", f"peak {record['peak_gb']:.2f} GB"]

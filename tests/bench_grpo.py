@@ -67,7 +67,8 @@ def make_step(device: str, chunk_size: int):
     adv = torch.randn(Bp * G, device=device)
     h = torch.randn(16384, 256, device=device, dtype=dtype, requires_grad=True)
     targets = torch.randint(0, 32000, (16384,), device=device)
-    loss_cfg = grpo.GRPOConfig(num_samples=G)
+    loss_cfg = grpo.GRPOConfig()
+    batch = grpo.GRPOBatch.from_lists(prompts, completions, max_new_tokens=C, device=device)
 
     def step(variant: str) -> float:
         model.zero_grad(set_to_none=True)
@@ -76,10 +77,12 @@ def make_step(device: str, chunk_size: int):
             logp, mask = seed_logprobs(model, prompts, completions, G)
         elif variant in STEP_VARIANTS:
             shared, chunked = STEP_VARIANTS[variant]
-            logp, _, mask = grpo.completion_logprobs(model, prompts, completions, num_samples=G,
-                                                     chunk_size=chunk_size if chunked else 0, shared_prompt=shared)
+            logp, _ = grpo.completion_logprobs(model, batch, chunk_size=chunk_size if chunked else 0,
+                                               shared_prompt=shared)
+            mask = batch.mask
         if variant in STEP_VARIANTS:
-            loss, _ = grpo.grpo_loss(logp, None, None, adv, mask, loss_cfg, num_seqs=Bp * G, num_tokens=Bp * G * C)
+            loss, _ = grpo.grpo_loss(logp, None, None, adv, mask, loss_cfg, num_seqs=Bp * G, num_tokens=Bp * G * C,
+                                     max_completion_len=C)
             loss.backward()
             return logp.detach().double().sum().item()
         fn = grpo.logprobs_from_logits if variant.startswith("chunked_ckpt") else None  # tp.py's route

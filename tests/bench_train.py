@@ -36,25 +36,29 @@ def one_step(model, optimizer, prompts, gcfg, mem, engine: bool, device) -> dict
     t0 = time.perf_counter()
     if engine:
         with mem.phase("rollout"):
-            out = rollout.generate(model, prompts, num_samples=G, max_new_tokens=C, seed=0, cache=mem.cache)
+            out = rollout.generate(model, prompts, rollout.RolloutConfig(num_samples=G, max_new_tokens=C),
+                                   seed=0, cache=mem.cache)
     else:
-        out = rollout.generate(model, [p for p in prompts for _ in range(G)], num_samples=1, max_new_tokens=C, seed=0)
+        repeated = [p for p in prompts for _ in range(G)]
+        out = rollout.generate(model, repeated, rollout.RolloutConfig(num_samples=1, max_new_tokens=C), seed=0)
     sync(device)
     times["rollout"] = time.perf_counter() - t0
-    rewards = torch.rand(len(out.completions), generator=torch.Generator().manual_seed(0))  # stands in for a task
+    rewards = torch.rand(out.tokens.shape[0], generator=torch.Generator().manual_seed(0))  # stands in for a task
     advantages = grpo.group_advantages(rewards, G).to(device)
+    prompt_ids, prompt_lens = grpo.pad_right(prompts, device)
+    batch = grpo.GRPOBatch(prompt_ids, prompt_lens, out.tokens, out.mask, out.temperature, C, advantages)
     t0 = time.perf_counter()
     if engine:
         with mem.phase("train"):
             optimizer.zero_grad(set_to_none=True)
-            grpo.accumulate(model, grpo.GRPOBatch(prompts, out.completions, advantages), gcfg)
+            grpo.accumulate(model, batch, gcfg)
             optimizer.step()
     else:
         optimizer.zero_grad(set_to_none=True)
-        logp, _, mask = grpo.completion_logprobs(model, prompts, out.completions, num_samples=G, chunk_size=0,
-                                                 shared_prompt=False)
-        loss, _ = grpo.grpo_loss(logp, None, None, advantages, mask, gcfg, num_seqs=len(out.completions),
-                                 num_tokens=int(mask.sum()))
+        logp, _ = grpo.completion_logprobs(model, batch, chunk_size=0, shared_prompt=False)
+        mask = batch.mask
+        loss, _ = grpo.grpo_loss(logp, None, None, advantages, mask, gcfg, num_seqs=mask.shape[0],
+                                 num_tokens=int(mask.sum()), max_completion_len=C)
         loss.backward()
         optimizer.step()
     sync(device)
@@ -78,8 +82,7 @@ def main(repeats: int = 3, lengths: tuple[int, ...] = (64, 512)) -> None:
         for engine in (False, True):
             model = Llama(cfg).init_weights(0).to(device=device, dtype=dtype)
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-            gcfg = grpo.GRPOConfig(num_samples=G, micro_batch_groups=PROMPTS if engine else PROMPTS,
-                                   max_completion_len=C)
+            gcfg = grpo.GRPOConfig(micro_batch_groups=PROMPTS)
             mem = memory.PhaseManager(device)
             mem.cache = rollout.KVCache.for_batch(cfg, PROMPTS, G, P, C, dtype, device)
             mem.add_weights(model, model)

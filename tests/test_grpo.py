@@ -12,6 +12,7 @@ import torch
 import grpo
 import model as M
 from grpo import GRPOBatch, GRPOConfig
+from rollout import RolloutConfig
 
 V = 128
 # fp32 logprobs and entropies (|logp| ~ 2-8, H ~ 2-5 here) computed in a different order (prefix
@@ -67,6 +68,15 @@ def oracle_logprobs(m: M.Llama, prompts, completions, G: int, temperature: float
     return logps, ents
 
 
+def completion_logprobs(m, prompts, completions, *, num_samples: int, temperature: float = 1.0,
+                        **kwargs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """grpo.completion_logprobs on the tests' ragged lists: logp, entropy and the batch's mask."""
+    batch = GRPOBatch.from_lists(prompts, completions, temperature=temperature)
+    assert batch.num_samples == num_samples
+    logp, entropy = grpo.completion_logprobs(m, batch, **kwargs)
+    return logp, entropy, batch.mask
+
+
 def weighted_sum(logp: torch.Tensor, mask: torch.Tensor, seed: int = 1) -> torch.Tensor:
     """A scalar that weighs every token differently, so any misrouted gradient shows."""
     w = torch.randn(logp.shape, generator=torch.Generator().manual_seed(seed))
@@ -81,7 +91,7 @@ def test_logprobs_and_grads_equal_one_forward_per_sequence(shared, chunk_size):
     G, temperature = 3, 0.7
     prompts, completions = ragged_batch(G)
     m = tiny_model()
-    logp, entropy, mask = grpo.completion_logprobs(m, prompts, completions, num_samples=G,
+    logp, entropy, mask = completion_logprobs(m, prompts, completions, num_samples=G,
                                                    temperature=temperature, chunk_size=chunk_size,
                                                    shared_prompt=shared)
     # The entropy is differentiable too (an entropy bonus trains through it): weigh both.
@@ -138,7 +148,7 @@ def test_no_grad_prompt_gives_a_different_gradient():
     G = 3
     prompts, completions = ragged_batch(G)
     m = tiny_model()
-    logp, _, mask = grpo.completion_logprobs(m, prompts, completions, num_samples=G)
+    logp, _, mask = completion_logprobs(m, prompts, completions, num_samples=G)
     weighted_sum(logp, mask).backward()
     exact = grads(m)
     m.zero_grad()
@@ -182,14 +192,14 @@ def test_chunked_equals_unchunked_and_never_holds_more_than_a_chunk(path, chunk_
     prompts, completions = ragged_batch(G)
     n = sum(len(c) for c in completions)
     m = tiny_model(cls=HeadSpy)
-    logp, ent, mask = grpo.completion_logprobs(m, prompts, completions, num_samples=G, chunk_size=0)
+    logp, ent, mask = completion_logprobs(m, prompts, completions, num_samples=G, chunk_size=0)
     weighted_sum(logp, mask).backward()
     want = grads(m)
     m.zero_grad()
     rows_seen = m.rows_seen
     rows_seen.clear()  # the unchunked twin's rows
     fn = grpo.logprobs_from_logits if path == "checkpoint" else None
-    logp_c, ent_c, _ = grpo.completion_logprobs(m, prompts, completions, num_samples=G,
+    logp_c, ent_c, _ = completion_logprobs(m, prompts, completions, num_samples=G,
                                                 chunk_size=chunk_size, logprob_fn=fn)
     chunks = math.ceil(n / chunk_size)
     assert len(rows_seen) == chunks and max(rows_seen) <= chunk_size and sum(rows_seen) == n
@@ -202,7 +212,7 @@ def test_chunked_equals_unchunked_and_never_holds_more_than_a_chunk(path, chunk_
     assert_grads_close(grads(m), want, rel=1e-5)
     with torch.no_grad():  # no recompute without grad; same values
         rows_seen.clear()
-        logp_n, _, _ = grpo.completion_logprobs(m, prompts, completions, num_samples=G,
+        logp_n, _, _ = completion_logprobs(m, prompts, completions, num_samples=G,
                                                 chunk_size=chunk_size, logprob_fn=fn)
     assert len(rows_seen) == chunks
     torch.testing.assert_close(logp_n, logp.detach(), **LOGP_TOL)
@@ -283,7 +293,7 @@ def test_logprob_of_token_t_comes_from_logits_at_t_minus_1(shared):
     m = tiny_model()
     prompt, completion = [3, 17, 42], [5, 9, 11, 60]
     logits = m(torch.tensor([prompt + completion]))[0]  # (7, V)
-    logp, _, _ = grpo.completion_logprobs(m, [prompt], [completion], num_samples=1,
+    logp, _, _ = completion_logprobs(m, [prompt], [completion], num_samples=1,
                                           shared_prompt=shared)
     for t, tok in enumerate(completion):
         # completion token t sits at sequence position 3 + t and is predicted by position 2 + t
@@ -302,14 +312,15 @@ def training_batch(m: M.Llama, G: int = 2) -> tuple[GRPOBatch, GRPOConfig]:
     prompts = [torch.randint(0, V, (n,), generator=gen).tolist() for n in (4, 9, 2, 6)]
     lens = (3, 6, 1, 5, 4, 4, 2, 6)[:4 * G]
     completions = [torch.randint(0, V, (n,), generator=gen).tolist() for n in lens]
-    cfg = GRPOConfig(num_samples=G, beta=0.05, max_completion_len=8)
+    cfg = GRPOConfig(beta=0.05, micro_batch_groups=4)
     adv = grpo.group_advantages(torch.randn(4 * G, generator=gen), G)
-    current = grpo.batch_logprobs(m, prompts, completions, cfg)
-    mask = current != 0
+    batch = GRPOBatch.from_lists(prompts, completions, max_new_tokens=8, advantages=adv)
+    current = grpo.batch_logprobs(m, batch, cfg)
+    mask = batch.mask
     # Off-policy old logprobs (as at mu > 1) so that some ratios leave the clip range.
-    old = current + 0.3 * torch.randn(current.shape, generator=gen) * mask
-    ref = current + 0.5 * torch.randn(current.shape, generator=gen) * mask
-    return GRPOBatch(prompts, completions, adv, old, ref), cfg
+    batch.old_logp = current + 0.3 * torch.randn(current.shape, generator=gen) * mask
+    batch.ref_logp = current + 0.5 * torch.randn(current.shape, generator=gen) * mask
+    return batch, cfg
 
 
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
@@ -317,11 +328,11 @@ def test_micro_batches_of_1_2_4_groups_equal_one_big_batch(loss_type):
     m = tiny_model()
     batch, cfg = training_batch(m)
     cfg.loss_type = loss_type
-    logp, ent, mask = grpo.completion_logprobs(m, batch.prompts, batch.completions,
-                                               num_samples=cfg.num_samples)
+    logp, ent = grpo.completion_logprobs(m, batch)
+    mask = batch.mask
     loss, metrics = grpo.grpo_loss(logp, batch.old_logp, batch.ref_logp, batch.advantages, mask,
-                                   cfg,
-                                   num_seqs=len(batch.completions), num_tokens=int(mask.sum()))
+                                   cfg, num_seqs=mask.shape[0], num_tokens=int(mask.sum()),
+                                   max_completion_len=batch.max_new_tokens)
     loss.backward()
     want = grads(m)
     assert metrics["clip_low"] + metrics["clip_high"] > 0  # the clip is exercised
@@ -351,14 +362,12 @@ def test_accumulate_adds_to_existing_grads_and_batch_logprobs_match_one_pass():
     grpo.accumulate(m, batch, cfg)
     assert_grads_close(grads(m), {k: 2 * v for k, v in once.items()}, rel=1e-6)
     with torch.no_grad():
-        whole, _, _ = grpo.completion_logprobs(m, batch.prompts, batch.completions,
-                                               num_samples=cfg.num_samples)
+        whole, _ = grpo.completion_logprobs(m, batch)
     # fp32; a different batch shape changes the matmul blocking, logp ~ -5: a few ulps
-    torch.testing.assert_close(grpo.batch_logprobs(m, batch.prompts, batch.completions, cfg), whole,
-                               **LOGP_TOL)
+    torch.testing.assert_close(grpo.batch_logprobs(m, batch, cfg), whole, **LOGP_TOL)
     # A float64 model's old/reference logprobs stay float64 (they used to be rounded to float32).
     m64 = m.double()
-    assert grpo.batch_logprobs(m64, batch.prompts, batch.completions, cfg).dtype == torch.float64
+    assert grpo.batch_logprobs(m64, batch, cfg).dtype == torch.float64
 
 # -----------------------------------------------------------------------------
 # The loss: finite differences, hand-built clipping, mu = 1
@@ -379,14 +388,16 @@ def loss_inputs(seed: int = 0):
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
 def test_loss_gradient_matches_finite_differences(loss_type, bias_correction):
     logp, old, ref, adv, mask = loss_inputs()
-    cfg = GRPOConfig(num_samples=2, loss_type=loss_type, beta=0.1, max_completion_len=8,
+    cfg = GRPOConfig(loss_type=loss_type, beta=0.1,
                      use_bias_correction_kl=bias_correction)
     ratio = (logp - old).exp()
     # Finite differences are meaningless at the clip kinks: make sure no ratio sits near one.
     assert ((ratio - (1 - cfg.eps_low)).abs() > 1e-3).all()
     assert ((ratio - (1 + cfg.eps_high)).abs() > 1e-3).all()
     before = [t.clone() for t in (logp, old, ref, adv, mask)]
-    f = lambda lp: grpo.grpo_loss(lp, old, ref, adv, mask, cfg, num_seqs=4, num_tokens=12)[0]
+    def f(lp):
+        return grpo.grpo_loss(lp, old, ref, adv, mask, cfg, num_seqs=4, num_tokens=12,
+                              max_completion_len=8)[0]
     assert torch.autograd.gradcheck(f, (logp.clone().requires_grad_(),), eps=1e-6, atol=1e-8)
     lp = logp.clone().requires_grad_()
     f(lp).backward()
@@ -413,7 +424,7 @@ def slow_loss(logp, old, ref, adv, mask, cfg: GRPOConfig, num_seqs: int, num_tok
                 term = term + cfg.beta * (k3 * r if cfg.use_bias_correction_kl else k3)
             total = total + (term / length if cfg.loss_type == "grpo" else term)
     normaliser = {"grpo": num_seqs, "dapo": num_tokens,
-                  "dr_grpo": num_seqs * cfg.max_completion_len}[cfg.loss_type]
+                  "dr_grpo": num_seqs * 8}[cfg.loss_type]  # the tests' budget: 8
     return total / normaliser
 
 
@@ -423,10 +434,11 @@ def slow_loss(logp, old, ref, adv, mask, cfg: GRPOConfig, num_seqs: int, num_tok
 def test_loss_and_gradient_equal_the_token_by_token_twin(loss_type, beta, bias_correction, mu):
     logp, old, ref, adv, mask = loss_inputs()
     old = None if mu == 1 else old  # mu = 1: old_logp is the current policy, detached
-    cfg = GRPOConfig(num_samples=2, loss_type=loss_type, beta=beta, max_completion_len=8,
+    cfg = GRPOConfig(loss_type=loss_type, beta=beta,
                      use_bias_correction_kl=bias_correction)
     got_lp = logp.clone().requires_grad_()
-    loss, metrics = grpo.grpo_loss(got_lp, old, ref, adv, mask, cfg, num_seqs=4, num_tokens=12)
+    loss, metrics = grpo.grpo_loss(got_lp, old, ref, adv, mask, cfg, num_seqs=4, num_tokens=12,
+                                   max_completion_len=8)
     loss.backward()
     want_lp = logp.clone().requires_grad_()
     want = slow_loss(want_lp, old, ref, adv, mask, cfg, num_seqs=4, num_tokens=12)
@@ -447,9 +459,11 @@ def test_bias_corrected_kl_gradient_at_mu_1_is_hand_derived():
     d = ref - logp
     k3 = d.exp() - d - 1
     for bias_correction in (True, False):
-        cfg = GRPOConfig(num_samples=2, beta=beta, use_bias_correction_kl=bias_correction)
+        cfg = GRPOConfig(beta=beta, use_bias_correction_kl=bias_correction)
         lp = logp.clone().requires_grad_()
-        grpo.grpo_loss(lp, None, ref, adv, mask, cfg, num_seqs=4, num_tokens=12)[0].backward()
+        loss = grpo.grpo_loss(lp, None, ref, adv, mask, cfg, num_seqs=4, num_tokens=12,
+                              max_completion_len=8)[0]
+        loss.backward()
         kl_grad = 1 - d.exp() + (k3 if bias_correction else 0)
         want = (-adv[:, None] + beta * kl_grad) * mask / 12  # dapo: sum over the 12 tokens / 12
         torch.testing.assert_close(lp.grad, want, rtol=1e-12, atol=1e-15)  # float64
@@ -464,11 +478,12 @@ def test_bias_corrected_kl_gradient_at_mu_1_is_hand_derived():
     (1.1, -1.0, 1.1, 1.1, 0, 0),
 ])
 def test_clipping_on_hand_built_cases(ratio, adv, loss, grad, clip_low, clip_high):
-    cfg = GRPOConfig(num_samples=1, eps_low=0.2, eps_high=0.28)
+    cfg = GRPOConfig(eps_low=0.2, eps_high=0.28)
     old = torch.full((1, 1), -1.0, dtype=torch.float64)
     logp = (old + math.log(ratio)).requires_grad_()
     out, metrics = grpo.grpo_loss(logp, old, None, torch.tensor([adv], dtype=torch.float64),
-                                  torch.ones(1, 1, dtype=torch.bool), cfg, num_seqs=1, num_tokens=1)
+                                  torch.ones(1, 1, dtype=torch.bool), cfg, num_seqs=1, num_tokens=1,
+                                  max_completion_len=1)
     out.backward()
     # float64, values ~1: exp(log(ratio)) is a few ulps off ratio
     assert_rel(out.item(), loss, 1e-12, floor=1e-3, what="loss")
@@ -482,11 +497,11 @@ def test_mu_1_ratio_is_one_and_gradient_is_the_policy_gradient():
     prompts, completions = ragged_batch(G)
     m = tiny_model()
     adv = grpo.group_advantages(torch.tensor([1.0, 0, 0, 2, 1, 1, 0, 0, 3]), G)
-    logp, _, mask = grpo.completion_logprobs(m, prompts, completions, num_samples=G)
+    logp, _, mask = completion_logprobs(m, prompts, completions, num_samples=G)
     num_tokens = int(mask.sum())
-    cfg = GRPOConfig(num_samples=G, loss_type="dapo")
+    cfg = GRPOConfig(loss_type="dapo")
     loss, metrics = grpo.grpo_loss(logp, None, None, adv, mask, cfg, num_seqs=9,
-                                   num_tokens=num_tokens)
+                                   num_tokens=num_tokens, max_completion_len=8)
     assert metrics["ratio_min"] == metrics["ratio_max"] == metrics["ratio_mean"] == 1.0
     assert metrics["clip_low"] == metrics["clip_high"] == 0
     # Value: -sum(A * 1) / num_tokens (~0, not exactly: dapo weighs sequences by length).
@@ -502,7 +517,7 @@ def test_mu_1_ratio_is_one_and_gradient_is_the_policy_gradient():
     assert_grads_close(got, grads(m), rel=1e-6)
     cfg.loss_type = "grpo"  # sequence means: -mean(A), and A sums to 0 in every group
     seq_loss, _ = grpo.grpo_loss(logp, None, None, adv, mask, cfg, num_seqs=9,
-                                 num_tokens=num_tokens)
+                                 num_tokens=num_tokens, max_completion_len=8)
     assert abs(seq_loss.item()) < 1e-6  # a value near 0: absolute, fp32 sums of ~1
 
 # -----------------------------------------------------------------------------
@@ -589,20 +604,19 @@ def test_group_advantages_with_every_reward_missing_are_zero():
 
 def bad_inputs():
     m = tiny_model()
-    cfg = GRPOConfig(num_samples=1, beta=0.1)
+    cfg = GRPOConfig(beta=0.1)
     z = torch.zeros(2, 3)
     ok_mask = torch.ones(2, 3, dtype=torch.bool)
 
     def loss(*tensors):
-        return grpo.grpo_loss(*tensors, cfg, num_seqs=2, num_tokens=6)
+        return grpo.grpo_loss(*tensors, cfg, num_seqs=2, num_tokens=6, max_completion_len=3)
 
     return [
         (lambda: GRPOConfig(eps_low=-0.1), "eps_low"),
         (lambda: GRPOConfig(eps_high=-0.1), "eps_high"),
         (lambda: GRPOConfig(loss_type="ppo"), "loss_type"),
         (lambda: GRPOConfig(scale="rank"), "scale"),
-        (lambda: GRPOConfig(num_samples=0), "num_samples"),
-        (lambda: GRPOConfig(temperature=0.0), "temperature"),
+        (lambda: GRPOConfig(micro_batch_groups=0), "micro_batch_groups"),
         (lambda: GRPOConfig(beta=-1.0), "beta"),
         (lambda: GRPOConfig(std_correction=2), "std_correction"),
         (lambda: grpo.group_advantages(torch.zeros(4), 2, std_correction=-1), "std_correction"),
@@ -613,16 +627,23 @@ def bad_inputs():
         (lambda: grpo.group_advantages(torch.zeros(5), 2), "num_samples"),
         (lambda: grpo.group_advantages(torch.zeros(2, 2), 2), "rewards"),
         (lambda: grpo.group_advantages(torch.zeros(4), 2, scale="rank"), "scale"),
-        (lambda: grpo.completion_logprobs(m, [[1]], [[2]] * 3, num_samples=2), "completions"),
-        (lambda: grpo.completion_logprobs(m, [[]], [[2]], num_samples=1), r"prompts\[0\]"),
+        (lambda: grpo.batch_logprobs(m, GRPOBatch.from_lists([[1], [2]], [[2]] * 3), cfg),
+         "batch.tokens has 3 rows for 2 prompts"),
+        (lambda: grpo.batch_logprobs(m, GRPOBatch.from_lists([[]], [[2]]), cfg),
+         "batch.prompt_lens"),
+        (lambda: grpo.batch_logprobs(m, GRPOBatch.from_lists([[1]], [[2]], temperature=0.0), cfg),
+         "batch.temperature"),
         (lambda: loss(z, torch.zeros(2, 4), z, torch.zeros(2), ok_mask), "old_logp"),
         (lambda: loss(z, z, z, torch.zeros(3), ok_mask), "advantages"),
         (lambda: loss(z, z, z, torch.zeros(2), ok_mask[:, :2]), "mask"),
         (lambda: loss(z, z, None, torch.zeros(2), ok_mask), "ref_logp"),
-        (lambda: grpo.accumulate(m, GRPOBatch([[1]], [[2]], torch.zeros(2)), cfg),
+        (lambda: grpo.accumulate(m, GRPOBatch.from_lists([[1]], [[2]],
+                                                         advantages=torch.zeros(2)), cfg),
          "batch.advantages"),
-        (lambda: grpo.accumulate(m, GRPOBatch([[1]], [[2]], torch.zeros(1), torch.zeros(1, 2)),
-                                 cfg), "batch.old_logp"),
+        (lambda: grpo.accumulate(m, GRPOBatch.from_lists([[1]], [[2]]), cfg), "batch.advantages"),
+        (lambda: grpo.accumulate(m, GRPOBatch.from_lists([[1]], [[2]], advantages=torch.zeros(1),
+                                                         old_logp=torch.zeros(1, 2)), cfg),
+         "batch.old_logp"),
     ]
 
 
@@ -821,12 +842,15 @@ def test_loss_metrics_and_grads_equal_trls_on_the_same_weights(hf_checkpoint, tm
                           max_completion_length=8)
     scored = trl_scored(trainer, N)
     ours = M.Llama.from_pretrained(hf_checkpoint[0], dtype=torch.float64)
-    cfg = GRPOConfig(num_samples=G, loss_type=loss_type, beta=beta, eps_low=0.2, eps_high=0.28,
-                     temperature=TRL_TEMPERATURE, chunk_size=5, max_completion_len=8,
+    cfg = GRPOConfig(loss_type=loss_type, beta=beta, eps_low=0.2, eps_high=0.28, chunk_size=5,
                      micro_batch_groups=N // G // TRL_MICRO_BATCHES)
     advantages = our_advantages(G, "group")
     torch.testing.assert_close(advantages, scored["advantages"], rtol=1e-6, atol=0)
-    current = grpo.batch_logprobs(ours, prompts, completions, cfg)  # (N, Tr)
+
+    def batch(**tensors) -> GRPOBatch:  # sampled at TRL's temperature, within its budget of 8
+        return GRPOBatch.from_lists(prompts, completions, temperature=TRL_TEMPERATURE,
+                                    max_new_tokens=8, advantages=advantages, **tensors)
+    current = grpo.batch_logprobs(ours, batch(), cfg)  # (N, Tr)
     mask = scored["completion_mask"].bool()
     for key in ("old_per_token_logps", "ref_per_token_logps"):  # TRL's own, when it made them
         if key in scored:  # TRL's softmax statistics are float32: ~1e-7 of the logits (|z| ~ 10)
@@ -836,26 +860,27 @@ def test_loss_metrics_and_grads_equal_trls_on_the_same_weights(hf_checkpoint, tm
     ref = None
     if beta > 0:
         ref = current + 0.5 * torch.randn(current.shape, generator=gen, dtype=current.dtype) * mask
-    check_against_trl(trainer, scored, ours, GRPOBatch(prompts, completions, advantages, None, ref),
-                      cfg)
+    check_against_trl(trainer, scored, ours, batch(ref_logp=ref), cfg)
     old = current + 0.3 * torch.randn(current.shape, generator=gen, dtype=current.dtype) * mask
-    got = check_against_trl(trainer, scored, ours,
-                            GRPOBatch(prompts, completions, advantages, old, ref), cfg)
+    got = check_against_trl(trainer, scored, ours, batch(old_logp=old, ref_logp=ref), cfg)
     assert got["clip_low"] + got["clip_high"] > 0  # the clip acts
 
 
 def test_defaults_are_trls_except_the_documented_differences():
-    """Our GRPOConfig defaults against TRL's GRPOConfig field defaults; the differences are on
-    purpose and listed in the README's table."""
+    """Our GRPOConfig and RolloutConfig defaults against TRL's GRPOConfig field defaults; the
+    differences are on purpose and listed in the README's table."""
     trl = pytest.importorskip("trl")
     theirs = {f.name: f.default for f in dataclasses.fields(trl.GRPOConfig)}
     ours = GRPOConfig()
-    same = {"num_samples": "num_generations", "loss_type": "loss_type", "scale": "scale_rewards",
-            "eps_low": "epsilon", "beta": "beta", "temperature": "temperature",
-            "mu": "num_iterations", "use_bias_correction_kl": "use_bias_correction_kl"}
+    same = {"loss_type": "loss_type", "scale": "scale_rewards", "eps_low": "epsilon",
+            "beta": "beta", "mu": "num_iterations",
+            "use_bias_correction_kl": "use_bias_correction_kl"}
     for our_name, trl_name in same.items():
         assert getattr(ours, our_name) == theirs[trl_name], (our_name, trl_name)
+    assert RolloutConfig().temperature == theirs["temperature"]
     # Clip-higher (DAPO) 0.28; TRL's epsilon_high None means epsilon, 0.2.
     assert (ours.eps_high, theirs["epsilon_high"]) == (0.28, None)
-    # Dr. GRPO's constant: train.py sets it to the rollout's max_new_tokens.
-    assert (ours.max_completion_len, theirs["max_completion_length"]) == (256, 512)
+    # The group: 16 samples per prompt for the tiny default task (more signal per prompt); TRL 8.
+    assert (RolloutConfig().num_samples, theirs["num_generations"]) == (16, 8)
+    # The completion budget (also Dr. GRPO's constant): the task's own (0); TRL 512.
+    assert (RolloutConfig().max_new_tokens, theirs["max_completion_length"]) == (0, 512)

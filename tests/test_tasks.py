@@ -59,23 +59,22 @@ def test_jsonl_math_errors_name_the_line(tmp_path, content, message):
 # Scoring: TRL's sum over reward functions, and a clear error for anything that is not a reward
 
 
-def test_score_sums_the_functions_ignoring_none_and_a_row_is_missing_only_when_all_are():
+def test_score_gives_one_column_per_function_and_nan_for_none():
+    """NaN (None) per function; grpo.combine_rewards then sums them as TRL does."""
     def first(c, r):
         return None if c[:1] in "12" else 1.0
 
-    def never(c, r):
-        return None
-
     def half(c, r):
         return None if c[:1] == "1" else 0.5
-    task = tasks.Task("t", tasks.sample_reverse, [(first, 1.0), (never, 3.0), (half, 2.0)])
+    task = tasks.Task("t", tasks.sample_reverse, [(first, 1.0), (half, 2.0)])
     got = tasks.score(task, ["1x", "2x", "3x"], ["", "", ""])
-    assert math.isnan(got[0]) and got[1:].tolist() == [1.0, 2.0]  # 0 + 2*0.5; 1 + 2*0.5
+    assert got.shape == (3, 2) and got.dtype == torch.float64
+    assert got[0].isnan().all() and got[1, 0].isnan() and got[1:, 1].tolist() == [0.5, 0.5]
     # Anything float() reads as a number is a reward: bools, numpy and 0-d torch scalars.
     numbers = tasks.Task("n", tasks.sample_reverse, [(lambda c, r: True, 1.0),
                                                       (lambda c, r: np.float32(0.5), 1.0),
                                                       (lambda c, r: torch.tensor(0.25), 1.0)])
-    assert tasks.score(numbers, ["a"], [""]).tolist() == [1.75]
+    assert tasks.score(numbers, ["a"], [""]).tolist() == [[1.0, 0.5, 0.25]]
 
 
 @pytest.mark.parametrize("value,shown", [("good", "'good'"), (float("inf"), "inf"),

@@ -114,9 +114,12 @@ def grpo_batch(cfg: M.ModelConfig, G: int = 2):
 def grpo_step(model, prompts, completions, advantages, logprob_fn=None, *, old_logp=None, ref_logp=None,
               num_seqs=None, num_tokens=None):
     beta = 0.0 if ref_logp is None else 0.05
-    cfg = grpo.GRPOConfig(num_samples=2, chunk_size=5, beta=beta)  # chunks of 5 tokens: several, recomputed
-    batch = grpo.GRPOBatch(prompts, completions, advantages, old_logp, ref_logp)
-    return grpo.accumulate(model, batch, cfg, logprob_fn=logprob_fn, num_seqs=num_seqs, num_tokens=num_tokens)
+    # chunks of 5 tokens: several, recomputed; one group per micro-batch (see grpo_batch)
+    cfg = grpo.GRPOConfig(chunk_size=5, beta=beta, micro_batch_groups=1)
+    batch = grpo.GRPOBatch.from_lists(prompts, completions, advantages=advantages,
+                                      old_logp=old_logp, ref_logp=ref_logp)
+    return grpo.accumulate(model, batch, cfg, logprob_fn=logprob_fn, num_seqs=num_seqs,
+                           num_tokens=num_tokens)
 
 # -----------------------------------------------------------------------------
 # 2 processes: TP = 2
@@ -261,7 +264,8 @@ def check_tp_equals_one_process(cfg: M.ModelConfig, groups: tp.ParallelGroups) -
     ref = copy.deepcopy(full)
     with torch.no_grad():
         want_logits = ref(tokens)
-        old_logp = grpo.batch_logprobs(ref, prompts, completions, grpo.GRPOConfig(num_samples=2))
+        batch = grpo.GRPOBatch.from_lists(prompts, completions)
+        old_logp = grpo.batch_logprobs(ref, batch, grpo.GRPOConfig(micro_batch_groups=1))
         old_logp = old_logp + 0.1 * torch.randn(old_logp.shape, generator=gen)  # ratio != 1: clipping acts
         ref_logp = old_logp + 0.1 * torch.randn(old_logp.shape, generator=gen)
     want = grpo_step(ref, prompts, completions, advantages, old_logp=old_logp, ref_logp=ref_logp)

@@ -1,5 +1,6 @@
 """train.py end to end: a short run, exact resume, Ctrl-C, tp=2 vs tp=1, and the clear errors."""
 
+import dataclasses
 import json
 import math
 import os
@@ -160,7 +161,7 @@ def test_help_lists_every_field_of_every_config(capsys):
     text = capsys.readouterr().out
     for section, cls in train.SECTIONS.items():
         assert f"\n{section} (" in text
-        for f in train.fields(cls):
+        for f in dataclasses.fields(cls):
             assert f"--{f.name} " in text
 
 
