@@ -1,5 +1,6 @@
 """
-A small Llama (also Qwen2) in plain PyTorch that reads and writes Hugging Face checkpoint directories.
+A small Llama (also Qwen2) in plain PyTorch that reads and writes Hugging Face checkpoint
+directories.
 
 RMSNorm, rotary embeddings (HF rotate-half convention, Llama-3 / linear rope scaling), grouped-query
 attention through F.scaled_dot_product_attention, SwiGLU MLP, optional tied embeddings, the biases
@@ -94,7 +95,8 @@ def rope_inv_freq(cfg: ModelConfig) -> Tensor:
     """Inverse frequencies (D/2,), in HF's exact float32 arithmetic, with optional rope scaling."""
     D = cfg.head_dim
     # device="cpu" explicitly: the model may be built under `with torch.device("meta")`.
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64, device="cpu").float() / D))
+    exponents = torch.arange(0, D, 2, dtype=torch.int64, device="cpu").float() / D  # (D/2,)
+    inv_freq = 1.0 / (cfg.rope_theta ** exponents)
     s = cfg.rope_scaling
     if s is None:
         return inv_freq
@@ -112,34 +114,38 @@ def rope_inv_freq(cfg: ModelConfig) -> Tensor:
 
 
 def rope_cos_sin(inv_freq: Tensor, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """cos and signed sin tables (B, T, D) for integer positions (B, T), computed in float32 like HF. The sin
-    table's first half is negated, so that apply_rotary_emb's rotate-half is a roll (the same values as HF)."""
+    """cos and signed sin tables (B, T, D) for integer positions (B, T), computed in float32 like
+    HF. The sin table's first half is negated, so that apply_rotary_emb's rotate-half is a roll
+    (the same values as HF)."""
     freqs = positions[..., None].float() * inv_freq.float()  # (B, T, D/2)
-    cos, sin = freqs.cos(), freqs.sin()
-    return torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)  # (B, T, D)
+    cos = freqs.cos()
+    sin = freqs.sin()
+    return torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
 
 
 def apply_rotary_emb(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """HF rotate-half on (B, H, T, D): pairs dimension i with i + D/2 (not interleaved pairs).
-    HF's x*cos + cat(-x2, x1)*sin, with the sign folded into `sin` (rope_cos_sin) and cat(x2, x1) a roll."""
+    HF's x*cos + cat(-x2, x1)*sin, with the sign folded into `sin` (rope_cos_sin) and cat(x2, x1)
+    a roll."""
     return x * cos[:, None] + x.roll(x.shape[-1] // 2, dims=-1) * sin[:, None]
 
 
 def causal_attention(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     """The default attention: causal over the T tokens given. q (B, H, T, D), k/v (B, Hkv, T, D)."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+    gqa = q.shape[1] != k.shape[1]
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
 
 
 def attention_with_lse(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor) -> tuple[Tensor, Tensor]:
     """Softmax attention that also returns its log-sum-exp, so partial results can be merged.
     q (B, Hkv, M, D), k/v (B, Hkv, S, D), allowed broadcastable to (B, Hkv, M, S) bool.
-    Returns out (B, Hkv, M, D) and lse (B, Hkv, M) in float32 (or float64); a query with no allowed key gets
-    out 0 and lse -inf (it then contributes nothing to a merge)."""
-    dt = torch.promote_types(q.dtype, torch.float32)  # bf16 inputs accumulate in float32; float64 stays float64
+    Returns out (B, Hkv, M, D) and lse (B, Hkv, M) in float32 (or float64); a query with no allowed
+    key gets out 0 and lse -inf (it then contributes nothing to a merge)."""
+    dt = torch.promote_types(q.dtype, torch.float32)  # bf16 accumulates in float32, float64 stays
     scores = (q.to(dt) @ k.to(dt).transpose(-1, -2)) / math.sqrt(q.shape[-1])  # (B, Hkv, M, S)
     scores = scores.masked_fill(~allowed, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # (B, Hkv, M)
-    probs = torch.exp(scores - lse.clamp_min(-1e30)[..., None])  # all-masked rows: exp(-inf) = 0, not NaN
+    probs = torch.exp(scores - lse.clamp_min(-1e30)[..., None])  # all-masked rows: 0, not NaN
     return probs @ v.to(dt), lse
 
 
@@ -147,26 +153,30 @@ def prefix_attention(q: Tensor, k: Tensor, v: Tensor, own_allowed: Tensor,
                      prefix_k: Tensor, prefix_v: Tensor, prefix_valid: Tensor) -> Tensor:
     """Exact attention of Bp*G rows to one shared prefix per group plus their own keys (Hydragen).
 
-    q (Bp*G, H, T, D); k/v (Bp*G, Hkv, S, D) each row's own keys; own_allowed (Bp*G or 1, T, S) bool.
-    prefix_k/v (Bp, Hkv, P, D) computed once per group; prefix_valid (Bp, P) bool (False = padding).
-    The G rows are folded into the query dimension, so the prefix KV is read once per group and never
-    copied G times; the two partial softmaxes are merged by their log-sum-exp. Returns (Bp*G, H, T, D).
+    q (Bp*G, H, T, D); k/v (Bp*G, Hkv, S, D) each row's own keys; own_allowed (Bp*G or 1, T, S)
+    bool. prefix_k/v (Bp, Hkv, P, D) computed once per group; prefix_valid (Bp, P) bool (False =
+    padding). The G rows are folded into the query dimension, so the prefix KV is read once per
+    group and never copied G times; the two partial softmaxes are merged by their log-sum-exp.
+    Returns (Bp*G, H, T, D).
     """
     N, H, T, D = q.shape
     Bp, Hkv, P, _ = prefix_k.shape
-    G, rep = N // Bp, H // Hkv
+    G = N // Bp
+    rep = H // Hkv
     assert N == Bp * G and k.shape[0] == N and prefix_valid.shape == (Bp, P), "shapes do not match"
-    # Part 1: all G rows of a group (and the rep query heads of a kv head) against the shared prefix.
-    qp = q.view(Bp, G, Hkv, rep, T, D).transpose(1, 2).reshape(Bp, Hkv, G * rep * T, D)  # (Bp, Hkv, G*rep*T, D)
+    # Part 1: all G rows of a group (and the rep query heads of a kv head) against the prefix.
+    qp = q.view(Bp, G, Hkv, rep, T, D).transpose(1, 2).reshape(Bp, Hkv, G * rep * T, D)
     out_p, lse_p = attention_with_lse(qp, prefix_k, prefix_v, prefix_valid[:, None, None, :])
     out_p = out_p.view(Bp, Hkv, G, rep, T, D).transpose(1, 2).reshape(N, H, T, D)  # (Bp*G, H, T, D)
     lse_p = lse_p.view(Bp, Hkv, G, rep, T).transpose(1, 2).reshape(N, H, T)  # (Bp*G, H, T)
     # Part 2: each row against its own keys (GQA by folding the rep heads into the query dimension).
     qs = q.reshape(N, Hkv, rep * T, D)  # (Bp*G, Hkv, rep*T, D)
-    allowed = own_allowed[:, None, None].expand(-1, Hkv, rep, -1, -1).reshape(-1, Hkv, rep * T, k.shape[2])
+    allowed = own_allowed[:, None, None].expand(-1, Hkv, rep, -1, -1)
+    allowed = allowed.reshape(-1, Hkv, rep * T, k.shape[2])  # (Bp*G or 1, Hkv, rep*T, S)
     out_s, lse_s = attention_with_lse(qs, k, v, allowed)
-    out_s, lse_s = out_s.view(N, H, T, D), lse_s.view(N, H, T)
-    # Merge: softmax over [prefix keys, own keys] = each part re-weighted by exp(lse_part - lse_all).
+    out_s = out_s.view(N, H, T, D)
+    lse_s = lse_s.view(N, H, T)
+    # Merge: softmax over [prefix keys, own keys] = each part weighed by exp(lse_part - lse_all).
     lse = torch.logaddexp(lse_p, lse_s)  # (Bp*G, H, T)
     out = out_p * torch.exp(lse_p - lse)[..., None] + out_s * torch.exp(lse_s - lse)[..., None]
     return out.to(q.dtype)
@@ -186,16 +196,19 @@ class RMSNorm(nn.Module):
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """x * rsqrt(mean(x^2) + eps) in float32, cast back, then scaled: HF's order, which matters in bf16.
-    F.rms_norm is that formula in one call (3x faster than five separate ops at prefill sizes on the CPU)."""
+    """x * rsqrt(mean(x^2) + eps) in float32, cast back, then scaled: HF's order, which matters in
+    bf16. F.rms_norm is that formula in one call (3x faster than five separate ops at prefill sizes
+    on the CPU)."""
     return weight * F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
 
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
-        C, H, Hkv, D = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.layer, self.head_dim = layer, D
+        C, D = cfg.hidden_size, cfg.head_dim
+        H, Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.layer = layer
+        self.head_dim = D
         self.q_proj = nn.Linear(C, H * D, bias=cfg.attention_bias)
         self.k_proj = nn.Linear(C, Hkv * D, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(C, Hkv * D, bias=cfg.attention_bias)
@@ -203,11 +216,12 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention: Callable) -> Tensor:
         B, T, _ = x.shape
-        # Head counts come from the tensor shapes, so a tensor-parallel shard (H/tp heads) runs unchanged.
+        # Head counts come from the tensor shapes: a tensor-parallel shard (H/tp heads) runs as is.
         q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
-        q, k = apply_rotary_emb(q, cos, sin), apply_rotary_emb(k, cos, sin)
+        q = apply_rotary_emb(q, cos, sin)
+        k = apply_rotary_emb(k, cos, sin)
         y = attention(self.layer, q, k, v)  # (B, H, T, D)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, C)
 
@@ -232,7 +246,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention: Callable, last: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention: Callable,
+                last: Tensor | None = None) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, attention)
         if last is not None:  # only these positions reach the output: the MLP runs on them alone
             x = x[torch.arange(x.shape[0], device=x.device), last][:, None]  # (B, 1, C)
@@ -256,12 +271,13 @@ class Llama(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        # Not a parameter, not saved, and not a buffer: module.to(bfloat16) would round the frequencies
-        # (HF keeps them in float32). It follows the tokens' device on first use instead.
+        # Not a parameter, not saved, and not a buffer: module.to(bfloat16) would round the
+        # frequencies (HF keeps them in float32). It follows the tokens' device on first use.
         self.inv_freq = rope_inv_freq(cfg)  # (D/2,) float32
 
     def init_weights(self, seed: int = 0, std: float = 0.02) -> "Llama":
-        """HF's initialisation (normal(0, initializer_range), norms at 1, biases 0), reproducible by seed."""
+        """HF's initialisation (normal(0, initializer_range), norms at 1, biases 0), reproducible
+        by seed."""
         gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for name, p in self.named_parameters():  # tied lm_head appears once
@@ -273,28 +289,36 @@ class Llama(nn.Module):
                     p.copy_(torch.randn(p.shape, generator=gen) * std)
         return self
 
-    def hidden(self, tokens: Tensor, positions: Tensor | None = None, attention: Callable | None = None,
-               last: Tensor | None = None) -> Tensor:
-        """The residual stream before the final norm, (B, T) ids -> (B, T, C).
-        positions (B, T) default to 0..T-1; `attention(layer, q, k, v)` defaults to causal SDPA.
-        last (B,): only position last[b] of each row is wanted (a prefill before sampling), so the final block's
-        MLP runs on those alone (its attention still sees, and the hook still gets, every position): (B, 1, C)."""
+    def rope(self, tokens: Tensor, positions: Tensor | None,
+             dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """The cos/sin tables (B, T, D) of (B, T) tokens at positions (default 0..T-1)."""
         assert tokens.dim() == 2, f"tokens must be (B, T), got {tuple(tokens.shape)}"
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device).expand(tokens.shape)
         if self.inv_freq.device != tokens.device:
             self.inv_freq = self.inv_freq.to(tokens.device)
+        return rope_cos_sin(self.inv_freq, positions, dtype)
+
+    def hidden(self, tokens: Tensor, positions: Tensor | None = None,
+               attention: Callable | None = None, last: Tensor | None = None) -> Tensor:
+        """The residual stream before the final norm, (B, T) ids -> (B, T, C).
+        positions (B, T) default to 0..T-1; `attention(layer, q, k, v)` defaults to causal SDPA.
+        last (B,): only position last[b] of each row is wanted (a prefill before sampling), so the
+        final block's MLP runs on those alone (its attention still sees, and the hook still gets,
+        every position): (B, 1, C)."""
         x = self.model.embed_tokens(tokens)  # (B, T, C)
-        cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)  # (B, T, D)
+        cos, sin = self.rope(tokens, positions, x.dtype)  # (B, T, D)
+        final = len(self.model.layers) - 1
         for i, block in enumerate(self.model.layers):
-            x = block(x, cos, sin, attention or causal_attention, last if i == len(self.model.layers) - 1 else None)
+            x = block(x, cos, sin, attention or causal_attention, last if i == final else None)
         return x
 
     def head(self, h: Tensor) -> Tensor:
-        """Final norm + lm_head: (..., C) -> (..., V) logits. grpo.py calls it one chunk at a time."""
+        """Final norm + lm_head: (..., C) -> (..., V) logits; grpo.py calls it chunk by chunk."""
         return self.lm_head(self.model.norm(h))
 
-    def forward(self, tokens: Tensor, positions: Tensor | None = None, attention: Callable | None = None) -> Tensor:
+    def forward(self, tokens: Tensor, positions: Tensor | None = None,
+                attention: Callable | None = None) -> Tensor:
         return self.head(self.hidden(tokens, positions, attention))  # (B, T, V)
 
     # -------------------------------------------------------------------------
@@ -308,7 +332,7 @@ class Llama(nn.Module):
         files = check_checkpoint(path, expected_shapes(cfg))  # name -> file; names, shapes checked
         with torch.device("meta"):
             model = cls(cfg)
-        model.to_empty(device=device)  # NOTE: to_empty re-creates every parameter, which unties lm_head
+        model.to_empty(device=device)  # NOTE: re-creates every parameter, which unties lm_head
         model.to(dtype)
         if cfg.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
@@ -595,7 +619,8 @@ def read_json_object(file: str) -> dict:
 def load_config(path: str) -> ModelConfig:
     file = os.path.join(path, "config.json")
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"{path}: not a directory; expected a Hugging Face checkpoint directory")
+        raise FileNotFoundError(f"{path}: not a directory; expected a Hugging Face checkpoint "
+                                "directory")
     if not os.path.isfile(file):
         raise FileNotFoundError(f"{file}: not found; a checkpoint directory needs config.json")
     return config_from_hf(read_json_object(file), source=file)
@@ -698,7 +723,8 @@ def load_tokenizer(path: str):
     from tokenizers import Tokenizer
     file = os.path.join(path, "tokenizer.json")
     if not os.path.isfile(file):
-        raise FileNotFoundError(f"{file}: not found; the checkpoint directory needs a tokenizer.json")
+        raise FileNotFoundError(f"{file}: not found; the checkpoint directory needs a "
+                                "tokenizer.json")
     return Tokenizer.from_file(file)
 
 
@@ -709,7 +735,8 @@ def build_char_tokenizer(chars: str, specials: tuple[str, ...] = ("<pad>", "<bos
     chars = "".join(dict.fromkeys(chars))  # unique, order kept
     vocab = {tok: i for i, tok in enumerate(list(specials) + list(chars))}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # every character is a token
+    # every character is a token
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()  # join tokens without spaces
     tok.add_special_tokens(list(specials))
     return tok

@@ -1,21 +1,24 @@
 """
 Tensor parallelism (Megatron-LM style, by hand) and data parallelism for model.py's Llama.
 
-TP splits each block over the tp ranks: q/k/v and gate/up are column-parallel (H/tp heads, I/tp of the
-SwiGLU width per rank, their biases split alike), o/down row-parallel (each rank computes a partial
-sum of the output; a bias is added once, after the sum), the embedding and lm_head are split by
-vocab and the logits stay split. Two collectives per block half, as
-in Megatron-LM (arXiv:1909.08053): f = CopyToTP (identity forward, all-reduce backward) before the
-column-parallel linears, g = ReduceFromTP (all-reduce forward, identity backward) after the row-parallel.
-Sequence parallelism (arXiv:2205.05198) also splits the tokens of the replicated part (norms, residual
-adds): g becomes a reduce-scatter and f an all-gather fused with the linears after it, which saves only
-the local shard and re-gathers into a MemoryBuffer in backward (nanotron PR #203).
+TP splits each block over the tp ranks: q/k/v and gate/up are column-parallel (H/tp heads, I/tp of
+the SwiGLU width per rank, their biases split alike), o/down row-parallel (each rank computes a
+partial sum of the output; a bias is added once, after the sum), the embedding and lm_head are
+split by vocab and the logits stay split. Two collectives per block half, as in Megatron-LM
+(arXiv:1909.08053): f = CopyToTP (identity forward, all-reduce backward) before the
+column-parallel linears, g = ReduceFromTP (all-reduce forward, identity backward) after the
+row-parallel ones. Sequence parallelism (arXiv:2205.05198) also splits the tokens of the
+replicated part (norms, residual adds): g becomes a reduce-scatter and f an all-gather fused with
+the linears after it, which saves only the local shard and re-gathers into a MemoryBuffer in
+backward (nanotron PR #203).
 
-SP switch: shard_model(..., sequence_parallel) sets the default, `with sequence_parallel(model):`
-overrides it in a scope (e.g. the training forward). A forward runs SP only when B*T % tp == 0, else
-plain TP (same numbers), so decode (T = 1) runs on the same model, and model.hidden always returns the
-full (B, T, C) on every rank. The layout is the flag: in SP the residual stream is (N/tp, C), else
-(B, T, C), so a block recomputed in backward (memory.checkpoint_blocks) takes the same path again.
+The parallel forward is a class you can open: shard_model turns the model into a TPLlama and its
+modules into the TP classes below (same objects, HF parameter names, only forward() changes).
+TPLlama.hidden decides once per forward whether it runs sequence parallel (the model's switch,
+ParallelConfig.sequence_parallel or `with sequence_parallel(model):`, and B*T % tp == 0; else plain
+TP, the same numbers, so decode with T = 1 runs on the same model) and passes `sp` explicitly to
+every block and layer; it always returns the full (B, T, C) on every rank. A block recomputed in
+backward (memory.checkpoint_blocks) is called with the same `sp` and takes the same path again.
 
 Leaves out: pipeline parallelism, ZeRO/FSDP, overlap of communication with compute, uneven splits.
 Shapes: B sequences, T tokens, N = B*T tokens, n tokens of a logits chunk, C width, H/Hkv heads,
@@ -24,8 +27,8 @@ Tested by tests/test_tp.py (gloo, 2 and 4 CPU processes); tests/bench_tp.py coun
 """
 
 import contextlib
+import math
 import os
-import types
 from dataclasses import dataclass
 from math import prod
 from typing import Callable
@@ -38,29 +41,44 @@ from safetensors import safe_open
 from torch import Tensor
 from torch.autograd import Function
 
-from model import (MLP, Attention, Llama, RMSNorm, apply_rotary_emb, check_checkpoint,
-                   expected_shapes, load_config, rms_norm, rope_inv_freq)
+from model import (MLP, Attention, Block, Llama, RMSNorm, apply_rotary_emb, causal_attention,
+                   check_checkpoint, expected_shapes, load_config, rms_norm, rope_inv_freq)
 
 # torch 2.13 renamed these two (same signatures); older versions only have the *_tensor names.
 _all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 _reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1                      # tensor-parallel size; world size = tp * dp (torchrun)
+    sequence_parallel: bool = False  # split the norms' and residuals' tokens (training forward)
+
+    def __post_init__(self):
+        if not isinstance(self.tp, int) or self.tp < 1:
+            raise ValueError(f"tp must be an integer >= 1, got {self.tp!r}")
 
 # -----------------------------------------------------------------------------
 # Process groups
 
 
 def init_distributed() -> tuple[int, int, torch.device]:
-    """(rank, world_size, device) from torchrun's RANK / WORLD_SIZE / LOCAL_RANK: NCCL on cuda:LOCAL_RANK
-    when CUDA is available, else gloo on the CPU. At world size 1 no process group is created."""
-    world, cuda = int(os.environ.get("WORLD_SIZE", 1)), torch.cuda.is_available()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    """(rank, world_size, device) from torchrun's RANK / WORLD_SIZE / LOCAL_RANK: NCCL on
+    cuda:LOCAL_RANK when CUDA is available, else gloo on the CPU. At world size 1 no process group
+    is created."""
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    cuda = torch.cuda.is_available()
+    device = torch.device("cpu")
+    if cuda:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     if world == 1:
         return 0, 1, device
     if "RANK" not in os.environ:
         raise ValueError(f"WORLD_SIZE={world} but RANK is not set; launch with torchrun")
     if cuda:
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo", rank=int(os.environ["RANK"]), world_size=world)
+    backend = "nccl" if cuda else "gloo"
+    dist.init_process_group(backend, rank=int(os.environ["RANK"]), world_size=world)
     return dist.get_rank(), world, device
 
 
@@ -75,16 +93,19 @@ class ParallelGroups:
 
 
 def make_groups(tp_size: int) -> ParallelGroups:
-    """world = tp x dp with tp ranks contiguous (ranks 0..tp-1 hold one model): the per-layer TP traffic
-    stays inside a node, the once-per-step DP traffic crosses nodes."""
+    """world = tp x dp with tp ranks contiguous (ranks 0..tp-1 hold one model): the per-layer TP
+    traffic stays inside a node, the once-per-step DP traffic crosses nodes."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     if tp_size < 1 or world % tp_size:
         raise ValueError(f"tp_size={tp_size} must be >= 1 and divide the world size {world}")
     dp_size = world // tp_size
-    tp_lists = [range(d * tp_size, (d + 1) * tp_size) for d in range(dp_size)] if tp_size > 1 else []
+    tp_lists = []
+    if tp_size > 1:
+        tp_lists = [range(d * tp_size, (d + 1) * tp_size) for d in range(dp_size)]
     dp_lists = [range(t, world, tp_size) for t in range(tp_size)] if dp_size > 1 else []
-    # new_group is itself collective: every rank creates every group, in the same order, and keeps its own.
+    # new_group is itself collective: every rank creates every group, in the same order, and keeps
+    # its own.
     made = [(rank in ranks, dist.new_group(list(ranks))) for ranks in tp_lists + dp_lists]
     tp_group = next((g for mine, g in made[:len(tp_lists)] if mine), None)
     dp_group = next((g for mine, g in made[len(tp_lists):] if mine), None)
@@ -96,9 +117,9 @@ def make_groups(tp_size: int) -> ParallelGroups:
 
 def collective_output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
     """An empty tensor for a collective to write into, never an inference tensor.
-    NOTE torch < 2.6's gloo writes a gather's output on its own thread, where the sampler's inference_mode
-    is off, and an inference tensor refuses that write ("Inplace update to inference tensor outside
-    InferenceMode"). A normal tensor may be written inside inference_mode and out of it."""
+    NOTE torch < 2.6's gloo writes a gather's output on its own thread, where the sampler's
+    inference_mode is off, and an inference tensor refuses that write ("Inplace update to inference
+    tensor outside InferenceMode"). A normal tensor may be written inside inference_mode and out."""
     with torch.inference_mode(False):
         return torch.empty(shape, dtype=dtype, device=device)
 
@@ -112,18 +133,20 @@ class MemoryBuffer:
     def __init__(self):
         self.tensors: dict[tuple[str, torch.dtype], Tensor] = {}
 
-    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
-        key, numel = (name, dtype), prod(shape)
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype,
+            device: torch.device) -> Tensor:
+        key = (name, dtype)
+        numel = prod(shape)
         t = self.tensors.get(key)
-        # Grow (the old one dies with its last view). Made outside inference_mode (collective_output),
-        # the same tensor serves the sampler's forward and autograd's later writes.
+        # Grow (the old one dies with its last view). Made outside inference_mode
+        # (collective_output), the same tensor serves the sampler's forward and autograd's writes.
         if t is None or t.numel() < numel or t.device != device:
             t = self.tensors[key] = collective_output((numel,), dtype, device)
         return t[:numel].view(shape)
 
 
 class CopyToTP(Function):
-    """f: identity forward; backward sums the column shards' partial input grads over the tp ranks."""
+    """f: identity forward; backward sums the column shards' partial input grads over tp ranks."""
     @staticmethod
     def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
         ctx.group = group
@@ -131,14 +154,16 @@ class CopyToTP(Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        # NOTE never all-reduce autograd's grad in place: a residual add hands the same tensor to both branches.
+        # NOTE never all-reduce autograd's grad in place: a residual add hands the same tensor to
+        # both branches.
         grad = grad.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(grad, group=ctx.group)  # f backward: sum over tp ranks of each shard's partial input grad
+        dist.all_reduce(grad, group=ctx.group)  # f backward: sum of the shards' partial input grads
         return grad, None
 
 
 class ReduceFromTP(Function):
-    """g: sums the row shards' partial outputs over the tp ranks (in place, on a fresh unsaved input)."""
+    """g: sums the row shards' partial outputs over the tp ranks (in place, on a fresh, unsaved
+    input)."""
     @staticmethod
     def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
         dist.all_reduce(x, group=group)  # g: sum over tp ranks of the row-parallel partial outputs
@@ -151,25 +176,29 @@ class ReduceFromTP(Function):
 
 
 class ReduceScatterToSP(Function):
-    """g under SP: (N, C) partial sums -> (N/tp, C) full sums of this rank's tokens; backward all-gathers."""
+    """g under SP: (N, C) partial sums -> (N/tp, C) full sums of this rank's tokens; backward
+    all-gathers."""
     @staticmethod
     def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
         ctx.group = group
         n = x.shape[0] // dist.get_world_size(group)
         out = collective_output((n, *x.shape[1:]), x.dtype, x.device)  # (N/tp, C)
-        _reduce_scatter(out, x.contiguous(), group=group)  # g (SP): sum partials over tp ranks, keep my N/tp tokens
+        # g (SP): sum the partials over tp ranks, keep my N/tp tokens
+        _reduce_scatter(out, x.contiguous(), group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        full = grad.new_empty(grad.shape[0] * dist.get_world_size(ctx.group), *grad.shape[1:])  # (N, C)
-        _all_gather(full, grad.contiguous(), group=ctx.group)  # backward of g (SP): the grads of all N tokens
+        N = grad.shape[0] * dist.get_world_size(ctx.group)
+        full = grad.new_empty(N, *grad.shape[1:])  # (N, C)
+        _all_gather(full, grad.contiguous(), group=ctx.group)  # g (SP) backward: all N tokens
         return full, None
 
 
 class GatherFromSP(Function):
-    """Leaves SP after the last block: (N/tp, C) -> (N, C). Backward keeps my tokens, no sum: all after
-    hidden() (final norm, lm_head behind f) runs alike on every tp rank, so h's grad is already full."""
+    """Leaves SP after the last block: (N/tp, C) -> (N, C). Backward keeps my tokens, no sum: all
+    after hidden() (final norm, lm_head behind f) runs alike on every tp rank, so h's grad is
+    already full."""
     @staticmethod
     def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
         ctx.group = group
@@ -185,73 +214,85 @@ class GatherFromSP(Function):
 
 
 class GatherLinears(Function):
-    """SP's f fused with the column-parallel linears that read it (q/k/v, or gate/up): x (N/tp, C) ->
-    x_full @ W_i^T (+ b_i) each. x_full (N, C) lives in the buffer and is never saved: backward
+    """SP's f fused with the column-parallel linears that read it (q/k/v, or gate/up): x (N/tp, C)
+    -> x_full @ W_i^T (+ b_i) each. x_full (N, C) lives in the buffer and is never saved: backward
     re-gathers it (nanotron's tp_recompute_allgather), then reduce-scatters the input grad."""
     @staticmethod
-    def forward(ctx, x: Tensor, group: dist.ProcessGroup, buffer: MemoryBuffer, *weights_then_biases: Tensor):
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup, buffer: MemoryBuffer,
+                *weights_then_biases: Tensor):
         k = len(weights_then_biases) // 2
-        weights, biases = weights_then_biases[:k], weights_then_biases[k:]
-        full = buffer.get("gather", (x.shape[0] * dist.get_world_size(group), x.shape[1]), x.dtype, x.device)
+        weights = weights_then_biases[:k]
+        biases = weights_then_biases[k:]
+        N = x.shape[0] * dist.get_world_size(group)
+        full = buffer.get("gather", (N, x.shape[1]), x.dtype, x.device)  # (N, C)
         _all_gather(full, x.contiguous(), group=group)  # f (SP): all N tokens, into the buffer
         ctx.save_for_backward(x, *weights)  # the local shard only
-        ctx.group, ctx.buffer, ctx.has_bias = group, buffer, [b is not None for b in biases]
+        ctx.group = group
+        ctx.buffer = buffer
+        ctx.has_bias = [b is not None for b in biases]
         return tuple(F.linear(full, w, b) for w, b in zip(weights, biases))  # (N, out_i/tp) each
 
     @staticmethod
     def backward(ctx, *grads: Tensor):
         x, *weights = ctx.saved_tensors
-        full = ctx.buffer.get("gather", (x.shape[0] * dist.get_world_size(ctx.group), x.shape[1]), x.dtype, x.device)
-        _all_gather(full, x.contiguous(), group=ctx.group)  # the re-gather of x_full, instead of saving it
+        N = x.shape[0] * dist.get_world_size(ctx.group)
+        full = ctx.buffer.get("gather", (N, x.shape[1]), x.dtype, x.device)  # (N, C)
+        _all_gather(full, x.contiguous(), group=ctx.group)  # re-gathered instead of saved
         grad_full = ctx.buffer.get("reduce", full.shape, x.dtype, x.device)  # (N, C)
         torch.mm(grads[0], weights[0], out=grad_full)
         for g, w in zip(grads[1:], weights[1:]):
             grad_full.addmm_(g, w)
         grad_x = torch.empty_like(x)
-        _reduce_scatter(grad_x, grad_full, group=ctx.group)  # f backward (SP): sum over tp ranks, keep my tokens
+        # f backward (SP): sum over tp ranks, keep my tokens
+        _reduce_scatter(grad_x, grad_full, group=ctx.group)
         grad_b = [g.sum(0) if has else None for g, has in zip(grads, ctx.has_bias)]
         return grad_x, None, None, *[g.t() @ full for g in grads], *grad_b
 
 # -----------------------------------------------------------------------------
-# Parallel modules: shard_model turns model.py's modules into these in place (only forward changes)
+# Parallel modules: shard_model turns model.py's modules into these in place. Each forward takes
+# `sp` (sequence parallel or not) explicitly, from TPLlama.hidden.
 
 
 @dataclass
 class TPState:  # per model, a plain attribute (not in the state dict)
     groups: ParallelGroups
-    sequence_parallel: bool                   # the SP switch, see sequence_parallel()
+    sequence_parallel: bool                   # the SP switch, read once per forward by TPLlama
     buffer: MemoryBuffer
-    sharded: dict[str, tuple[int, int, int]]  # param name -> (dim, start, stop) of its slice of the full tensor
+    sharded: dict[str, tuple[int, int, int]]  # param name -> (dim, start, stop) of its slice
 
-    def __deepcopy__(self, memo: dict) -> "TPState":  # a deep-copied model (a reference model) shares the groups
+    def __deepcopy__(self, memo: dict) -> "TPState":  # a copied model (a reference) shares groups
         return TPState(self.groups, self.sequence_parallel, MemoryBuffer(), dict(self.sharded))
 
 
 class VocabParallelEmbedding(nn.Embedding):
-    """Rows [vocab_start, vocab_start + V/tp); other ids look up zeros, so g gives every id its row.
-    Enters SP (when on and B*T % tp == 0) by reduce-scattering instead of all-reducing."""
-    def forward(self, tokens: Tensor) -> Tensor:
-        state, local = self.state, tokens - self.vocab_start
+    """Rows [vocab_start, vocab_start + V/tp); other ids look up zeros, so g gives every id its
+    row. Enters SP by reduce-scattering instead of all-reducing."""
+    def forward(self, tokens: Tensor, sp: bool = False) -> Tensor:
+        local = tokens - self.vocab_start
         outside = (local < 0) | (local >= self.weight.shape[0])
-        x = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside[..., None], 0.0)  # (B, T, C)
-        if state.sequence_parallel and tokens.numel() % state.groups.tp_size == 0:
-            return ReduceScatterToSP.apply(x.flatten(0, 1), state.groups.tp_group)  # (N/tp, C)
-        return ReduceFromTP.apply(x, state.groups.tp_group)
+        x = F.embedding(local.masked_fill(outside, 0), self.weight)  # (B, T, C)
+        x = x.masked_fill(outside[..., None], 0.0)
+        group = self.state.groups.tp_group
+        if sp:
+            return ReduceScatterToSP.apply(x.flatten(0, 1), group)  # (N/tp, C)
+        return ReduceFromTP.apply(x, group)  # (B, T, C)
 
 
 class VocabParallelLMHead(nn.Linear):
-    """Logits of this rank's V/tp vocab rows; they stay split (gather_vocab, vocab_parallel_logprobs)."""
+    """Logits of this rank's V/tp vocab rows; they stay split (gather_vocab, vocab-parallel
+    logprobs)."""
     def forward(self, h: Tensor) -> Tensor:
         return F.linear(CopyToTP.apply(h, self.state.groups.tp_group), self.weight)  # (..., V/tp)
 
 
 class TPRMSNorm(RMSNorm):
-    def forward(self, x: Tensor) -> Tensor:
-        if x.dim() == 3:  # not SP
+    def forward(self, x: Tensor, sp: bool = False) -> Tensor:
+        if not sp:
             return super().forward(x)
-        # Under SP a rank normalises only its N/tp tokens, so its weight grad is partial: f on the weight sums
-        # it over tp ranks inside backward, and the grad stays replicated as in plain TP (so SP and non-SP
-        # forwards can mix in one accumulation). The rest is model.RMSNorm's math, in HF's order.
+        # Under SP a rank normalises only its N/tp tokens, so its weight grad is partial: f on the
+        # weight sums it over tp ranks inside backward, and the grad stays replicated as in plain
+        # TP (so SP and non-SP forwards can mix in one accumulation). The rest is model.RMSNorm's
+        # math, in HF's order.
         weight = CopyToTP.apply(self.weight, self.state.groups.tp_group)
         return rms_norm(x, weight, self.eps)
 
@@ -261,66 +302,92 @@ class RowParallelLinear(nn.Linear):
     over the tp ranks (an all-reduce, or under SP a reduce-scatter to this rank's N/tp tokens), and
     only then is the bias added: once, not once per rank. Its grad: the same full sum on every rank
     without SP; under SP each rank sees only its tokens, so f on the bias sums the grads."""
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, sp: bool = False) -> Tensor:
         group = self.state.groups.tp_group
         partial = F.linear(x, self.weight)  # (B, T, C), or (N, C) under SP: this rank's share
-        if x.dim() == 2:  # SP: x is (N, I/tp)
+        bias = self.bias
+        if sp:
             out = ReduceScatterToSP.apply(partial, group)  # (N/tp, C)
-            bias = None if self.bias is None else CopyToTP.apply(self.bias, group)
+            bias = None if bias is None else CopyToTP.apply(bias, group)
         else:
             out = ReduceFromTP.apply(partial, group)  # (B, T, C)
-            bias = self.bias
         return out if bias is None else out + bias
 
 
 class TPAttention(Attention):
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention: Callable) -> Tensor:
-        group, qkv = self.state.groups.tp_group, (self.q_proj, self.k_proj, self.v_proj)
-        if x.dim() == 3:  # not SP: f, model.Attention on this rank's H/tp heads, g in o_proj
-            return super().forward(CopyToTP.apply(x, group), cos, sin, attention)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention: Callable,
+                sp: bool = False) -> Tensor:
+        group = self.state.groups.tp_group
+        if not sp:  # f, model.Attention on this rank's H/tp heads, g in o_proj
+            return super().forward(CopyToTP.apply(x, group), cos, sin, attention)  # (B, T, C)
+        # x (N/tp, C): f is the all-gather fused into the q/k/v linears
         T = cos.shape[1]
         B = x.shape[0] * self.state.groups.tp_size // T
-        q, k, v = GatherLinears.apply(x, group, self.state.buffer, *[m.weight for m in qkv], *[m.bias for m in qkv])
+        qkv = (self.q_proj, self.k_proj, self.v_proj)
+        q, k, v = GatherLinears.apply(x, group, self.state.buffer, *[m.weight for m in qkv],
+                                      *[m.bias for m in qkv])  # (N, H/tp*D), (N, Hkv/tp*D) x2
         q = q.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, H/tp, T, D)
         k = k.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, Hkv/tp, T, D)
         v = v.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, Hkv/tp, T, D)
-        q, k = apply_rotary_emb(q, cos, sin), apply_rotary_emb(k, cos, sin)
+        q = apply_rotary_emb(q, cos, sin)
+        k = apply_rotary_emb(k, cos, sin)
         y = attention(self.layer, q, k, v).transpose(1, 2).reshape(B * T, -1)  # (N, H/tp*D)
-        return self.o_proj(y)  # (N/tp, C): reduce-scattered in o_proj
+        return self.o_proj(y, sp)  # g: reduce-scattered to (N/tp, C)
 
 
 class TPMLP(MLP):
-    def forward(self, x: Tensor) -> Tensor:
-        group, gate_up = self.state.groups.tp_group, (self.gate_proj, self.up_proj)
-        if x.dim() == 3:  # not SP: f, SwiGLU on this rank's I/tp columns, g in down_proj
-            return super().forward(CopyToTP.apply(x, group))
+    def forward(self, x: Tensor, sp: bool = False) -> Tensor:
+        group = self.state.groups.tp_group
+        if not sp:  # f, SwiGLU on this rank's I/tp columns, g in down_proj
+            return super().forward(CopyToTP.apply(x, group))  # (B, T, C)
+        # x (N/tp, C): f is the all-gather fused into the gate/up linears
+        gate_up = (self.gate_proj, self.up_proj)
         weights_then_biases = [m.weight for m in gate_up] + [m.bias for m in gate_up]
-        buffer = self.state.buffer
-        gate, up = GatherLinears.apply(x, group, buffer, *weights_then_biases)  # (N, I/tp) each
-        return self.down_proj(F.silu(gate) * up)  # (N/tp, C): reduce-scattered in down_proj
+        gate, up = GatherLinears.apply(x, group, self.state.buffer, *weights_then_biases)
+        return self.down_proj(F.silu(gate) * up, sp)  # (N, I/tp) -> g: (N/tp, C)
+
+
+class TPBlock(Block):
+    """model.Block with `sp` passed to every layer that communicates. `last` (a prefill's final
+    positions) is TPLlama's to apply under SP, where a rank holds only some of the tokens."""
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention: Callable,
+                last: Tensor | None = None, sp: bool = False) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x, sp), cos, sin, attention, sp)
+        if last is not None:  # only these positions reach the output: the MLP runs on them alone
+            x = x[torch.arange(x.shape[0], device=x.device), last][:, None]  # (B, 1, C)
+        return x + self.mlp(self.post_attention_layernorm(x, sp), sp)
 
 
 class TPLlama(Llama):
-    """shard_model's model: Llama.hidden, then out of SP if the embedding went in, so callers get
-    the full (B, T, C) on every rank. forward() calls self.hidden, so it gets SP too."""
+    """shard_model's model: the TP forward. Decides sequence parallelism once per forward and
+    passes it down; always returns the full (B, T, C) on every rank (forward() and the callers'
+    hooks see the same shapes as on one process)."""
     def hidden(self, tokens: Tensor, positions: Tensor | None = None,
                attention: Callable | None = None, last: Tensor | None = None) -> Tensor:
-        # SP splits the tokens across ranks: `last` is then applied after the gather.
-        sp = self.tp_state.sequence_parallel
-        h = super().hidden(tokens, positions, attention, None if sp else last)  # (N/tp, C) under SP
-        if h.dim() == 2:
-            h = GatherFromSP.apply(h, self.tp_state.groups.tp_group)  # (N, C)
-            h = h.view(*tokens.shape, -1)  # (B, T, C)
-        if sp and last is not None:
-            h = h[torch.arange(h.shape[0], device=h.device), last][:, None]  # (B, 1, C)
-        return h
+        state = self.tp_state
+        sp = state.sequence_parallel and tokens.numel() % state.groups.tp_size == 0
+        x = self.model.embed_tokens(tokens, sp)  # (N/tp, C) under SP, else (B, T, C)
+        cos, sin = self.rope(tokens, positions, x.dtype)  # (B, T, D)
+        final = len(self.model.layers) - 1
+        for i, block in enumerate(self.model.layers):
+            block_last = last if i == final and not sp else None
+            x = block(x, cos, sin, attention or causal_attention, block_last, sp)
+        if sp:  # out of SP: every rank gets every token
+            x = GatherFromSP.apply(x, state.groups.tp_group).view(*tokens.shape, -1)  # (B, T, C)
+            if last is not None:
+                x = x[torch.arange(x.shape[0], device=x.device), last][:, None]  # (B, 1, C)
+        return x
 
 
 @contextlib.contextmanager
 def sequence_parallel(model: Llama, enabled: bool = True):
     """Switch SP on (or off) for the forwards in the scope; a no-op on an unsharded model."""
-    state = getattr(model, "tp_state", None) or types.SimpleNamespace(sequence_parallel=False)
-    previous, state.sequence_parallel = state.sequence_parallel, enabled
+    state = getattr(model, "tp_state", None)
+    if state is None:
+        yield model
+        return
+    previous = state.sequence_parallel
+    state.sequence_parallel = enabled
     try:
         yield model
     finally:
@@ -331,9 +398,12 @@ def sequence_parallel(model: Llama, enabled: bool = True):
 
 
 def shard_model(model: Llama, groups: ParallelGroups, sequence_parallel: bool = False) -> Llama:
-    """In place: slice the full weights and turn the modules into their TP versions; returns the model
-    (untouched at tp_size 1, or if already sharded). Every tp rank must start from the same full weights."""
-    cfg, tp, rank = model.config, groups.tp_size, groups.tp_rank
+    """In place: slice the full weights and turn the model and its modules into their TP classes;
+    returns the model (untouched at tp_size 1, or if already sharded). Every tp rank must start
+    from the same full weights."""
+    cfg = model.config
+    tp = groups.tp_size
+    rank = groups.tp_rank
     for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
         if getattr(cfg, name) % tp:
             raise ValueError(f"tp_size={tp} must divide {name}={getattr(cfg, name)}")
@@ -345,11 +415,14 @@ def shard_model(model: Llama, groups: ParallelGroups, sequence_parallel: bool = 
         """Keep this rank's slice of the weight, and of a column-parallel bias (dim 0). A
         row-parallel bias (dim 1) stays whole: RowParallelLinear adds it once, after g."""
         for pname in ("weight", "bias") if dim == 0 else ("weight",):
-            if (p := getattr(module, pname, None)) is not None:
-                size = p.shape[dim] // tp
-                state.sharded[f"{prefix}.{pname}"] = (dim, rank * size, (rank + 1) * size)
-                # clone: the slice must not keep the full tensor's storage alive
-                setattr(module, pname, nn.Parameter(p.detach().narrow(dim, rank * size, size).clone(), p.requires_grad))
+            p = getattr(module, pname, None)
+            if p is None:
+                continue
+            size = p.shape[dim] // tp
+            state.sharded[f"{prefix}.{pname}"] = (dim, rank * size, (rank + 1) * size)
+            # clone: the slice must not keep the full tensor's storage alive
+            piece = p.detach().narrow(dim, rank * size, size).clone()
+            setattr(module, pname, nn.Parameter(piece, p.requires_grad))
         if isinstance(module, nn.Linear):  # keep repr() honest
             module.out_features, module.in_features = module.weight.shape
 
@@ -360,36 +433,40 @@ def shard_model(model: Llama, groups: ParallelGroups, sequence_parallel: bool = 
     else:
         take(model.lm_head, "lm_head", 0)
     modules = [(body.embed_tokens, VocabParallelEmbedding), (model.lm_head, VocabParallelLMHead)]
+    column = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
+              "mlp.up_proj")
     for i, block in enumerate(body.layers):
-        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
-            take(block.get_submodule(name), f"model.layers.{i}.{name}", 0)  # column-parallel: split output rows
+        for name in column:  # column-parallel: split the output rows
+            take(block.get_submodule(name), f"model.layers.{i}.{name}", 0)
         for name in ("self_attn.o_proj", "mlp.down_proj"):  # row-parallel: split input columns
             take(block.get_submodule(name), f"model.layers.{i}.{name}", 1)
             modules.append((block.get_submodule(name), RowParallelLinear))
-        modules += [(block.self_attn, TPAttention), (block.mlp, TPMLP),
-                    (block.input_layernorm, TPRMSNorm), (block.post_attention_layernorm, TPRMSNorm)]
+        modules += [(block, TPBlock), (block.self_attn, TPAttention), (block.mlp, TPMLP),
+                    (block.input_layernorm, TPRMSNorm),
+                    (block.post_attention_layernorm, TPRMSNorm)]
     # Same instances with their sliced parameters, so the names stay HF's; only forward() changes.
     for module, cls in modules:
-        module.__class__, module.state = cls, state
+        module.__class__ = cls
+        module.state = state
     body.embed_tokens.vocab_start = rank * body.embed_tokens.weight.shape[0]
     model.tp_state = state
     model.__class__ = TPLlama  # as the modules above: the same object, the TP hidden()
     return model
 
 
-def load_sharded(path: str, groups: ParallelGroups, device: str | torch.device, dtype: torch.dtype,
-                 sequence_parallel: bool = False) -> Llama:
-    """The sharded model, each rank reading only its slices (safe_open(...).get_slice): no rank ever holds
-    the full checkpoint, nor one full tensor of a sharded parameter. The checkpoint is first checked
-    against the full model's tensors (model.check_checkpoint, as in Llama.from_pretrained), so every
-    rank refuses a bad one alike, before any slicing."""
+def load_sharded(path: str, groups: ParallelGroups, device: str | torch.device,
+                 dtype: torch.dtype, sequence_parallel: bool = False) -> Llama:
+    """The sharded model, each rank reading only its slices (safe_open(...).get_slice): no rank
+    ever holds the full checkpoint, nor one full tensor of a sharded parameter. The checkpoint is
+    first checked against the full model's tensors (model.check_checkpoint, as in
+    Llama.from_pretrained), so every rank refuses a bad one alike, before any slicing."""
     if groups.tp_size == 1:
         return Llama.from_pretrained(path, device, dtype)
     cfg = load_config(path)
     files = check_checkpoint(path, expected_shapes(cfg))  # name -> file; full names, shapes checked
     with torch.device("meta"):  # shapes only: slicing meta tensors allocates nothing
         model = shard_model(Llama(cfg), groups, sequence_parallel)
-    model.to_empty(device=device).to(dtype)  # NOTE: to_empty re-creates every parameter, which unties lm_head
+    model.to_empty(device=device).to(dtype)  # NOTE: re-creates every parameter: unties lm_head
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.inv_freq = rope_inv_freq(cfg).to(device)  # float32 always, like from_pretrained
@@ -402,7 +479,8 @@ def load_sharded(path: str, groups: ParallelGroups, device: str | torch.device, 
                     # a replicated tensor (norms, row-parallel biases): all of it
                     dim, start, stop = model.tp_state.sharded.get(name, (0, 0, len(p)))
                     lazy = f.get_slice(name)
-                    p.copy_(lazy[:, start:stop] if dim == 1 else lazy[start:stop])  # reads only these bytes
+                    # reads only these bytes
+                    p.copy_(lazy[:, start:stop] if dim == 1 else lazy[start:stop])
     return model
 
 
@@ -410,25 +488,30 @@ def full_state_dict(model: Llama, groups: ParallelGroups) -> dict[str, Tensor]:
     """The full CPU tensors of a sharded model, named as a plain Llama's named_parameters() (a tied
     lm_head appears once, as the embedding: the same tensors a TP=1 checkpoint holds), on every
     rank. Collective: every tp rank must call it."""
-    sharded, out = model.tp_state.sharded if hasattr(model, "tp_state") else {}, {}
+    sharded = model.tp_state.sharded if hasattr(model, "tp_state") else {}
+    out = {}
     for name, p in model.named_parameters():  # a tied lm_head appears once, as the embedding
         t = p.detach()
         if name in sharded:
             parts = [torch.empty_like(t) for _ in range(groups.tp_size)]
-            dist.all_gather(parts, t.contiguous(), group=groups.tp_group)  # every rank's slice, in rank order
+            # every rank's slice, in rank order
+            dist.all_gather(parts, t.contiguous(), group=groups.tp_group)
             t = torch.cat(parts, dim=sharded[name][0])
         out[name] = t.to("cpu", copy=True)
     return out
 
 
 def gather_vocab(logits: Tensor, groups: ParallelGroups) -> Tensor:
-    """All-gather vocab-split logits (..., V/tp) -> (..., V), the same on every rank (sampling; no grad)."""
+    """All-gather vocab-split logits (..., V/tp) -> (..., V), the same on every rank (sampling;
+    no grad)."""
     if groups.tp_size == 1:
         return logits
     # flat: gloo only gathers along dim 0
     parts = collective_output((groups.tp_size * logits.numel(),), logits.dtype, logits.device)
-    _all_gather(parts, logits.contiguous().view(-1), group=groups.tp_group)  # every rank's vocab slice
-    return parts.view(groups.tp_size, *logits.shape).movedim(0, -2).reshape(*logits.shape[:-1], -1)  # (..., V)
+    # every rank's vocab slice
+    _all_gather(parts, logits.contiguous().view(-1), group=groups.tp_group)
+    parts = parts.view(groups.tp_size, *logits.shape).movedim(0, -2)  # (..., tp, V/tp)
+    return parts.reshape(*logits.shape[:-1], -1)  # (..., V)
 
 # -----------------------------------------------------------------------------
 # Vocab-parallel logprobs and entropy
@@ -436,22 +519,28 @@ def gather_vocab(logits: Tensor, groups: ParallelGroups) -> Tensor:
 
 class VocabParallelLogprobs(Function):
     @staticmethod
-    def forward(ctx, logits: Tensor, targets: Tensor, group: dist.ProcessGroup | None, vocab_start: int):
+    def forward(ctx, logits: Tensor, targets: Tensor, group: dist.ProcessGroup | None,
+                vocab_start: int):
         z = logits.float()  # (n, V/tp); for float32 logits this is the caller's tensor: read only
         m = z.max(dim=-1).values  # (n,)
         if group is not None:
-            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)  # max over all tp ranks' vocab: a safe exp
+            # the max over every rank's vocab: a safe exp
+            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
         zs = z - m[:, None]
         e = zs.exp()
         local = targets - vocab_start
         mine = (local >= 0) & (local < z.shape[1])
-        target = torch.where(mine, zs.gather(1, local.clamp(0, z.shape[1] - 1)[:, None])[:, 0], 0.0)
+        picked = zs.gather(1, local.clamp(0, z.shape[1] - 1)[:, None])[:, 0]  # (n,)
+        target = torch.where(mine, picked, 0.0)
         stats = torch.stack([e.sum(-1), (e * zs).sum(-1), target])  # (3, n)
         if group is not None:
-            dist.all_reduce(stats, group=group)  # sum over tp ranks: sum exp, sum exp*z, target z (one rank has it)
+            # sum over tp ranks: sum exp, sum exp*z, target z (one rank has it)
+            dist.all_reduce(stats, group=group)
         log_sum = stats[0].log()
-        logp, entropy = stats[2] - log_sum, log_sum - stats[1] / stats[0]  # H = log S - sum(e z) / S
-        # Per-token statistics only, so backward needs no communication: p = exp(z - lse) on the local shard.
+        logp = stats[2] - log_sum
+        entropy = log_sum - stats[1] / stats[0]  # H = log S - sum(e z) / S
+        # Per-token statistics only, so backward needs no communication: p = exp(z - lse) on the
+        # local shard.
         ctx.save_for_backward(logits, targets, m + log_sum, entropy)
         ctx.vocab_start = vocab_start
         return logp, entropy
@@ -461,39 +550,48 @@ class VocabParallelLogprobs(Function):
         logits, targets, lse, entropy = ctx.saved_tensors
         logp_all = logits.float() - lse[:, None]  # (n, V/tp)
         # d logp_t / dz = onehot(t) - p;  d H / dz = -p (log p + H)
-        grad = -logp_all.exp() * (grad_logp[:, None] + grad_entropy[:, None] * (logp_all + entropy[:, None]))
+        dh = grad_entropy[:, None] * (logp_all + entropy[:, None])  # (n, V/tp)
+        grad = -logp_all.exp() * (grad_logp[:, None] + dh)
         local = targets - ctx.vocab_start
         mine = (local >= 0) & (local < grad.shape[1])
-        grad.scatter_add_(1, local.clamp(0, grad.shape[1] - 1)[:, None], (grad_logp * mine)[:, None])
+        index = local.clamp(0, grad.shape[1] - 1)[:, None]  # (n, 1)
+        grad.scatter_add_(1, index, (grad_logp * mine)[:, None])
         return grad.to(logits.dtype), None, None, None
 
 
-def vocab_parallel_logprobs(logits: Tensor, targets: Tensor, groups: ParallelGroups) -> tuple[Tensor, Tensor]:
-    """logits (n, V/tp) this rank's shard, already divided by the temperature; targets (n,) global ids ->
-    logp (n,), entropy (n,) in float32, identical on every tp rank. Two all-reduces, none in backward.
-    Deterministic, so grpo.py may recompute it under checkpoint; every rank must run the same chunks."""
+def vocab_parallel_logprobs(logits: Tensor, targets: Tensor,
+                            groups: ParallelGroups) -> tuple[Tensor, Tensor]:
+    """logits (n, V/tp) this rank's shard, already divided by the temperature; targets (n,) global
+    ids -> logp (n,), entropy (n,) in float32, identical on every tp rank. Two all-reduces, none in
+    backward. Deterministic, so grpo.py may recompute it under checkpoint; every rank must run the
+    same chunks."""
     if logits.dim() != 2:
         raise ValueError(f"logits must be (n, V/tp), got shape {tuple(logits.shape)}")
     if targets.shape != logits.shape[:1] or targets.dtype != torch.long:
-        raise ValueError(f"targets must be int64 of shape ({len(logits)},), got {targets.dtype} {tuple(targets.shape)}")
+        raise ValueError(f"targets must be int64 of shape ({len(logits)},), got {targets.dtype} "
+                         f"{tuple(targets.shape)}")
     vocab = logits.shape[1] * groups.tp_size
     # One host sync per chunk: a target no rank owns would give a wrong logp, not an error.
     if targets.numel() and (targets.min() < 0 or targets.max() >= vocab):
-        raise ValueError(f"targets must be global ids in [0, {vocab}), got [{targets.min()}, {targets.max()}]")
-    return VocabParallelLogprobs.apply(logits, targets, groups.tp_group, groups.tp_rank * logits.shape[1])
+        raise ValueError(f"targets must be global ids in [0, {vocab}), got [{targets.min()}, "
+                         f"{targets.max()}]")
+    vocab_start = groups.tp_rank * logits.shape[1]
+    return VocabParallelLogprobs.apply(logits, targets, groups.tp_group, vocab_start)
 
 # -----------------------------------------------------------------------------
 # Data parallelism and gradient clipping
 
 
 class DataParallelGrads:
-    """Sums gradients over the dp group through one flat buffer: copy in, one all-reduce, copy out. SUM, not
-    mean: train.py divides each loss by global counts (over the whole batch on all dp ranks), so the sum is
-    the one-big-batch gradient. The buffer is one more copy of the grads while it lives (Megatron makes the
-    grads views into it instead), so it lives only in all_reduce: kept, it would sit through the rollout phase,
-    where memory.py has released the grads. Trainable params must share one dtype."""
+    """Sums gradients over the dp group through one flat buffer: copy in, one all-reduce, copy
+    out. SUM, not mean: train.py divides each loss by global counts (over the whole batch on all dp
+    ranks), so the sum is the one-big-batch gradient. The buffer is one more copy of the grads
+    while it lives (Megatron makes the grads views into it instead), so it lives only in
+    all_reduce: kept, it would sit through the rollout phase, where memory.py has released the
+    grads. Trainable params must share one dtype."""
     def __init__(self, model: nn.Module, groups: ParallelGroups):
-        self.params, self.group = [p for p in model.parameters() if p.requires_grad], groups.dp_group
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.group = groups.dp_group
 
     def all_reduce(self) -> None:
         if self.group is None:
@@ -501,27 +599,33 @@ class DataParallelGrads:
         for p in self.params:  # a missing grad sends zeros: every rank has the same layout
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        flat = torch.cat([p.grad.flatten() for p in self.params])  # (numel of all trainable params,)
+        flat = torch.cat([p.grad.flatten() for p in self.params])  # (all trainable numel,)
         dist.all_reduce(flat, group=self.group)  # DP: sum over dp ranks of each replica's gradient
         for p, part in zip(self.params, flat.split([p.numel() for p in self.params])):
             p.grad.copy_(part.view_as(p))
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float, groups: ParallelGroups) -> float:
-    """Scale all grads so that their global L2 norm is at most max_norm (torch's clip_grad_norm_ rule) and
-    return the norm before clipping. Sharded params' squares are summed over tp ranks; replicated ones
-    (norm weights) hold the same full grad on every tp rank and count once. Call after DP's all_reduce."""
+    """Scale all grads so that their global L2 norm is at most max_norm (torch's clip_grad_norm_
+    rule) and return the norm before clipping. Sharded params' squares are summed over tp ranks;
+    replicated ones (norm weights) hold the same full grad on every tp rank and count once. Call
+    after DP's all_reduce. A non-finite norm (NaN/inf somewhere) scales nothing: the caller skips
+    the update (the same norm on every rank, so every rank skips)."""
     sharded = model.tp_state.sharded if hasattr(model, "tp_state") else {}
-    grads = [(name in sharded, p.grad) for name, p in model.named_parameters() if p.grad is not None]
+    grads = [(name in sharded, p.grad) for name, p in model.named_parameters()
+             if p.grad is not None]
     if not grads:
         return 0.0
     squares = torch.zeros(2, device=grads[0][1].device)  # [sharded, replicated]
     for is_sharded, g in grads:
         squares[0 if is_sharded else 1] += torch.linalg.vector_norm(g, dtype=torch.float32) ** 2
     if groups.tp_group is not None:
-        dist.all_reduce(squares[0:1], group=groups.tp_group)  # sum over tp ranks of their disjoint slices' squares
-    total = squares.sum().sqrt()
-    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        # the sum over tp ranks of their disjoint slices' squares
+        dist.all_reduce(squares[0:1], group=groups.tp_group)
+    total = squares.sum().sqrt().item()  # one host sync
+    if not math.isfinite(total):
+        return total
+    coef = min(max_norm / (total + 1e-6), 1.0)
     for _, g in grads:
-        g.mul_(coef.to(g.dtype))
-    return total.item()
+        g.mul_(coef)
+    return total

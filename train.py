@@ -91,9 +91,7 @@ class TrainConfig:
     # evaluation
     eval_every: int = 50             # greedy completions of held-out prompts every N steps; 0 = off
     eval_prompts: int = 64           # held-out prompts (own RNG stream; training never draws them)
-    # parallelism and memory
-    tp: int = 1                      # tensor-parallel size; world size = tp * dp
-    sequence_parallel: bool = False  # tp.py's sequence parallelism in the training forward
+    # memory and threads
     phases: bool = True              # memory.py sleep/wake between phases; false = all resident
     threads: int = 1                 # CPU threads per process (1 suits tiny models); 0 = torch's
     # output
@@ -106,7 +104,7 @@ class TrainConfig:
 
 # Every knob has one home: the dataclass of the file that uses it. The CLI routes --name to it.
 SECTIONS = {"train": TrainConfig, "rollout": rollout.RolloutConfig, "grpo": grpo.GRPOConfig,
-            "memory": memory.MemoryConfig}
+            "memory": memory.MemoryConfig, "parallel": tp.ParallelConfig}
 
 
 @dataclass
@@ -115,6 +113,7 @@ class Configs:
     rollout: rollout.RolloutConfig
     grpo: grpo.GRPOConfig
     memory: memory.MemoryConfig
+    parallel: tp.ParallelConfig
 
 
 def field_owners() -> dict[str, str]:
@@ -200,7 +199,7 @@ def build_configs(values: dict[str, object]) -> Configs:
 def check_config(cfgs: Configs) -> None:
     """What the dataclasses cannot know alone: the values a training run needs."""
     cfg = cfgs.train
-    positive = ("prompts_per_step", "max_prompt_len", "steps", "tp", "max_bad_steps",
+    positive = ("prompts_per_step", "max_prompt_len", "steps", "max_bad_steps",
                 "max_unscored_steps", "eval_prompts")
     for name in positive:
         if getattr(cfg, name) < 1:
@@ -322,7 +321,7 @@ def setup(values: dict[str, object]) -> Run:
     cfgs, explicit = resolve_configs(values)
     cfg = cfgs.train
     check_config(cfgs)
-    groups = tp.make_groups(cfg.tp)
+    groups = tp.make_groups(cfgs.parallel.tp)
     if cfg.prompts_per_step % groups.dp_size:
         raise ValueError(f"--prompts_per_step {cfg.prompts_per_step} must be divisible by "
                          f"dp = world / tp = {groups.dp_size}")
@@ -550,7 +549,7 @@ def train_phase(run: Run, batch: grpo.GRPOBatch) -> list[dict]:
             run.optimizer.zero_grad(set_to_none=True)
             sp = contextlib.nullcontext()
             if run.groups.tp_size > 1:
-                sp = tp.sequence_parallel(run.model, cfgs.train.sequence_parallel)
+                sp = tp.sequence_parallel(run.model, cfgs.parallel.sequence_parallel)
             with sp, run.mem.activations(run.model):
                 m = grpo.accumulate(run.model, batch, cfgs.grpo, logprob_fn=run.logprob_fn,
                                     num_seqs=int(num_seqs), num_tokens=max(1, int(num_tokens)))

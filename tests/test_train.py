@@ -178,6 +178,7 @@ def test_every_knob_has_one_home():
     owners = train.field_owners()
     assert owners["temperature"] == "rollout" and owners["num_samples"] == "rollout"
     assert owners["loss_type"] == "grpo" and owners["activation_checkpoint"] == "memory"
+    assert owners["tp"] == "parallel" and owners["micro_batch_groups"] == "grpo"
     cfgs = train.build_configs(train.parse_args(["--temperature", "0.7", "--beta", "0.1"]))
     assert cfgs.rollout.temperature == 0.7 and cfgs.grpo.beta == 0.1
 
