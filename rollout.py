@@ -458,6 +458,20 @@ def _cut_at_stop(tokens: Tensor, logprobs: Tensor, stop_ids: tuple[int, ...]) ->
     return tokens, mask, logprobs, (is_stop & ~after_stop).any(1)
 
 
+def _carve(model: torch.nn.Module, cache: KVCache | None, num_prompts: int, G: int, P: int,
+           new: int) -> tuple[list[Tensor], ...]:
+    """The KV views of this call (a private cache when none is given: bf16 on the GPU, the model's
+    dtype on the CPU). The kv heads are read off the weights: a tensor-parallel shard has Hkv/tp."""
+    attn0 = model.model.layers[0].self_attn
+    weight = attn0.k_proj.weight
+    kv_heads = weight.shape[0] // attn0.head_dim
+    shape = (model.config.num_hidden_layers, kv_heads, attn0.head_dim, num_prompts, G, P)
+    if cache is None:
+        kv_dtype = torch.bfloat16 if weight.is_cuda else weight.dtype
+        cache = KVCache(KVCache.numel_for(*shape, new), kv_dtype, weight.device)
+    return cache.carve(*shape, new)
+
+
 @torch.inference_mode()
 def generate(model: torch.nn.Module, prompts: list[list[int]], cfg: RolloutConfig | None = None,
              *, stop_ids: tuple[int, ...] = (), seed: int | None = None,
@@ -475,45 +489,33 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], cfg: RolloutConfi
     logits_fn = logits_fn or (lambda x: x)
     G = cfg.num_samples
     new = cfg.max_new_tokens
-    R = len(prompts) * G
     lens = [len(p) for p in prompts]
-    weight = next(model.parameters())
-    device = weight.device
+    device = next(model.parameters()).device
     generator = torch.Generator(device)
     if seed is None:
         generator.seed()
     else:
         generator.manual_seed(seed)
 
-    def draw(logits: Tensor) -> tuple[Tensor, Tensor]:  # a decode step's (N, V') logits
+    def draw(logits: Tensor) -> tuple[Tensor, Tensor]:  # (rows, V') -> tokens, logprobs (rows,)
         return sample(logits_fn(logits), cfg.temperature, cfg.top_k, cfg.top_p, generator)
-    out_tokens = torch.full((new, R), -1, dtype=torch.long, device=device)  # (Tc, R): row steps
-    out_logprobs = torch.zeros((new, R), dtype=torch.float32, device=device)
-    stats = dict(prefill_tokens=0, prefill_seconds=0.0, decode_steps=0, row_steps=0, compactions=0,
-                 prompt_kv_bytes=0, completion_kv_bytes=0)
+    out_tokens = torch.full((new, len(prompts) * G), -1, dtype=torch.long, device=device)  # (Tc, R)
+    out_logprobs = torch.zeros(out_tokens.shape, dtype=torch.float32, device=device)
+    stats = dict(prefill_tokens=sum(lens), prefill_seconds=0.0, decode_steps=0, row_steps=0,
+                 compactions=0, prompt_kv_bytes=0, completion_kv_bytes=0)
     if new > 0:
-        # Read the kv heads off the weights: a tensor-parallel shard has Hkv/tp of them.
-        attn0 = model.model.layers[0].self_attn
-        kv_heads = attn0.k_proj.weight.shape[0] // attn0.head_dim
-        L = model.config.num_hidden_layers
-        shape = (L, kv_heads, attn0.head_dim, len(prompts), G, max(lens))
-        if cache is None:  # bf16 KV on the GPU, the model's dtype on the CPU
-            kv_dtype = torch.bfloat16 if device.type == "cuda" else weight.dtype
-            cache = KVCache(KVCache.numel_for(*shape, new), kv_dtype, device)
-        views = cache.carve(*shape, new)
+        views = _carve(model, cache, len(prompts), G, max(lens), new)
         # 1. Prefill each prompt once.
-        logits = _prefill(model, prompts, views[0], views[1], cfg.prefill_tokens, device)
-        logits = logits_fn(logits)  # (Bp, V)
+        logits = _prefill(model, prompts, views[0], views[1], cfg.prefill_tokens, device)  # (Bp, V)
         if device.type == "cuda":
             torch.cuda.synchronize()  # one sync so that prefill_seconds means something
-        stats.update(prefill_tokens=sum(lens), prefill_seconds=time.perf_counter() - started)
-        # 2. Fan out: each of the G rows of a prompt draws its own first token.
-        first = logits.repeat_interleave(G, dim=0)  # (R, V)
-        out_tokens[0], out_logprobs[0] = sample(first, cfg.temperature, cfg.top_k, cfg.top_p,
-                                                generator)
+        stats["prefill_seconds"] = time.perf_counter() - started
+        # 2. Fan out: each of the G rows of a prompt draws its own first token (logits_fn once
+        # per prompt, then repeated).
+        out_tokens[0], out_logprobs[0] = sample(logits_fn(logits).repeat_interleave(G, dim=0),
+                                                cfg.temperature, cfg.top_k, cfg.top_p, generator)
         # 3-4. Decode, dropping finished rows.
-        graphed = device.type == "cuda" and cfg.cuda_graphs
-        decoder = _Decoder(model, views, lens, G, graphed)
+        decoder = _Decoder(model, views, lens, G, device.type == "cuda" and cfg.cuda_graphs)
         stats.update(_decode(decoder, out_tokens, out_logprobs, draw, stop_ids, cfg.check_every))
         nbytes = [sum(x.numel() * x.element_size() for x in kind) for kind in views]
         stats.update(prompt_kv_bytes=nbytes[0] + nbytes[1])
