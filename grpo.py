@@ -379,8 +379,9 @@ def shared_prompt_hidden(model, prompt_ids: Tensor, prompt_lens: Tensor, inputs:
         kv[layer] = (k, v)
         return causal_attention(layer, q, k, v)  # right padding comes after the valid tokens: exact
 
-    h_prompt = model.hidden(prompt_ids, None, record_kv)  # (Bp, P, C)
-    last = h_prompt[torch.arange(Bp, device=prompt_ids.device), prompt_lens - 1]  # (Bp, C)
+    # Only the last valid position's state is read: the final block's MLP runs there alone (its
+    # attention, and so every layer's K/V, still covers the whole prompt).
+    last = model.hidden(prompt_ids, None, record_kv, last=prompt_lens - 1)[:, 0]  # (Bp, C)
     first = last.repeat_interleave(G, 0)[:, None]  # (N, 1, C): N*C floats, not G prompt copies
     T = inputs.shape[1]
     if T == 0:
