@@ -438,9 +438,19 @@ def test_eval_scores_greedy_completions_of_prompts_training_never_draws(tmp_path
             assert r["eval_correct"] <= r["eval_reward"] + 1e-9  # correct means reward 1
 
 
-def test_prompt_template_wraps_each_prompt(tmp_path):
-    code, out = run(tmp_path, "--steps", "1", "--prompt_template", "=={prompt}")
+def test_prompt_template_wraps_each_prompt(tmp_path, monkeypatch):
+    """A chat checkpoint's turn around the task's prompt (here "==" before it)."""
+    seen = []
+    original = train.rollout.generate
+    monkeypatch.setattr(train.rollout, "generate",
+                        lambda model, prompts, *a, **kw: seen.append(prompts) or
+                        original(model, prompts, *a, **kw))
+    code, out = run(tmp_path, "--steps", "1", "--prompt_template", "=={prompt}",
+                    "--eval_every", "0")
+    equals = 13  # the char tokenizer's id of "=": specials (3) then "0123456789="
     assert code == 0 and len(records(out)) == 1
+    # <bos>, then the template's "==", then the task's 3 digits and "="
+    assert all(p[1:3] == [equals, equals] and len(p) == 1 + 2 + 4 for p in seen[0])
 
 
 def test_corrupt_checkpoint_on_resume_is_refused(tmp_path, capsys):
