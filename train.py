@@ -350,7 +350,9 @@ def setup(values: dict[str, object]) -> Run:
         sampler = copy.deepcopy(model).to(getattr(torch, cfg.sampler_dtype)).requires_grad_(False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.99),
                                   weight_decay=cfg.weight_decay)
-    start = checkpoint.load_checkpoint(resume_dir, optimizer, groups) if resume_dir else 0
+    start = 0
+    if resume_dir:
+        start = checkpoint.load_checkpoint(resume_dir, optimizer, groups.tp_rank, groups.tp_size)
     local_prompts = cfg.prompts_per_step // groups.dp_size
     cache = rollout.KVCache.for_batch(model.config, local_prompts, cfgs.rollout.num_samples,
                                       cfg.max_prompt_len, cfgs.rollout.max_new_tokens,
@@ -694,9 +696,17 @@ def step_line(record: dict, steps: int, beta: float) -> str:
 
 
 def save(run: Run, step: int) -> str:
-    return checkpoint.save_checkpoint(run.cfgs.train.out, step, run.model, run.tokenizer,
-                                      run.optimizer, dataclasses.asdict(run.cfgs), run.groups,
-                                      run.generation_config)
+    """A checkpoint (collective: every rank calls it). A sharded model is gathered into the full
+    tensors a one-process model has, so TP and TP=1 checkpoints hold the same tensors."""
+    g = run.groups
+    if g.tp_size > 1:
+        tensors = tp.full_state_dict(run.model, g)  # collective over the tp ranks
+    else:
+        tensors = {name: p.detach() for name, p in run.model.named_parameters()}
+    return checkpoint.save_checkpoint(run.cfgs.train.out, step, run.model.config, tensors,
+                                      run.tokenizer, run.optimizer, dataclasses.asdict(run.cfgs),
+                                      tp_rank=g.tp_rank, tp_size=g.tp_size, dp_rank=g.dp_rank,
+                                      generation_config=run.generation_config)
 
 
 def check_health(run: Run, record: dict) -> None:
