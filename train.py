@@ -589,6 +589,15 @@ def reduce_iteration(run: Run, m: dict, tokens: float) -> dict:
     return out
 
 
+def zero_std_share(rewards: torch.Tensor, G: int) -> float:
+    """The share of groups whose scored rewards are all equal: their advantages are 0, so they
+    give no gradient (DAPO's dynamic sampling drops them). rewards (N,) NaN where unscored."""
+    groups = rewards.view(-1, G)  # (Bp, G)
+    high = torch.where(groups.isnan(), -torch.inf, groups).amax(1)
+    low = torch.where(groups.isnan(), torch.inf, groups).amin(1)
+    return float((~(high > low)).double().mean())
+
+
 def step_record(run: Run, step: int, rewards: torch.Tensor, out: rollout.Rollout,
                 iterations: list[dict], times: dict, truncated: int) -> dict:
     """The step as one JSON-able dict (null for what did not happen)."""
@@ -600,6 +609,7 @@ def step_record(run: Run, step: int, rewards: torch.Tensor, out: rollout.Rollout
                   missing_rewards=len(rewards) - len(scored), truncated_prompts=int(truncated),
                   completion_len=lengths / len(rewards),
                   tokens_per_s=tokens / max(times["rollout"], 1e-9))
+    record["zero_std"] = zero_std_share(rewards, run.cfgs.rollout.num_samples)
     updated = [it for it in iterations if it["updated"]]
     record["updates"] = len(updated)
     record["skipped_updates"] = len(iterations) - len(updated)
