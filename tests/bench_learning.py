@@ -19,6 +19,7 @@ and <out>/<task>.svg with the task's seeds (plot.py). Tables are Markdown, to pa
 
 Run: python tests/bench_learning.py --tasks reverse,add,sort,count,increment --seeds 0,1,2
      [--flags "--lr 5e-4"] [--steps N] [--jobs 2] [--out runs/learning/NAME] [--force] [--report]
+     python tests/bench_learning.py --supervised 1000   (can the fresh model hold each task at all?)
 """
 
 import argparse
@@ -134,6 +135,56 @@ def print_table(rows: list[tuple[str, int, dict]]) -> None:
               f"{cell(mean([r['last'] for r in runs if r['last'] is not None]), '.3f')}")
 
 # -----------------------------------------------------------------------------
+# Capacity: can the default fresh model hold the task at all? (teacher forcing, no RL)
+
+
+def supervised(name: str, steps: int, seed: int = 0) -> tuple[float, float]:
+    """The default fresh model (train.py's build_model) trained by cross-entropy on prompt ->
+    answer<eos>, batches of 64 new pairs, AdamW 1e-3; returns the share of 256 new prompts whose
+    greedy completion is fully correct, and the seconds it took."""
+    import random
+    import torch
+    import grpo
+    import rollout
+    import tasks
+    import tp
+    import train
+    t0 = time.perf_counter()
+    task = tasks.load_task(task_spec(name), "")
+    cfg = train.TrainConfig(seed=seed)
+    model, tokenizer = train.build_model(cfg, task, "", torch.device("cpu"), tp.make_groups(1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.99))
+    bos = model.config.bos_token_id
+    eos = model.config.eos_token_id
+    rng = random.Random(seed)
+
+    def encode(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False).ids
+    for _ in range(steps):
+        pairs = [task.sample(rng) for _ in range(64)]
+        prompts = [[bos] + encode(prompt) for prompt, _ in pairs]
+        answers = [encode(answer) + [eos] for _, answer in pairs]
+        ids, lens = grpo.pad_right([p + a for p, a in zip(prompts, answers)], torch.device("cpu"))
+        logits = model.head(model.hidden(ids[:, :-1]))  # (B, T-1, V)
+        position = torch.arange(ids.shape[1] - 1)
+        starts = torch.tensor([len(p) - 1 for p in prompts])
+        answer = (position >= starts[:, None]) & (position < lens[:, None] - 1)  # (B, T-1)
+        loss = torch.nn.functional.cross_entropy(logits[answer], ids[:, 1:][answer])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    pairs = [task.sample(rng) for _ in range(256)]
+    greedy = rollout.RolloutConfig(num_samples=1, temperature=0.0,
+                                   max_new_tokens=task.max_new_tokens)
+    with torch.no_grad():
+        out = rollout.generate(model, [[bos] + encode(p) for p, _ in pairs], greedy,
+                               stop_ids=(eos,))
+    texts = [tokenizer.decode(t[:-1] if stopped else t, skip_special_tokens=False)
+             for t, stopped in zip(out.completions(), out.stopped.tolist())]
+    right = sum(bool(task.correct(t, r)) for t, (_, r) in zip(texts, pairs))
+    return right / len(pairs), time.perf_counter() - t0
+
+# -----------------------------------------------------------------------------
 # Main
 
 
@@ -147,7 +198,15 @@ def main() -> None:
     parser.add_argument("--out", default="runs/learning/default")
     parser.add_argument("--force", action="store_true", help="repeat runs that already finished")
     parser.add_argument("--report", action="store_true", help="only tabulate what is there")
+    parser.add_argument("--supervised", type=int, default=0, metavar="STEPS",
+                        help="instead: the capacity check, STEPS of teacher forcing per task")
     args = parser.parse_args()
+    if args.supervised:
+        print("| task | supervised steps | greedy fully correct | seconds |\n|---|---|---|---|")
+        for task in args.tasks.split(","):
+            correct, seconds = supervised(task, args.supervised)
+            print(f"| {task} | {args.supervised} | {correct:.3f} | {seconds:.0f} |", flush=True)
+        return
     names = [t for t in args.tasks.split(",") if t]
     seeds = [int(s) for s in args.seeds.split(",") if s]
     flags = shlex.split(args.flags) + (["--steps", str(args.steps)] if args.steps else [])
