@@ -57,6 +57,7 @@ class GRPOConfig:
     mu: int = 1                       # optimizer steps per generation batch
     max_completion_len: int = 256     # Dr. GRPO's constant normaliser (per sequence)
     std_eps: float = 1e-4             # advantage = (r - mean) / (std + std_eps)
+    entropy_coef: float = 0.0         # entropy bonus: loss -= coef * entropy of each sampled position
 
     def __post_init__(self):
         checks = [("loss_type", self.loss_type in LOSS_TYPES, f"must be one of {LOSS_TYPES}"),
@@ -65,7 +66,8 @@ class GRPOConfig:
                   ("temperature", self.temperature > 0, "must be > 0")]
         checks += [(f, getattr(self, f) >= 1, "must be >= 1") for f in ("num_samples", "micro_batch_groups", "mu",
                                                                          "max_completion_len")]
-        checks += [(f, getattr(self, f) >= 0, "must be >= 0") for f in ("eps_high", "beta", "chunk_size", "std_eps")]
+        checks += [(f, getattr(self, f) >= 0, "must be >= 0")
+                   for f in ("eps_high", "beta", "chunk_size", "std_eps", "entropy_coef")]
         for field, ok, why in checks:
             if not ok:
                 raise ValueError(f"GRPOConfig.{field} = {getattr(self, field)!r}: {why}")
@@ -110,19 +112,20 @@ def head_logits(model, h: Tensor, temperature: float) -> Tensor:
 
 
 def logprobs_from_logits(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
-    """The plain twin: log_softmax + gather; entropy -sum(p log p) without grad. (n, V), (n,) -> (n,), (n,).
-    tp.py's vocab-parallel function has the same signature, with logits (n, V/tp)."""
+    """The plain twin: log_softmax + gather; entropy -sum(p log p), both differentiable. (n, V), (n,) ->
+    (n,), (n,). tp.py's vocab-parallel function has the same signature, with logits (n, V/tp)."""
     logp_all = logits.log_softmax(-1)  # (n, V)
-    with torch.no_grad():
-        entropy = -(logp_all.exp() * logp_all).sum(-1)  # (n,)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)  # (n,)
     return logp_all.gather(-1, targets[:, None]).squeeze(-1), entropy
 
 
 class ChunkedSoftmaxLogprobs(torch.autograd.Function):
-    """The default chunked path: h (n, C), targets (n,) -> logp (n,), entropy (n,) (not differentiable).
+    """The default chunked path: h (n, C), targets (n,) -> logp (n,), entropy (n,).
     Forward keeps one log-sum-exp per token; backward rebuilds each chunk's logits and applies
     d logp / d logits = onehot - softmax by hand: one lm_head matmul more than an unchunked pass, but
-    fewer (n, V) passes than log_softmax + gather, and no rerun of the softmax as checkpoint would do."""
+    fewer (n, V) passes than log_softmax + gather, and no rerun of the softmax as checkpoint would do.
+    The entropy's gradient (an entropy bonus) is d H / d logits = -softmax * (log softmax + H); when
+    nothing uses the entropy, backward gets None for it and skips that term."""
 
     @staticmethod
     def forward(ctx, h: Tensor, targets: Tensor, model, temperature: float, chunk_size: int, *params: Tensor):
@@ -138,21 +141,29 @@ class ChunkedSoftmaxLogprobs(torch.autograd.Function):
             entropy[rows] = lse[rows] - (e[:, None] @ z[:, :, None]).view(-1) / total  # H = lse - E_p[z]
             logp[rows] = z.gather(-1, targets[rows, None]).squeeze(-1) - lse[rows]
         ctx.model, ctx.temperature, ctx.chunk_size = model, temperature, chunk_size
-        ctx.save_for_backward(h, targets, lse, *params)
-        ctx.mark_non_differentiable(entropy)
+        ctx.save_for_backward(h, targets, lse, entropy, *params)
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None, not zeros
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp: Tensor, grad_entropy: Tensor):
-        h, targets, lse, *params = ctx.saved_tensors
+        h, targets, lse, entropy, *params = ctx.saved_tensors
         grad_h, grad_params = torch.empty_like(h), [None] * len(params)
+        if grad_logp is None:
+            grad_logp = torch.zeros_like(lse)
         for start in range(0, h.shape[0], ctx.chunk_size):
             rows = slice(start, start + ctx.chunk_size)
             with torch.enable_grad():
                 h_chunk = h[rows].detach().requires_grad_()
                 z = head_logits(ctx.model, h_chunk, ctx.temperature)  # (n_chunk, V) rebuilt
             g = grad_logp[rows, None].to(z.dtype)  # (n_chunk, 1)
-            grad_z = torch.sub(z.detach(), lse[rows, None]).exp_().mul_(-g)  # -g * softmax
+            logp_all = torch.sub(z.detach(), lse[rows, None])  # (n_chunk, V)
+            if grad_entropy is None:
+                grad_z = logp_all.exp().mul_(-g)  # -g * softmax
+            else:  # -softmax * (g + g_H * (log softmax + H))
+                g_entropy = grad_entropy[rows, None].to(z.dtype)  # (n_chunk, 1)
+                weight = (logp_all + entropy[rows, None]).mul_(g_entropy).add_(g)
+                grad_z = logp_all.exp().mul_(weight).neg_()
             grad_z.scatter_add_(1, targets[rows, None], g)  # + g * onehot
             grads = torch.autograd.grad(z, [h_chunk, *params], grad_z, allow_unused=True)
             grad_h[rows] = grads[0]
@@ -239,7 +250,7 @@ def completion_logprobs(model, prompts: list[list[int]], completions: list[list[
                         temperature: float = 1.0, chunk_size: int = 512, logprob_fn: Callable | None = None,
                         shared_prompt: bool = True) -> tuple[Tensor, Tensor, Tensor]:
     """Per-token logprobs of the completions under the model: logp (N, Tr) float32, entropy (N, Tr)
-    detached, mask (N, Tr) bool; zeros where mask is False. Works with grad and under no_grad.
+    (differentiable: an entropy bonus), mask (N, Tr) bool; zeros where mask is False. Works with grad and under no_grad.
     prompts has N/G entries, completions N (prompt-major, ragged)."""
     G = num_samples
     if G < 1 or len(completions) != len(prompts) * G:
@@ -264,14 +275,16 @@ def completion_logprobs(model, prompts: list[list[int]], completions: list[list[
     logp, entropy = chunked_logprobs(model, h[mask], comp_ids[mask], temperature=temperature,
                                      chunk_size=chunk_size, logprob_fn=logprob_fn)  # (n,), (n,)
     zeros = torch.zeros(N, Tr, dtype=logp.dtype, device=device)
-    return zeros.index_put((mask,), logp), zeros.index_put((mask,), entropy.detach().to(logp.dtype)), mask
+    entropy = zeros.index_put((mask,), entropy.to(logp.dtype))  # (N, Tr)
+    return zeros.index_put((mask,), logp), entropy, mask
 
 # -----------------------------------------------------------------------------
 # The loss
 
 
 def grpo_loss(logp: Tensor, old_logp: Tensor | None, ref_logp: Tensor | None, advantages: Tensor, mask: Tensor,
-              cfg: GRPOConfig, *, num_seqs: int, num_tokens: int) -> tuple[Tensor, dict[str, float]]:
+              cfg: GRPOConfig, *, num_seqs: int, num_tokens: int,
+              entropy: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
     """Clipped policy-gradient loss of a micro-batch, logp/old_logp/ref_logp/mask (N, Tr), advantages (N,).
     num_seqs and num_tokens count the WHOLE generation batch (all micro-batches, all data-parallel
     ranks), so the micro-batch losses sum to the big-batch loss. Pure: never modifies its inputs.
@@ -280,12 +293,13 @@ def grpo_loss(logp: Tensor, old_logp: Tensor | None, ref_logp: Tensor | None, ad
     1. Per-token ratio exp(logp - old_logp); old_logp None means logp.detach() (mu = 1).
     2. PPO clip with clip-higher: -min(ratio * A, clamp(ratio, 1 - eps_low, 1 + eps_high) * A).
     3. KL to the reference (beta > 0) with the k3 estimator exp(ref - logp) - (ref - logp) - 1,
-       per token, added to the loss (not folded into the reward).
+       per token, added to the loss (not folded into the reward). An entropy bonus (entropy_coef
+       > 0): - entropy_coef * entropy (N, Tr) of the policy at each sampled position, likewise.
     4. Aggregation: "grpo" mean over each sequence's tokens, then sum / num_seqs; "dapo" sum over
        tokens / num_tokens; "dr_grpo" sum over tokens / (num_seqs * max_completion_len).
     5. Metrics over the micro-batch's valid tokens: clip_low (ratio < 1 - eps_low, A < 0) and clip_high
        (ratio > 1 + eps_high, A > 0), whose gradient the clip zeroes; ratio_mean/min/max; kl if ref_logp
-       is given. Entropy is not a loss term here: accumulate reports completion_logprobs' entropy.
+       is given. accumulate reports completion_logprobs' entropy.
     """
     for name, t in (("old_logp", old_logp), ("ref_logp", ref_logp), ("mask", mask)):
         if t is not None and t.shape != logp.shape:
@@ -294,6 +308,9 @@ def grpo_loss(logp: Tensor, old_logp: Tensor | None, ref_logp: Tensor | None, ad
         raise ValueError(f"advantages has shape {tuple(advantages.shape)}, expected ({logp.shape[0]},)")
     if cfg.beta > 0 and ref_logp is None:
         raise ValueError(f"ref_logp is None but beta = {cfg.beta} > 0 needs reference logprobs")
+    if cfg.entropy_coef > 0 and (entropy is None or entropy.shape != logp.shape):
+        raise ValueError(f"entropy_coef = {cfg.entropy_coef} > 0 needs the entropy, shaped like "
+                         f"logp {tuple(logp.shape)}")
     if num_seqs < 1 or num_tokens < 1:
         raise ValueError(f"num_seqs = {num_seqs} and num_tokens = {num_tokens} must be >= 1")
     # With mu = 1 and old_logp = logp.detach() the ratio is exactly 1, so the loss VALUE is ~0 (-mean A),
@@ -308,6 +325,8 @@ def grpo_loss(logp: Tensor, old_logp: Tensor | None, ref_logp: Tensor | None, ad
     kl = None if delta is None else torch.exp(delta) - delta - 1  # k3: unbiased for KL(pi || ref), >= 0 per token
     if cfg.beta > 0:  # ref_logp is not None: checked above
         per_token = per_token + cfg.beta * kl
+    if cfg.entropy_coef > 0:  # a bonus: higher entropy, lower loss
+        per_token = per_token - cfg.entropy_coef * entropy
     per_token = torch.where(mask, per_token, zero)
     if cfg.loss_type == "grpo":  # each sequence's token mean first: long completions weigh less per token
         per_token = per_token / mask.sum(1, keepdim=True).clamp_min(1)
@@ -386,10 +405,11 @@ def accumulate(model, batch: GRPOBatch, cfg: GRPOConfig, *, logprob_fn: Callable
         old = None if batch.old_logp is None else batch.old_logp[rows, :T]
         ref = None if batch.ref_logp is None else batch.ref_logp[rows, :T]
         loss, metrics = grpo_loss(logp, old, ref, batch.advantages[rows], mask, cfg,
-                                  num_seqs=num_seqs, num_tokens=max(num_tokens, 1))
+                                  num_seqs=num_seqs, num_tokens=max(num_tokens, 1),
+                                  entropy=entropy if cfg.entropy_coef > 0 else None)
         loss.backward()
         tokens = float(mask.sum())
-        metrics["entropy"] = float((entropy * mask).sum()) / max(tokens, 1.0)
+        metrics["entropy"] = float((entropy.detach() * mask).sum()) / max(tokens, 1.0)
         for key, value in metrics.items():
             prev = totals.get(key)
             if key in ("ratio_min", "ratio_max"):

@@ -205,6 +205,75 @@ def test_chunked_softmax_logprobs_gradients_float64():
         torch.testing.assert_close(got, want, atol=1e-12, rtol=0)  # float64: summation order only
 
 
+def test_entropy_gradient_float64_matches_the_plain_twin_and_finite_differences():
+    """The entropy bonus's gradient, by hand in ChunkedSoftmaxLogprobs (-p * (log p + H)), against
+    autograd through log_softmax: entropy alone (logp unused: its gradient is None) and both."""
+    torch.manual_seed(0)
+    m = TinyHead()
+    h = torch.randn(7, 8, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 11, (7,))
+
+    def entropy_only(x):
+        return grpo.chunked_logprobs(m, x, targets, temperature=0.7, chunk_size=3)[1]
+    assert torch.autograd.gradcheck(entropy_only, (h,))
+    w = torch.randn(7, dtype=torch.float64)
+    u = torch.randn(7, dtype=torch.float64)
+    for use_logp in (False, True):
+        out = []
+        for chunk_size in (3, 0):  # 0: the plain log_softmax twin
+            m.zero_grad()
+            h.grad = None
+            logp, entropy = grpo.chunked_logprobs(m, h, targets, temperature=0.7,
+                                                  chunk_size=chunk_size)
+            ((u * entropy).sum() + (w * logp).sum() * use_logp).backward()
+            out.append((h.grad.clone(), m.lm_head.weight.grad.clone(), m.lm_head.bias.grad.clone()))
+        for got, want in zip(*out):
+            torch.testing.assert_close(got, want, atol=1e-12, rtol=0)  # float64: order only
+
+
+def test_entropy_bonus_adds_minus_coef_times_the_aggregated_entropy():
+    """The bonus is one more per-token term under the same aggregation; accumulate passes the
+    policy's differentiable entropy, and without the bonus nothing changes."""
+    logp, old, ref, adv, mask = loss_inputs()
+    entropy = torch.rand(logp.shape, dtype=torch.float64, requires_grad=True)
+    for loss_type in ("dapo", "grpo", "dr_grpo"):
+        plain = GRPOConfig(num_samples=2, loss_type=loss_type, max_completion_len=8)
+        bonus = GRPOConfig(num_samples=2, loss_type=loss_type, max_completion_len=8,
+                           entropy_coef=0.01)
+        base, _ = grpo.grpo_loss(logp, old, ref, adv, mask, plain, num_seqs=4, num_tokens=12)
+        got, _ = grpo.grpo_loss(logp, old, ref, adv, mask, bonus, num_seqs=4, num_tokens=12,
+                                entropy=entropy)
+        # The bonus alone is the loss of advantages 0 (no clip term) with entropy in logp's role.
+        zero_adv = torch.zeros_like(adv)
+        alone, _ = grpo.grpo_loss(logp, old, ref, zero_adv, mask, bonus, num_seqs=4,
+                                  num_tokens=12, entropy=entropy)
+        torch.testing.assert_close(got, base + alone, atol=1e-12, rtol=0)
+        (grad,) = torch.autograd.grad(got, entropy)
+        normaliser = {"dapo": 12, "grpo": 4 * mask.sum(1, keepdim=True), "dr_grpo": 4 * 8}
+        want = torch.where(mask, torch.full_like(grad, -0.01) / normaliser[loss_type], 0.0)
+        torch.testing.assert_close(grad, want, atol=1e-15, rtol=0)  # float64: one division
+    with pytest.raises(ValueError, match="entropy_coef = 0.01 > 0 needs the entropy"):
+        grpo.grpo_loss(logp, old, ref, adv, mask, bonus, num_seqs=4, num_tokens=12)
+    # accumulate: the bonus's gradient is -coef * d(mean entropy); the twin computes it directly.
+    m = tiny_model()
+    batch, cfg = training_batch(m)
+    cfg.beta = 0.0
+    grpo.accumulate(m, batch, cfg)
+    without = grads(m)
+    m.zero_grad()
+    cfg.entropy_coef = 0.05
+    grpo.accumulate(m, batch, cfg)
+    with_bonus = grads(m)
+    m.zero_grad()
+    _, ent, mask = grpo.completion_logprobs(m, batch.prompts, batch.completions,
+                                            num_samples=cfg.num_samples, chunk_size=0)
+    (-0.05 * (ent * mask).sum() / mask.sum()).backward()
+    bonus_only = grads(m)
+    want = {k: without[k] + bonus_only[k] for k in without}
+    assert_grads_close(with_bonus, want, rel=1e-5)  # fp32, chunked vs plain: summation order
+
+
+
 @pytest.mark.parametrize("shared", [True, False])
 def test_logprob_of_token_t_comes_from_logits_at_t_minus_1(shared):
     m = tiny_model()
