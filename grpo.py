@@ -57,7 +57,7 @@ class GRPOConfig:
     mu: int = 1                       # optimizer steps per generation batch
     max_completion_len: int = 256     # Dr. GRPO's constant normaliser (per sequence)
     std_eps: float = 1e-4             # advantage = (r - mean) / (std + std_eps)
-    entropy_coef: float = 0.0         # entropy bonus: loss -= coef * entropy of each sampled position
+    entropy_coef: float = 0.0         # entropy bonus: loss -= coef * entropy per sampled position
 
     def __post_init__(self):
         checks = [("loss_type", self.loss_type in LOSS_TYPES, f"must be one of {LOSS_TYPES}"),
@@ -112,8 +112,9 @@ def head_logits(model, h: Tensor, temperature: float) -> Tensor:
 
 
 def logprobs_from_logits(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
-    """The plain twin: log_softmax + gather; entropy -sum(p log p), both differentiable. (n, V), (n,) ->
-    (n,), (n,). tp.py's vocab-parallel function has the same signature, with logits (n, V/tp)."""
+    """The plain twin: log_softmax + gather; entropy -sum(p log p), both differentiable.
+    (n, V), (n,) -> (n,), (n,). tp.py's vocab-parallel function has the same signature, with logits
+    (n, V/tp)."""
     logp_all = logits.log_softmax(-1)  # (n, V)
     entropy = -(logp_all.exp() * logp_all).sum(-1)  # (n,)
     return logp_all.gather(-1, targets[:, None]).squeeze(-1), entropy
@@ -122,10 +123,10 @@ def logprobs_from_logits(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tenso
 class ChunkedSoftmaxLogprobs(torch.autograd.Function):
     """The default chunked path: h (n, C), targets (n,) -> logp (n,), entropy (n,).
     Forward keeps one log-sum-exp per token; backward rebuilds each chunk's logits and applies
-    d logp / d logits = onehot - softmax by hand: one lm_head matmul more than an unchunked pass, but
-    fewer (n, V) passes than log_softmax + gather, and no rerun of the softmax as checkpoint would do.
-    The entropy's gradient (an entropy bonus) is d H / d logits = -softmax * (log softmax + H); when
-    nothing uses the entropy, backward gets None for it and skips that term."""
+    d logp / d logits = onehot - softmax by hand: one lm_head matmul more than an unchunked pass,
+    but fewer (n, V) passes than log_softmax + gather, and no rerun of the softmax as checkpoint
+    would do. The entropy's gradient (an entropy bonus) is d H / d logits = -softmax * (log softmax
+    + H); when nothing uses the entropy, backward gets None for it and skips that term."""
 
     @staticmethod
     def forward(ctx, h: Tensor, targets: Tensor, model, temperature: float, chunk_size: int, *params: Tensor):
@@ -250,7 +251,8 @@ def completion_logprobs(model, prompts: list[list[int]], completions: list[list[
                         temperature: float = 1.0, chunk_size: int = 512, logprob_fn: Callable | None = None,
                         shared_prompt: bool = True) -> tuple[Tensor, Tensor, Tensor]:
     """Per-token logprobs of the completions under the model: logp (N, Tr) float32, entropy (N, Tr)
-    (differentiable: an entropy bonus), mask (N, Tr) bool; zeros where mask is False. Works with grad and under no_grad.
+    (differentiable: an entropy bonus), mask (N, Tr) bool; zeros where mask is False. Works with
+    grad and under no_grad.
     prompts has N/G entries, completions N (prompt-major, ragged)."""
     G = num_samples
     if G < 1 or len(completions) != len(prompts) * G:
