@@ -155,16 +155,21 @@ def sample_increment(rng: random.Random) -> tuple[str, str]:
 
 
 def sample_count(rng: random.Random) -> tuple[str, str]:
-    """"abbabaab=" -> "4": how many a's, one digit that no single prompt position holds."""
-    letters = "".join(rng.choice("ab") for _ in range(8))
-    return letters + "=", str(letters.count("a"))
+    """"abbabaab=" -> "4": how many a's, one digit that no single prompt position holds. The count
+    is uniform over 0..8 (8 fair coin flips would make it 3, 4 or 5 in 71% of prompts, and a
+    constant "4" a good answer)."""
+    count = rng.randrange(9)
+    letters = ["a"] * count + ["b"] * (8 - count)
+    rng.shuffle(letters)
+    return "".join(letters) + "=", str(count)
 
 
 def count_close(completion: str, reference: str) -> float:
-    """Partial credit by distance: 1 for the right count, 0.25 less per unit off; 0 for no digit."""
+    """Partial credit by distance: 1 for the right count, 0.5 for one off, else 0 (and for no
+    digit). A constant answer earns at most 2/9 of it."""
     if not completion[:1].isdigit():
         return 0.0
-    return max(0.0, 1.0 - abs(int(completion[0]) - int(reference)) / 4)
+    return max(0.0, 1.0 - abs(int(completion[0]) - int(reference)) / 2)
 
 
 def digit_task(name: str, sample: Callable, answer_len: int, alphabet: str = "0123456789=") -> Task:

@@ -64,7 +64,7 @@ def test_new_tasks_references_are_right_and_prompts_depend_on_content(task):
     (tasks.add, "132", ["1x2", "13", "1320", "192"]),
     (tasks.sort, "1134", ["1135", "11", "0134", "11345"]),
     (tasks.increment, "4800", ["4801", "480", "9800", "48000"]),
-    (tasks.count, "4", ["3", "5", "40", "6"]),
+    (tasks.count, "4", ["3", "5", "40", "4<pad>"]),
 ], ids=["add", "sort", "increment", "count"])
 def test_new_tasks_rewards_give_partial_credit_below_the_right_answer(task, ref, partial):
     full = tasks.score(task, [ref], [ref]).item()
@@ -73,10 +73,16 @@ def test_new_tasks_rewards_give_partial_credit_below_the_right_answer(task, ref,
     assert tasks.score(task, ["", "<pad>"], [ref] * 2).tolist() == [0.0, 0.0]
 
 
-def test_count_credit_falls_with_the_distance():
+def test_count_credit_falls_with_the_distance_and_no_constant_answer_earns_much():
     values = [tasks.count_close(str(n), "4") for n in range(9)]
-    assert values == [0.0, 0.25, 0.5, 0.75, 1.0, 0.75, 0.5, 0.25, 0.0]
+    assert values == [0.0, 0.0, 0.0, 0.5, 1.0, 0.5, 0.0, 0.0, 0.0]
     assert tasks.count_close("a", "4") == 0.0 and tasks.count_close("", "4") == 0.0
+    rng = random.Random(0)
+    refs = [tasks.count.sample(rng)[1] for _ in range(9000)]
+    assert all(900 < refs.count(str(n)) < 1100 for n in range(9))  # uniform counts: 1000 +- 3.4 sd
+    best_constant = max(sum(tasks.count_close(str(n), r) for r in refs) / len(refs)
+                        for n in range(9))
+    assert best_constant < 0.25  # 2/9 when uniform: the credit needs the prompt read
 
 
 @pytest.mark.parametrize("text,number", [("so 12 apples", 12.0), ("1,234.5 then 7", 7.0), ("-3", -3.0),
