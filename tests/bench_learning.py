@@ -11,6 +11,9 @@ one row per task x seed:
                    where the records have it
     eval / correct the last held-out evaluation (greedy): mean reward, share fully correct
     to_0.9         first step where the mean reward over the last 10 steps reaches 0.9
+    ent<0.5 @      first step where the mean entropy over the last 10 steps is below 0.5 nats
+                   (the policy is nearly deterministic), and the mean reward over those steps:
+                   what the run had learned when it stopped exploring
     wall_s         seconds of the whole process (setup, evaluations and checkpoint included)
     target         the issue's bar: reverse reaches 0.9 in under 600 s; any other task ends at
                    >= 0.5 and >= 2x its start (last >= max(0.5, 2 * first))
@@ -82,6 +85,16 @@ def mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+def first_step(records: list[dict], key: str, reached) -> int | None:
+    """The first step where the mean of key over the last 10 records satisfies reached."""
+    values = [(r["step"], r.get(key)) for r in records]
+    for i in range(10, len(values) + 1):
+        window = [v for _, v in values[i - 10:i] if v is not None]
+        if window and reached(sum(window) / len(window)):
+            return values[i - 1][0]
+    return None
+
+
 def summary(out: str, task: str) -> dict:
     """The table's numbers for one run directory (None where a run has no such record)."""
     records = plot.read_metrics(out)
@@ -90,11 +103,12 @@ def summary(out: str, task: str) -> dict:
     first = mean([r["reward"] for r in records[:tenth] if r.get("reward") is not None])
     last = mean([r["reward"] for r in records[-tenth:] if r.get("reward") is not None])
     evals = [r for r in records if r.get("eval_reward") is not None]
-    to_target = None
-    for i in range(10, len(rewards) + 1):
-        if sum(rewards[i - 10:i]) / 10 >= 0.9:
-            to_target = records[i - 1]["step"]
-            break
+    to_target = first_step(records, "reward", lambda m: m >= 0.9)
+    frozen = first_step(records, "entropy", lambda m: m < 0.5)
+    frozen_reward = None
+    if frozen is not None:
+        window = [r for r in records if frozen - 10 < r["step"] <= frozen]
+        frozen_reward = mean([r["reward"] for r in window if r.get("reward") is not None])
     with open(os.path.join(out, "run.json")) as f:
         wall = json.load(f)["wall_s"]
     row = dict(first=first, last=last, ratio=last / first if first and last is not None else None,
@@ -103,7 +117,8 @@ def summary(out: str, task: str) -> dict:
                               if r.get("zero_std") is not None]),
                eval=evals[-1]["eval_reward"] if evals else None,
                correct=evals[-1].get("eval_correct") if evals else None,
-               to_target=to_target, wall=wall, steps=len(records))
+               to_target=to_target, frozen=frozen, frozen_reward=frozen_reward, wall=wall,
+               steps=len(records))
     if task == "reverse":
         row["target"] = to_target is not None and wall < 600
     else:
@@ -117,13 +132,14 @@ def cell(value, fmt: str) -> str:
 
 def print_table(rows: list[tuple[str, int, dict]]) -> None:
     print("| task | seed | first | last | last/first | entropy | zero_std | eval | correct | "
-          "to_0.9 | wall_s | target |")
-    print("|" + "---|" * 12)
+          "to_0.9 | ent<0.5 @ | reward then | wall_s | target |")
+    print("|" + "---|" * 14)
     for task, seed, r in rows:
         print(f"| {task} | {seed} | {cell(r['first'], '.3f')} | {cell(r['last'], '.3f')} | "
               f"{cell(r['ratio'], '.2f')} | {cell(r['entropy'], '.3f')} | "
               f"{cell(r['zero_std'], '.2f')} | {cell(r['eval'], '.3f')} | "
               f"{cell(r['correct'], '.2f')} | {cell(r['to_target'], 'd')} | "
+              f"{cell(r['frozen'], 'd')} | {cell(r['frozen_reward'], '.3f')} | "
               f"{r['wall']:.0f} | {'yes' if r['target'] else 'no'} |")
     by_task: dict[str, list[dict]] = {}
     for task, _, r in rows:
