@@ -14,8 +14,8 @@ one GRPO step, DESIGN.md's data flow in numbered pieces:
     6. train phase: mu optimizer steps over the generation batch, micro-batch by micro-batch
     7. the step's metrics, token-weighted over ranks and aggregated over the mu iterations
 
-train() runs the steps: one printed line and a metrics.jsonl record each, checkpoints, and clean
-stops (Ctrl-C or SIGTERM: finish the step, checkpoint, exit 0; a fault: one line and a checkpoint).
+train() runs the steps: one printed line and a metrics.jsonl record each, checkpoints (and the
+curves so far as metrics.svg, plot.py), and clean stops (Ctrl-C or SIGTERM: finish the step, checkpoint, exit 0; a fault: one line and a checkpoint).
 
 Parallelism: world = tp x dp. The tp ranks of a dp group hold one sharded model (tp.py) and see the
 same prompts and tokens; each dp group takes its own slice of the prompts; gradients are summed over
@@ -52,6 +52,7 @@ from tqdm import tqdm
 import checkpoint
 import grpo
 import memory
+import plot
 import rollout
 import tp
 from model import (Llama, ModelConfig, build_char_tokenizer, load_generation_config, load_tokenizer,
@@ -585,6 +586,15 @@ def reduce_iteration(run: Run, m: dict, tokens: float) -> dict:
     return out
 
 
+def zero_std_share(rewards: torch.Tensor, G: int) -> float:
+    """The share of groups whose scored rewards are all equal: their advantages are 0, so they
+    give no gradient (DAPO's dynamic sampling drops them). rewards (N,) NaN where unscored."""
+    groups = rewards.view(-1, G)  # (Bp, G)
+    high = torch.where(groups.isnan(), -torch.inf, groups).amax(1)
+    low = torch.where(groups.isnan(), torch.inf, groups).amin(1)
+    return float((~(high > low)).double().mean())
+
+
 def step_record(run: Run, step: int, rewards: torch.Tensor, out: rollout.Rollout,
                 iterations: list[dict], times: dict, truncated: int) -> dict:
     """The step as one JSON-able dict (null for what did not happen)."""
@@ -596,6 +606,7 @@ def step_record(run: Run, step: int, rewards: torch.Tensor, out: rollout.Rollout
                   missing_rewards=len(rewards) - len(scored), truncated_prompts=int(truncated),
                   completion_len=lengths / len(rewards),
                   tokens_per_s=tokens / max(times["rollout"], 1e-9))
+    record["zero_std"] = zero_std_share(rewards, run.cfgs.rollout.num_samples)
     updated = [it for it in iterations if it["updated"]]
     record["updates"] = len(updated)
     record["skipped_updates"] = len(iterations) - len(updated)
@@ -757,6 +768,8 @@ def train(run: Run) -> None:
         last = i + 1 == cfg.steps
         if last or stop or (cfg.save_every and (i + 1) % cfg.save_every == 0):
             path = save(run, i + 1)
+            if run.rank == 0:  # the curves so far, next to metrics.jsonl
+                plot.write_svg([cfg.out], os.path.join(cfg.out, "metrics.svg"), title=cfg.out)
             if stop:
                 if run.rank == 0:
                     bar.write(f"interrupted: checkpoint at {path}; continue with --resume {path}")
