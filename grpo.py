@@ -27,7 +27,7 @@ ChunkedSoftmaxLogprobs, tp.vocab_parallel_logprobs): each returns logp and the e
 H = -sum p log p per token, BOTH differentiable (dH/dz = -p (log p + H)), so an entropy term in a
 loss trains the same at any tensor-parallel size. The chunked Function does no entropy work in
 backward when no loss uses it. completion_logprobs returns the entropy in the graph; accumulate
-only logs it.
+logs it and, with entropy_coef > 0, passes it to the loss as a bonus.
 
 By default the math is TRL 1.16's GRPOTrainer (tests/test_grpo.py runs TRL's own code against
 it): rewards summed over reward functions skipping None, (r - group mean) / (n-1 std + 1e-4),
@@ -72,6 +72,7 @@ class GRPOConfig:
     eps_high: float = 0.28            # clip-higher (DAPO): more room for unlikely tokens to grow
     beta: float = 0.0                 # k3 KL weight; 0 means no reference model is needed
     use_bias_correction_kl: bool = True  # k3 KL times the ratio pi/pi_old, as TRL's default
+    entropy_coef: float = 0.0         # entropy bonus: -coef * H per completion token (verl's)
     std_eps: float = 1e-4             # advantage = (r - mean) / (std + std_eps), TRL's 1e-4
     std_correction: int = 1           # 1: the n-1 (Bessel) std of TRL and verl; 0: population std
     mu: int = 1                       # optimizer steps per generation batch
@@ -87,7 +88,7 @@ class GRPOConfig:
         ]
         for field in ("micro_batch_groups", "mu"):
             checks.append((field, getattr(self, field) >= 1, "must be >= 1"))
-        for field in ("eps_high", "beta", "chunk_size", "std_eps"):
+        for field in ("eps_high", "beta", "chunk_size", "std_eps", "entropy_coef"):
             checks.append((field, getattr(self, field) >= 0, "must be >= 0"))
         for field, ok, why in checks:
             if not ok:
@@ -458,7 +459,8 @@ def completion_logprobs(model, batch: "GRPOBatch", *, chunk_size: int = 1024,
 
 def grpo_loss(logp: Tensor, old_logp: Tensor | None, ref_logp: Tensor | None, advantages: Tensor,
               mask: Tensor, cfg: GRPOConfig, *, num_seqs: int, num_tokens: int,
-              max_completion_len: int) -> tuple[Tensor, dict[str, float]]:
+              max_completion_len: int, entropy: Tensor | None = None
+              ) -> tuple[Tensor, dict[str, float]]:
     """Clipped policy-gradient loss of a micro-batch, logp/old_logp/ref_logp/mask (N, Tr),
     advantages (N,). num_seqs and num_tokens count the WHOLE generation batch (all micro-batches,
     all data-parallel ranks), so the micro-batch losses sum to the big-batch loss;
@@ -483,7 +485,11 @@ def grpo_loss(logp: Tensor, old_logp: Tensor | None, ref_logp: Tensor | None, ad
     5. Metrics over the micro-batch's valid tokens: clip_low (ratio < 1 - eps_low, A < 0) and
        clip_high (ratio > 1 + eps_high, A > 0), whose gradient the clip zeroes;
        ratio_mean/min/max; kl (the per-token term the loss adds, as TRL logs it) if ref_logp is
-       given. Entropy is not a loss term here: accumulate reports completion_logprobs' entropy.
+       given.
+    6. Entropy bonus (entropy_coef > 0; verl's entropy_coeff, not in TRL): -coef * H per token,
+       H (N, Tr) the policy's differentiable entropy (completion_logprobs), aggregated as the rest.
+       It pays the policy to keep spreading its mass, against a collapse onto one answer before
+       the reward has told the answers apart.
     """
     for name, t in (("old_logp", old_logp), ("ref_logp", ref_logp), ("mask", mask)):
         if t is not None and t.shape != logp.shape:
@@ -493,6 +499,10 @@ def grpo_loss(logp: Tensor, old_logp: Tensor | None, ref_logp: Tensor | None, ad
                          f"({logp.shape[0]},)")
     if cfg.beta > 0 and ref_logp is None:
         raise ValueError(f"ref_logp is None but beta = {cfg.beta} > 0 needs reference logprobs")
+    if cfg.entropy_coef > 0 and (entropy is None or entropy.shape != logp.shape):
+        got = None if entropy is None else tuple(entropy.shape)
+        raise ValueError(f"entropy_coef = {cfg.entropy_coef} > 0 needs the entropy (N, Tr) of "
+                         f"the policy, shape {tuple(logp.shape)}; got {got}")
     if num_seqs < 1 or num_tokens < 1 or max_completion_len < 1:
         raise ValueError(f"num_seqs = {num_seqs}, num_tokens = {num_tokens} and "
                          f"max_completion_len = {max_completion_len} must be >= 1")
@@ -515,6 +525,8 @@ def grpo_loss(logp: Tensor, old_logp: Tensor | None, ref_logp: Tensor | None, ad
             kl = kl * ratio
     if cfg.beta > 0:  # ref_logp is not None: checked above
         per_token = per_token + cfg.beta * kl
+    if cfg.entropy_coef > 0:
+        per_token = per_token - cfg.entropy_coef * entropy
     per_token = torch.where(mask, per_token, zero)
     if cfg.loss_type == "grpo":  # each sequence's token mean first: long completions weigh less
         per_token = per_token / mask.sum(1, keepdim=True).clamp_min(1)
@@ -586,7 +598,7 @@ def accumulate(model, batch: GRPOBatch, cfg: GRPOConfig, *, logprob_fn: Callable
         mask = micro.mask
         loss, metrics = grpo_loss(logp, micro.old_logp, micro.ref_logp, micro.advantages, mask,
                                   cfg, num_seqs=num_seqs, num_tokens=max(num_tokens, 1),
-                                  max_completion_len=batch.max_new_tokens)
+                                  max_completion_len=batch.max_new_tokens, entropy=entropy)
         loss.backward()
         tokens = float(mask.sum())
         with torch.no_grad():

@@ -288,6 +288,51 @@ def test_entropy_is_differentiable_on_every_logprob_route(route):
     assert torch.autograd.gradcheck(entropy_only, (h.detach().requires_grad_(),))
 
 
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
+def test_entropy_bonus_adds_minus_coef_times_the_aggregated_entropy(loss_type):
+    """The bonus is one more per-token term under the loss's own aggregation, and without it
+    nothing changes; the gradient reaching the entropy is -coef / normaliser on valid tokens."""
+    logp, old, ref, adv, mask = loss_inputs()
+    entropy = torch.rand(logp.shape, dtype=torch.float64, requires_grad=True)
+    counts = dict(num_seqs=4, num_tokens=12, max_completion_len=8)
+    plain = GRPOConfig(loss_type=loss_type)
+    bonus = GRPOConfig(loss_type=loss_type, entropy_coef=0.01)
+    base, _ = grpo.grpo_loss(logp, old, ref, adv, mask, plain, **counts)
+    got, _ = grpo.grpo_loss(logp, old, ref, adv, mask, bonus, **counts, entropy=entropy)
+    same, _ = grpo.grpo_loss(logp, old, ref, adv, mask, plain, **counts, entropy=entropy)
+    assert same.item() == base.item()  # entropy_coef 0: the entropy is not read
+    (grad,) = torch.autograd.grad(got, entropy)
+    per_row = 4 * mask.sum(1, keepdim=True).double()  # grpo: each row's token mean, / num_seqs
+    normaliser = {"dapo": 12, "grpo": per_row, "dr_grpo": 4 * 8}[loss_type]
+    want = torch.where(mask, -0.01 / normaliser * torch.ones_like(grad), 0.0)  # float64
+    torch.testing.assert_close(grad, want, atol=1e-15, rtol=0)  # float64: one division
+    torch.testing.assert_close(got, base + (want * entropy).sum(), atol=1e-15, rtol=0)
+    with pytest.raises(ValueError, match="entropy_coef = 0.01 > 0 needs the entropy"):
+        grpo.grpo_loss(logp, old, ref, adv, mask, bonus, **counts)
+
+
+@pytest.mark.parametrize("chunk_size", [0, 4])
+def test_entropy_bonus_trains_the_policy_entropy_through_accumulate(chunk_size):
+    """accumulate with the bonus = accumulate without it + the gradient of -coef * the token mean
+    of the entropy, computed by the plain twin (one forward per sequence, log_softmax)."""
+    m = tiny_model()
+    batch, cfg = training_batch(m)
+    cfg.chunk_size = chunk_size
+    grpo.accumulate(m, batch, cfg)
+    without = grads(m)
+    m.zero_grad()
+    cfg.entropy_coef = 0.05
+    grpo.accumulate(m, batch, cfg)
+    with_bonus = grads(m)
+    m.zero_grad()
+    prompts, completions = batch.lists()
+    _, ents = oracle_logprobs(m, prompts, completions, batch.num_samples)
+    total = sum(e.sum() for e in ents)
+    (-0.05 * total / batch.mask.sum()).backward()
+    want = {k: without[k] + v for k, v in grads(m).items()}
+    assert_grads_close(with_bonus, want, rel=1e-5)  # fp32; chunked/shared vs one forward each
+
+
 @pytest.mark.parametrize("shared", [True, False])
 def test_logprob_of_token_t_comes_from_logits_at_t_minus_1(shared):
     m = tiny_model()
