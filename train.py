@@ -15,7 +15,8 @@ one GRPO step, DESIGN.md's data flow in numbered pieces:
     7. the step's metrics, token-weighted over ranks and aggregated over the mu iterations
 
 train() runs the steps: one printed line and a metrics.jsonl record each, checkpoints (and the
-curves so far as metrics.svg, plot.py), and clean stops (Ctrl-C or SIGTERM: finish the step, checkpoint, exit 0; a fault: one line and a checkpoint).
+curves so far as metrics.svg, plot.py), and clean stops (Ctrl-C or SIGTERM: finish the step,
+checkpoint, exit 0; a fault: one line and a checkpoint).
 
 Parallelism: world = tp x dp. The tp ranks of a dp group hold one sharded model (tp.py) and see the
 same prompts and tokens; each dp group takes its own slice of the prompts; gradients are summed over
