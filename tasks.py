@@ -14,10 +14,11 @@ that is not a finite number or None stops the run, naming the function and the c
 Built in:
 - `tasks:reverse` (default): reverse a short digit string. The answer depends on the prompt's
   content, the credit is per digit (dense), and a fresh tiny Llama learns it on a CPU in minutes.
-- four more of other kinds, for the same fresh model (each a char alphabet, a budget of the answer
-  plus its stop token, dense credit and a fully-correct predicate): `tasks:add` (two 2-digit
-  numbers, carries), `tasks:sort` (4 digits in ascending order), `tasks:count` (how many a's in 8
-  letters: an aggregate, credit by distance), `tasks:increment` (each of 4 digits + 1 mod 10).
+- five more of other kinds, for the same fresh model (each a char alphabet, a budget of the answer
+  plus its stop token, dense credit and a fully-correct predicate): `tasks:double` (twice a 3-digit
+  number: carries), `tasks:sort` (4 digits in ascending order), `tasks:count` (how many a's in 8
+  letters: an aggregate, credit by distance), `tasks:increment` (each of 4 digits + 1 mod 10), and
+  `tasks:add` (two 2-digit numbers), which the default model does not learn (README: the recipe).
 - `tasks:jsonl_math` with `--task_data FILE`: one {"prompt": ..., "answer": ...} per line
   (GSM8K-style answers such as "... #### 42" are accepted); the last number in the completion is
   compared.
@@ -127,7 +128,7 @@ reverse = Task("reverse", sample_reverse, [(digits_correct, 0.8), (exact_length,
                alphabet="0123456789=", max_new_tokens=REVERSE_LEN + 1, correct=exact)
 
 # -----------------------------------------------------------------------------
-# Four more small tasks, each of another kind, for the same fresh model. Every answer has a fixed
+# Five more small tasks, each of another kind, for the same fresh model. Every answer has a fixed
 # length, so the credit is reverse's: per position (0.8) plus stopping right after it (0.2).
 
 
@@ -136,6 +137,15 @@ def sample_add(rng: random.Random) -> tuple[str, str]:
     a = rng.randrange(100)
     b = rng.randrange(100)
     return f"{a:02d}+{b:02d}=", f"{a + b:03d}"
+
+
+def sample_double(rng: random.Random) -> tuple[str, str]:
+    """"372=" -> "0744": twice a 3-digit number, zero-padded to 4 digits. Each answer digit is its
+    prompt digit doubled plus the carry from the digit to its right (1 when that one is >= 5):
+    arithmetic with carries that the default fresh model learns (add's two-digit tables it does
+    not, see the README)."""
+    n = rng.randrange(1000)
+    return f"{n:03d}=", f"{2 * n:04d}"
 
 
 def sample_sort(rng: random.Random) -> tuple[str, str]:
@@ -175,6 +185,7 @@ def digit_task(name: str, sample: Callable, answer_len: int, alphabet: str = "01
 
 
 add = digit_task("add", sample_add, 3, alphabet="0123456789+=")
+double = digit_task("double", sample_double, 4)
 sort = digit_task("sort", sample_sort, 4)
 increment = digit_task("increment", sample_increment, 4)
 count = Task("count", sample_count, [(count_close, 0.8), (exact_length, 0.2)],

@@ -83,7 +83,7 @@ class TrainConfig:
     max_prompt_len: int = 256        # longer prompts are truncated on the left (counted in the log)
     # optimisation
     steps: int = 800                 # generation batches to train on
-    lr: float = 1e-3                 # peak learning rate (tiny fresh model; ~1e-6 for a real one)
+    lr: float = 5e-4                 # peak learning rate (tiny fresh model; ~1e-6 for a real one)
     min_lr_ratio: float = 0.1        # cosine decay floor, as a fraction of lr
     warmup_steps: int = 10           # linear warmup, in optimizer steps
     weight_decay: float = 0.0        # AdamW weight decay

@@ -20,7 +20,7 @@ one row per task x seed:
 
 and <out>/<task>.svg with the task's seeds (plot.py). Tables are Markdown, to paste as they are.
 
-Run: python tests/bench_learning.py --tasks reverse,add,sort,count,increment --seeds 0,1,2
+Run: python tests/bench_learning.py --tasks reverse,double,sort,count,increment,add --seeds 0,1,2
      [--flags "--lr 5e-4"] [--steps N] [--jobs 2] [--out runs/learning/NAME] [--force] [--report]
      python tests/bench_learning.py --supervised 1000   (can the fresh model hold each task at all?)
 """

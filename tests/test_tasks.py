@@ -24,7 +24,7 @@ def test_reverse_prompts_depend_on_content_and_rewards_give_partial_credit():
 
 
 # -----------------------------------------------------------------------------
-# The four other small tasks: references from an independent computation, content-dependent
+# The five other small tasks: references from an independent computation, content-dependent
 # prompts, partial credit, and a budget and alphabet that fit every answer
 
 
@@ -34,6 +34,13 @@ def reference_of(name: str, prompt: str) -> str:
     if name == "add":
         a, b = body.split("+")
         return str(int(a) + int(b)).zfill(3)
+    if name == "double":  # digit by digit from the right, with the carry, as on paper
+        out = ""
+        carry = 0
+        for c in reversed(body):
+            carry, digit = divmod(2 * int(c) + carry, 10)
+            out = str(digit) + out
+        return str(carry) + out
     if name == "sort":
         return "".join(str(d) for d in sorted(int(c) for c in body))
     if name == "increment":
@@ -47,7 +54,7 @@ def total(task, texts, refs):
     return tasks.score(task, texts, refs) @ weights  # (N,)
 
 
-NEW_TASKS = [tasks.add, tasks.sort, tasks.increment, tasks.count]
+NEW_TASKS = [tasks.add, tasks.double, tasks.sort, tasks.increment, tasks.count]
 
 
 @pytest.mark.parametrize("task", NEW_TASKS, ids=lambda t: t.name)
@@ -68,10 +75,11 @@ def test_new_tasks_references_are_right_and_prompts_depend_on_content(task):
 
 @pytest.mark.parametrize("task,ref,partial", [
     (tasks.add, "132", ["1x2", "13", "1320", "192"]),
+    (tasks.double, "0744", ["0745", "074", "07440", "1744"]),
     (tasks.sort, "1134", ["1135", "11", "0134", "11345"]),
     (tasks.increment, "4800", ["4801", "480", "9800", "48000"]),
     (tasks.count, "4", ["3", "5", "40", "4<pad>"]),
-], ids=["add", "sort", "increment", "count"])
+], ids=["add", "double", "sort", "increment", "count"])
 def test_new_tasks_rewards_give_partial_credit_below_the_right_answer(task, ref, partial):
     full = total(task, [ref], [ref]).item()
     got = total(task, partial, [ref] * len(partial)).tolist()
