@@ -332,8 +332,7 @@ class Llama(nn.Module):
         files = check_checkpoint(path, expected_shapes(cfg))  # name -> file; names, shapes checked
         with torch.device("meta"):
             model = cls(cfg)
-        model.to_empty(device=device)  # NOTE: re-creates every parameter, which unties lm_head
-        model.to(dtype)
+        allocate(model, device, dtype)  # NOTE: re-creates every parameter, which unties lm_head
         if cfg.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
         params = dict(model.named_parameters())  # tied lm_head appears once, as embed_tokens
@@ -352,6 +351,18 @@ class Llama(nn.Module):
         # refuses shared storage anyway).
         tensors = {n: p.detach() for n, p in self.named_parameters()}
         write_pretrained(path, self.config, tensors, max_shard_bytes, generation_config)
+
+
+def allocate(model: nn.Module, device: str | torch.device, dtype: torch.dtype) -> nn.Module:
+    """Uninitialised memory on `device` in `dtype` for every parameter of a model built on the meta
+    device (the loaders then fill it). Not module.to_empty(device).to(dtype): that allocates the
+    whole model in float32 first, so a bf16 load peaked at 4 bytes a parameter on the device
+    instead of 2. Re-creates each parameter: a tied lm_head comes out untied (re-tie it)."""
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            empty = torch.empty(p.shape, dtype=dtype, device=device)
+            setattr(module, name, nn.Parameter(empty, requires_grad=p.requires_grad))
+    return model
 
 
 def write_pretrained(path: str, config: ModelConfig, tensors: dict[str, Tensor],

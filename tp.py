@@ -41,8 +41,9 @@ from safetensors import safe_open
 from torch import Tensor
 from torch.autograd import Function
 
-from model import (MLP, Attention, Block, Llama, RMSNorm, apply_rotary_emb, causal_attention,
-                   check_checkpoint, expected_shapes, load_config, rms_norm, rope_inv_freq)
+from model import (MLP, Attention, Block, Llama, RMSNorm, allocate, apply_rotary_emb,
+                   causal_attention, check_checkpoint, expected_shapes, load_config, rms_norm,
+                   rope_inv_freq)
 
 # torch 2.13 renamed these two (same signatures); older versions only have the *_tensor names.
 _all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
@@ -466,7 +467,7 @@ def load_sharded(path: str, groups: ParallelGroups, device: str | torch.device,
     files = check_checkpoint(path, expected_shapes(cfg))  # name -> file; full names, shapes checked
     with torch.device("meta"):  # shapes only: slicing meta tensors allocates nothing
         model = shard_model(Llama(cfg), groups, sequence_parallel)
-    model.to_empty(device=device).to(dtype)  # NOTE: re-creates every parameter: unties lm_head
+    allocate(model, device, dtype)  # NOTE: re-creates every parameter: unties lm_head
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.inv_freq = rope_inv_freq(cfg).to(device)  # float32 always, like from_pretrained
