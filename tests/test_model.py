@@ -188,25 +188,36 @@ def test_save_load_round_trip_bit_exact(tmp_path, tied, shard):
     assert torch.equal(m(x), m2(x))
 
 
-def test_allocate_gives_each_parameter_its_dtype_at_once():
-    """Regression: from_pretrained did to_empty(device).to(dtype): the whole model in float32 on
-    the device, then converted; a bf16 load peaked at twice the model (torch.profiler's allocator
-    bytes, as torch.cuda.max_memory_allocated counts them on a GPU)."""
+def allocator_peak(fn, tmp_path) -> int:
+    """The highest running sum of CPU allocator bytes while fn() runs, from torch.profiler's
+    memory events (every allocation and free, in order): what torch.cuda.max_memory_allocated
+    counts on a GPU, above the level at the start."""
     from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    trace = str(tmp_path / "trace.json")
+    prof.export_chrome_trace(trace)
+    with open(trace) as f:
+        events = json.load(f)["traceEvents"]
+    running = peak = 0
+    for _, nbytes in sorted((e["ts"], e["args"]["Bytes"]) for e in events
+                            if e.get("name") == "[memory]"):
+        running += nbytes
+        peak = max(peak, running)
+    return peak
+
+
+def test_allocate_gives_each_parameter_its_dtype_at_once(tmp_path):
+    """Regression: from_pretrained did to_empty(device).to(dtype): the whole model in float32 on
+    the device, then converted; a bf16 load peaked at twice the model."""
     with torch.device("meta"):
         m = M.Llama(tiny(tie_word_embeddings=True))
-    n = sum(p.numel() for p in m.parameters())
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        M.allocate(m, "cpu", torch.bfloat16)
-    events = sorted((e.time_range.start, e.cpu_memory_usage) for e in prof.events()
-                    if e.cpu_memory_usage)
-    running = [0]
-    for _, nbytes in events:
-        running.append(running[-1] + nbytes)
+    n = sum(p.numel() for p in m.parameters()) + m.lm_head.weight.numel()  # untied: re-tie after
+    peak = allocator_peak(lambda: M.allocate(m, "cpu", torch.bfloat16), tmp_path)
     assert {p.dtype for p in m.parameters()} == {torch.bfloat16}
     assert {p.device.type for p in m.parameters()} == {"cpu"}
     assert all(p.requires_grad for p in m.parameters())
-    assert max(running) == 2 * (n + m.lm_head.weight.numel())  # untied: re-tie after allocate
+    assert peak == 2 * n
 
 
 def test_bfloat16_keeps_rope_frequencies_in_float32(tmp_path):
