@@ -29,9 +29,9 @@ import torch
 import torch.distributed as dist
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+from torch import Tensor
 
-import tp
-from model import Llama, write_pretrained
+from model import ModelConfig, write_pretrained
 
 # -----------------------------------------------------------------------------
 # Save
@@ -57,10 +57,13 @@ def _optimizer_to_files(optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
     return tensors, plain
 
 
-def save_checkpoint(out: str, step: int, model: Llama, tokenizer, optimizer: torch.optim.Optimizer,
-                    config: dict, groups: tp.ParallelGroups,
+def save_checkpoint(out: str, step: int, model_config: ModelConfig, tensors: dict[str, Tensor],
+                    tokenizer, optimizer: torch.optim.Optimizer, config: dict, *, tp_rank: int = 0,
+                    tp_size: int = 1, dp_rank: int = 0,
                     generation_config: dict | None = None) -> str:
-    """Collective under torchrun (every rank calls it). Returns the final directory."""
+    """Collective under torchrun (every rank calls it). `tensors`: the model's full tensors as a
+    one-process model names them (train.py gathers a sharded model's: tp.full_state_dict); rank 0
+    writes them. Returns the final directory."""
     final = os.path.join(out, f"step-{step:06d}")
     tmp = final + ".tmp"
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -68,23 +71,18 @@ def save_checkpoint(out: str, step: int, model: Llama, tokenizer, optimizer: tor
         shutil.rmtree(tmp, ignore_errors=True)  # a crash mid-save leaves a .tmp, never half a step
         os.makedirs(tmp)
     _barrier()
-    if groups.tp_size > 1:
-        full = tp.full_state_dict(model, groups)  # collective over the tp ranks
-        if rank == 0:
-            write_pretrained(tmp, model.config, full, generation_config=generation_config)
-    elif rank == 0:
-        model.save_pretrained(tmp, generation_config=generation_config)
     if rank == 0:
+        write_pretrained(tmp, model_config, tensors, generation_config=generation_config)
         tokenizer.save(os.path.join(tmp, "tokenizer.json"))
         world = dist.get_world_size() if dist.is_initialized() else 1
-        state = {"step": step, "config": config, "world_size": world, "tp_size": groups.tp_size,
+        state = {"step": step, "config": config, "world_size": world, "tp_size": tp_size,
                  "torch_rng_state": torch.get_rng_state().tolist()}
         with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
             json.dump(state, f)
-    if groups.dp_rank == 0:  # dp replicas hold identical optimizer state: one copy per tp rank
-        tensors, plain = _optimizer_to_files(optimizer)
-        save_file(tensors, os.path.join(tmp, f"optimizer-tp{groups.tp_rank}.safetensors"))
-        with open(os.path.join(tmp, f"optimizer-tp{groups.tp_rank}.json"), "w") as f:
+    if dp_rank == 0:  # dp replicas hold identical optimizer state: one copy per tp rank
+        state_tensors, plain = _optimizer_to_files(optimizer)
+        save_file(state_tensors, os.path.join(tmp, f"optimizer-tp{tp_rank}.safetensors"))
+        with open(os.path.join(tmp, f"optimizer-tp{tp_rank}.json"), "w") as f:
             json.dump(plain, f)
     _barrier()
     if rank == 0:
@@ -156,18 +154,18 @@ def _check_optimizer_state(saved: dict, optimizer: torch.optim.Optimizer) -> Non
                                  f"its parameter {tuple(p.shape)}")
 
 
-def load_checkpoint(path: str, optimizer: torch.optim.Optimizer,
-                    groups: tp.ParallelGroups) -> int:
+def load_checkpoint(path: str, optimizer: torch.optim.Optimizer, tp_rank: int = 0,
+                    tp_size: int = 1) -> int:
     """Load this tp rank's optimizer state in place and torch's RNG state; return the step. (The
     weights are the HF directory itself: train.py loads them like any --model.)"""
     try:
         with open(os.path.join(path, "trainer_state.json")) as f:
             state = json.load(f)
-        saved_tp = state.get("tp_size", groups.tp_size)
-        if saved_tp != groups.tp_size:
+        saved_tp = state.get("tp_size", tp_size)
+        if saved_tp != tp_size:
             raise ValueError(f"it was written with --tp {saved_tp}: resume with the same --tp "
                              f"(each tp rank's optimizer state is its own shard)")
-        saved = _optimizer_state(path, groups.tp_rank)
+        saved = _optimizer_state(path, tp_rank)
         _check_optimizer_state(saved, optimizer)
         optimizer.load_state_dict(saved)
         torch.set_rng_state(torch.tensor(state["torch_rng_state"], dtype=torch.uint8))

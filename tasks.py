@@ -14,6 +14,10 @@ that is not a finite number or None stops the run, naming the function and the c
 Built in:
 - `tasks:reverse` (default): reverse a short digit string. The answer depends on the prompt's
   content, the credit is per digit (dense), and a fresh tiny Llama learns it on a CPU in minutes.
+- four more of other kinds, for the same fresh model (each a char alphabet, a budget of the answer
+  plus its stop token, dense credit and a fully-correct predicate): `tasks:add` (two 2-digit
+  numbers, carries), `tasks:sort` (4 digits in ascending order), `tasks:count` (how many a's in 8
+  letters: an aggregate, credit by distance), `tasks:increment` (each of 4 digits + 1 mod 10).
 - `tasks:jsonl_math` with `--task_data FILE`: one {"prompt": ..., "answer": ...} per line
   (GSM8K-style answers such as "... #### 42" are accepted); the last number in the completion is
   compared.
@@ -96,8 +100,12 @@ def score(task: Task, texts: list[str], references: list[str]) -> torch.Tensor:
 REVERSE_LEN = 3
 
 
+def digit_string(rng: random.Random, length: int) -> str:
+    return "".join(rng.choice("0123456789") for _ in range(length))
+
+
 def sample_reverse(rng: random.Random) -> tuple[str, str]:
-    digits = "".join(rng.choice("0123456789") for _ in range(REVERSE_LEN))
+    digits = digit_string(rng, REVERSE_LEN)
     return digits + "=", digits[::-1]
 
 
@@ -117,6 +125,60 @@ def exact(completion: str, reference: str) -> bool:
 
 reverse = Task("reverse", sample_reverse, [(digits_correct, 0.8), (exact_length, 0.2)],
                alphabet="0123456789=", max_new_tokens=REVERSE_LEN + 1, correct=exact)
+
+# -----------------------------------------------------------------------------
+# Four more small tasks, each of another kind, for the same fresh model. Every answer has a fixed
+# length, so the credit is reverse's: per position (0.8) plus stopping right after it (0.2).
+
+
+def sample_add(rng: random.Random) -> tuple[str, str]:
+    """"47+85=" -> "132": the sum, zero-padded to 3 digits (the hundreds digit is the carry)."""
+    a = rng.randrange(100)
+    b = rng.randrange(100)
+    return f"{a:02d}+{b:02d}=", f"{a + b:03d}"
+
+
+def sample_sort(rng: random.Random) -> tuple[str, str]:
+    """"3141=" -> "1134": every answer digit depends on all prompt digits, not on one position."""
+    digits = digit_string(rng, 4)
+    return digits + "=", "".join(sorted(digits))
+
+
+def sample_increment(rng: random.Random) -> tuple[str, str]:
+    """"3799=" -> "4800": each digit + 1 mod 10, a copy with a rule (no carries)."""
+    digits = digit_string(rng, 4)
+    return digits + "=", "".join(str((int(d) + 1) % 10) for d in digits)
+
+
+def sample_count(rng: random.Random) -> tuple[str, str]:
+    """"abbabaab=" -> "4": how many a's, one digit that no single prompt position holds. The count
+    is uniform over 0..8 (8 fair coin flips would make it 3, 4 or 5 in 71% of prompts, and a
+    constant "4" a good answer)."""
+    count = rng.randrange(9)
+    letters = ["a"] * count + ["b"] * (8 - count)
+    rng.shuffle(letters)
+    return "".join(letters) + "=", str(count)
+
+
+def count_close(completion: str, reference: str) -> float:
+    """Partial credit by distance: 1 for the right count, 0.5 for one off, else 0 (and for no
+    digit). A constant answer earns at most 2/9 of it."""
+    if not completion[:1].isdigit():
+        return 0.0
+    return max(0.0, 1.0 - abs(int(completion[0]) - int(reference)) / 2)
+
+
+def digit_task(name: str, sample: Callable, answer_len: int, alphabet: str = "0123456789=") -> Task:
+    """A task whose answers are answer_len digits, with reverse's rewards and budget."""
+    return Task(name, sample, [(digits_correct, 0.8), (exact_length, 0.2)], alphabet=alphabet,
+                max_new_tokens=answer_len + 1, correct=exact)
+
+
+add = digit_task("add", sample_add, 3, alphabet="0123456789+=")
+sort = digit_task("sort", sample_sort, 4)
+increment = digit_task("increment", sample_increment, 4)
+count = Task("count", sample_count, [(count_close, 0.8), (exact_length, 0.2)],
+             alphabet="ab0123456789=", max_new_tokens=2, correct=exact)
 
 # -----------------------------------------------------------------------------
 # Math word problems from a JSONL file (for real checkpoints, e.g. GSM8K-style files on disk)

@@ -14,8 +14,8 @@ one GRPO step, DESIGN.md's data flow in numbered pieces:
     6. train phase: mu optimizer steps over the generation batch, micro-batch by micro-batch
     7. the step's metrics, token-weighted over ranks and aggregated over the mu iterations
 
-train() runs the steps: one printed line and a metrics.jsonl record each, checkpoints, and clean
-stops (Ctrl-C or SIGTERM: finish the step, checkpoint, exit 0; a fault: one line and a checkpoint).
+train() runs the steps: one printed line and a metrics.jsonl record each, checkpoints (and the
+curves so far as metrics.svg, plot.py), and clean stops (Ctrl-C or SIGTERM: finish the step, checkpoint, exit 0; a fault: one line and a checkpoint).
 
 Parallelism: world = tp x dp. The tp ranks of a dp group hold one sharded model (tp.py) and see the
 same prompts and tokens; each dp group takes its own slice of the prompts; gradients are summed over
@@ -52,6 +52,7 @@ from tqdm import tqdm
 import checkpoint
 import grpo
 import memory
+import plot
 import rollout
 import tp
 from model import (Llama, ModelConfig, build_char_tokenizer, load_generation_config, load_tokenizer,
@@ -350,7 +351,9 @@ def setup(values: dict[str, object]) -> Run:
         sampler = copy.deepcopy(model).to(getattr(torch, cfg.sampler_dtype)).requires_grad_(False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.99),
                                   weight_decay=cfg.weight_decay)
-    start = checkpoint.load_checkpoint(resume_dir, optimizer, groups) if resume_dir else 0
+    start = 0
+    if resume_dir:
+        start = checkpoint.load_checkpoint(resume_dir, optimizer, groups.tp_rank, groups.tp_size)
     local_prompts = cfg.prompts_per_step // groups.dp_size
     cache = rollout.KVCache.for_batch(model.config, local_prompts, cfgs.rollout.num_samples,
                                       cfg.max_prompt_len, cfgs.rollout.max_new_tokens,
@@ -583,6 +586,15 @@ def reduce_iteration(run: Run, m: dict, tokens: float) -> dict:
     return out
 
 
+def zero_std_share(rewards: torch.Tensor, G: int) -> float:
+    """The share of groups whose scored rewards are all equal: their advantages are 0, so they
+    give no gradient (DAPO's dynamic sampling drops them). rewards (N,) NaN where unscored."""
+    groups = rewards.view(-1, G)  # (Bp, G)
+    high = torch.where(groups.isnan(), -torch.inf, groups).amax(1)
+    low = torch.where(groups.isnan(), torch.inf, groups).amin(1)
+    return float((~(high > low)).double().mean())
+
+
 def step_record(run: Run, step: int, rewards: torch.Tensor, out: rollout.Rollout,
                 iterations: list[dict], times: dict, truncated: int) -> dict:
     """The step as one JSON-able dict (null for what did not happen)."""
@@ -594,6 +606,7 @@ def step_record(run: Run, step: int, rewards: torch.Tensor, out: rollout.Rollout
                   missing_rewards=len(rewards) - len(scored), truncated_prompts=int(truncated),
                   completion_len=lengths / len(rewards),
                   tokens_per_s=tokens / max(times["rollout"], 1e-9))
+    record["zero_std"] = zero_std_share(rewards, run.cfgs.rollout.num_samples)
     updated = [it for it in iterations if it["updated"]]
     record["updates"] = len(updated)
     record["skipped_updates"] = len(iterations) - len(updated)
@@ -694,9 +707,17 @@ def step_line(record: dict, steps: int, beta: float) -> str:
 
 
 def save(run: Run, step: int) -> str:
-    return checkpoint.save_checkpoint(run.cfgs.train.out, step, run.model, run.tokenizer,
-                                      run.optimizer, dataclasses.asdict(run.cfgs), run.groups,
-                                      run.generation_config)
+    """A checkpoint (collective: every rank calls it). A sharded model is gathered into the full
+    tensors a one-process model has, so TP and TP=1 checkpoints hold the same tensors."""
+    g = run.groups
+    if g.tp_size > 1:
+        tensors = tp.full_state_dict(run.model, g)  # collective over the tp ranks
+    else:
+        tensors = {name: p.detach() for name, p in run.model.named_parameters()}
+    return checkpoint.save_checkpoint(run.cfgs.train.out, step, run.model.config, tensors,
+                                      run.tokenizer, run.optimizer, dataclasses.asdict(run.cfgs),
+                                      tp_rank=g.tp_rank, tp_size=g.tp_size, dp_rank=g.dp_rank,
+                                      generation_config=run.generation_config)
 
 
 def check_health(run: Run, record: dict) -> None:
@@ -747,6 +768,8 @@ def train(run: Run) -> None:
         last = i + 1 == cfg.steps
         if last or stop or (cfg.save_every and (i + 1) % cfg.save_every == 0):
             path = save(run, i + 1)
+            if run.rank == 0:  # the curves so far, next to metrics.jsonl
+                plot.write_svg([cfg.out], os.path.join(cfg.out, "metrics.svg"), title=cfg.out)
             if stop:
                 if run.rank == 0:
                     bar.write(f"interrupted: checkpoint at {path}; continue with --resume {path}")

@@ -60,7 +60,10 @@ def saved_bytes(m: M.Llama, dtype: torch.dtype, sp: bool) -> int:
         return t
 
     with saved_tensors_hooks(pack, lambda t: t):
-        y = block(x, cos, sin, M.causal_attention)  # a 2-D (N/tp, C) residual stream is what runs SP
+        if tp_size > 1:  # a TPBlock: sequence parallelism is passed explicitly
+            y = block(x, cos, sin, M.causal_attention, None, sp)  # SP: x is (N/tp, C)
+        else:
+            y = block(x, cos, sin, M.causal_attention)
     y.float().square().sum().backward()  # runs the backward collectives too, as in training
     return sum(seen.values())
 

@@ -23,6 +23,74 @@ def test_reverse_prompts_depend_on_content_and_rewards_give_partial_credit():
     assert tasks.exact_length("321", "321") == 1.0 and tasks.exact_length("3210", "321") == 0.0
 
 
+# -----------------------------------------------------------------------------
+# The four other small tasks: references from an independent computation, content-dependent
+# prompts, partial credit, and a budget and alphabet that fit every answer
+
+
+def reference_of(name: str, prompt: str) -> str:
+    """Each task's answer computed another way than tasks.py does (ints, not string slicing)."""
+    body = prompt[:-1]
+    if name == "add":
+        a, b = body.split("+")
+        return str(int(a) + int(b)).zfill(3)
+    if name == "sort":
+        return "".join(str(d) for d in sorted(int(c) for c in body))
+    if name == "increment":
+        return "".join(str(int(c) + 1)[-1] for c in body)
+    return str(sum(c == "a" for c in body))  # count
+
+
+def total(task, texts, refs):
+    """Each completion's reward: the task's functions weighted and summed (as train.py does)."""
+    weights = torch.tensor([w for _, w in task.rewards], dtype=torch.float64)
+    return tasks.score(task, texts, refs) @ weights  # (N,)
+
+
+NEW_TASKS = [tasks.add, tasks.sort, tasks.increment, tasks.count]
+
+
+@pytest.mark.parametrize("task", NEW_TASKS, ids=lambda t: t.name)
+def test_new_tasks_references_are_right_and_prompts_depend_on_content(task):
+    rng = random.Random(0)
+    pairs = [task.sample(rng) for _ in range(200)]
+    assert len({p for p, _ in pairs}) > 100  # many prompts, not a handful to memorise
+    assert len({r for _, r in pairs}) >= 5   # and the answer changes with them
+    for prompt, ref in pairs:
+        assert prompt.endswith("=") and ref == reference_of(task.name, prompt), prompt
+        assert set(prompt + ref) <= set(task.alphabet)  # a fresh tokenizer encodes both
+        assert task.max_new_tokens == len(ref) + 1  # the answer and its stop token
+    # Fully correct is exactly the reference; the rewards then sum to their weights' total.
+    prompt, ref = pairs[0]
+    assert task.correct(ref, ref) and not task.correct(ref + "0", ref)
+    assert total(task, [ref], [ref]).item() == pytest.approx(1.0, rel=1e-12)
+
+
+@pytest.mark.parametrize("task,ref,partial", [
+    (tasks.add, "132", ["1x2", "13", "1320", "192"]),
+    (tasks.sort, "1134", ["1135", "11", "0134", "11345"]),
+    (tasks.increment, "4800", ["4801", "480", "9800", "48000"]),
+    (tasks.count, "4", ["3", "5", "40", "4<pad>"]),
+], ids=["add", "sort", "increment", "count"])
+def test_new_tasks_rewards_give_partial_credit_below_the_right_answer(task, ref, partial):
+    full = total(task, [ref], [ref]).item()
+    got = total(task, partial, [ref] * len(partial)).tolist()
+    assert all(0 < g < full for g in got), got  # dense: neither nothing nor everything
+    assert total(task, ["", "<pad>"], [ref] * 2).tolist() == [0.0, 0.0]
+
+
+def test_count_credit_falls_with_the_distance_and_no_constant_answer_earns_much():
+    values = [tasks.count_close(str(n), "4") for n in range(9)]
+    assert values == [0.0, 0.0, 0.0, 0.5, 1.0, 0.5, 0.0, 0.0, 0.0]
+    assert tasks.count_close("a", "4") == 0.0 and tasks.count_close("", "4") == 0.0
+    rng = random.Random(0)
+    refs = [tasks.count.sample(rng)[1] for _ in range(9000)]
+    assert all(900 < refs.count(str(n)) < 1100 for n in range(9))  # uniform counts: 1000 +- 3.4 sd
+    best_constant = max(sum(tasks.count_close(str(n), r) for r in refs) / len(refs)
+                        for n in range(9))
+    assert best_constant < 0.25  # 2/9 when uniform: the credit needs the prompt read
+
+
 @pytest.mark.parametrize("text,number", [("so 12 apples", 12.0), ("1,234.5 then 7", 7.0), ("-3", -3.0),
                                          ("x = 1,234", 1234.0), ("none", None)])
 def test_parse_number_takes_the_last_number(text, number):

@@ -37,6 +37,9 @@ def test_short_run_writes_metrics_and_a_loadable_checkpoint(tmp_path):
     recs = records(out)
     assert [r["step"] for r in recs] == [1, 2, 3]
     assert all(0.0 <= r["reward"] <= 1.0 and r["loss"] == r["loss"] for r in recs)
+    assert all(0.0 <= r["zero_std"] <= 1.0 for r in recs)  # share of groups with no gradient
+    svg = open(os.path.join(out, "metrics.svg")).read()  # the curves, rewritten at each checkpoint
+    assert svg.startswith("<svg") and svg.count("<polyline") >= 2, svg[:200]
     assert sorted(d for d in os.listdir(out) if d.startswith("step-")) == ["step-000002", "step-000003"]
     assert open(os.path.join(out, "latest")).read().strip() == "step-000003"
     m = Llama.from_pretrained(os.path.join(out, "step-000003"))
@@ -438,9 +441,19 @@ def test_eval_scores_greedy_completions_of_prompts_training_never_draws(tmp_path
             assert r["eval_correct"] <= r["eval_reward"] + 1e-9  # correct means reward 1
 
 
-def test_prompt_template_wraps_each_prompt(tmp_path):
-    code, out = run(tmp_path, "--steps", "1", "--prompt_template", "=={prompt}")
+def test_prompt_template_wraps_each_prompt(tmp_path, monkeypatch):
+    """A chat checkpoint's turn around the task's prompt (here "==" before it)."""
+    seen = []
+    original = train.rollout.generate
+    monkeypatch.setattr(train.rollout, "generate",
+                        lambda model, prompts, *a, **kw: seen.append(prompts) or
+                        original(model, prompts, *a, **kw))
+    code, out = run(tmp_path, "--steps", "1", "--prompt_template", "=={prompt}",
+                    "--eval_every", "0")
+    equals = 13  # the char tokenizer's id of "=": specials (3) then "0123456789="
     assert code == 0 and len(records(out)) == 1
+    # <bos>, then the template's "==", then the task's 3 digits and "="
+    assert all(p[1:3] == [equals, equals] and len(p) == 1 + 2 + 4 for p in seen[0])
 
 
 def test_corrupt_checkpoint_on_resume_is_refused(tmp_path, capsys):
@@ -526,3 +539,18 @@ def test_metrics_are_token_weighted_over_data_parallel_ranks(tmp_path):
     weighs micro-batches by tokens."""
     import torch.multiprocessing as mp
     mp.start_processes(_dp_metrics_worker, args=(str(tmp_path),), nprocs=2, start_method="spawn")
+
+
+def test_zero_std_share_counts_groups_without_a_gradient():
+    """Groups whose scored rewards are all equal (one scored, or none, included) get advantage 0."""
+    nan = math.nan
+    rewards = torch.tensor([0.5, 0.5, 0.5, 0.5,   # equal: no gradient
+                            0.0, 1.0, 0.0, 1.0,   # varied
+                            nan, 0.2, 0.2, nan,   # equal among the scored
+                            nan, nan, nan, nan],  # nothing scored
+                           dtype=torch.float64)
+    assert train.zero_std_share(rewards, 4) == 0.75
+    assert train.zero_std_share(rewards[4:8], 4) == 0.0
+    # It is exactly the share of groups group_advantages gives all-zero advantages.
+    zero_groups = (train.grpo.group_advantages(rewards, 4).view(-1, 4) == 0).all(1)
+    assert zero_groups.double().mean().item() == 0.75

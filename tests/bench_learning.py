@@ -1,0 +1,251 @@
+"""Does the default recipe learn? `python train.py` over tasks x seeds, a table and a picture each.
+
+Each run is a fresh `python train.py --task tasks:<task> --seed <s> --out <out>/<task>/seed<s>` (plus
+--flags) with one thread, `--jobs` at a time (2 on a 2-core machine). A run whose directory already
+holds a finished run with the same command line is reused, not repeated (--force repeats it). Then
+one row per task x seed:
+
+    first / last   mean reward of the first and the last 10% of steps, and last / first
+    entropy        mean entropy of the last 10% of steps (sampled tokens, nats)
+    zero_std       share of groups with all-equal rewards (no gradient) in the last 10% of steps,
+                   where the records have it
+    eval / correct the last held-out evaluation (greedy): mean reward, share fully correct
+    to_0.9         first step where the mean reward over the last 10 steps reaches 0.9
+    ent<0.5 @      first step where the mean entropy over the last 10 steps is below 0.5 nats
+                   (the policy is nearly deterministic), and the mean reward over those steps:
+                   what the run had learned when it stopped exploring
+    wall_s         seconds of the whole process (setup, evaluations and checkpoint included)
+    target         the issue's bar: reverse reaches 0.9 in under 600 s; any other task ends at
+                   >= 0.5 and >= 2x its start (last >= max(0.5, 2 * first))
+
+and <out>/<task>.svg with the task's seeds (plot.py). Tables are Markdown, to paste as they are.
+
+Run: python tests/bench_learning.py --tasks reverse,add,sort,count,increment --seeds 0,1,2
+     [--flags "--lr 5e-4"] [--steps N] [--jobs 2] [--out runs/learning/NAME] [--force] [--report]
+     python tests/bench_learning.py --supervised 1000   (can the fresh model hold each task at all?)
+"""
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import plot  # noqa: E402
+
+# -----------------------------------------------------------------------------
+# Running
+
+
+def task_spec(name: str) -> str:
+    return name if ":" in name else f"tasks:{name}"
+
+
+def command(task: str, seed: int, out: str, flags: list[str]) -> list[str]:
+    return ["--task", task_spec(task), "--seed", str(seed), "--out", out, "--overwrite", "true",
+            "--save_every", "0", "--threads", "1", *flags]
+
+
+def finished(out: str, argv: list[str]) -> bool:
+    """The directory holds a run of this same command line that ran to its end."""
+    try:
+        with open(os.path.join(out, "run.json")) as f:
+            info = json.load(f)
+    except (FileNotFoundError, json.JSONDecodeError):
+        return False
+    return info.get("argv") == argv and info.get("returncode") == 0
+
+
+def run_one(task: str, seed: int, out: str, flags: list[str], force: bool) -> str:
+    """One training process; its wall clock and command line go to out/run.json."""
+    argv = command(task, seed, out, flags)
+    if finished(out, argv) and not force:
+        return f"{out}: reused"
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    t0 = time.perf_counter()
+    with open(out + ".log", "w") as log:  # beside the run: train.py owns the directory
+        done = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *argv], cwd=ROOT,
+                              env=env, stdout=log, stderr=subprocess.STDOUT)
+    wall = time.perf_counter() - t0
+    with open(os.path.join(out, "run.json"), "w") as f:
+        json.dump(dict(argv=argv, wall_s=wall, returncode=done.returncode), f)
+    return f"{out}: exit {done.returncode} in {wall:.0f} s"
+
+# -----------------------------------------------------------------------------
+# Summaries
+
+
+def mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def first_step(records: list[dict], key: str, reached) -> int | None:
+    """The first step where the mean of key over the last 10 records satisfies reached."""
+    values = [(r["step"], r.get(key)) for r in records]
+    for i in range(10, len(values) + 1):
+        window = [v for _, v in values[i - 10:i] if v is not None]
+        if window and reached(sum(window) / len(window)):
+            return values[i - 1][0]
+    return None
+
+
+def summary(out: str, task: str) -> dict:
+    """The table's numbers for one run directory (None where a run has no such record)."""
+    records = plot.read_metrics(out)
+    tenth = max(1, len(records) // 10)
+    rewards = [r["reward"] for r in records if r.get("reward") is not None]
+    first = mean([r["reward"] for r in records[:tenth] if r.get("reward") is not None])
+    last = mean([r["reward"] for r in records[-tenth:] if r.get("reward") is not None])
+    evals = [r for r in records if r.get("eval_reward") is not None]
+    to_target = first_step(records, "reward", lambda m: m >= 0.9)
+    frozen = first_step(records, "entropy", lambda m: m < 0.5)
+    frozen_reward = None
+    if frozen is not None:
+        window = [r for r in records if frozen - 10 < r["step"] <= frozen]
+        frozen_reward = mean([r["reward"] for r in window if r.get("reward") is not None])
+    with open(os.path.join(out, "run.json")) as f:
+        wall = json.load(f)["wall_s"]
+    row = dict(first=first, last=last, ratio=last / first if first and last is not None else None,
+               entropy=mean([r["entropy"] for r in records[-tenth:] if r.get("entropy") is not None]),
+               zero_std=mean([r["zero_std"] for r in records[-tenth:]
+                              if r.get("zero_std") is not None]),
+               eval=evals[-1]["eval_reward"] if evals else None,
+               correct=evals[-1].get("eval_correct") if evals else None,
+               to_target=to_target, frozen=frozen, frozen_reward=frozen_reward, wall=wall,
+               steps=len(records))
+    if task == "reverse":
+        row["target"] = to_target is not None and wall < 600
+    else:
+        row["target"] = last is not None and first is not None and last >= max(0.5, 2 * first)
+    return row
+
+
+def cell(value, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def print_table(rows: list[tuple[str, int, dict]]) -> None:
+    print("| task | seed | first | last | last/first | entropy | zero_std | eval | correct | "
+          "to_0.9 | ent<0.5 @ | reward then | wall_s | target |")
+    print("|" + "---|" * 14)
+    for task, seed, r in rows:
+        print(f"| {task} | {seed} | {cell(r['first'], '.3f')} | {cell(r['last'], '.3f')} | "
+              f"{cell(r['ratio'], '.2f')} | {cell(r['entropy'], '.3f')} | "
+              f"{cell(r['zero_std'], '.2f')} | {cell(r['eval'], '.3f')} | "
+              f"{cell(r['correct'], '.2f')} | {cell(r['to_target'], 'd')} | "
+              f"{cell(r['frozen'], 'd')} | {cell(r['frozen_reward'], '.3f')} | "
+              f"{r['wall']:.0f} | {'yes' if r['target'] else 'no'} |")
+    by_task: dict[str, list[dict]] = {}
+    for task, _, r in rows:
+        by_task.setdefault(task, []).append(r)
+    print()
+    for task, runs in by_task.items():
+        passed = sum(r["target"] for r in runs)
+        print(f"{task}: target met on {passed}/{len(runs)} seeds; last 10% mean reward "
+              f"{cell(mean([r['last'] for r in runs if r['last'] is not None]), '.3f')}")
+
+# -----------------------------------------------------------------------------
+# Capacity: can the default fresh model hold the task at all? (teacher forcing, no RL)
+
+
+def supervised(name: str, steps: int, seed: int = 0) -> tuple[float, float]:
+    """The default fresh model (train.py's build_model) trained by cross-entropy on prompt ->
+    answer<eos>, batches of 64 new pairs, AdamW 1e-3; returns the share of 256 new prompts whose
+    greedy completion is fully correct, and the seconds it took."""
+    import random
+    import torch
+    import grpo
+    import rollout
+    import tasks
+    import tp
+    import train
+    t0 = time.perf_counter()
+    task = tasks.load_task(task_spec(name), "")
+    cfg = train.TrainConfig(seed=seed)
+    model, tokenizer = train.build_model(cfg, task, "", torch.device("cpu"), tp.make_groups(1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.99))
+    bos = model.config.bos_token_id
+    eos = model.config.eos_token_id
+    rng = random.Random(seed)
+
+    def encode(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False).ids
+    for _ in range(steps):
+        pairs = [task.sample(rng) for _ in range(64)]
+        prompts = [[bos] + encode(prompt) for prompt, _ in pairs]
+        answers = [encode(answer) + [eos] for _, answer in pairs]
+        ids, lens = grpo.pad_right([p + a for p, a in zip(prompts, answers)], torch.device("cpu"))
+        logits = model.head(model.hidden(ids[:, :-1]))  # (B, T-1, V)
+        position = torch.arange(ids.shape[1] - 1)
+        starts = torch.tensor([len(p) - 1 for p in prompts])
+        answer = (position >= starts[:, None]) & (position < lens[:, None] - 1)  # (B, T-1)
+        loss = torch.nn.functional.cross_entropy(logits[answer], ids[:, 1:][answer])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    pairs = [task.sample(rng) for _ in range(256)]
+    greedy = rollout.RolloutConfig(num_samples=1, temperature=0.0,
+                                   max_new_tokens=task.max_new_tokens)
+    with torch.no_grad():
+        out = rollout.generate(model, [[bos] + encode(p) for p, _ in pairs], greedy,
+                               stop_ids=(eos,))
+    texts = [tokenizer.decode(t[:-1] if stopped else t, skip_special_tokens=False)
+             for t, stopped in zip(out.completions(), out.stopped.tolist())]
+    right = sum(bool(task.correct(t, r)) for t, (_, r) in zip(texts, pairs))
+    return right / len(pairs), time.perf_counter() - t0
+
+# -----------------------------------------------------------------------------
+# Main
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tasks", default="reverse,add,sort,count,increment")
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--flags", default="", help="extra train.py options for every run")
+    parser.add_argument("--steps", type=int, default=0, help="train.py --steps (0: its default)")
+    parser.add_argument("--jobs", type=int, default=2, help="runs at a time (one thread each)")
+    parser.add_argument("--out", default="runs/learning/default")
+    parser.add_argument("--force", action="store_true", help="repeat runs that already finished")
+    parser.add_argument("--report", action="store_true", help="only tabulate what is there")
+    parser.add_argument("--supervised", type=int, default=0, metavar="STEPS",
+                        help="instead: the capacity check, STEPS of teacher forcing per task")
+    args = parser.parse_args()
+    if args.supervised:
+        print("| task | supervised steps | greedy fully correct | seconds |\n|---|---|---|---|")
+        for task in args.tasks.split(","):
+            correct, seconds = supervised(task, args.supervised)
+            print(f"| {task} | {args.supervised} | {correct:.3f} | {seconds:.0f} |", flush=True)
+        return
+    names = [t for t in args.tasks.split(",") if t]
+    seeds = [int(s) for s in args.seeds.split(",") if s]
+    flags = shlex.split(args.flags) + (["--steps", str(args.steps)] if args.steps else [])
+    out = os.path.abspath(args.out)
+    jobs = [(task, seed, os.path.join(out, task.replace(":", "."), f"seed{seed}"))
+            for task in names for seed in seeds]
+    if not args.report:
+        with ThreadPoolExecutor(args.jobs) as pool:
+            futures = [pool.submit(run_one, task, seed, d, flags, args.force)
+                       for task, seed, d in jobs]
+            for f in futures:
+                print(f.result(), flush=True)
+    print(f"\nflags: {args.flags or '(none)'}; out: {args.out}\n")
+    rows = [(task, seed, summary(d, task)) for task, seed, d in jobs
+            if os.path.exists(os.path.join(d, "run.json"))]
+    print_table(rows)
+    for task in names:
+        dirs = [d for t, _, d in jobs if t == task and os.path.exists(os.path.join(d, "run.json"))]
+        if dirs:
+            picture = os.path.join(out, f"{task.replace(':', '.')}.svg")
+            plot.write_svg(dirs, picture, title=f"{task} {args.flags}".strip())
+            print(f"picture: {picture}")
+
+
+if __name__ == "__main__":
+    main()
