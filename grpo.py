@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from model import causal_attention
+from model import ModelConfig, causal_attention
 
 # -----------------------------------------------------------------------------
 # Config
@@ -609,3 +609,82 @@ def accumulate(model, batch: GRPOBatch, cfg: GRPOConfig, *, logprob_fn: Callable
            for k, v in totals.items()}
     out["tokens"] = tokens_seen
     return out
+
+# -----------------------------------------------------------------------------
+# Memory plan: what one micro-batch allocates, forward and backward
+
+
+def block_bytes(config: ModelConfig, dtype: torch.dtype, tp_size: int = 1,
+                sequence_parallel: bool = False) -> dict[str, int]:
+    """Bytes per token one block saves for backward, per rank (tests/bench_tp.py counts them).
+    a: bytes per element; Q = H*D, K = Hkv*D; the residual stream's C becomes C/tp under sequence
+    parallelism (its tokens are split, and the fused gather-linears keep only the local shard).
+        norms      2*(4 + 2a)*C           each RMSNorm: its float32 input, normed and scaled outputs
+        attention  (a*(2Q + 2K) + 4H)/tp  q and k after rope, v, SDPA's output; its float32 lse
+        mlp        4a*I/tp                gate, up, silu(gate), their product
+    "kv" is the 2a*K/tp of k and v: a completion token's are kept per row with its prompt's."""
+    a = torch.empty((), dtype=dtype).element_size()
+    C = config.hidden_size // (tp_size if sequence_parallel else 1)
+    H = config.num_attention_heads // tp_size
+    Q = H * config.head_dim
+    K = config.num_key_value_heads // tp_size * config.head_dim
+    I = config.intermediate_size // tp_size
+    return dict(norms=2 * (4 + 2 * a) * C, attention=a * (2 * Q + 2 * K) + 4 * H, mlp=4 * a * I,
+                kv=2 * a * K, residual=a * C, inference=a * (3 * C + 3 * I))
+
+
+def micro_batch_memory(config: ModelConfig, groups: int, G: int, prompt_len: int,
+                       completion_len: int, dtype: torch.dtype, *, checkpoint: bool,
+                       chunk_size: int, tp_size: int = 1,
+                       sequence_parallel: bool = False) -> dict[str, int]:
+    """Bytes one micro-batch of `groups` prompts of P tokens and their N = groups*G completions of
+    Tr tokens (T = Tr - 1 fed) holds at its largest moments, per rank, besides the weights, grads
+    and optimizer state (memory.py plans those): {"forward", "backward", "no grad"} (the last:
+    old or reference logprobs). Per layer, with block_bytes' per-token terms:
+        prompt tokens      full blocks (the last one runs its MLP at one position per prompt)
+        completion tokens  full blocks less their k, v; per row the [prompt; own] keys and values
+                           of the fused attention, 2a*K/tp*(P + T)
+    With activation checkpointing a block keeps only its input (a*C), the prompt's k, v (the
+    completions attend to them), and backward recomputes one block at a time. Outside the blocks:
+    the rope tables, the [prompt; own] mask (bool), the hidden states at the head (a*C + 16 per
+    token), the loss's (N, Tr) float32 tensors. Transients: a chunk of head logits (8 bytes per
+    entry forward: float32 logits and exp; 16 + a backward, and a (V, C) lm_head grad per chunk),
+    the SwiGLU's 3 (inference) or 2 (gradients) I-wide tensors, the hidden states' (N, Tr, C)."""
+    b = block_bytes(config, dtype, tp_size, sequence_parallel)
+    a = b["residual"] * (tp_size if sequence_parallel else 1) // config.hidden_size
+    L = config.num_hidden_layers
+    C = config.hidden_size
+    V = config.vocab_size // tp_size
+    T = max(completion_len - 1, 0)
+    rows = groups * G
+    prompt = groups * prompt_len  # tokens
+    completion = rows * T
+    n = rows * completion_len  # completion tokens scored (every row at full length)
+    full = b["norms"] + b["attention"] + b["mlp"]  # a prompt token's block
+    row_keys = rows * b["kv"] * (prompt_len + T)
+    completion_block = completion * (full - b["kv"]) + row_keys
+    outside = (2 * a * config.head_dim * (prompt + completion) + rows * T * (prompt_len + T)
+               + n * (a * C + 16) + rows * completion_len * 4 * 8)
+    chunk = min(chunk_size or n, n)
+    head = chunk * V * 8
+    head_backward = chunk * V * (16 + a) + V * C * a
+    if checkpoint:
+        saved = L * (prompt + completion) * b["residual"] + L * prompt * b["kv"] + outside
+        recompute = max(prompt * full, completion_block)
+        forward = saved + max(prompt * b["inference"], completion * b["inference"] + row_keys,
+                              head)
+    else:
+        saved = (L * prompt * full - prompt * b["mlp"] + L * completion_block + outside)
+        recompute = 0
+        forward = saved + max(rows * completion_len * C * a, head)
+    gradients = max(prompt, completion) * 2 * a * config.intermediate_size // tp_size
+    backward = saved + recompute + max(gradients, head_backward)
+    no_grad = (L * prompt * b["kv"] + n * a * C * 2
+               + max(prompt * b["inference"], completion * b["inference"] + row_keys, head))
+    return {"forward": forward, "backward": backward, "no grad": no_grad}
+
+
+def batch_bytes(rows: int, completion_len: int, old: bool, reference: bool) -> int:
+    """The generation batch's (N, Tr) tensors kept through the step: tokens (int64), mask (bool),
+    the sampler's logprobs, and old / reference logprobs when computed (float32)."""
+    return rows * completion_len * (8 + 1 + 4 + 4 * old + 4 * reference)
