@@ -157,6 +157,31 @@ def test_plan_on_the_meta_device_counts_bytes_from_shapes():
     with pytest.raises(RuntimeError, match="meta device can only plan"):
         mgr.enter("rollout")
 
+def test_plan_step_adds_adam_state_host_buffers_and_transients():
+    """Before AdamW's first step (always, on the meta device) its state is planned from the
+    parameters: two moments each. On a CPU target the offloaded tags' host buffers count in
+    every phase (the host is the device); on a GPU they are not device memory."""
+    with torch.device("meta"):
+        trainer = M.Llama(tiny_model().config)
+    reference = copy.deepcopy(trainer).requires_grad_(False)
+    mgr = PhaseManager("meta")
+    mgr.add_weights(trainer, trainer)
+    mgr.add_grads(trainer)
+    mgr.add_optimizer(torch.optim.AdamW(trainer.parameters()))
+    mgr.add_reference(reference)
+    n = 4 * sum(p.numel() for p in trainer.parameters())  # float32 bytes
+    transients = {"rollout": 1, "reference": 2, "train": 3, "idle": 4}
+    gpu = mgr.plan_step(transients, "cuda")
+    assert {p: row["peak"] for p, row in gpu.items()} == {
+        "idle": n + 4, "rollout": n + 1, "reference": 2 * n + 2, "train": 4 * n + 3}
+    assert gpu["train"]["optimizer"] == 2 * n and gpu["rollout"]["optimizer"] == 0
+    cpu = mgr.plan_step(transients, "cpu")
+    assert all(row["host"] == 3 * n and row["peak"] == gpu[p]["peak"] + 3 * n
+               for p, row in cpu.items())
+    everything = mgr.plan_step(transients, "cpu", phases=False)
+    assert everything["rollout"]["peak"] == 5 * n + 1  # all resident, no host copies
+
+
 # -----------------------------------------------------------------------------
 # Exactness and identity
 
