@@ -649,7 +649,8 @@ def micro_batch_memory(config: ModelConfig, groups: int, G: int, prompt_len: int
     the rope tables, the [prompt; own] mask (bool), the hidden states at the head (a*C + 16 per
     token), the loss's (N, Tr) float32 tensors. Transients: a chunk of head logits (8 bytes per
     entry forward: float32 logits and exp; 16 + a backward, and a (V, C) lm_head grad per chunk),
-    the SwiGLU's 3 (inference) or 2 (gradients) I-wide tensors, the hidden states' (N, Tr, C)."""
+    the SwiGLU's 3 (inference) or 2 (gradients) I-wide tensors, the hidden states' (N, Tr, C);
+    in backward the pending weight gradients (pending_gradient_bytes)."""
     b = block_bytes(config, dtype, tp_size, sequence_parallel)
     a = b["residual"] * (tp_size if sequence_parallel else 1) // config.hidden_size
     L = config.num_hidden_layers
@@ -678,10 +679,33 @@ def micro_batch_memory(config: ModelConfig, groups: int, G: int, prompt_len: int
         recompute = 0
         forward = saved + max(rows * completion_len * C * a, head)
     gradients = max(prompt, completion) * 2 * a * config.intermediate_size // tp_size
+    pending = pending_gradient_bytes(config, dtype, tp_size)
     backward = saved + recompute + max(gradients, head_backward)
+    if checkpoint:
+        backward += pending
+    else:  # once the completions are done: the prompt's saved blocks and the pending gradients
+        prompt_saved = L * prompt * full - prompt * b["mlp"] + outside
+        backward = max(backward, prompt_saved + pending + gradients)
     no_grad = (L * prompt * b["kv"] + n * a * C * 2
                + max(prompt * b["inference"], completion * b["inference"] + row_keys, head))
     return {"forward": forward, "backward": backward, "no grad": no_grad}
+
+
+def pending_gradient_bytes(config: ModelConfig, dtype: torch.dtype, tp_size: int = 1) -> int:
+    """The prompt runs all its blocks before the completions run theirs, so backward finishes
+    every completion block before any prompt block, and each weight's completion gradient waits
+    in autograd's input buffer for its prompt gradient to be summed with: one more copy of the
+    blocks' weights per rank, a*L*C*(2Q + 2K + 3I)/tp, and of the embedding, a*V/tp*C, at the
+    end of the completions' backward (measured: +9-10 MB beside the bench_trl model's 11.8 MB of
+    grads, tests/bench_plan.py). With activation checkpointing they come on top of everything
+    saved; without, they grow while the completions' saved activations are freed."""
+    a = torch.empty((), dtype=dtype).element_size()
+    C = config.hidden_size
+    Q = config.num_attention_heads // tp_size * config.head_dim
+    K = config.num_key_value_heads // tp_size * config.head_dim
+    I = config.intermediate_size // tp_size
+    V = config.vocab_size // tp_size
+    return a * (config.num_hidden_layers * C * (2 * Q + 2 * K + 3 * I) + V * C)
 
 
 def batch_bytes(rows: int, completion_len: int, old: bool, reference: bool) -> int:
