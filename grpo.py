@@ -15,7 +15,9 @@ Two memory tricks, each tested against its obvious slow twin in tests/test_grpo.
    keys] in one fused SDPA call (the prompt's K/V repeated per row for that call). Tokens
    forwarded: Bp*(P + G*Tr) instead of Bp*G*(P + Tr). The prompt stays in the graph, so the
    gradients of all G completions sum into it; a no-grad prompt (what #2669 first did) gives a
-   truncated gradient.
+   truncated gradient. The two forwards alternate block by block (model.hidden_steps), so
+   backward does too and a weight's prompt and completion gradients meet one block apart (the
+   whole prompt first held a second copy of every block's weight gradients at the peak).
 2. Chunked logprobs: final norm + lm_head + softmax + gather run chunk_size tokens at a time and
    each chunk's logits are rebuilt in backward, so the (tokens x V) logits never exist at once,
    forward or backward (Liger's fused loss makes the same trade). The default path is a custom
@@ -370,7 +372,9 @@ def shared_prompt_hidden(model, prompt_ids: Tensor, prompt_lens: Tensor, inputs:
     """Hidden states that predict each completion token: (N, T+1, C) for inputs (N, T) =
     completions without their last token. Row i's first state is its prompt's last valid position;
     the rest come from the completion forward on top of the prompt's keys/values, which stay in the
-    graph."""
+    graph. The two forwards alternate block by block (model.hidden_steps), so backward does too:
+    each weight's completion gradient waits for its prompt gradient one block, not the whole
+    completion backward (which held a second copy of the blocks' weight gradients)."""
     Bp, P = prompt_ids.shape
     kv: dict[int, tuple[Tensor, Tensor]] = {}
 
@@ -381,11 +385,11 @@ def shared_prompt_hidden(model, prompt_ids: Tensor, prompt_lens: Tensor, inputs:
 
     # Only the last valid position's state is read: the final block's MLP runs there alone (its
     # attention, and so every layer's K/V, still covers the whole prompt).
-    last = model.hidden(prompt_ids, None, record_kv, last=prompt_lens - 1)[:, 0]  # (Bp, C)
-    first = last.repeat_interleave(G, 0)[:, None]  # (N, 1, C): N*C floats, not G prompt copies
+    prompt_steps = model.hidden_steps(prompt_ids, None, record_kv, last=prompt_lens - 1)
     T = inputs.shape[1]
     if T == 0:
-        return first
+        *_, last = prompt_steps
+        return last[:, 0].repeat_interleave(G, 0)[:, None]  # (N, 1, C)
     arange = torch.arange(T, device=inputs.device)
     positions = prompt_lens.repeat_interleave(G)[:, None] + arange  # (N, T), continues each prompt
     prefix_valid = torch.arange(P, device=inputs.device) < prompt_lens[:, None]  # (Bp, P)
@@ -408,7 +412,11 @@ def shared_prompt_hidden(model, prompt_ids: Tensor, prompt_lens: Tensor, inputs:
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed,
                                               enable_gqa=gqa)  # (N, H, T, D)
 
-    h_completion = model.hidden(inputs, positions, attend_to_prompt)  # (N, T, C)
+    completion_steps = model.hidden_steps(inputs, positions, attend_to_prompt)
+    # zip steps the prompt's block i before the completions' block i (which reads its K/V)
+    for last, h_completion in zip(prompt_steps, completion_steps):
+        pass
+    first = last[:, 0].repeat_interleave(G, 0)[:, None]  # (N, 1, C): N*C floats, not G copies
     return torch.cat([first, h_completion], 1)  # (N, T+1, C)
 
 
@@ -692,20 +700,19 @@ def micro_batch_memory(config: ModelConfig, groups: int, G: int, prompt_len: int
 
 
 def pending_gradient_bytes(config: ModelConfig, dtype: torch.dtype, tp_size: int = 1) -> int:
-    """The prompt runs all its blocks before the completions run theirs, so backward finishes
-    every completion block before any prompt block, and each weight's completion gradient waits
-    in autograd's input buffer for its prompt gradient to be summed with: one more copy of the
-    blocks' weights per rank, a*L*C*(2Q + 2K + 3I)/tp, and of the embedding, a*V/tp*C, at the
-    end of the completions' backward (measured: +9-10 MB beside the bench_trl model's 11.8 MB of
-    grads, tests/bench_plan.py). With activation checkpointing they come on top of everything
-    saved; without, they grow while the completions' saved activations are freed."""
+    """A weight's completion gradient waits in autograd's input buffer for its prompt gradient,
+    to be summed with it. The two forwards alternate block by block (shared_prompt_hidden), so
+    that is one block's weights per rank, a*C*(2Q + 2K + 3I)/tp, and the embedding's, a*V/tp*C
+    (it waits for the prompt's embedding, the last node of backward). With activation
+    checkpointing they come on top of everything saved; without, the completions' saved
+    activations are mostly freed by then."""
     a = torch.empty((), dtype=dtype).element_size()
     C = config.hidden_size
     Q = config.num_attention_heads // tp_size * config.head_dim
     K = config.num_key_value_heads // tp_size * config.head_dim
     I = config.intermediate_size // tp_size
     V = config.vocab_size // tp_size
-    return a * (config.num_hidden_layers * C * (2 * Q + 2 * K + 3 * I) + V * C)
+    return a * (C * (2 * Q + 2 * K + 3 * I) + V * C)
 
 
 def batch_bytes(rows: int, completion_len: int, old: bool, reference: bool) -> int:

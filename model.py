@@ -30,7 +30,7 @@ import json
 import math
 import os
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -306,12 +306,22 @@ class Llama(nn.Module):
         last (B,): only position last[b] of each row is wanted (a prefill before sampling), so the
         final block's MLP runs on those alone (its attention still sees, and the hook still gets,
         every position): (B, 1, C)."""
+        for x in self.hidden_steps(tokens, positions, attention, last):
+            pass
+        return x
+
+    def hidden_steps(self, tokens: Tensor, positions: Tensor | None = None,
+                     attention: Callable | None = None,
+                     last: Tensor | None = None) -> Iterator[Tensor]:
+        """hidden() one block at a time: yields the residual stream after each block, the last
+        one hidden()'s result. Two forwards stepped in turn run interleaved layer by layer
+        (grpo.shared_prompt_hidden: then backward, too, alternates between them)."""
         x = self.model.embed_tokens(tokens)  # (B, T, C)
         cos, sin = self.rope(tokens, positions, x.dtype)  # (B, T, D)
         final = len(self.model.layers) - 1
         for i, block in enumerate(self.model.layers):
             x = block(x, cos, sin, attention or causal_attention, last if i == final else None)
-        return x
+            yield x
 
     def head(self, h: Tensor) -> Tensor:
         """Final norm + lm_head: (..., C) -> (..., V) logits; grpo.py calls it chunk by chunk."""

@@ -31,7 +31,7 @@ import math
 import os
 from dataclasses import dataclass
 from math import prod
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -363,8 +363,9 @@ class TPLlama(Llama):
     """shard_model's model: the TP forward. Decides sequence parallelism once per forward and
     passes it down; always returns the full (B, T, C) on every rank (forward() and the callers'
     hooks see the same shapes as on one process)."""
-    def hidden(self, tokens: Tensor, positions: Tensor | None = None,
-               attention: Callable | None = None, last: Tensor | None = None) -> Tensor:
+    def hidden_steps(self, tokens: Tensor, positions: Tensor | None = None,
+                     attention: Callable | None = None,
+                     last: Tensor | None = None) -> Iterator[Tensor]:
         state = self.tp_state
         sp = state.sequence_parallel and tokens.numel() % state.groups.tp_size == 0
         x = self.model.embed_tokens(tokens, sp)  # (N/tp, C) under SP, else (B, T, C)
@@ -373,11 +374,13 @@ class TPLlama(Llama):
         for i, block in enumerate(self.model.layers):
             block_last = last if i == final and not sp else None
             x = block(x, cos, sin, attention or causal_attention, block_last, sp)
+            if i < final:
+                yield x
         if sp:  # out of SP: every rank gets every token
             x = GatherFromSP.apply(x, state.groups.tp_group).view(*tokens.shape, -1)  # (B, T, C)
             if last is not None:
                 x = x[torch.arange(x.shape[0], device=x.device), last][:, None]  # (B, 1, C)
-        return x
+        yield x
 
 
 @contextlib.contextmanager
