@@ -15,7 +15,9 @@ Two memory tricks, each tested against its obvious slow twin in tests/test_grpo.
    keys] in one fused SDPA call (the prompt's K/V repeated per row for that call). Tokens
    forwarded: Bp*(P + G*Tr) instead of Bp*G*(P + Tr). The prompt stays in the graph, so the
    gradients of all G completions sum into it; a no-grad prompt (what #2669 first did) gives a
-   truncated gradient.
+   truncated gradient. The two forwards alternate block by block (model.hidden_steps), so
+   backward does too and a weight's prompt and completion gradients meet one block apart (the
+   whole prompt first held a second copy of every block's weight gradients at the peak).
 2. Chunked logprobs: final norm + lm_head + softmax + gather run chunk_size tokens at a time and
    each chunk's logits are rebuilt in backward, so the (tokens x V) logits never exist at once,
    forward or backward (Liger's fused loss makes the same trade). The default path is a custom
@@ -52,7 +54,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from model import causal_attention
+from model import ModelConfig, causal_attention
 
 # -----------------------------------------------------------------------------
 # Config
@@ -371,7 +373,9 @@ def shared_prompt_hidden(model, prompt_ids: Tensor, prompt_lens: Tensor, inputs:
     """Hidden states that predict each completion token: (N, T+1, C) for inputs (N, T) =
     completions without their last token. Row i's first state is its prompt's last valid position;
     the rest come from the completion forward on top of the prompt's keys/values, which stay in the
-    graph."""
+    graph. The two forwards alternate block by block (model.hidden_steps), so backward does too:
+    each weight's completion gradient waits for its prompt gradient one block, not the whole
+    completion backward (which held a second copy of the blocks' weight gradients)."""
     Bp, P = prompt_ids.shape
     kv: dict[int, tuple[Tensor, Tensor]] = {}
 
@@ -382,11 +386,11 @@ def shared_prompt_hidden(model, prompt_ids: Tensor, prompt_lens: Tensor, inputs:
 
     # Only the last valid position's state is read: the final block's MLP runs there alone (its
     # attention, and so every layer's K/V, still covers the whole prompt).
-    last = model.hidden(prompt_ids, None, record_kv, last=prompt_lens - 1)[:, 0]  # (Bp, C)
-    first = last.repeat_interleave(G, 0)[:, None]  # (N, 1, C): N*C floats, not G prompt copies
+    prompt_steps = model.hidden_steps(prompt_ids, None, record_kv, last=prompt_lens - 1)
     T = inputs.shape[1]
     if T == 0:
-        return first
+        *_, last = prompt_steps
+        return last[:, 0].repeat_interleave(G, 0)[:, None]  # (N, 1, C)
     arange = torch.arange(T, device=inputs.device)
     positions = prompt_lens.repeat_interleave(G)[:, None] + arange  # (N, T), continues each prompt
     prefix_valid = torch.arange(P, device=inputs.device) < prompt_lens[:, None]  # (Bp, P)
@@ -409,7 +413,11 @@ def shared_prompt_hidden(model, prompt_ids: Tensor, prompt_lens: Tensor, inputs:
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed,
                                               enable_gqa=gqa)  # (N, H, T, D)
 
-    h_completion = model.hidden(inputs, positions, attend_to_prompt)  # (N, T, C)
+    completion_steps = model.hidden_steps(inputs, positions, attend_to_prompt)
+    # zip steps the prompt's block i before the completions' block i (which reads its K/V)
+    for last, h_completion in zip(prompt_steps, completion_steps):
+        pass
+    first = last[:, 0].repeat_interleave(G, 0)[:, None]  # (N, 1, C): N*C floats, not G copies
     return torch.cat([first, h_completion], 1)  # (N, T+1, C)
 
 
@@ -621,3 +629,105 @@ def accumulate(model, batch: GRPOBatch, cfg: GRPOConfig, *, logprob_fn: Callable
            for k, v in totals.items()}
     out["tokens"] = tokens_seen
     return out
+
+# -----------------------------------------------------------------------------
+# Memory plan: what one micro-batch allocates, forward and backward
+
+
+def block_bytes(config: ModelConfig, dtype: torch.dtype, tp_size: int = 1,
+                sequence_parallel: bool = False) -> dict[str, int]:
+    """Bytes per token one block saves for backward, per rank (tests/bench_tp.py counts them).
+    a: bytes per element; Q = H*D, K = Hkv*D; the residual stream's C becomes C/tp under sequence
+    parallelism (its tokens are split, and the fused gather-linears keep only the local shard).
+        norms      2*(4 + 2a)*C           each RMSNorm: its float32 input, normed and scaled outputs
+        attention  (a*(2Q + 2K) + 4H)/tp  q and k after rope, v, SDPA's output; its float32 lse
+        mlp        4a*I/tp                gate, up, silu(gate), their product
+    "kv" is the 2a*K/tp of k and v: a completion token's are kept per row with its prompt's."""
+    a = torch.empty((), dtype=dtype).element_size()
+    C = config.hidden_size // (tp_size if sequence_parallel else 1)
+    H = config.num_attention_heads // tp_size
+    Q = H * config.head_dim
+    K = config.num_key_value_heads // tp_size * config.head_dim
+    I = config.intermediate_size // tp_size
+    return dict(norms=2 * (4 + 2 * a) * C, attention=a * (2 * Q + 2 * K) + 4 * H, mlp=4 * a * I,
+                kv=2 * a * K, residual=a * C, inference=a * (3 * C + 3 * I))
+
+
+def micro_batch_memory(config: ModelConfig, groups: int, G: int, prompt_len: int,
+                       completion_len: int, dtype: torch.dtype, *, checkpoint: bool,
+                       chunk_size: int, tp_size: int = 1,
+                       sequence_parallel: bool = False) -> dict[str, int]:
+    """Bytes one micro-batch of `groups` prompts of P tokens and their N = groups*G completions of
+    Tr tokens (T = Tr - 1 fed) holds at its largest moments, per rank, besides the weights, grads
+    and optimizer state (memory.py plans those): {"forward", "backward", "no grad"} (the last:
+    old or reference logprobs). Per layer, with block_bytes' per-token terms:
+        prompt tokens      full blocks (the last one runs its MLP at one position per prompt)
+        completion tokens  full blocks less their k, v; per row the [prompt; own] keys and values
+                           of the fused attention, 2a*K/tp*(P + T)
+    With activation checkpointing a block keeps only its input (a*C), the prompt's k, v (the
+    completions attend to them), and backward recomputes one block at a time. Outside the blocks:
+    the rope tables, the [prompt; own] mask (bool), the hidden states at the head (a*C + 16 per
+    token), the loss's (N, Tr) float32 tensors. Transients: a chunk of head logits (8 bytes per
+    entry forward: float32 logits and exp; 16 + a backward, and a (V, C) lm_head grad per chunk),
+    the SwiGLU's 3 (inference) or 2 (gradients) I-wide tensors, the hidden states' (N, Tr, C);
+    in backward the pending weight gradients (pending_gradient_bytes)."""
+    b = block_bytes(config, dtype, tp_size, sequence_parallel)
+    a = b["residual"] * (tp_size if sequence_parallel else 1) // config.hidden_size
+    L = config.num_hidden_layers
+    C = config.hidden_size
+    V = config.vocab_size // tp_size
+    T = max(completion_len - 1, 0)
+    rows = groups * G
+    prompt = groups * prompt_len  # tokens
+    completion = rows * T
+    n = rows * completion_len  # completion tokens scored (every row at full length)
+    full = b["norms"] + b["attention"] + b["mlp"]  # a prompt token's block
+    row_keys = rows * b["kv"] * (prompt_len + T)
+    completion_block = completion * (full - b["kv"]) + row_keys
+    outside = (2 * a * config.head_dim * (prompt + completion) + rows * T * (prompt_len + T)
+               + n * (a * C + 16) + rows * completion_len * 4 * 8)
+    chunk = min(chunk_size or n, n)
+    head = chunk * V * 8
+    head_backward = chunk * V * (16 + a) + V * C * a
+    if checkpoint:
+        saved = L * (prompt + completion) * b["residual"] + L * prompt * b["kv"] + outside
+        recompute = max(prompt * full, completion_block)
+        forward = saved + max(prompt * b["inference"], completion * b["inference"] + row_keys,
+                              head)
+    else:
+        saved = (L * prompt * full - prompt * b["mlp"] + L * completion_block + outside)
+        recompute = 0
+        forward = saved + max(rows * completion_len * C * a, head)
+    gradients = max(prompt, completion) * 2 * a * config.intermediate_size // tp_size
+    pending = pending_gradient_bytes(config, dtype, tp_size)
+    backward = saved + recompute + max(gradients, head_backward)
+    if checkpoint:
+        backward += pending
+    else:  # once the completions are done: the prompt's saved blocks and the pending gradients
+        prompt_saved = L * prompt * full - prompt * b["mlp"] + outside
+        backward = max(backward, prompt_saved + pending + gradients)
+    no_grad = (L * prompt * b["kv"] + n * a * C * 2
+               + max(prompt * b["inference"], completion * b["inference"] + row_keys, head))
+    return {"forward": forward, "backward": backward, "no grad": no_grad}
+
+
+def pending_gradient_bytes(config: ModelConfig, dtype: torch.dtype, tp_size: int = 1) -> int:
+    """A weight's completion gradient waits in autograd's input buffer for its prompt gradient,
+    to be summed with it. The two forwards alternate block by block (shared_prompt_hidden), so
+    that is one block's weights per rank, a*C*(2Q + 2K + 3I)/tp, and the embedding's, a*V/tp*C
+    (it waits for the prompt's embedding, the last node of backward). With activation
+    checkpointing they come on top of everything saved; without, the completions' saved
+    activations are mostly freed by then."""
+    a = torch.empty((), dtype=dtype).element_size()
+    C = config.hidden_size
+    Q = config.num_attention_heads // tp_size * config.head_dim
+    K = config.num_key_value_heads // tp_size * config.head_dim
+    I = config.intermediate_size // tp_size
+    V = config.vocab_size // tp_size
+    return a * (C * (2 * Q + 2 * K + 3 * I) + V * C)
+
+
+def batch_bytes(rows: int, completion_len: int, old: bool, reference: bool) -> int:
+    """The generation batch's (N, Tr) tensors kept through the step: tokens (int64), mask (bool),
+    the sampler's logprobs, and old / reference logprobs when computed (float32)."""
+    return rows * completion_len * (8 + 1 + 4 + 4 * old + 4 * reference)

@@ -30,7 +30,7 @@ import json
 import math
 import os
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -306,12 +306,22 @@ class Llama(nn.Module):
         last (B,): only position last[b] of each row is wanted (a prefill before sampling), so the
         final block's MLP runs on those alone (its attention still sees, and the hook still gets,
         every position): (B, 1, C)."""
+        for x in self.hidden_steps(tokens, positions, attention, last):
+            pass
+        return x
+
+    def hidden_steps(self, tokens: Tensor, positions: Tensor | None = None,
+                     attention: Callable | None = None,
+                     last: Tensor | None = None) -> Iterator[Tensor]:
+        """hidden() one block at a time: yields the residual stream after each block, the last
+        one hidden()'s result. Two forwards stepped in turn run interleaved layer by layer
+        (grpo.shared_prompt_hidden: then backward, too, alternates between them)."""
         x = self.model.embed_tokens(tokens)  # (B, T, C)
         cos, sin = self.rope(tokens, positions, x.dtype)  # (B, T, D)
         final = len(self.model.layers) - 1
         for i, block in enumerate(self.model.layers):
             x = block(x, cos, sin, attention or causal_attention, last if i == final else None)
-        return x
+            yield x
 
     def head(self, h: Tensor) -> Tensor:
         """Final norm + lm_head: (..., C) -> (..., V) logits; grpo.py calls it chunk by chunk."""
@@ -332,8 +342,7 @@ class Llama(nn.Module):
         files = check_checkpoint(path, expected_shapes(cfg))  # name -> file; names, shapes checked
         with torch.device("meta"):
             model = cls(cfg)
-        model.to_empty(device=device)  # NOTE: re-creates every parameter, which unties lm_head
-        model.to(dtype)
+        allocate(model, device, dtype)  # NOTE: re-creates every parameter, which unties lm_head
         if cfg.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
         params = dict(model.named_parameters())  # tied lm_head appears once, as embed_tokens
@@ -352,6 +361,18 @@ class Llama(nn.Module):
         # refuses shared storage anyway).
         tensors = {n: p.detach() for n, p in self.named_parameters()}
         write_pretrained(path, self.config, tensors, max_shard_bytes, generation_config)
+
+
+def allocate(model: nn.Module, device: str | torch.device, dtype: torch.dtype) -> nn.Module:
+    """Uninitialised memory on `device` in `dtype` for every parameter of a model built on the meta
+    device (the loaders then fill it). Not module.to_empty(device).to(dtype): that allocates the
+    whole model in float32 first, so a bf16 load peaked at 4 bytes a parameter on the device
+    instead of 2. Re-creates each parameter: a tied lm_head comes out untied (re-tie it)."""
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            empty = torch.empty(p.shape, dtype=dtype, device=device)
+            setattr(module, name, nn.Parameter(empty, requires_grad=p.requires_grad))
+    return model
 
 
 def write_pretrained(path: str, config: ModelConfig, tensors: dict[str, Tensor],

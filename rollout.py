@@ -100,9 +100,10 @@ def filter_logits(logits: Tensor, temperature: float, top_k: int = 0, top_p: flo
     temperature (1 when greedy), then -inf outside the top-k, then outside the smallest set whose
     mass reaches top_p (taken after top-k, as vLLM does). log_softmax of this is what a trainer must
     use for ratio = 1."""
-    x = logits.float()
+    x = logits.float()  # a float32 copy of bf16 logits; float32 logits themselves
     if temperature not in (0.0, 1.0):  # 0 is greedy: the logits as they are
-        x = x / temperature
+        # In place on our own copy (one (rows, V) float32 less); never on the caller's logits.
+        x = x.div_(temperature) if x is not logits else x / temperature
     if 0 < top_k < x.shape[-1]:
         kth = x.topk(top_k, dim=-1).values[..., -1:]  # (rows, 1); ties with the k-th are kept
         x = x.masked_fill(x < kth, float("-inf"))
@@ -120,15 +121,17 @@ def sample(logits: Tensor, temperature: float, top_k: int, top_p: float,
     uniform per row (an exponential race draws V: 10x slower on the CPU). Greedy (temperature 0)
     returns the argmax's logprob under temperature 1 and the same masks: a point mass (logprob 0)
     is what no trainer forward reproduces."""
-    x = filter_logits(logits, temperature, top_k, top_p)
     if temperature == 0:
+        x = filter_logits(logits, temperature, top_k, top_p)
         tokens = x.argmax(dim=-1)
         return tokens, x.log_softmax(dim=-1).gather(-1, tokens[:, None])[:, 0]
-    probs = x.softmax(dim=-1)  # (rows, V)
-    # float64: in float32, tokens below the cdf's ulp near 1 were never drawn.
-    cdf = probs.cumsum(dim=-1, dtype=torch.float64)  # (rows, V)
+    # The filtered copy (if any) is freed once softmaxed: it and the cdf are never alive at once.
+    probs = filter_logits(logits, temperature, top_k, top_p).softmax(dim=-1)  # (rows, V)
+    # float64: in float32, tokens below the cdf's ulp near 1 were never drawn. One float64 copy,
+    # summed in place: cumsum(dtype=float64) held a float64 copy and a float64 result.
+    cdf = probs.double().cumsum_(dim=-1)  # (rows, V)
     total = cdf[:, -1:]  # (rows, 1), 1 up to rounding
-    u = torch.rand(total.shape, generator=generator, dtype=torch.float64, device=x.device) * total
+    u = torch.rand(total.shape, generator=generator, dtype=torch.float64, device=cdf.device) * total
     u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))  # u < total
     # The first index whose cdf exceeds u; a masked token adds exactly 0, so it is never first.
     tokens = torch.searchsorted(cdf, u, right=True)[:, 0]
@@ -566,6 +569,38 @@ def _decode(decoder: _Decoder, out_tokens: Tensor, out_logprobs: Tensor,
         tokens = tokens[keep_t]
         finished = finished[keep_t]
     return dict(decode_steps=decode_steps, row_steps=row_steps, compactions=compactions)
+
+# -----------------------------------------------------------------------------
+# Memory plan: what generate() allocates besides the weights and the KV cache
+
+
+def rollout_memory(config: ModelConfig, num_prompts: int, prompt_len: int, cfg: RolloutConfig,
+                   dtype: torch.dtype, tp_size: int = 1) -> dict[str, int]:
+    """Bytes generate() holds at each of its two largest moments, besides the weights and the KV
+    cache (memory.py plans those from shapes), per rank, for Bp prompts of P tokens whose R = Bp*G
+    rows all decode Tc = max_new_tokens. a: bytes per element of the sampler's dtype; b*P tokens
+    per prefill forward (b = prefill_tokens // P prompts, at most Bp); V the full vocabulary (tensor
+    parallelism gathers it before sampling), I/tp the SwiGLU width on this rank.
+        outputs   R*Tc*(8 + 4)             tokens and logprobs, (Tc, R) each, filled as it goes
+        prefill   b*P*a*(3C + 3I/tp + 2D)  inside a block: its input, the residual after attention,
+                                           the normed input, then silu(gate), up and their product;
+                                           the rope tables cos, sin (D wide)
+        sampling  R*V*(a + 12) + Bp*V*a    the first tokens: each prompt's logits repeated G times,
+                                           the softmax (4) and its float64 cdf (8) (see sample);
+                                           a decode step's block (R*a*(3C + 3I/tp)) is far smaller
+    Returns {"prefill": outputs + prefill, "sampling": outputs + sampling}."""
+    a = torch.empty((), dtype=dtype).element_size()
+    C = config.hidden_size
+    I = config.intermediate_size // tp_size
+    V = config.vocab_size
+    D = config.head_dim
+    R = num_prompts * cfg.num_samples
+    outputs = R * cfg.max_new_tokens * (8 + 4)
+    per_chunk = min(num_prompts, max(1, cfg.prefill_tokens // prompt_len))
+    prefill = per_chunk * prompt_len * a * (3 * C + 3 * I + 2 * D)
+    decode_block = R * a * (3 * C + 3 * I)
+    sampling = max(R * V * (a + 12) + num_prompts * V * a, decode_block + R * V * (a + 12))
+    return {"prefill": outputs + prefill, "sampling": outputs + sampling}
 
 # -----------------------------------------------------------------------------
 # Weight sync: the sampler receives the trainer's weights

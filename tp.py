@@ -31,7 +31,7 @@ import math
 import os
 from dataclasses import dataclass
 from math import prod
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -41,8 +41,9 @@ from safetensors import safe_open
 from torch import Tensor
 from torch.autograd import Function
 
-from model import (MLP, Attention, Block, Llama, RMSNorm, apply_rotary_emb, causal_attention,
-                   check_checkpoint, expected_shapes, load_config, rms_norm, rope_inv_freq)
+from model import (MLP, Attention, Block, Llama, RMSNorm, allocate, apply_rotary_emb,
+                   causal_attention, check_checkpoint, expected_shapes, load_config, rms_norm,
+                   rope_inv_freq)
 
 # torch 2.13 renamed these two (same signatures); older versions only have the *_tensor names.
 _all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
@@ -362,8 +363,9 @@ class TPLlama(Llama):
     """shard_model's model: the TP forward. Decides sequence parallelism once per forward and
     passes it down; always returns the full (B, T, C) on every rank (forward() and the callers'
     hooks see the same shapes as on one process)."""
-    def hidden(self, tokens: Tensor, positions: Tensor | None = None,
-               attention: Callable | None = None, last: Tensor | None = None) -> Tensor:
+    def hidden_steps(self, tokens: Tensor, positions: Tensor | None = None,
+                     attention: Callable | None = None,
+                     last: Tensor | None = None) -> Iterator[Tensor]:
         state = self.tp_state
         sp = state.sequence_parallel and tokens.numel() % state.groups.tp_size == 0
         x = self.model.embed_tokens(tokens, sp)  # (N/tp, C) under SP, else (B, T, C)
@@ -372,11 +374,13 @@ class TPLlama(Llama):
         for i, block in enumerate(self.model.layers):
             block_last = last if i == final and not sp else None
             x = block(x, cos, sin, attention or causal_attention, block_last, sp)
+            if i < final:
+                yield x
         if sp:  # out of SP: every rank gets every token
             x = GatherFromSP.apply(x, state.groups.tp_group).view(*tokens.shape, -1)  # (B, T, C)
             if last is not None:
                 x = x[torch.arange(x.shape[0], device=x.device), last][:, None]  # (B, 1, C)
-        return x
+        yield x
 
 
 @contextlib.contextmanager
@@ -466,7 +470,7 @@ def load_sharded(path: str, groups: ParallelGroups, device: str | torch.device,
     files = check_checkpoint(path, expected_shapes(cfg))  # name -> file; full names, shapes checked
     with torch.device("meta"):  # shapes only: slicing meta tensors allocates nothing
         model = shard_model(Llama(cfg), groups, sequence_parallel)
-    model.to_empty(device=device).to(dtype)  # NOTE: re-creates every parameter: unties lm_head
+    allocate(model, device, dtype)  # NOTE: re-creates every parameter: unties lm_head
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.inv_freq = rope_inv_freq(cfg).to(device)  # float32 always, like from_pretrained

@@ -56,8 +56,8 @@ import memory
 import plot
 import rollout
 import tp
-from model import (Llama, ModelConfig, build_char_tokenizer, load_generation_config, load_tokenizer,
-                   stop_token_ids)
+from model import (Llama, ModelConfig, build_char_tokenizer, load_config, load_generation_config,
+                   load_tokenizer, stop_token_ids)
 import tasks
 from tasks import Task
 
@@ -663,6 +663,68 @@ def peak_memory(run: Run) -> float:
         return max(run.mem.peak_bytes(), torch.cuda.max_memory_allocated(run.device)) / 1e9
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # Linux reports KiB
 
+
+def print_plan(argv: list[str]) -> int:
+    """--plan: each rank's bytes per tag and phase, the transients and the peak, from config.json
+    (or the fresh model's flags) and the run's flags, on the meta device: no weight is read.
+    WORLD_SIZE (as torchrun sets it) gives dp = world / tp."""
+    cfgs = build_configs(parse_args([a for a in argv if a != "--plan"]))
+    check_config(cfgs)
+    cfg = cfgs.train
+    g = cfgs.grpo
+    task = tasks.load_task(cfg.task, cfg.task_data)
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    groups = tp.ParallelGroups(None, None, tp_size=cfgs.parallel.tp,
+                               dp_size=max(1, world // cfgs.parallel.tp))
+    dtype = getattr(torch, cfg.dtype)
+    with torch.device("meta"):  # shapes only
+        if cfg.model:
+            model = tp.shard_model(Llama(load_config(cfg.model)).to(dtype), groups)
+        else:
+            model = build_model(cfg, task, "", torch.device("meta"), groups)[0]
+    sampler = model
+    if cfg.sampler_dtype and cfg.sampler_dtype != cfg.dtype:
+        sampler = copy.deepcopy(model).to(getattr(torch, cfg.sampler_dtype))
+    budget = cfgs.rollout.max_new_tokens or task.max_new_tokens or 256  # as setup()
+    r = dataclasses.replace(cfgs.rollout, max_new_tokens=budget)
+    Bp = cfg.prompts_per_step // groups.dp_size
+    P = cfg.max_prompt_len  # the longest prompt
+    Tc = r.max_new_tokens
+    mem = memory.PhaseManager("meta", cfgs.memory)
+    mem.add_weights(model, sampler)
+    mem.add_kv_cache(rollout.KVCache.for_batch(model.config, Bp, r.num_samples, P, Tc,
+                                               next(sampler.parameters()).dtype, "meta",
+                                               tp_size=groups.tp_size).buffer)
+    mem.add_grads(model)
+    mem.add_optimizer(torch.optim.AdamW(model.parameters()))
+    if g.beta > 0:
+        mem.add_reference(copy.deepcopy(model).requires_grad_(False))
+    old = g.mu > 1 or sampler is not model
+    micro = grpo.micro_batch_memory(
+        model.config, min(g.micro_batch_groups, Bp), r.num_samples, P, Tc, dtype,
+        checkpoint=cfgs.memory.activation_checkpoint, chunk_size=g.chunk_size,
+        tp_size=groups.tp_size, sequence_parallel=cfgs.parallel.sequence_parallel)
+    kept = grpo.batch_bytes(Bp * r.num_samples, Tc, old, g.beta > 0)  # through the step
+    sampling = rollout.rollout_memory(model.config, Bp, P, r, next(sampler.parameters()).dtype,
+                                      groups.tp_size)
+    transients = {"rollout": max(sampling.values()), "idle": kept + old * micro["no grad"],
+                  "reference": kept + micro["no grad"],
+                  "train": kept + max(micro["forward"], micro["backward"])}
+    target = "cuda" if torch.cuda.is_available() else "cpu"
+    plan = mem.plan_step(transients, target, cfg.phases)
+    if g.beta == 0:  # no reference model: no such phase
+        del plan["reference"]
+    columns = list(plan["train"])
+    print(f"memory plan per rank on {target} (tp {groups.tp_size} x dp {groups.dp_size}; "
+          f"{Bp} prompts x {P} + {Tc} tokens x G {r.num_samples}), MB:")
+    print(f"{'phase':<10}" + "".join(f"{c:>11}" for c in columns))
+    for phase, row in plan.items():
+        print(f"{phase:<10}" + "".join(f"{row[c] / 1e6:>11,.1f}" for c in columns))
+    peak = max(row["peak"] for row in plan.values())
+    print(f"peak {peak / 1e9:.3f} GB (max_memory_allocated); a GPU needs about that plus its "
+          "CUDA context and allocator slack (~1 GB)")
+    return 0
+
 # -----------------------------------------------------------------------------
 # The loop
 
@@ -791,6 +853,8 @@ def main(argv: list[str]) -> int:
         return 0
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
+        if "--plan" in argv:
+            return print_plan(argv)
         run = setup(parse_args(argv))
         for s in handlers:
             signal.signal(s, partial(on_stop_signal, run))

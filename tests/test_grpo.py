@@ -167,6 +167,33 @@ def test_no_grad_prompt_gives_a_different_gradient():
     # the head sees the same values
     torch.testing.assert_close(bad["lm_head.weight"], exact["lm_head.weight"])
 
+
+def test_shared_prompt_backward_holds_one_block_of_pending_weight_gradients(tmp_path):
+    """Regression: the prompt ran all its blocks before the completions ran theirs, so backward
+    finished every completion block first while each weight's completion gradient waited for its
+    prompt gradient: a second copy of the blocks' weight gradients at the peak (+9-10 MB beside
+    11.8 MB of grads in tests/bench_plan.py). Alternating the two forwards block by block leaves
+    one block's. Few tokens, wide blocks, many of them: weight gradients dominate the peak."""
+    from test_model import allocator_peak
+    cfg = M.ModelConfig(vocab_size=16, hidden_size=256, intermediate_size=512,
+                        num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2)
+    m = M.Llama(cfg).init_weights(0)
+    G = 2
+    prompt_ids = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 0]])
+    prompt_lens = torch.tensor([4, 3])
+    inputs = torch.randint(0, 16, (4, 3), generator=torch.Generator().manual_seed(0))
+
+    def backward():
+        h = grpo.shared_prompt_hidden(m, prompt_ids, prompt_lens, inputs, G)  # (N, T+1, C)
+        h.square().sum().backward()
+    backward()  # the grads exist now, as in every micro-batch after the first
+    block = sum(p.numel() * 4 for p in m.model.layers[0].parameters())  # float32
+    peak = allocator_peak(backward, tmp_path)  # above the grads: pending ones and activations
+    # One pending block (2.4 MB), the embedding's (16 KB), the saved activations of 20 tokens
+    # and transients (~3.7 MB): 6.1 MB, below 4 blocks; the whole-forward-first order held all
+    # 8 blocks' gradients at once (21.1 MB).
+    assert peak < 4 * block, (peak, block)
+
 # -----------------------------------------------------------------------------
 # Chunked == unchunked; the token/position alignment
 
