@@ -140,7 +140,9 @@ def field_help(cls: type) -> dict[str, str]:
 
 
 def print_help() -> None:
-    lines = ["usage: [torchrun ...] train.py [--field value ...]"]
+    lines = ["usage: [torchrun ...] train.py [--field value ...] [--plan]",
+             "  --plan: print each rank's memory per phase for these flags (config.json only, no "
+             "weight read), then exit"]
     for section, cls in SECTIONS.items():
         lines.append(f"\n{section} ({cls.__module__}.py {cls.__name__}):")
         comments = field_help(cls)
