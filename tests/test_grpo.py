@@ -9,6 +9,8 @@ import warnings
 import pytest
 import torch
 
+from memtrace import allocator_peak
+
 import grpo
 import model as M
 from grpo import GRPOBatch, GRPOConfig
@@ -168,13 +170,12 @@ def test_no_grad_prompt_gives_a_different_gradient():
     torch.testing.assert_close(bad["lm_head.weight"], exact["lm_head.weight"])
 
 
-def test_shared_prompt_backward_holds_one_block_of_pending_weight_gradients(tmp_path):
+def test_shared_prompt_backward_holds_one_block_of_pending_weight_gradients():
     """Regression: the prompt ran all its blocks before the completions ran theirs, so backward
     finished every completion block first while each weight's completion gradient waited for its
     prompt gradient: a second copy of the blocks' weight gradients at the peak (+9-10 MB beside
     11.8 MB of grads in tests/bench_plan.py). Alternating the two forwards block by block leaves
     one block's. Few tokens, wide blocks, many of them: weight gradients dominate the peak."""
-    from test_model import allocator_peak
     cfg = M.ModelConfig(vocab_size=16, hidden_size=256, intermediate_size=512,
                         num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2)
     m = M.Llama(cfg).init_weights(0)
@@ -188,7 +189,7 @@ def test_shared_prompt_backward_holds_one_block_of_pending_weight_gradients(tmp_
         h.square().sum().backward()
     backward()  # the grads exist now, as in every micro-batch after the first
     block = sum(p.numel() * 4 for p in m.model.layers[0].parameters())  # float32
-    peak = allocator_peak(backward, tmp_path)  # above the grads: pending ones and activations
+    peak = allocator_peak(backward)  # above the grads: pending ones and activations
     # One pending block (2.4 MB), the embedding's (16 KB), the saved activations of 20 tokens
     # and transients (~3.7 MB): 6.1 MB, below 4 blocks; the whole-forward-first order held all
     # 8 blocks' gradients at once (21.1 MB).

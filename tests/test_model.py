@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from memtrace import allocator_peak
+
 import model as M
 
 
@@ -188,32 +190,13 @@ def test_save_load_round_trip_bit_exact(tmp_path, tied, shard):
     assert torch.equal(m(x), m2(x))
 
 
-def allocator_peak(fn, tmp_path) -> int:
-    """The highest running sum of CPU allocator bytes while fn() runs, from torch.profiler's
-    memory events (every allocation and free, in order): what torch.cuda.max_memory_allocated
-    counts on a GPU, above the level at the start."""
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    trace = str(tmp_path / "trace.json")
-    prof.export_chrome_trace(trace)
-    with open(trace) as f:
-        events = json.load(f)["traceEvents"]
-    running = peak = 0
-    for _, nbytes in sorted((e["ts"], e["args"]["Bytes"]) for e in events
-                            if e.get("name") == "[memory]"):
-        running += nbytes
-        peak = max(peak, running)
-    return peak
-
-
-def test_allocate_gives_each_parameter_its_dtype_at_once(tmp_path):
+def test_allocate_gives_each_parameter_its_dtype_at_once():
     """Regression: from_pretrained did to_empty(device).to(dtype): the whole model in float32 on
     the device, then converted; a bf16 load peaked at twice the model."""
     with torch.device("meta"):
         m = M.Llama(tiny(tie_word_embeddings=True))
     n = sum(p.numel() for p in m.parameters()) + m.lm_head.weight.numel()  # untied: re-tie after
-    peak = allocator_peak(lambda: M.allocate(m, "cpu", torch.bfloat16), tmp_path)
+    peak = allocator_peak(lambda: M.allocate(m, "cpu", torch.bfloat16))
     assert {p.dtype for p in m.parameters()} == {torch.bfloat16}
     assert {p.device.type for p in m.parameters()} == {"cpu"}
     assert all(p.requires_grad for p in m.parameters())

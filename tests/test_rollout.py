@@ -7,10 +7,11 @@ Tolerance 1e-5 for logprobs: the cached path and the full forward sum the same f
 orders (log-sum-exp merge vs one softmax), which moves values by ~1e-6, not more.
 """
 
-import json
 
 import pytest
 import torch
+
+from memtrace import allocator_peak
 
 import rollout
 from model import Llama, ModelConfig, prefix_attention
@@ -283,35 +284,16 @@ def test_sample_draws_from_the_filtered_distribution():
     assert tokens.tolist() == [0, 0] and torch.allclose(logprobs, probs[0].log())
 
 
-def allocator_peak(fn, tmp_path) -> int:
-    """The highest running sum of CPU allocator bytes while fn() runs, from torch.profiler's
-    memory events (every allocation and free, in order): what torch.cuda.max_memory_allocated
-    counts on a GPU, above the level at the start."""
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    trace = str(tmp_path / "trace.json")
-    prof.export_chrome_trace(trace)
-    with open(trace) as f:
-        events = json.load(f)["traceEvents"]
-    running = peak = 0
-    for _, nbytes in sorted((e["ts"], e["args"]["Bytes"]) for e in events
-                            if e.get("name") == "[memory]"):
-        running += nbytes
-        peak = max(peak, running)
-    return peak
-
-
 @pytest.mark.parametrize("dtype,temperature", [(torch.float32, 1.0), (torch.float32, 0.7),
                                                (torch.bfloat16, 1.0), (torch.bfloat16, 0.7)])
-def test_sampling_holds_12_bytes_per_logit_beyond_the_logits(dtype, temperature, tmp_path):
+def test_sampling_holds_12_bytes_per_logit_beyond_the_logits(dtype, temperature):
     """Regression: sample() held the filtered float32 copy, the softmax, a float64 copy of it and
     the float64 cdf at once: 20-24 bytes per (row, vocab) entry, 400 MB at 128 rows x 128k vocab.
     Now the softmax (4) and the cdf summed in place on one float64 copy (8)."""
     rows, V = 64, 4096
     logits = torch.randn(rows, V, generator=torch.Generator().manual_seed(0)).to(dtype)
     generator = torch.Generator().manual_seed(1)
-    peak = allocator_peak(lambda: sample(logits, temperature, 0, 1.0, generator), tmp_path)
+    peak = allocator_peak(lambda: sample(logits, temperature, 0, 1.0, generator))
     per_entry = peak / (rows * V)
     assert 12 <= per_entry < 12.1  # + a few bytes per row (the uniforms, the tokens)
 

@@ -12,6 +12,8 @@ import time
 import pytest
 import torch
 
+from memtrace import allocator_peak
+
 import train
 from model import Llama
 
@@ -596,24 +598,15 @@ def test_plan_is_within_15_percent_of_the_measured_allocator_peak(tmp_path, caps
     torch.profiler's memory events: their running sum's maximum is the CPU analogue of
     torch.cuda.max_memory_allocated, which the plan predicts. 15%: the plan's activation
     formulas leave out small transients (autograd's and SDPA's own buffers)."""
-    from torch.profiler import ProfilerActivity, profile
     model = str(tmp_path / "model")
     plan_checkpoint(model)
     argv = plan_args(tmp_path, model)
     planned = planned_peak_mb(capsys, argv) * 1e6
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    def two_steps():
         run = train.setup(train.parse_args(argv))
         for step in range(2):
             train.step(run, step)
-    trace = str(tmp_path / "trace.json")
-    prof.export_chrome_trace(trace)
-    with open(trace) as f:
-        events = json.load(f)["traceEvents"]
-    running = measured = 0
-    for _, nbytes in sorted((e["ts"], e["args"]["Bytes"]) for e in events
-                            if e.get("name") == "[memory]"):
-        running += nbytes
-        measured = max(measured, running)
+    measured = allocator_peak(two_steps)
     assert abs(planned - measured) <= 0.15 * measured, (planned, measured)
 
 
