@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from hf_reference import save_random_hf_model
 from memtrace import allocator_peak
 
 import model as M
@@ -513,15 +514,7 @@ HF_CASES = {  # name -> transformers config class, its arguments beyond HF_BASE
 
 def hf_checkpoint(path, config_class: str, **kw):
     """A transformers model of that config with random weights, saved by transformers' writer."""
-    transformers = pytest.importorskip("transformers")
-    config = getattr(transformers, config_class)(**HF_BASE, **kw)
-    hf = transformers.AutoModelForCausalLM.from_config(config).eval()
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():  # std 0.2 everywhere, biases too; norm weights near 1
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.2 + name.endswith("norm.weight"))
-    hf.save_pretrained(str(path))  # config.json, generation_config.json, model.safetensors
-    return hf
+    return save_random_hf_model(path, config_class, {**HF_BASE, **kw})
 
 
 @pytest.mark.parametrize("case", list(HF_CASES))

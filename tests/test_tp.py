@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch.utils.checkpoint import checkpoint
 
+from hf_reference import save_random_hf_model
+
 import grpo
 import memory
 import model as M
@@ -387,16 +389,10 @@ HF_CASES = {
 
 def write_hf_checkpoint(path, config_class: str, kw: dict, x: torch.Tensor) -> None:
     """A transformers model with random weights, saved by its own writer, and its logits on x."""
-    transformers = pytest.importorskip("transformers")
     base = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    config = getattr(transformers, config_class)(**base, **kw)
-    hf = transformers.AutoModelForCausalLM.from_config(config).eval()
-    gen = torch.Generator().manual_seed(0)
+    hf = save_random_hf_model(path, config_class, {**base, **kw})
     with torch.no_grad():
-        for name, p in hf.named_parameters():  # std 0.2 everywhere, biases too; norm weights near 1
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.2 + name.endswith("norm.weight"))
-        hf.save_pretrained(str(path))
         save_file({"x": x, "logits": hf(x).logits}, str(path / "expected.safetensors"))
 
 
