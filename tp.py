@@ -93,6 +93,17 @@ class ParallelGroups:
     dp_size: int = 1
 
 
+def destroy_groups(barrier: bool = True) -> None:
+    """Tear down every process group. The barrier first lets each group's worker threads finish
+    freeing their last collectives: the main thread waits in it without the GIL, which those threads
+    may need to free a tensor Python has already dropped. Under torch 2.5, destroying a gloo group
+    while one of them still held its lock waiting for the GIL deadlocked the process. barrier=False
+    for a rank that is failing alone (the others would never reach the barrier)."""
+    if barrier:
+        dist.barrier()
+    dist.destroy_process_group()
+
+
 def make_groups(tp_size: int) -> ParallelGroups:
     """world = tp x dp with tp ranks contiguous (ranks 0..tp-1 hold one model): the per-layer TP
     traffic stays inside a node, the once-per-step DP traffic crosses nodes."""

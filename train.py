@@ -854,6 +854,7 @@ def main(argv: list[str]) -> int:
         print_help()
         return 0
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    finished = False  # every rank got through: the groups can meet at a last barrier
     try:
         if "--plan" in argv:
             return print_plan(argv)
@@ -861,6 +862,7 @@ def main(argv: list[str]) -> int:
         for s in handlers:
             signal.signal(s, partial(on_stop_signal, run))
         train(run)
+        finished = True
     except (ValueError, FileNotFoundError, StopTraining) as e:  # one line; else: a traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -868,7 +870,7 @@ def main(argv: list[str]) -> int:
         for s, handler in handlers.items():
             signal.signal(s, handler)
         if dist.is_initialized():
-            dist.destroy_process_group()
+            tp.destroy_groups(barrier=finished)
     return 0
 
 

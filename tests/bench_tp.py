@@ -81,7 +81,7 @@ def measure(rank: int, tmp: str, out: dict) -> None:
         rows["TP=2 + SP", dtype] = saved_bytes(sharded, dtype, sp=True)
     if rank == 0:
         out.update(rows)
-    dist.destroy_process_group()
+    tp.destroy_groups()
 
 
 def korthikanti(t: int, sp: bool, attention_matrix: bool) -> float:

@@ -77,8 +77,10 @@ def _entry(rank: int, worker, world: int, tmp: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world)
     try:
         worker(rank, tmp)
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        tp.destroy_groups(barrier=False)  # the other ranks may never reach a barrier
+        raise
+    tp.destroy_groups()
 
 
 def unshard(name: str, t: torch.Tensor, groups: tp.ParallelGroups) -> torch.Tensor:

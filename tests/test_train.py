@@ -532,8 +532,13 @@ def _dp_metrics_worker(rank: int, tmp: str) -> None:
         assert (got["ratio_min"], got["ratio_max"]) == (0.7, 1.2)
         rewards = train.gather_dp(torch.tensor([1.0, 2.0]) + 10 * rank, run_)
         assert rewards.tolist() == [1.0, 2.0, 11.0, 12.0]  # dp-rank order on every rank
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        train.tp.destroy_groups(barrier=False)  # the other rank may never reach a barrier
+        raise
+    # Regression (torch 2.5.1 hung here once in ~5 runs): the dp group was destroyed, with this
+    # frame, while gloo's worker thread still held its lock to free the all_gather's tensors and
+    # waited for the GIL. destroy_groups meets at a barrier first, without the GIL.
+    train.tp.destroy_groups()
 
 
 def test_metrics_are_token_weighted_over_data_parallel_ranks(tmp_path):
