@@ -379,13 +379,13 @@ def shared_prompt_hidden(model, prompt_ids: Tensor, prompt_lens: Tensor, inputs:
     Bp, P = prompt_ids.shape
     kv: dict[int, tuple[Tensor, Tensor]] = {}
 
-    def record_kv(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def record_kv(layer: int, q: Tensor, k: Tensor, v: Tensor, last: Tensor | None = None):
         # (Bp, Hkv, P, D), with grad: all G completions backpropagate into the prompt
         kv[layer] = (k, v)
-        return causal_attention(layer, q, k, v)  # right padding comes after the valid tokens: exact
+        return causal_attention(layer, q, k, v, last)  # right padding comes after valid tokens
 
-    # Only the last valid position's state is read: the final block's MLP runs there alone (its
-    # attention, and so every layer's K/V, still covers the whole prompt).
+    # Only the last valid position's state is read: the final block's queries and MLP run there
+    # alone (its keys/values, and every earlier layer, still cover the whole prompt).
     prompt_steps = model.hidden_steps(prompt_ids, None, record_kv, last=prompt_lens - 1)
     T = inputs.shape[1]
     if T == 0:
@@ -661,7 +661,7 @@ def micro_batch_memory(config: ModelConfig, groups: int, G: int, prompt_len: int
     Tr tokens (T = Tr - 1 fed) holds at its largest moments, per rank, besides the weights, grads
     and optimizer state (memory.py plans those): {"forward", "backward", "no grad"} (the last:
     old or reference logprobs). Per layer, with block_bytes' per-token terms:
-        prompt tokens      full blocks (the last one runs its MLP at one position per prompt)
+        prompt tokens      full blocks (the last one: k, v alone; queries and MLP at one position)
         completion tokens  full blocks less their k, v; per row the [prompt; own] keys and values
                            of the fused attention, 2a*K/tp*(P + T)
     With activation checkpointing a block keeps only its input (a*C), the prompt's k, v (the

@@ -18,7 +18,10 @@ Leaves out: any parallelism (tp.py swaps modules), sampling (rollout.py) or loss
 
 The one hook the other files need: `attention(layer, q, k, v) -> y`, an optional callable every
 attention layer calls with rotated q/k/v. The default is causal SDPA; rollout.py passes one that
-writes a KV cache, grpo.py one that attends completions to a shared prompt. `prefix_attention` is
+writes a KV cache, grpo.py one that attends completions to a shared prompt. A forward given `last`
+(only each row's position last[b] is wanted: a prefill) asks the final layer for those queries
+alone and calls `attention(layer, q, k, v, last=last)` there, q (B, H, 1, D): keys after last[b]
+are that row's padding, which the hook masks (`causal_attention` does). `prefix_attention` is
 the exact two-part attention (shared prefix KV + each row's own KV, merged by log-sum-exp) both use.
 
 Shapes: B sequences, T tokens, S keys, C width, H/Hkv heads, D head dim, V vocab, L layers,
@@ -130,10 +133,21 @@ def apply_rotary_emb(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos[:, None] + x.roll(x.shape[-1] // 2, dims=-1) * sin[:, None]
 
 
-def causal_attention(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    """The default attention: causal over the T tokens given. q (B, H, T, D), k/v (B, Hkv, T, D)."""
+def causal_attention(layer: int, q: Tensor, k: Tensor, v: Tensor,
+                     last: Tensor | None = None) -> Tensor:
+    """The default attention: causal over the T tokens given. q (B, H, T, D), k/v (B, Hkv, T, D).
+    With last (B,), q (B, H, 1, D) is each row's position last[b] alone: it sees keys 0..last[b]."""
     gqa = q.shape[1] != k.shape[1]
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    if last is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    allowed = torch.arange(k.shape[2], device=k.device) <= last[:, None]  # (B, S)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None, None],
+                                          enable_gqa=gqa)  # (B, H, 1, D)
+
+
+def at_last(x: Tensor, last: Tensor) -> Tensor:
+    """Position last[b] of each row: (B, T, ...) -> (B, 1, ...)."""
+    return x[torch.arange(x.shape[0], device=x.device), last][:, None]
 
 
 def attention_with_lse(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor) -> tuple[Tensor, Tensor]:
@@ -214,16 +228,24 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(C, Hkv * D, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(H * D, C, bias=cfg.o_proj_bias)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention: Callable) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention: Callable,
+                last: Tensor | None = None) -> Tensor:
+        """(B, T, C) -> (B, T, C), or (B, 1, C) with last: the queries (and o_proj) of position
+        last[b] alone, the keys/values of every position (a prefill's final layer)."""
         B, T, _ = x.shape
+        xq, cos_q, sin_q = (x, cos, sin) if last is None else (at_last(x, last), at_last(cos, last),
+                                                               at_last(sin, last))
         # Head counts come from the tensor shapes: a tensor-parallel shard (H/tp heads) runs as is.
-        q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        q = self.q_proj(xq).view(B, xq.shape[1], -1, self.head_dim).transpose(1, 2)  # (B, H, Tq, D)
         k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
-        q = apply_rotary_emb(q, cos, sin)
+        q = apply_rotary_emb(q, cos_q, sin_q)
         k = apply_rotary_emb(k, cos, sin)
-        y = attention(self.layer, q, k, v)  # (B, H, T, D)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, C)
+        if last is None:
+            y = attention(self.layer, q, k, v)  # (B, H, T, D)
+        else:
+            y = attention(self.layer, q, k, v, last=last)  # (B, H, 1, D)
+        return self.o_proj(y.transpose(1, 2).reshape(B, xq.shape[1], -1))  # (B, Tq, C)
 
 
 class MLP(nn.Module):
@@ -248,9 +270,9 @@ class Block(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention: Callable,
                 last: Tensor | None = None) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attention)
-        if last is not None:  # only these positions reach the output: the MLP runs on them alone
-            x = x[torch.arange(x.shape[0], device=x.device), last][:, None]  # (B, 1, C)
+        # With last only those positions reach the output: their queries, o_proj and MLP run alone.
+        y = self.self_attn(self.input_layernorm(x), cos, sin, attention, last)  # (B, T|1, C)
+        x = (x if last is None else at_last(x, last)) + y
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -304,8 +326,8 @@ class Llama(nn.Module):
         """The residual stream before the final norm, (B, T) ids -> (B, T, C).
         positions (B, T) default to 0..T-1; `attention(layer, q, k, v)` defaults to causal SDPA.
         last (B,): only position last[b] of each row is wanted (a prefill before sampling), so the
-        final block's MLP runs on those alone (its attention still sees, and the hook still gets,
-        every position): (B, 1, C)."""
+        final block's queries, o_proj and MLP run on those alone (its keys/values, which the hook
+        still gets, cover every position): (B, 1, C)."""
         for x in self.hidden_steps(tokens, positions, attention, last):
             pass
         return x

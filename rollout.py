@@ -435,12 +435,12 @@ def _prefill(model: torch.nn.Module, prompts: list[list[int]], prefix_k: list[Te
         width = max(map(len, part))
         rows = slice(first, first + len(part))
 
-        def store_kv(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        def store_kv(layer: int, q: Tensor, k: Tensor, v: Tensor, last: Tensor | None = None):
             prefix_k[layer][rows, :, :width] = k
             prefix_v[layer][rows, :, :width] = v
-            return causal_attention(layer, q, k, v)
+            return causal_attention(layer, q, k, v, last)
         tokens = torch.tensor([p + [0] * (width - len(p)) for p in part], device=device)  # (b, P)
-        last = torch.tensor([len(p) - 1 for p in part], device=device)  # final MLP runs on these
+        last = torch.tensor([len(p) - 1 for p in part], device=device)  # final layer's queries
         h = model.hidden(tokens, None, store_kv, last)[:, 0]  # (b, C)
         last_logits.append(model.head(h))  # (b, V)
     return torch.cat(last_logits)  # (Bp, V)

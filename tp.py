@@ -41,7 +41,7 @@ from safetensors import safe_open
 from torch import Tensor
 from torch.autograd import Function
 
-from model import (MLP, Attention, Block, Llama, RMSNorm, allocate, apply_rotary_emb,
+from model import (MLP, Attention, Block, Llama, RMSNorm, allocate, apply_rotary_emb, at_last,
                    causal_attention, check_checkpoint, expected_shapes, load_config, rms_norm,
                    rope_inv_freq)
 
@@ -328,10 +328,12 @@ class RowParallelLinear(nn.Linear):
 
 class TPAttention(Attention):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention: Callable,
-                sp: bool = False) -> Tensor:
+                last: Tensor | None = None, sp: bool = False) -> Tensor:
         group = self.state.groups.tp_group
         if not sp:  # f, model.Attention on this rank's H/tp heads, g in o_proj
-            return super().forward(CopyToTP.apply(x, group), cos, sin, attention)  # (B, T, C)
+            return super().forward(CopyToTP.apply(x, group), cos, sin, attention,
+                                   last)  # (B, T|1, C)
+        assert last is None, "under SP TPLlama picks the last positions after the gather"
         # x (N/tp, C): f is the all-gather fused into the q/k/v linears
         T = cos.shape[1]
         B = x.shape[0] * self.state.groups.tp_size // T
@@ -364,9 +366,8 @@ class TPBlock(Block):
     positions) is TPLlama's to apply under SP, where a rank holds only some of the tokens."""
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention: Callable,
                 last: Tensor | None = None, sp: bool = False) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x, sp), cos, sin, attention, sp)
-        if last is not None:  # only these positions reach the output: the MLP runs on them alone
-            x = x[torch.arange(x.shape[0], device=x.device), last][:, None]  # (B, 1, C)
+        y = self.self_attn(self.input_layernorm(x, sp), cos, sin, attention, last, sp)
+        x = (x if last is None else at_last(x, last)) + y  # (B, T|1, C), or (N/tp, C) under SP
         return x + self.mlp(self.post_attention_layernorm(x, sp), sp)
 
 
@@ -390,7 +391,7 @@ class TPLlama(Llama):
         if sp:  # out of SP: every rank gets every token
             x = GatherFromSP.apply(x, state.groups.tp_group).view(*tokens.shape, -1)  # (B, T, C)
             if last is not None:
-                x = x[torch.arange(x.shape[0], device=x.device), last][:, None]  # (B, 1, C)
+                x = at_last(x, last)  # (B, 1, C)
         yield x
 
 

@@ -132,17 +132,24 @@ def test_explicit_positions_equal_default_and_shift_changes_output():
 
 
 def test_hidden_at_last_positions_equals_full_forward_and_hook_sees_every_position():
-    m = make()
+    m = make().double()  # float64: the twins differ only by rounding, values and grads
     x, last = torch.randint(0, 96, (3, 7)), torch.tensor([6, 2, 4])  # ragged: right-padded prompts
     seen = []
 
-    def hook(layer, q, k, v):
-        seen.append(k.shape[2])
-        return M.causal_attention(layer, q, k, v)
+    def hook(layer, q, k, v, last=None):
+        seen.append((q.shape[2], k.shape[2], last is not None))
+        return M.causal_attention(layer, q, k, v, last)
     got = m.hidden(x, None, hook, last)  # (3, 1, C)
-    assert got.shape == (3, 1, 64) and seen == [7, 7]  # the final layer's K/V still cover all 7 positions
-    # The final MLP runs on 3 rows instead of 21: the matmul may block differently, hence not bit-exact.
-    torch.testing.assert_close(got[:, 0], m.hidden(x)[torch.arange(3), last], atol=1e-5, rtol=1e-5)
+    # The final layer's K/V still cover all 7 positions; its queries are the 3 last positions alone.
+    assert got.shape == (3, 1, 64) and seen == [(7, 7, False), (1, 7, True)]
+    want = m.hidden(x)[torch.arange(3), last]  # (3, C)
+    torch.testing.assert_close(got[:, 0], want, atol=1e-12, rtol=1e-12)
+    # Gradients through the shortened final layer equal the full forward's.
+    params = list(m.model.layers.parameters()) + [m.model.embed_tokens.weight]
+    g_got = torch.autograd.grad(got.square().sum(), params)
+    g_want = torch.autograd.grad(m.hidden(x)[torch.arange(3), last].square().sum(), params)
+    for a, b in zip(g_got, g_want):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-10)
 
 # -----------------------------------------------------------------------------
 # Shared-prefix attention (used by rollout.py and grpo.py) against plain concatenation
