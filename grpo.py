@@ -661,7 +661,8 @@ def micro_batch_memory(config: ModelConfig, groups: int, G: int, prompt_len: int
     Tr tokens (T = Tr - 1 fed) holds at its largest moments, per rank, besides the weights, grads
     and optimizer state (memory.py plans those): {"forward", "backward", "no grad"} (the last:
     old or reference logprobs). Per layer, with block_bytes' per-token terms:
-        prompt tokens      full blocks (the last one: k, v alone; queries and MLP at one position)
+        prompt tokens      full blocks, the last one less its MLP (an upper bound: its queries run
+                           at one position too)
         completion tokens  full blocks less their k, v; per row the [prompt; own] keys and values
                            of the fused attention, 2a*K/tp*(P + T)
     With activation checkpointing a block keeps only its input (a*C), the prompt's k, v (the
