@@ -12,7 +12,7 @@ It is written under `step-000123.tmp/` and renamed when complete (a rename is at
 seeds of a step are a function of (seed, step), so weights + optimizer state + step are all a
 resumed run needs. A sharded model is gathered and written as the same tensors a one-process model
 writes (a tied lm_head once, as the embedding); loading checks every tensor's name and shape
-(model.py), and the optimizer state is loaded only if it covers every parameter with its shape.
+(hf.py), and the optimizer state is loaded only if it covers every parameter with its shape.
 
 The output directory holds one run: a new run into an --out that holds one is refused, unless it
 is resumed or explicitly overwritten, and nothing of the old run is touched before the new one is
@@ -31,7 +31,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from model import ModelConfig, write_pretrained
+from hf import write_pretrained
+from model import ModelConfig
 
 # -----------------------------------------------------------------------------
 # Save

@@ -41,9 +41,9 @@ from safetensors import safe_open
 from torch import Tensor
 from torch.autograd import Function
 
-from model import (MLP, Attention, Block, Llama, RMSNorm, allocate, apply_rotary_emb, at_last,
-                   causal_attention, check_checkpoint, expected_shapes, load_config, rms_norm,
-                   rope_inv_freq)
+from hf import allocate, check_checkpoint, expected_shapes, load_config, load_model
+from model import (MLP, Attention, Block, Llama, RMSNorm, apply_rotary_emb, at_last,
+                   causal_attention, rms_norm, rope_inv_freq)
 
 # torch 2.13 renamed these two (same signatures); older versions only have the *_tensor names.
 _all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
@@ -474,10 +474,10 @@ def load_sharded(path: str, groups: ParallelGroups, device: str | torch.device,
                  dtype: torch.dtype, sequence_parallel: bool = False) -> Llama:
     """The sharded model, each rank reading only its slices (safe_open(...).get_slice): no rank
     ever holds the full checkpoint, nor one full tensor of a sharded parameter. The checkpoint is
-    first checked against the full model's tensors (model.check_checkpoint, as in
-    Llama.from_pretrained), so every rank refuses a bad one alike, before any slicing."""
+    first checked against the full model's tensors (hf.check_checkpoint, as in
+    hf.load_model), so every rank refuses a bad one alike, before any slicing."""
     if groups.tp_size == 1:
-        return Llama.from_pretrained(path, device, dtype)
+        return load_model(path, device, dtype)
     cfg = load_config(path)
     files = check_checkpoint(path, expected_shapes(cfg))  # name -> file; full names, shapes checked
     with torch.device("meta"):  # shapes only: slicing meta tensors allocates nothing
@@ -485,7 +485,7 @@ def load_sharded(path: str, groups: ParallelGroups, device: str | torch.device,
     allocate(model, device, dtype)  # NOTE: re-creates every parameter: unties lm_head
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.inv_freq = rope_inv_freq(cfg).to(device)  # float32 always, like from_pretrained
+    model.inv_freq = rope_inv_freq(cfg).to(device)  # float32 always, like hf.load_model
     params = dict(model.named_parameters())  # tied lm_head appears once, as embed_tokens
     with torch.no_grad():
         for file in sorted(set(files.values())):

@@ -56,8 +56,9 @@ import memory
 import plot
 import rollout
 import tp
-from model import (Llama, ModelConfig, build_char_tokenizer, load_config, load_generation_config,
-                   load_tokenizer, stop_token_ids)
+from hf import (build_char_tokenizer, load_config, load_generation_config, load_model, load_tokenizer,
+                stop_token_ids)
+from model import Llama, ModelConfig
 import tasks
 from tasks import Task
 
@@ -244,7 +245,7 @@ def build_model(cfg: TrainConfig, task: Task, source: str, device: torch.device,
         if groups.tp_size > 1:
             model = tp.load_sharded(source, groups, device, dtype)  # each rank reads its slice
         else:
-            model = Llama.from_pretrained(source, device=device, dtype=dtype)
+            model = load_model(source, device=device, dtype=dtype)
         return model, load_tokenizer(source)
     if not task.alphabet:
         raise ValueError(f"task {task.name} has no alphabet for a fresh tokenizer: pass --model "

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import hf  # noqa: E402
 from model import Llama, ModelConfig  # noqa: E402
 from rollout import RolloutConfig, generate, sample  # noqa: E402
 
@@ -201,7 +202,7 @@ def main() -> None:
         try:
             from transformers import LlamaForCausalLM
             with tempfile.TemporaryDirectory() as tmp:
-                model.save_pretrained(tmp)
+                hf.save_model(model, tmp)
                 hf_model = LlamaForCausalLM.from_pretrained(tmp, torch_dtype=dtype).to(device).eval()
         except ImportError:
             print("transformers not installed: its column is skipped")

@@ -51,7 +51,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.join(ROOT, "tests")
 sys.path.insert(0, ROOT)
 
-from model import Llama, ModelConfig, build_char_tokenizer  # noqa: E402
+import hf  # noqa: E402
+from hf import build_char_tokenizer  # noqa: E402
+from model import Llama, ModelConfig  # noqa: E402
 from tasks import Task  # noqa: E402
 
 PROMPTS = 16                 # Bp prompts per generation batch
@@ -101,7 +103,7 @@ def write_checkpoint(path: str) -> None:
     cfg = ModelConfig(vocab_size=16, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
                       num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=True,
                       bos_token_id=None, eos_token_id=None)
-    Llama(cfg).init_weights(0).save_pretrained(path)
+    hf.save_model(Llama(cfg).init_weights(0), path)
     tokenizer.save(os.path.join(path, "tokenizer.json"))
 
 

@@ -12,6 +12,7 @@ import torch
 from memtrace import allocator_peak
 
 import grpo
+import hf
 import model as M
 from grpo import GRPOBatch, GRPOConfig
 from rollout import RolloutConfig
@@ -914,7 +915,7 @@ def test_loss_metrics_and_grads_equal_trls_on_the_same_weights(hf_checkpoint, tm
                           beta=beta, num_iterations=2, epsilon=0.2, epsilon_high=0.28,
                           max_completion_length=8)
     scored = trl_scored(trainer, N)
-    ours = M.Llama.from_pretrained(hf_checkpoint[0], dtype=torch.float64)
+    ours = hf.load_model(hf_checkpoint[0], dtype=torch.float64)
     cfg = GRPOConfig(loss_type=loss_type, beta=beta, eps_low=0.2, eps_high=0.28, chunk_size=5,
                      micro_batch_groups=N // G // TRL_MICRO_BATCHES)
     advantages = our_advantages(G, "group")

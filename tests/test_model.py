@@ -1,4 +1,4 @@
-"""model.py against plain float64 loops, Hugging Face's layout, and its own refusals."""
+"""model.py against plain float64 loops; hf.py against Hugging Face's layouts, and its refusals."""
 
 import json
 import math
@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 from hf_reference import save_random_hf_model
 from memtrace import allocator_peak
 
+import hf
 import model as M
 
 
@@ -186,10 +187,10 @@ def test_prefix_attention_equals_concatenated_keys_values_and_grads():
 @pytest.mark.parametrize("tied,shard", [(False, None), (True, None), (False, 20_000), (True, 20_000)])
 def test_save_load_round_trip_bit_exact(tmp_path, tied, shard):
     m = make(tie_word_embeddings=tied)
-    m.save_pretrained(str(tmp_path), max_shard_bytes=shard)
+    hf.save_model(m, str(tmp_path), max_shard_bytes=shard)
     names = os.listdir(tmp_path)
     assert ("model.safetensors.index.json" in names) == (shard is not None)
-    m2 = M.Llama.from_pretrained(str(tmp_path))
+    m2 = hf.load_model(str(tmp_path))
     assert m2.config == m.config
     for (n1, p1), (n2, p2) in zip(m.named_parameters(), m2.named_parameters()):
         assert n1 == n2 and torch.equal(p1, p2)
@@ -204,7 +205,7 @@ def test_allocate_gives_each_parameter_its_dtype_at_once():
     with torch.device("meta"):
         m = M.Llama(tiny(tie_word_embeddings=True))
     n = sum(p.numel() for p in m.parameters()) + m.lm_head.weight.numel()  # untied: re-tie after
-    peak = allocator_peak(lambda: M.allocate(m, "cpu", torch.bfloat16))
+    peak = allocator_peak(lambda: hf.allocate(m, "cpu", torch.bfloat16))
     assert {p.dtype for p in m.parameters()} == {torch.bfloat16}
     assert {p.device.type for p in m.parameters()} == {"cpu"}
     assert all(p.requires_grad for p in m.parameters())
@@ -213,8 +214,8 @@ def test_allocate_gives_each_parameter_its_dtype_at_once():
 
 def test_bfloat16_keeps_rope_frequencies_in_float32(tmp_path):
     """Regression: as a buffer, inv_freq was rounded to bf16 by model.to(bfloat16) (HF keeps float32)."""
-    make().save_pretrained(str(tmp_path))
-    for m in (M.Llama.from_pretrained(str(tmp_path), dtype=torch.bfloat16), make().to(torch.bfloat16)):
+    hf.save_model(make(), str(tmp_path))
+    for m in (hf.load_model(str(tmp_path), dtype=torch.bfloat16), make().to(torch.bfloat16)):
         assert m.lm_head.weight.dtype == torch.bfloat16 and m.inv_freq.dtype == torch.float32
         assert torch.equal(m.inv_freq, M.rope_inv_freq(m.config))
         assert m(torch.tensor([[1, 2, 3]])).dtype == torch.bfloat16
@@ -255,7 +256,7 @@ ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_parameters")
 
 def written_config(m: M.Llama, path) -> dict:
     """Save m and return its config.json as a dict, for the test to rewrite."""
-    m.save_pretrained(str(path))
+    hf.save_model(m, str(path))
     return json.loads((path / "config.json").read_text())
 
 
@@ -267,16 +268,16 @@ def test_v4_and_v5_config_layouts_give_the_same_model(tmp_path, rope):
     base = {k: v for k, v in ours.items() if k not in ROPE_KEYS}
     layouts = {"v4": dict(base, rope_theta=theta, rope_scaling=scaling),
                "v5": dict(base, rope_parameters=parameters)}
-    configs = {name: M.config_from_hf(d) for name, d in layouts.items()}
+    configs = {name: hf.config_from_hf(d) for name, d in layouts.items()}
     assert configs["v4"] == configs["v5"]
     assert configs["v4"].rope_theta == theta and configs["v4"].rope_scaling == want
-    layouts["ours"] = M.config_to_hf(configs["v4"], torch.float32)  # both layouts in one file
+    layouts["ours"] = hf.config_to_hf(configs["v4"], torch.float32)  # both layouts in one file
     gen = torch.Generator().manual_seed(0)
     x = torch.randint(0, 96, (2, 100), generator=gen)  # past llama3's 32 original positions
     logits = {}
     for name, d in layouts.items():
         (tmp_path / "config.json").write_text(json.dumps(d))
-        logits[name] = M.Llama.from_pretrained(str(tmp_path))(x)
+        logits[name] = hf.load_model(str(tmp_path))(x)
     assert torch.equal(logits["v4"], logits["v5"]) and torch.equal(logits["v4"], logits["ours"])
     assert (logits["v4"] - m(x)).abs().max() > 1e-2  # the rope read does change the output
 
@@ -355,18 +356,18 @@ def test_unsupported_configs_are_refused_in_one_line_naming_file_and_field(tmp_p
             d[key] = value
     (tmp_path / "config.json").write_text(json.dumps(d))
     with pytest.raises(ValueError) as error:
-        M.Llama.from_pretrained(str(tmp_path))
+        hf.load_model(str(tmp_path))
     assert str(error.value) == f"{tmp_path / 'config.json'}: {message}"
 
 
 def test_config_without_architectures_falls_back_on_model_type():
     """Regression: LlamaConfig.save_pretrained alone writes no "architectures"; it was refused."""
-    d = M.config_to_hf(tiny(architecture="Qwen2ForCausalLM"), torch.float32)
+    d = hf.config_to_hf(tiny(architecture="Qwen2ForCausalLM"), torch.float32)
     del d["architectures"]
-    assert M.config_from_hf(d) == tiny(architecture="Qwen2ForCausalLM")
-    d = M.config_to_hf(tiny(), torch.float32)
+    assert hf.config_from_hf(d) == tiny(architecture="Qwen2ForCausalLM")
+    d = hf.config_to_hf(tiny(), torch.float32)
     del d["architectures"]
-    assert M.config_from_hf(d) == tiny()
+    assert hf.config_from_hf(d) == tiny()
 
 
 @pytest.mark.parametrize("kw, want", [
@@ -385,19 +386,19 @@ def test_biases_are_where_transformers_puts_them(kw, want):
 
 
 def test_missing_and_misshaped_tensors_are_refused(tmp_path):
-    make().save_pretrained(str(tmp_path))
+    hf.save_model(make(), str(tmp_path))
     f = str(tmp_path / "model.safetensors")
     sd = load_file(f)
     del sd["model.layers.1.mlp.up_proj.weight"]
     save_file(sd, f)
     with pytest.raises(ValueError, match="missing 1 tensors, e.g. 'model.layers.1.mlp.up_proj.weight'"):
-        M.Llama.from_pretrained(str(tmp_path))
+        hf.load_model(str(tmp_path))
     sd["model.layers.1.mlp.up_proj.weight"] = torch.zeros(3, 3)
     save_file(sd, f)
     message = ("model.safetensors: tensor 'model.layers.1.mlp.up_proj.weight' has shape (3, 3), "
                "config.json implies (96, 64)")
     with pytest.raises(ValueError, match=re.escape(message) + "$"):
-        M.Llama.from_pretrained(str(tmp_path))
+        hf.load_model(str(tmp_path))
 
 
 @pytest.mark.parametrize("written, config, tensor, why", [
@@ -415,11 +416,11 @@ def test_unused_tensors_are_refused_never_dropped(tmp_path, written, config, ten
     name, count = tensor.split(" ", 1)
     message = f"model.safetensors: tensor '{name}' is not used {count}: {why}"
     with pytest.raises(ValueError, match=re.escape(message)):
-        M.Llama.from_pretrained(str(tmp_path))
+        hf.load_model(str(tmp_path))
 
 
 def test_a_tensor_no_module_has_is_refused_and_shards_must_match_their_index(tmp_path):
-    make().save_pretrained(str(tmp_path), max_shard_bytes=20_000)
+    hf.save_model(make(), str(tmp_path), max_shard_bytes=20_000)
     index_file = tmp_path / "model.safetensors.index.json"
     index = json.loads(index_file.read_text())
     first, second = sorted(set(index["weight_map"].values()))[:2]
@@ -429,7 +430,7 @@ def test_a_tensor_no_module_has_is_refused_and_shards_must_match_their_index(tmp
     with pytest.raises(ValueError, match=re.escape(
             f"{first}: tensor 'model.layers.0.self_attn.rotary_emb.inv_freq' is not used (1 such "
             "tensors): no module of the model config.json describes uses it")):
-        M.Llama.from_pretrained(str(tmp_path))
+        hf.load_model(str(tmp_path))
     save_file(sd, str(tmp_path / first))
     name = next(n for n, f in index["weight_map"].items() if f == first)
     index["weight_map"][name] = second
@@ -437,63 +438,63 @@ def test_a_tensor_no_module_has_is_refused_and_shards_must_match_their_index(tmp
     with pytest.raises(ValueError, match=re.escape(
             f"model.safetensors.index.json: lists tensor '{name}' in {second}, which does not "
             "hold it")):
-        M.Llama.from_pretrained(str(tmp_path))
+        hf.load_model(str(tmp_path))
 
 
 def test_bad_directories_are_refused(tmp_path):
     with pytest.raises(FileNotFoundError, match="not a directory"):
-        M.Llama.from_pretrained(str(tmp_path / "nope"))
+        hf.load_model(str(tmp_path / "nope"))
     with pytest.raises(FileNotFoundError, match="config.json: not found"):
-        M.Llama.from_pretrained(str(tmp_path))
-    make().save_pretrained(str(tmp_path))
+        hf.load_model(str(tmp_path))
+    hf.save_model(make(), str(tmp_path))
     (tmp_path / "model.safetensors").write_bytes(b"\x00garbage")
     with pytest.raises(ValueError, match="not a readable safetensors file"):
-        M.Llama.from_pretrained(str(tmp_path))
+        hf.load_model(str(tmp_path))
     os.remove(tmp_path / "model.safetensors")
     with pytest.raises(FileNotFoundError, match="never pickled"):
-        M.Llama.from_pretrained(str(tmp_path))
+        hf.load_model(str(tmp_path))
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
-        M.Llama.from_pretrained(str(tmp_path))
+        hf.load_model(str(tmp_path))
     (tmp_path / "config.json").write_text("[1, 2]")
     with pytest.raises(ValueError, match="config.json: is a JSON list, expected an object$"):
-        M.Llama.from_pretrained(str(tmp_path))
+        hf.load_model(str(tmp_path))
 
 
 def test_generation_config_round_trip_and_stop_token_ids(tmp_path):
     m = make(eos_token_id=2, pad_token_id=0)
     generation = {"eos_token_id": [7, 2], "temperature": 0.6}
-    m.save_pretrained(str(tmp_path), generation_config=generation)
-    assert M.load_generation_config(str(tmp_path)) == generation
-    cfg = M.load_config(str(tmp_path))
+    hf.save_model(m, str(tmp_path), generation_config=generation)
+    assert hf.load_generation_config(str(tmp_path)) == generation
+    cfg = hf.load_config(str(tmp_path))
     assert cfg == m.config and cfg.pad_token_id == 0
-    assert M.stop_token_ids(cfg, generation) == (2, 7)  # config.json's first, 2 once
-    assert M.stop_token_ids(cfg, None) == (2,)
-    assert M.stop_token_ids(tiny(eos_token_id=[5, 6]), {"eos_token_id": 9}) == (5, 6, 9)
-    assert M.stop_token_ids(tiny(), {"temperature": 1.0}) == ()
-    make().save_pretrained(str(tmp_path / "plain"))
-    assert M.load_generation_config(str(tmp_path / "plain")) is None
+    assert hf.stop_token_ids(cfg, generation) == (2, 7)  # config.json's first, 2 once
+    assert hf.stop_token_ids(cfg, None) == (2,)
+    assert hf.stop_token_ids(tiny(eos_token_id=[5, 6]), {"eos_token_id": 9}) == (5, 6, 9)
+    assert hf.stop_token_ids(tiny(), {"temperature": 1.0}) == ()
+    hf.save_model(make(), str(tmp_path / "plain"))
+    assert hf.load_generation_config(str(tmp_path / "plain")) is None
     with pytest.raises(TypeError, match="generation_config must be a dict, got a list"):
-        m.save_pretrained(str(tmp_path / "bad"), generation_config=[2])
+        hf.save_model(m, str(tmp_path / "bad"), generation_config=[2])
     file = tmp_path / "generation_config.json"
     file.write_text('{"eos_token_id": "2"}')
     with pytest.raises(ValueError, match=re.escape(
             "generation_config.json: field 'eos_token_id' is \"2\", expected a token id or a list "
             "of token ids")):
-        M.load_generation_config(str(tmp_path))
+        hf.load_generation_config(str(tmp_path))
     file.write_text("[2]")
     with pytest.raises(ValueError, match="generation_config.json: is a JSON list, expected an "
                                          "object$"):
-        M.load_generation_config(str(tmp_path))
+        hf.load_generation_config(str(tmp_path))
 
 # -----------------------------------------------------------------------------
 # Tokenizer
 
 
 def test_char_tokenizer_round_trips_through_tokenizer_json(tmp_path):
-    tok = M.build_char_tokenizer("0123456789+= abc")
+    tok = hf.build_char_tokenizer("0123456789+= abc")
     tok.save(str(tmp_path / "tokenizer.json"))
-    tok2 = M.load_tokenizer(str(tmp_path))
+    tok2 = hf.load_tokenizer(str(tmp_path))
     text = "12+ab= 3"
     ids = tok2.encode(text).ids
     assert len(ids) == len(text) and tok2.decode(ids) == text
@@ -529,18 +530,18 @@ def test_checkpoints_written_by_transformers_load_exactly(tmp_path, case):
     """Regression: config.json as transformers 5 writes it (rope_parameters) was read with theta
     10000, and a checkpoint's o_proj bias was dropped; the old parity test read only our files."""
     config_class, kw = HF_CASES[case]
-    hf = hf_checkpoint(tmp_path, config_class, **kw)
-    m = M.Llama.from_pretrained(str(tmp_path))
-    assert m.config.rope_theta == hf.config.rope_parameters["rope_theta"]
-    assert sum(p.numel() for p in m.parameters()) == sum(p.numel() for p in hf.parameters())
+    theirs = hf_checkpoint(tmp_path, config_class, **kw)
+    m = hf.load_model(str(tmp_path))
+    assert m.config.rope_theta == theirs.config.rope_parameters["rope_theta"]
+    assert sum(p.numel() for p in m.parameters()) == sum(p.numel() for p in theirs.parameters())
     gen = torch.Generator().manual_seed(1)
     x = torch.randint(0, 96, (2, 100), generator=gen)  # past llama3's 32 original positions
     with torch.no_grad():
         # 1e-4 in fp32 (logits of order 1-10): the two differ only by summation order; a misread
         # field (theta, scaling, eps, a bias) moves them by 1e-2 or more.
-        torch.testing.assert_close(m(x), hf(x).logits, atol=1e-4, rtol=0)
-    assert M.stop_token_ids(m.config, M.load_generation_config(str(tmp_path))) == (
-        () if hf.config.eos_token_id is None else (hf.config.eos_token_id,))
+        torch.testing.assert_close(m(x), theirs(x).logits, atol=1e-4, rtol=0)
+    assert hf.stop_token_ids(m.config, hf.load_generation_config(str(tmp_path))) == (
+        () if theirs.config.eos_token_id is None else (theirs.config.eos_token_id,))
 
 
 @pytest.mark.parametrize("config_class, arch", [("LlamaConfig", "LlamaForCausalLM"),
@@ -551,7 +552,7 @@ def test_config_written_by_transformers_config_alone_is_read(tmp_path, config_cl
     transformers = pytest.importorskip("transformers")
     getattr(transformers, config_class)(**HF_BASE, rope_theta=500000).save_pretrained(str(tmp_path))
     assert "architectures" not in json.loads((tmp_path / "config.json").read_text())
-    cfg = M.load_config(str(tmp_path))
+    cfg = hf.load_config(str(tmp_path))
     assert cfg.rope_theta == 500000.0 and cfg.architecture == arch
 
 
@@ -561,7 +562,7 @@ def test_unused_tensor_of_a_transformers_checkpoint_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(dict(d, attention_bias=False)))
     message = "model.safetensors: tensor 'model.layers.0.self_attn.k_proj.bias' is not used"
     with pytest.raises(ValueError, match=re.escape(message)):
-        M.Llama.from_pretrained(str(tmp_path))
+        hf.load_model(str(tmp_path))
 
 
 @pytest.mark.parametrize("arch, kw", [
@@ -577,12 +578,12 @@ def test_transformers_reads_what_we_write(tmp_path, arch, kw):
     trains); our config.json carries both rope layouts, and transformers 5 must read it as we do."""
     transformers = pytest.importorskip("transformers")
     m = make(architecture=arch, eos_token_id=2, pad_token_id=0, **kw)
-    m.save_pretrained(str(tmp_path), generation_config={"eos_token_id": [2, 5]})
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32,
+    hf.save_model(m, str(tmp_path), generation_config={"eos_token_id": [2, 5]})
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32,
                                                            attn_implementation="eager")
-    assert hf.config.rope_parameters["rope_theta"] == m.config.rope_theta
-    assert hf.config.pad_token_id == 0 and hf.generation_config.eos_token_id == [2, 5]
-    assert sum(p.numel() for p in m.parameters()) == sum(p.numel() for p in hf.parameters())
+    assert theirs.config.rope_parameters["rope_theta"] == m.config.rope_theta
+    assert theirs.config.pad_token_id == 0 and theirs.generation_config.eos_token_id == [2, 5]
+    assert sum(p.numel() for p in m.parameters()) == sum(p.numel() for p in theirs.parameters())
     x = torch.randint(0, 96, (2, 100))
     with torch.no_grad():
-        torch.testing.assert_close(m(x), hf(x).logits, atol=1e-4, rtol=0)  # as above
+        torch.testing.assert_close(m(x), theirs(x).logits, atol=1e-4, rtol=0)  # as above

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+import hf
 import model as M
 from test_model import make
 
@@ -11,11 +12,11 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 def test_bf16_cuda_logits_track_fp32_cpu(tmp_path):
     m = make(std=0.02)  # HF's init scale: logits of a realistic size
-    m.save_pretrained(str(tmp_path))
+    hf.save_model(m, str(tmp_path))
     x = torch.randint(0, 96, (4, 64))
     want = m(x)
-    fp32 = M.Llama.from_pretrained(str(tmp_path), device="cuda", dtype=torch.float32)
-    bf16 = M.Llama.from_pretrained(str(tmp_path), device="cuda", dtype=torch.bfloat16)
+    fp32 = hf.load_model(str(tmp_path), device="cuda", dtype=torch.float32)
+    bf16 = hf.load_model(str(tmp_path), device="cuda", dtype=torch.bfloat16)
     got32, got16 = fp32(x.cuda()).cpu(), bf16(x.cuda()).float().cpu()
     print(f"max |logit| {want.abs().max():.3f}; fp32 cuda vs cpu {(got32 - want).abs().max():.2e}; "
           f"bf16 cuda vs fp32 cpu {(got16 - want).abs().max():.2e}")

@@ -23,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 from hf_reference import save_random_hf_model
 
 import grpo
+import hf
 import memory
 import model as M
 import rollout
@@ -300,7 +301,7 @@ def check_tp_equals_one_process(cfg: M.ModelConfig, groups: tp.ParallelGroups) -
         torch.testing.assert_close(tp.gather_vocab(twin(tokens), groups), want_logits, **TOL)
 
 
-# Tensors that do not fit config.json, and load_sharded's refusal (model.check_checkpoint's, as in
+# Tensors that do not fit config.json, and load_sharded's refusal (hf.check_checkpoint's, as in
 # one process): a wider MLP, biases the config does not declare (never dropped), missing biases.
 WRONG = {
     "llama": [(dict(intermediate_size=128), r"'model.layers.0.mlp.gate_proj.weight' has shape "
@@ -317,16 +318,16 @@ WRONG = {
 def check_load_and_full_state_dict(name: str, cfg: M.ModelConfig, groups: tp.ParallelGroups, tmp: str) -> None:
     full, path = full_model(cfg), f"{tmp}/{name}"
     if dist.get_rank() == 0:
-        full.save_pretrained(path, max_shard_bytes=40_000)  # several files + index.json
+        hf.save_model(full, path, max_shard_bytes=40_000)  # several files + index.json
         for i, (wrong, _) in enumerate(WRONG[name]):
-            M.Llama(dataclasses.replace(cfg, **wrong)).save_pretrained(f"{path}_wrong{i}")
+            hf.save_model(M.Llama(dataclasses.replace(cfg, **wrong)), f"{path}_wrong{i}")
             shutil.copy(f"{path}/config.json", f"{path}_wrong{i}/config.json")
     dist.barrier()
     for i, (_, error) in enumerate(WRONG[name]):
         with pytest.raises(ValueError, match=error):
             tp.load_sharded(f"{path}_wrong{i}", groups, "cpu", torch.float32)
     loaded = tp.load_sharded(path, groups, "cpu", torch.float32)
-    sliced = tp.shard_model(M.Llama.from_pretrained(path), groups)
+    sliced = tp.shard_model(hf.load_model(path), groups)
     assert loaded.state_dict().keys() == sliced.state_dict().keys()
     for (n, a), b in zip(loaded.state_dict().items(), sliced.state_dict().values()):
         assert torch.equal(a, b), n
@@ -393,9 +394,9 @@ def write_hf_checkpoint(path, config_class: str, kw: dict, x: torch.Tensor) -> N
     """A transformers model with random weights, saved by its own writer, and its logits on x."""
     base = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    hf = save_random_hf_model(path, config_class, {**base, **kw})
+    theirs = save_random_hf_model(path, config_class, {**base, **kw})
     with torch.no_grad():
-        save_file({"x": x, "logits": hf(x).logits}, str(path / "expected.safetensors"))
+        save_file({"x": x, "logits": theirs(x).logits}, str(path / "expected.safetensors"))
 
 
 def _hf_worker(rank: int, tmp: str) -> None:

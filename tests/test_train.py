@@ -14,6 +14,7 @@ import torch
 
 from memtrace import allocator_peak
 
+import hf
 import train
 from model import Llama
 
@@ -44,7 +45,7 @@ def test_short_run_writes_metrics_and_a_loadable_checkpoint(tmp_path):
     assert svg.startswith("<svg") and svg.count("<polyline") >= 2, svg[:200]
     assert sorted(d for d in os.listdir(out) if d.startswith("step-")) == ["step-000002", "step-000003"]
     assert open(os.path.join(out, "latest")).read().strip() == "step-000003"
-    m = Llama.from_pretrained(os.path.join(out, "step-000003"))
+    m = hf.load_model(os.path.join(out, "step-000003"))
     assert m(torch.tensor([[1, 3, 4]])).shape == (1, 3, m.config.vocab_size)
 
 
@@ -78,13 +79,13 @@ def test_ctrl_c_writes_a_checkpoint(tmp_path):
 
 def tied_checkpoint(tmp_path, generation_eos: list[int]) -> str:
     """A fresh tied-embedding model directory whose generation_config.json adds stop ids."""
-    from model import ModelConfig, build_char_tokenizer
-    tok = build_char_tokenizer("0123456789=")
+    from model import ModelConfig
+    tok = hf.build_char_tokenizer("0123456789=")
     cfg = ModelConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64,
                       num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
                       bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
     path = str(tmp_path / "tied")
-    Llama(cfg).init_weights(0).save_pretrained(path, generation_config={
+    hf.save_model(Llama(cfg).init_weights(0), path, generation_config={
         "eos_token_id": generation_eos, "bos_token_id": 1})
     tok.save(os.path.join(path, "tokenizer.json"))
     return path
@@ -406,8 +407,7 @@ def test_completion_text_keeps_special_tokens_but_not_the_stop(tmp_path, capsys)
     """The reward sees every token the model wrote except the stop token: a <pad> inside an answer
     is the policy's doing and must cost reward (it was silently dropped)."""
     import train as T
-    from model import build_char_tokenizer
-    tok = build_char_tokenizer("0123456789=")
+    tok = hf.build_char_tokenizer("0123456789=")
 
     class Fake:
         tokenizer = tok
@@ -485,12 +485,12 @@ def test_optimizer_state_that_misses_a_parameter_is_refused_not_reinitialised(tm
 
 
 def test_jsonl_math_task_runs_on_a_model_directory(tmp_path):
-    from model import ModelConfig, build_char_tokenizer
-    tok = build_char_tokenizer("0123456789+*= ")
+    from model import ModelConfig
+    tok = hf.build_char_tokenizer("0123456789+*= ")
     cfg = ModelConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2)
     ckpt = tmp_path / "ckpt"
-    Llama(cfg).init_weights(0).save_pretrained(str(ckpt))
+    hf.save_model(Llama(cfg).init_weights(0), str(ckpt))
     tok.save(str(ckpt / "tokenizer.json"))
     data = tmp_path / "math.jsonl"
     data.write_text('{"prompt": "2+2=", "answer": "#### 4"}\n{"prompt": "3*3=", "answer": "9"}\n')
@@ -570,12 +570,12 @@ def plan_checkpoint(path: str) -> None:
     """A small model over bench_trl's 16-character vocabulary (no bos, no eos: every prompt is
     exactly P tokens and every completion runs its whole budget, the lengths the plan assumes)."""
     import bench_trl
-    from model import ModelConfig, build_char_tokenizer
+    from model import ModelConfig
     cfg = ModelConfig(vocab_size=16, hidden_size=128, intermediate_size=352, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
                       bos_token_id=None, eos_token_id=None)
-    Llama(cfg).init_weights(0).save_pretrained(path)
-    build_char_tokenizer(bench_trl.ALPHABET).save(os.path.join(path, "tokenizer.json"))
+    hf.save_model(Llama(cfg).init_weights(0), path)
+    hf.build_char_tokenizer(bench_trl.ALPHABET).save(os.path.join(path, "tokenizer.json"))
 
 
 def plan_args(tmp_path, model: str) -> list[str]:
