@@ -519,7 +519,7 @@ class PhaseManager:
         first sleep, kept for reuse) counts in every phase; on a GPU it is not device memory.
         phases=False (train.py --phases false): every tag resident throughout.
         transients: phase -> bytes of activations, logits and the like at the phase's largest
-        moment (rollout.rollout_memory, grpo.micro_batch_memory): "rollout", "reference",
+        moment (plan.py: rollout_memory, micro_batch_memory): "rollout", "reference",
         "train", "idle"."""
         plan = self.plan()
         tags = {"idle": {tag: min(p[tag] for p in plan.values()) for tag in plan["train"]},

@@ -570,37 +570,6 @@ def _decode(decoder: _Decoder, out_tokens: Tensor, out_logprobs: Tensor,
         finished = finished[keep_t]
     return dict(decode_steps=decode_steps, row_steps=row_steps, compactions=compactions)
 
-# -----------------------------------------------------------------------------
-# Memory plan: what generate() allocates besides the weights and the KV cache
-
-
-def rollout_memory(config: ModelConfig, num_prompts: int, prompt_len: int, cfg: RolloutConfig,
-                   dtype: torch.dtype, tp_size: int = 1) -> dict[str, int]:
-    """Bytes generate() holds at each of its two largest moments, besides the weights and the KV
-    cache (memory.py plans those from shapes), per rank, for Bp prompts of P tokens whose R = Bp*G
-    rows all decode Tc = max_new_tokens. a: bytes per element of the sampler's dtype; b*P tokens
-    per prefill forward (b = prefill_tokens // P prompts, at most Bp); V the full vocabulary (tensor
-    parallelism gathers it before sampling), I/tp the SwiGLU width on this rank.
-        outputs   R*Tc*(8 + 4)             tokens and logprobs, (Tc, R) each, filled as it goes
-        prefill   b*P*a*(3C + 3I/tp + 2D)  inside a block: its input, the residual after attention,
-                                           the normed input, then silu(gate), up and their product;
-                                           the rope tables cos, sin (D wide)
-        sampling  R*V*(a + 12) + Bp*V*a    the first tokens: each prompt's logits repeated G times,
-                                           the softmax (4) and its float64 cdf (8) (see sample);
-                                           a decode step's block (R*a*(3C + 3I/tp)) is far smaller
-    Returns {"prefill": outputs + prefill, "sampling": outputs + sampling}."""
-    a = torch.empty((), dtype=dtype).element_size()
-    C = config.hidden_size
-    I = config.intermediate_size // tp_size
-    V = config.vocab_size
-    D = config.head_dim
-    R = num_prompts * cfg.num_samples
-    outputs = R * cfg.max_new_tokens * (8 + 4)
-    per_chunk = min(num_prompts, max(1, cfg.prefill_tokens // prompt_len))
-    prefill = per_chunk * prompt_len * a * (3 * C + 3 * I + 2 * D)
-    decode_block = R * a * (3 * C + 3 * I)
-    sampling = max(R * V * (a + 12) + num_prompts * V * a, decode_block + R * V * (a + 12))
-    return {"prefill": outputs + prefill, "sampling": outputs + sampling}
 
 # -----------------------------------------------------------------------------
 # Weight sync: the sampler receives the trainer's weights

@@ -34,7 +34,6 @@ Tested by tests/test_train.py.
 import contextlib
 import copy
 import dataclasses
-import inspect
 import json
 import math
 import os
@@ -51,8 +50,10 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import checkpoint
+import cli
 import grpo
 import memory
+import plan
 import plot
 import rollout
 import tp
@@ -119,113 +120,14 @@ class Configs:
     parallel: tp.ParallelConfig
 
 
-def field_owners() -> dict[str, str]:
-    """field name -> its section; a name declared in two sections would be ambiguous on the CLI."""
-    owners: dict[str, str] = {}
-    for section, cls in SECTIONS.items():
-        for f in dataclasses.fields(cls):
-            if f.name in owners:
-                raise TypeError(f"--{f.name} is declared by {owners[f.name]} and {section}")
-            owners[f.name] = section
-    return owners
-
-
-def field_help(cls: type) -> dict[str, str]:
-    """The end-of-line comment of each field: the config's source is its documentation."""
-    out = {}
-    for line in inspect.getsource(cls).splitlines():
-        name, _, rest = line.strip().partition(":")
-        if "#" in rest and name.isidentifier():
-            out[name] = rest.split("#", 1)[1].strip()
-    return out
-
-
-def print_help() -> None:
-    lines = ["usage: [torchrun ...] train.py [--field value ...] [--plan]",
-             "  --plan: print each rank's memory per phase for these flags (config.json only, no "
-             "weight read), then exit"]
-    for section, cls in SECTIONS.items():
-        lines.append(f"\n{section} ({cls.__module__}.py {cls.__name__}):")
-        comments = field_help(cls)
-        for f in dataclasses.fields(cls):
-            kind = type(f.default).__name__
-            lines.append(f"  --{f.name:<22} {kind:<6} {f.default!r:<16} {comments.get(f.name, '')}")
-    try:
-        print("\n".join(lines), flush=True)
-    except BrokenPipeError:  # `--help | head` closed the pipe: that is not an error
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-
-
-def parse_value(name: str, value: str, kind: type):
-    if kind is bool:
-        if value.lower() not in ("true", "false", "1", "0"):
-            raise ValueError(f"--{name} expects true or false, got {value!r}")
-        return value.lower() in ("true", "1")
-    try:
-        return kind(value)
-    except ValueError:
-        raise ValueError(f"--{name} expects {kind.__name__}, got {value!r}") from None
-
-
 def parse_args(argv: list[str]) -> dict[str, object]:
-    """`--field value` or `--field=value` -> {field: value}, converted to the field's type."""
-    owners = field_owners()
-    kinds = {f.name: type(f.default) for cls in SECTIONS.values()
-             for f in dataclasses.fields(cls)}
-    values = {}
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        if not arg.startswith("--"):
-            raise ValueError(f"unexpected argument {arg!r}; options look like --field value "
-                             "(see --help)")
-        name, eq, value = arg[2:].partition("=")
-        if not eq:
-            if i + 1 >= len(argv):
-                raise ValueError(f"--{name} needs a value")
-            i += 1
-            value = argv[i]
-        i += 1
-        if name not in owners:
-            raise ValueError(f"unknown option --{name} (see --help for the list)")
-        values[name] = parse_value(name, value, kinds[name])
-    return values
+    """`--field value` for every field of every section: {field: value} (cli.py)."""
+    return cli.parse_args(argv, SECTIONS)
 
 
 def build_configs(values: dict[str, object]) -> Configs:
-    """One dataclass per section from flat {field: value}; each validates its own fields."""
-    owners = field_owners()
-    by_section: dict[str, dict] = {section: {} for section in SECTIONS}
-    for name, value in values.items():
-        by_section[owners[name]][name] = value
-    return Configs(**{s: cls(**by_section[s]) for s, cls in SECTIONS.items()})
+    return Configs(**cli.build_configs(values, SECTIONS))
 
-
-def check_config(cfgs: Configs) -> None:
-    """What the dataclasses cannot know alone: the values a training run needs."""
-    cfg = cfgs.train
-    positive = ("prompts_per_step", "max_prompt_len", "steps", "max_bad_steps",
-                "max_unscored_steps", "eval_prompts")
-    for name in positive:
-        if getattr(cfg, name) < 1:
-            raise ValueError(f"--{name} must be >= 1, got {getattr(cfg, name)}")
-    for name in ("lr", "weight_decay", "grad_clip", "save_every", "warmup_steps", "eval_every"):
-        if getattr(cfg, name) < 0:
-            raise ValueError(f"--{name} must be >= 0, got {getattr(cfg, name)}")
-    dtypes = ("float32", "bfloat16", "float16")
-    for name, allowed in (("dtype", dtypes), ("sampler_dtype", ("", *dtypes))):
-        if getattr(cfg, name) not in allowed:
-            raise ValueError(f"--{name} must be one of {allowed}, got {getattr(cfg, name)!r}")
-    if cfg.prompt_template and "{prompt}" not in cfg.prompt_template:
-        raise ValueError(f"--prompt_template {cfg.prompt_template!r} has no {{prompt}} to replace")
-    r = cfgs.rollout
-    if r.temperature == 0:
-        raise ValueError("--temperature 0 (greedy) samples every completion of a group alike: "
-                         "every advantage would be 0; GRPO needs a temperature > 0")
-    if r.top_k or r.top_p < 1:
-        raise ValueError("--top_k/--top_p truncate the sampling distribution, which the trainer's "
-                         "logprobs do not (the GRPO ratio would not be 1 on-policy); leave them "
-                         "off for training (they are for evaluation with rollout.generate)")
 
 # -----------------------------------------------------------------------------
 # Setup: task, model, tokenizer, optimizer, memory phases
@@ -314,18 +216,34 @@ def resolve_configs(values: dict[str, object]) -> tuple[Configs, set[str]]:
     if resume:
         out = values.get("out", TrainConfig.out)
         saved = checkpoint.saved_config(resume, out)
-        owners = field_owners()
+        owners = cli.field_owners(SECTIONS)
         flat = {name: value for section, fields in saved.items() for name, value in fields.items()
                 if owners.get(name) == section}
         values = {**flat, **values}
     return build_configs(values), explicit
 
 
+def memory_phases(device: torch.device | str, cfg: memory.MemoryConfig, model: Llama,
+                  sampler: Llama, cache: rollout.KVCache, optimizer: torch.optim.Optimizer,
+                  reference: Llama | None) -> memory.PhaseManager:
+    """The one list of memory tags, for setup() and for --plan (on the meta device)."""
+    mem = memory.PhaseManager(device, cfg)
+    mem.add_weights(model, sampler)
+    mem.add_kv_cache(cache.buffer)
+    mem.add_grads(model)
+    mem.add_optimizer(optimizer)
+    if reference is not None:
+        mem.add_reference(reference)
+    if getattr(model, "tp_state", None) is not None:  # sequence parallelism's gathered activations
+        mem.add_scratch(model.tp_state.buffer.tensors)
+    return mem
+
+
 def setup(values: dict[str, object]) -> Run:
     rank, world, device = tp.init_distributed()
     cfgs, explicit = resolve_configs(values)
     cfg = cfgs.train
-    check_config(cfgs)
+    cli.check_config(cfgs)
     groups = tp.make_groups(cfgs.parallel.tp)
     if cfg.prompts_per_step % groups.dp_size:
         raise ValueError(f"--prompts_per_step {cfg.prompts_per_step} must be divisible by "
@@ -364,15 +282,7 @@ def setup(values: dict[str, object]) -> Run:
                                       next(sampler.parameters()).dtype, device,
                                       tp_size=groups.tp_size)
     memory.checkpoint_blocks(model.model.layers, cfgs.memory.activation_checkpoint)
-    mem = memory.PhaseManager(device, cfgs.memory)
-    mem.add_weights(model, sampler)
-    mem.add_kv_cache(cache.buffer)
-    mem.add_grads(model)
-    mem.add_optimizer(optimizer)
-    if reference is not None:
-        mem.add_reference(reference)
-    if groups.tp_size > 1:  # sequence parallelism's gathered activations
-        mem.add_scratch(model.tp_state.buffer.tensors)
+    mem = memory_phases(device, cfgs.memory, model, sampler, cache, optimizer, reference)
     stop_ids = stop_token_ids(model.config, generation_config)
     run = Run(cfgs, explicit, rank, groups, device, task, tokenizer, stop_ids, generation_config,
               model, sampler, reference, optimizer, mem, cache, start=start,
@@ -672,9 +582,8 @@ def print_plan(argv: list[str]) -> int:
     (or the fresh model's flags) and the run's flags, on the meta device: no weight is read.
     WORLD_SIZE (as torchrun sets it) gives dp = world / tp."""
     cfgs = build_configs(parse_args([a for a in argv if a != "--plan"]))
-    check_config(cfgs)
+    cli.check_config(cfgs)
     cfg = cfgs.train
-    g = cfgs.grpo
     task = tasks.load_task(cfg.task, cfg.task_data)
     world = int(os.environ.get("WORLD_SIZE", 1))
     groups = tp.ParallelGroups(None, None, tp_size=cfgs.parallel.tp,
@@ -688,88 +597,31 @@ def print_plan(argv: list[str]) -> int:
     sampler = model
     if cfg.sampler_dtype and cfg.sampler_dtype != cfg.dtype:
         sampler = copy.deepcopy(model).to(getattr(torch, cfg.sampler_dtype))
+    sampler_dtype = next(sampler.parameters()).dtype
     budget = cfgs.rollout.max_new_tokens or task.max_new_tokens or 256  # as setup()
     r = dataclasses.replace(cfgs.rollout, max_new_tokens=budget)
     Bp = cfg.prompts_per_step // groups.dp_size
     P = cfg.max_prompt_len  # the longest prompt
-    Tc = r.max_new_tokens
-    mem = memory.PhaseManager("meta", cfgs.memory)
-    mem.add_weights(model, sampler)
-    mem.add_kv_cache(rollout.KVCache.for_batch(model.config, Bp, r.num_samples, P, Tc,
-                                               next(sampler.parameters()).dtype, "meta",
-                                               tp_size=groups.tp_size).buffer)
-    mem.add_grads(model)
-    mem.add_optimizer(torch.optim.AdamW(model.parameters()))
-    if g.beta > 0:
-        mem.add_reference(copy.deepcopy(model).requires_grad_(False))
-    old = g.mu > 1 or sampler is not model
-    micro = grpo.micro_batch_memory(
-        model.config, min(g.micro_batch_groups, Bp), r.num_samples, P, Tc, dtype,
-        checkpoint=cfgs.memory.activation_checkpoint, chunk_size=g.chunk_size,
-        tp_size=groups.tp_size, sequence_parallel=cfgs.parallel.sequence_parallel)
-    kept = grpo.batch_bytes(Bp * r.num_samples, Tc, old, g.beta > 0)  # through the step
-    sampling = rollout.rollout_memory(model.config, Bp, P, r, next(sampler.parameters()).dtype,
-                                      groups.tp_size)
-    transients = {"rollout": max(sampling.values()), "idle": kept + old * micro["no grad"],
-                  "reference": kept + micro["no grad"],
-                  "train": kept + max(micro["forward"], micro["backward"])}
+    cache = rollout.KVCache.for_batch(model.config, Bp, r.num_samples, P, r.max_new_tokens,
+                                      sampler_dtype, "meta", tp_size=groups.tp_size)
+    reference = None
+    if cfgs.grpo.beta > 0:
+        reference = copy.deepcopy(model).requires_grad_(False)
+    mem = memory_phases("meta", cfgs.memory, model, sampler, cache,
+                        torch.optim.AdamW(model.parameters()), reference)
+    transients = plan.step_transients(
+        model.config, Bp, P, r, cfgs.grpo, dtype, sampler_dtype,
+        checkpoint=cfgs.memory.activation_checkpoint, tp_size=groups.tp_size,
+        sequence_parallel=cfgs.parallel.sequence_parallel,
+        old=cfgs.grpo.mu > 1 or sampler is not model)
     target = "cuda" if torch.cuda.is_available() else "cpu"
-    plan = mem.plan_step(transients, target, cfg.phases)
-    if g.beta == 0:  # no reference model: no such phase
-        del plan["reference"]
-    columns = list(plan["train"])
-    print(f"memory plan per rank on {target} (tp {groups.tp_size} x dp {groups.dp_size}; "
-          f"{Bp} prompts x {P} + {Tc} tokens x G {r.num_samples}), MB:")
-    print(f"{'phase':<10}" + "".join(f"{c:>11}" for c in columns))
-    for phase, row in plan.items():
-        print(f"{phase:<10}" + "".join(f"{row[c] / 1e6:>11,.1f}" for c in columns))
-    peak = max(row["peak"] for row in plan.values())
-    print(f"peak {peak / 1e9:.3f} GB (max_memory_allocated); a GPU needs about that plus its "
-          "CUDA context and allocator slack (~1 GB)")
+    title = (f"tp {groups.tp_size} x dp {groups.dp_size}; {Bp} prompts x {P} + "
+             f"{r.max_new_tokens} tokens x G {r.num_samples}")
+    plan.print_plan(mem, transients, target, cfg.phases, reference is not None, title)
     return 0
 
 # -----------------------------------------------------------------------------
 # The loop
-
-
-def jsonable(record: dict) -> dict:
-    """NaN and inf are not JSON (strict readers refuse a bare NaN): they become null."""
-    def clean(v):
-        return None if isinstance(v, float) and not math.isfinite(v) else v
-    return {k: clean(v) for k, v in record.items()}
-
-
-def step_line(record: dict, steps: int, beta: float) -> str:
-    record = jsonable(record)
-
-    def num(key: str, fmt: str) -> str:
-        return "-" if record[key] is None else format(record[key], fmt)
-    parts = [f"step {record['step']}/{steps}",
-             f"reward {num('reward', '.3f')} ± {num('reward_std', '.2f')}",
-             f"loss {num('loss', '+.4f')}"]
-    if beta > 0:
-        parts.append(f"kl {num('kl', '.4f')}")
-    clip = None
-    if record["clip_low"] is not None:
-        clip = record["clip_low"] + record["clip_high"]
-    parts += [f"ent {num('entropy', '.3f')}", f"clip {'-' if clip is None else f'{clip:.3f}'}",
-              f"|dlogp| {num('sampler_logp_diff', '.1e')}",
-              f"len {record['completion_len']:.1f}", f"{record['tokens_per_s']:.0f} tok/s",
-              f"roll {record['t_rollout']:.2f}s lp {record['t_logprobs']:.2f}s "
-              f"train {record['t_train']:.2f}s", f"peak {record['peak_gb']:.2f} GB"]
-    if record.get("eval_reward") is not None:
-        right = record["eval_correct"]
-        parts.append(f"eval {record['eval_reward']:.3f}"
-                     + (f" ({right:.0%} correct)" if right is not None else ""))
-    if record["reward"] is None:
-        parts.append(f"NO REWARD SCORED: all {record['missing_rewards']} missing, no update")
-    elif record["missing_rewards"]:
-        parts.append(f"{record['missing_rewards']} rewards missing")
-    if record["truncated_prompts"]:
-        parts.append(f"{record['truncated_prompts']} prompts truncated")
-    if record["skipped_updates"]:
-        parts.append(f"{record['skipped_updates']} updates skipped (non-finite loss or grads)")
-    return " | ".join(parts)
 
 
 def save(run: Run, step: int) -> str:
@@ -820,8 +672,8 @@ def train(run: Run) -> None:
             raise
         if run.rank == 0:
             with open(metrics_file, "a") as f:
-                f.write(json.dumps(jsonable(record), allow_nan=False) + "\n")
-            bar.write(step_line(record, cfg.steps, run.cfgs.grpo.beta))
+                f.write(json.dumps(cli.jsonable(record), allow_nan=False) + "\n")
+            bar.write(cli.step_line(record, cfg.steps, run.cfgs.grpo.beta))
             if i == run.start and cfg.phases:
                 bar.write(run.mem.report())
         check_health(run, record)
@@ -852,7 +704,7 @@ def on_stop_signal(run: Run, signum: int, frame) -> None:
 
 def main(argv: list[str]) -> int:
     if "-h" in argv or "--help" in argv:
-        print_help()
+        cli.print_help(SECTIONS)
         return 0
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     finished = False  # every rank got through: the groups can meet at a last barrier

@@ -14,6 +14,7 @@ import torch
 
 from memtrace import allocator_peak
 
+import cli
 import hf
 import train
 from model import Llama
@@ -181,7 +182,7 @@ def test_help_into_a_closed_pipe_ends_quietly():
 
 def test_every_knob_has_one_home():
     """Each --field belongs to exactly one config dataclass (the CLI routes it there)."""
-    owners = train.field_owners()
+    owners = cli.field_owners(train.SECTIONS)
     assert owners["temperature"] == "rollout" and owners["num_samples"] == "rollout"
     assert owners["loss_type"] == "grpo" and owners["activation_checkpoint"] == "memory"
     assert owners["tp"] == "parallel" and owners["micro_batch_groups"] == "grpo"

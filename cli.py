@@ -1,0 +1,177 @@
+"""
+The command line of train.py: flags from the config dataclasses, --help, the checks a run's
+configs need before anything is built, and the one-line step summary.
+
+Every knob has one home, the dataclass of the file that uses it (train.py's SECTIONS: TrainConfig,
+rollout.RolloutConfig, grpo.GRPOConfig, memory.MemoryConfig, tp.ParallelConfig). `--field value`
+(or `--field=value`) is routed to the section that declares `field`, converted to the field's type;
+`--help` prints every field with its default and the end-of-line comment of its declaration (the
+config's source is its documentation). This file is given the sections; it imports no engine file.
+
+Leaves out: short flags, config files, environment variables.
+Tested by tests/test_train.py.
+"""
+
+import dataclasses
+import inspect
+import math
+import os
+import sys
+
+# -----------------------------------------------------------------------------
+# Flags and help
+
+
+def field_owners(sections: dict[str, type]) -> dict[str, str]:
+    """field name -> its section; a name declared in two sections would be ambiguous on the CLI."""
+    owners: dict[str, str] = {}
+    for section, cls in sections.items():
+        for f in dataclasses.fields(cls):
+            if f.name in owners:
+                raise TypeError(f"--{f.name} is declared by {owners[f.name]} and {section}")
+            owners[f.name] = section
+    return owners
+
+
+def field_help(cls: type) -> dict[str, str]:
+    """The end-of-line comment of each field: the config's source is its documentation."""
+    out = {}
+    for line in inspect.getsource(cls).splitlines():
+        name, _, rest = line.strip().partition(":")
+        if "#" in rest and name.isidentifier():
+            out[name] = rest.split("#", 1)[1].strip()
+    return out
+
+
+def print_help(sections: dict[str, type]) -> None:
+    lines = ["usage: [torchrun ...] train.py [--field value ...] [--plan]",
+             "  --plan: print each rank's memory per phase for these flags (config.json only, no "
+             "weight read), then exit"]
+    for section, cls in sections.items():
+        file = os.path.basename(inspect.getsourcefile(cls))  # train.py, not __main__, as a script
+        lines.append(f"\n{section} ({file} {cls.__name__}):")
+        comments = field_help(cls)
+        for f in dataclasses.fields(cls):
+            kind = type(f.default).__name__
+            lines.append(f"  --{f.name:<22} {kind:<6} {f.default!r:<16} {comments.get(f.name, '')}")
+    try:
+        print("\n".join(lines), flush=True)
+    except BrokenPipeError:  # `--help | head` closed the pipe: that is not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+def parse_value(name: str, value: str, kind: type):
+    if kind is bool:
+        if value.lower() not in ("true", "false", "1", "0"):
+            raise ValueError(f"--{name} expects true or false, got {value!r}")
+        return value.lower() in ("true", "1")
+    try:
+        return kind(value)
+    except ValueError:
+        raise ValueError(f"--{name} expects {kind.__name__}, got {value!r}") from None
+
+
+def parse_args(argv: list[str], sections: dict[str, type]) -> dict[str, object]:
+    """`--field value` or `--field=value` -> {field: value}, converted to the field's type."""
+    owners = field_owners(sections)
+    kinds = {f.name: type(f.default) for cls in sections.values()
+             for f in dataclasses.fields(cls)}
+    values = {}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise ValueError(f"unexpected argument {arg!r}; options look like --field value "
+                             "(see --help)")
+        name, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(argv):
+                raise ValueError(f"--{name} needs a value")
+            i += 1
+            value = argv[i]
+        i += 1
+        if name not in owners:
+            raise ValueError(f"unknown option --{name} (see --help for the list)")
+        values[name] = parse_value(name, value, kinds[name])
+    return values
+
+
+def build_configs(values: dict[str, object], sections: dict[str, type]) -> dict[str, object]:
+    """{section: its dataclass} from flat {field: value}; each dataclass validates its own fields."""
+    owners = field_owners(sections)
+    by_section: dict[str, dict] = {section: {} for section in sections}
+    for name, value in values.items():
+        by_section[owners[name]][name] = value
+    return {s: cls(**by_section[s]) for s, cls in sections.items()}
+
+
+def check_config(cfgs) -> None:
+    """What the dataclasses cannot know alone: the values a training run needs (cfgs: train.py's
+    Configs)."""
+    cfg = cfgs.train
+    positive = ("prompts_per_step", "max_prompt_len", "steps", "max_bad_steps",
+                "max_unscored_steps", "eval_prompts")
+    for name in positive:
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"--{name} must be >= 1, got {getattr(cfg, name)}")
+    for name in ("lr", "weight_decay", "grad_clip", "save_every", "warmup_steps", "eval_every"):
+        if getattr(cfg, name) < 0:
+            raise ValueError(f"--{name} must be >= 0, got {getattr(cfg, name)}")
+    dtypes = ("float32", "bfloat16", "float16")
+    for name, allowed in (("dtype", dtypes), ("sampler_dtype", ("", *dtypes))):
+        if getattr(cfg, name) not in allowed:
+            raise ValueError(f"--{name} must be one of {allowed}, got {getattr(cfg, name)!r}")
+    if cfg.prompt_template and "{prompt}" not in cfg.prompt_template:
+        raise ValueError(f"--prompt_template {cfg.prompt_template!r} has no {{prompt}} to replace")
+    r = cfgs.rollout
+    if r.temperature == 0:
+        raise ValueError("--temperature 0 (greedy) samples every completion of a group alike: "
+                         "every advantage would be 0; GRPO needs a temperature > 0")
+    if r.top_k or r.top_p < 1:
+        raise ValueError("--top_k/--top_p truncate the sampling distribution, which the trainer's "
+                         "logprobs do not (the GRPO ratio would not be 1 on-policy); leave them "
+                         "off for training (they are for evaluation with rollout.generate)")
+
+# -----------------------------------------------------------------------------
+# The step line
+
+
+def jsonable(record: dict) -> dict:
+    """NaN and inf are not JSON (strict readers refuse a bare NaN): they become null."""
+    def clean(v):
+        return None if isinstance(v, float) and not math.isfinite(v) else v
+    return {k: clean(v) for k, v in record.items()}
+
+
+def step_line(record: dict, steps: int, beta: float) -> str:
+    """One printed line per step from its metrics.jsonl record."""
+    record = jsonable(record)
+
+    def num(key: str, fmt: str) -> str:
+        return "-" if record[key] is None else format(record[key], fmt)
+    parts = [f"step {record['step']}/{steps}",
+             f"reward {num('reward', '.3f')} ± {num('reward_std', '.2f')}",
+             f"loss {num('loss', '+.4f')}"]
+    if beta > 0:
+        parts.append(f"kl {num('kl', '.4f')}")
+    clip = None
+    if record["clip_low"] is not None:
+        clip = record["clip_low"] + record["clip_high"]
+    parts += [f"ent {num('entropy', '.3f')}", f"clip {'-' if clip is None else f'{clip:.3f}'}",
+              f"|dlogp| {num('sampler_logp_diff', '.1e')}",
+              f"len {record['completion_len']:.1f}", f"{record['tokens_per_s']:.0f} tok/s",
+              f"roll {record['t_rollout']:.2f}s lp {record['t_logprobs']:.2f}s "
+              f"train {record['t_train']:.2f}s", f"peak {record['peak_gb']:.2f} GB"]
+    if record.get("eval_reward") is not None:
+        right = record["eval_correct"]
+        parts.append(f"eval {record['eval_reward']:.3f}"
+                     + (f" ({right:.0%} correct)" if right is not None else ""))
+    if record["reward"] is None:
+        parts.append(f"NO REWARD SCORED: all {record['missing_rewards']} missing, no update")
+    elif record["missing_rewards"]:
+        parts.append(f"{record['missing_rewards']} rewards missing")
+    if record["truncated_prompts"]:
+        parts.append(f"{record['truncated_prompts']} prompts truncated")
+    if record["skipped_updates"]:
+        parts.append(f"{record['skipped_updates']} updates skipped (non-finite loss or grads)")
+    return " | ".join(parts)

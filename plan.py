@@ -1,0 +1,194 @@
+"""
+The memory plan: what a run will hold per rank in each phase, from shapes alone, before any weight
+is read (`train.py --plan`).
+
+Each phase's peak = the tagged tensors awake in it (memory.PhaseManager.plan_step: weights, KV
+cache, grads, optimizer state, reference, and on a CPU the offload buffers) + its largest transient,
+which the formulas below give: rollout_memory (the sampler's prefill and first sampling),
+micro_batch_memory (one training micro-batch forward and backward, with or without activation
+checkpointing), batch_bytes (the generation batch's tensors kept through the step). Each formula
+sits in a docstring next to its terms; tests/test_train.py checks the plan against the allocator
+peak it predicts, tests/bench_plan.py measures it phase by phase.
+
+Leaves out: tp's sequence-parallel gather buffers, --activation_offload, the optimizer step's own
+temporaries, allocator fragmentation and the CUDA context (~1 GB on a GPU).
+"""
+
+import torch
+
+from grpo import GRPOConfig
+from memory import PhaseManager
+from model import ModelConfig
+from rollout import RolloutConfig
+
+# -----------------------------------------------------------------------------
+# Rollout: what generate() allocates besides the weights and the KV cache
+
+def rollout_memory(config: ModelConfig, num_prompts: int, prompt_len: int, cfg: RolloutConfig,
+                   dtype: torch.dtype, tp_size: int = 1) -> dict[str, int]:
+    """Bytes generate() holds at each of its two largest moments, besides the weights and the KV
+    cache (memory.py plans those from shapes), per rank, for Bp prompts of P tokens whose R = Bp*G
+    rows all decode Tc = max_new_tokens. a: bytes per element of the sampler's dtype; b*P tokens
+    per prefill forward (b = prefill_tokens // P prompts, at most Bp); V the full vocabulary (tensor
+    parallelism gathers it before sampling), I/tp the SwiGLU width on this rank.
+        outputs   R*Tc*(8 + 4)             tokens and logprobs, (Tc, R) each, filled as it goes
+        prefill   b*P*a*(3C + 3I/tp + 2D)  inside a block: its input, the residual after attention,
+                                           the normed input, then silu(gate), up and their product;
+                                           the rope tables cos, sin (D wide)
+        sampling  R*V*(a + 12) + Bp*V*a    the first tokens: each prompt's logits repeated G times,
+                                           the softmax (4) and its float64 cdf (8) (see sample);
+                                           a decode step's block (R*a*(3C + 3I/tp)) is far smaller
+    Returns {"prefill": outputs + prefill, "sampling": outputs + sampling}."""
+    a = torch.empty((), dtype=dtype).element_size()
+    C = config.hidden_size
+    I = config.intermediate_size // tp_size
+    V = config.vocab_size
+    D = config.head_dim
+    R = num_prompts * cfg.num_samples
+    outputs = R * cfg.max_new_tokens * (8 + 4)
+    per_chunk = min(num_prompts, max(1, cfg.prefill_tokens // prompt_len))
+    prefill = per_chunk * prompt_len * a * (3 * C + 3 * I + 2 * D)
+    decode_block = R * a * (3 * C + 3 * I)
+    sampling = max(R * V * (a + 12) + num_prompts * V * a, decode_block + R * V * (a + 12))
+    return {"prefill": outputs + prefill, "sampling": outputs + sampling}
+
+# -----------------------------------------------------------------------------
+# Training: what one micro-batch allocates, forward and backward
+
+def block_bytes(config: ModelConfig, dtype: torch.dtype, tp_size: int = 1,
+                sequence_parallel: bool = False) -> dict[str, int]:
+    """Bytes per token one block saves for backward, per rank (tests/bench_tp.py counts them).
+    a: bytes per element; Q = H*D, K = Hkv*D; the residual stream's C becomes C/tp under sequence
+    parallelism (its tokens are split, and the fused gather-linears keep only the local shard).
+        norms      2*(4 + 2a)*C           each RMSNorm: its float32 input, normed and scaled outputs
+        attention  (a*(2Q + 2K) + 4H)/tp  q and k after rope, v, SDPA's output; its float32 lse
+        mlp        4a*I/tp                gate, up, silu(gate), their product
+    "kv" is the 2a*K/tp of k and v: a completion token's are kept per row with its prompt's."""
+    a = torch.empty((), dtype=dtype).element_size()
+    C = config.hidden_size // (tp_size if sequence_parallel else 1)
+    H = config.num_attention_heads // tp_size
+    Q = H * config.head_dim
+    K = config.num_key_value_heads // tp_size * config.head_dim
+    I = config.intermediate_size // tp_size
+    return dict(norms=2 * (4 + 2 * a) * C, attention=a * (2 * Q + 2 * K) + 4 * H, mlp=4 * a * I,
+                kv=2 * a * K, residual=a * C, inference=a * (3 * C + 3 * I))
+
+
+def micro_batch_memory(config: ModelConfig, groups: int, G: int, prompt_len: int,
+                       completion_len: int, dtype: torch.dtype, *, checkpoint: bool,
+                       chunk_size: int, tp_size: int = 1,
+                       sequence_parallel: bool = False) -> dict[str, int]:
+    """Bytes one micro-batch of `groups` prompts of P tokens and their N = groups*G completions of
+    Tr tokens (T = Tr - 1 fed) holds at its largest moments, per rank, besides the weights, grads
+    and optimizer state (memory.py plans those): {"forward", "backward", "no grad"} (the last:
+    old or reference logprobs). Per layer, with block_bytes' per-token terms:
+        prompt tokens      full blocks, the last one less its MLP (an upper bound: its queries run
+                           at one position too)
+        completion tokens  full blocks less their k, v; per row the [prompt; own] keys and values
+                           of the fused attention, 2a*K/tp*(P + T)
+    With activation checkpointing a block keeps only its input (a*C), the prompt's k, v (the
+    completions attend to them), and backward recomputes one block at a time. Outside the blocks:
+    the rope tables, the [prompt; own] mask (bool), the hidden states at the head (a*C + 16 per
+    token), the loss's (N, Tr) float32 tensors. Transients: a chunk of head logits (8 bytes per
+    entry forward: float32 logits and exp; 16 + a backward, and a (V, C) lm_head grad per chunk),
+    the SwiGLU's 3 (inference) or 2 (gradients) I-wide tensors, the hidden states' (N, Tr, C);
+    in backward the pending weight gradients (pending_gradient_bytes)."""
+    b = block_bytes(config, dtype, tp_size, sequence_parallel)
+    a = b["residual"] * (tp_size if sequence_parallel else 1) // config.hidden_size
+    L = config.num_hidden_layers
+    C = config.hidden_size
+    V = config.vocab_size // tp_size
+    T = max(completion_len - 1, 0)
+    rows = groups * G
+    prompt = groups * prompt_len  # tokens
+    completion = rows * T
+    n = rows * completion_len  # completion tokens scored (every row at full length)
+    full = b["norms"] + b["attention"] + b["mlp"]  # a prompt token's block
+    row_keys = rows * b["kv"] * (prompt_len + T)
+    completion_block = completion * (full - b["kv"]) + row_keys
+    outside = (2 * a * config.head_dim * (prompt + completion) + rows * T * (prompt_len + T)
+               + n * (a * C + 16) + rows * completion_len * 4 * 8)
+    chunk = min(chunk_size or n, n)
+    head = chunk * V * 8
+    head_backward = chunk * V * (16 + a) + V * C * a
+    if checkpoint:
+        saved = L * (prompt + completion) * b["residual"] + L * prompt * b["kv"] + outside
+        recompute = max(prompt * full, completion_block)
+        forward = saved + max(prompt * b["inference"], completion * b["inference"] + row_keys,
+                              head)
+    else:
+        saved = (L * prompt * full - prompt * b["mlp"] + L * completion_block + outside)
+        recompute = 0
+        forward = saved + max(rows * completion_len * C * a, head)
+    gradients = max(prompt, completion) * 2 * a * config.intermediate_size // tp_size
+    pending = pending_gradient_bytes(config, dtype, tp_size)
+    backward = saved + recompute + max(gradients, head_backward)
+    if checkpoint:
+        backward += pending
+    else:  # once the completions are done: the prompt's saved blocks and the pending gradients
+        prompt_saved = L * prompt * full - prompt * b["mlp"] + outside
+        backward = max(backward, prompt_saved + pending + gradients)
+    no_grad = (L * prompt * b["kv"] + n * a * C * 2
+               + max(prompt * b["inference"], completion * b["inference"] + row_keys, head))
+    return {"forward": forward, "backward": backward, "no grad": no_grad}
+
+
+def pending_gradient_bytes(config: ModelConfig, dtype: torch.dtype, tp_size: int = 1) -> int:
+    """A weight's completion gradient waits in autograd's input buffer for its prompt gradient,
+    to be summed with it. The two forwards alternate block by block (shared_prompt_hidden), so
+    that is one block's weights per rank, a*C*(2Q + 2K + 3I)/tp, and the embedding's, a*V/tp*C
+    (it waits for the prompt's embedding, the last node of backward). With activation
+    checkpointing they come on top of everything saved; without, the completions' saved
+    activations are mostly freed by then."""
+    a = torch.empty((), dtype=dtype).element_size()
+    C = config.hidden_size
+    Q = config.num_attention_heads // tp_size * config.head_dim
+    K = config.num_key_value_heads // tp_size * config.head_dim
+    I = config.intermediate_size // tp_size
+    V = config.vocab_size // tp_size
+    return a * (C * (2 * Q + 2 * K + 3 * I) + V * C)
+
+
+def batch_bytes(rows: int, completion_len: int, old: bool, reference: bool) -> int:
+    """The generation batch's (N, Tr) tensors kept through the step: tokens (int64), mask (bool),
+    the sampler's logprobs, and old / reference logprobs when computed (float32)."""
+    return rows * completion_len * (8 + 1 + 4 + 4 * old + 4 * reference)
+
+# -----------------------------------------------------------------------------
+# The step's plan, per phase
+
+
+def step_transients(config: ModelConfig, prompts: int, prompt_len: int, r: RolloutConfig,
+                    g: GRPOConfig, dtype: torch.dtype, sampler_dtype: torch.dtype, *,
+                    checkpoint: bool, tp_size: int = 1, sequence_parallel: bool = False,
+                    old: bool = False) -> dict[str, int]:
+    """Each phase's largest transient (bytes per rank) for `prompts` prompts of prompt_len tokens
+    and r.max_new_tokens completion tokens: the largest of rollout_memory in rollout; the batch
+    kept through the step plus a micro-batch's no-grad forward (old or reference logprobs) or its
+    forward/backward (train)."""
+    Tc = r.max_new_tokens
+    micro = micro_batch_memory(config, min(g.micro_batch_groups, prompts), r.num_samples,
+                               prompt_len, Tc, dtype, checkpoint=checkpoint,
+                               chunk_size=g.chunk_size, tp_size=tp_size,
+                               sequence_parallel=sequence_parallel)
+    kept = batch_bytes(prompts * r.num_samples, Tc, old, g.beta > 0)  # through the step
+    sampling = rollout_memory(config, prompts, prompt_len, r, sampler_dtype, tp_size)
+    return {"rollout": max(sampling.values()), "idle": kept + old * micro["no grad"],
+            "reference": kept + micro["no grad"],
+            "train": kept + max(micro["forward"], micro["backward"])}
+
+
+def print_plan(mem: PhaseManager, transients: dict[str, int], target: str, phases: bool,
+               reference: bool, title: str) -> None:
+    """The table `train.py --plan` prints: MB per tag, host buffers, transient and peak, per phase."""
+    plan = mem.plan_step(transients, target, phases)
+    if not reference:  # no reference model: no such phase
+        del plan["reference"]
+    columns = list(plan["train"])
+    print(f"memory plan per rank on {target} ({title}), MB:")
+    print(f"{'phase':<10}" + "".join(f"{c:>11}" for c in columns))
+    for phase, row in plan.items():
+        print(f"{phase:<10}" + "".join(f"{row[c] / 1e6:>11,.1f}" for c in columns))
+    peak = max(row["peak"] for row in plan.values())
+    print(f"peak {peak / 1e9:.3f} GB (max_memory_allocated); a GPU needs about that plus its "
+          "CUDA context and allocator slack (~1 GB)")
