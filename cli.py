@@ -53,7 +53,8 @@ def print_help(sections: dict[str, type]) -> None:
         comments = field_help(cls)
         for f in dataclasses.fields(cls):
             kind = type(f.default).__name__
-            lines.append(f"  --{f.name:<22} {kind:<6} {f.default!r:<16} {comments.get(f.name, '')}")
+            default = repr(f.default)
+            lines.append(f"  --{f.name:<22} {kind:<6} {default:<16} {comments.get(f.name, '')}")
     try:
         print("\n".join(lines), flush=True)
     except BrokenPipeError:  # `--help | head` closed the pipe: that is not an error

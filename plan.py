@@ -180,7 +180,7 @@ def step_transients(config: ModelConfig, prompts: int, prompt_len: int, r: Rollo
 
 def print_plan(mem: PhaseManager, transients: dict[str, int], target: str, phases: bool,
                reference: bool, title: str) -> None:
-    """The table `train.py --plan` prints: MB per tag, host buffers, transient and peak, per phase."""
+    """The table `train.py --plan` prints: MB per tag, host buffers, transient, peak, per phase."""
     plan = mem.plan_step(transients, target, phases)
     if not reference:  # no reference model: no such phase
         del plan["reference"]

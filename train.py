@@ -57,8 +57,8 @@ import plan
 import plot
 import rollout
 import tp
-from hf import (build_char_tokenizer, load_config, load_generation_config, load_model, load_tokenizer,
-                stop_token_ids)
+from hf import (build_char_tokenizer, load_config, load_generation_config, load_model,
+                load_tokenizer, stop_token_ids)
 from model import Llama, ModelConfig
 import tasks
 from tasks import Task
