@@ -4,7 +4,7 @@ GPUs.
 
 setup() builds everything once: process groups, the task, tokenizer and model (plus a sampler copy
 in another dtype and a frozen reference when asked), the optimizer and the memory phases. step() is
-one GRPO step, DESIGN.md's data flow in numbered pieces:
+one GRPO step, docs/design.md's data flow in numbered pieces:
 
     1. draw the step's prompts (a function of seed and step: a resumed run draws the same ones)
     2. rollout phase: sync the sampler's weights from the trainer, sample G completions per prompt

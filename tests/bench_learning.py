@@ -15,7 +15,7 @@ one row per task x seed:
                    (the policy is nearly deterministic), and the mean reward over those steps:
                    what the run had learned when it stopped exploring
     wall_s         seconds of the whole process (setup, evaluations and checkpoint included)
-    target         the issue's bar: reverse reaches 0.9 in under 600 s; any other task ends at
+    target         the bar: reverse reaches 0.9 in under 600 s; any other task ends at
                    >= 0.5 and >= 2x its start (last >= max(0.5, 2 * first))
 
 and <out>/<task>.svg with the task's seeds (plot.py). Tables are Markdown, to paste as they are.

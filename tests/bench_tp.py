@@ -41,7 +41,7 @@ import tp
 
 B, T = 2, 512  # b, s
 CFG = M.ModelConfig(vocab_size=2048, hidden_size=256, intermediate_size=704, num_hidden_layers=1,
-                    num_attention_heads=8, num_key_value_heads=4)  # DESIGN.md's tiny config, one layer
+                    num_attention_heads=8, num_key_value_heads=4)  # the benches' tiny config, one layer
 
 
 def saved_bytes(m: M.Llama, dtype: torch.dtype, sp: bool) -> int:

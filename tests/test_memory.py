@@ -612,8 +612,8 @@ def test_activations_context_follows_the_config():
 
 
 def test_memory_py_reads_in_short_lines_and_functions_and_imports_no_other_concept():
-    """The review's findings: lines over 100 columns and long functions; and memory.py must not
-    know tp.py (it takes a dict of scratch tensors) nor any other file of ours."""
+    """memory.py reads in lines of at most 100 columns and functions of at most 60 lines, and
+    knows neither tp.py (it takes a dict of scratch tensors) nor any other file of ours."""
     path = memory.__file__
     with open(path) as f:
         source = f.read()

@@ -547,7 +547,7 @@ def test_checkpoints_written_by_transformers_load_exactly(tmp_path, case):
 @pytest.mark.parametrize("config_class, arch", [("LlamaConfig", "LlamaForCausalLM"),
                                                 ("Qwen2Config", "Qwen2ForCausalLM")])
 def test_config_written_by_transformers_config_alone_is_read(tmp_path, config_class, arch):
-    """Regression (the issue's reproduction): LlamaConfig(rope_theta=500000).save_pretrained(d) gave
+    """Regression: LlamaConfig(rope_theta=500000).save_pretrained(d) gave
     rope_theta 10000; the file has no "architectures" either, only model_type."""
     transformers = pytest.importorskip("transformers")
     getattr(transformers, config_class)(**HF_BASE, rope_theta=500000).save_pretrained(str(tmp_path))
