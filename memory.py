@@ -12,6 +12,7 @@ memory has tags, each with a policy: one class per policy below, holding its sle
     kv_cache   release   freed                                                 rollout
     reference  offload   copied into one reused (pinned) host buffer           reference
     optimizer  offload   copied into one reused (pinned) host buffer           train
+               guard     on a CPU (the host is the device): stays, guarded     (as offload)
     grads      discard   set to None; the next backward re-creates them        train
     scratch    discard   cleared; the owner re-creates them (tp's MemoryBuffer) train
 
@@ -27,8 +28,12 @@ tensor holds NaN until its owner fills it: the caller syncs the sampler (rollout
 generate() zeroes the KV it uses. Offloaded memory stays readable on the host (a checkpoint may
 read optimizer.state_dict() any time); a forward or optimizer step on it raises until wake.
 
-Also: activation offloading and per-block checkpointing for the training forward. On a CPU the
-same code runs (offload is a copy into a separate buffer). No shapes: tensors move whole.
+On a CPU an offload would copy into the same memory it leaves: the tensors stay where they are
+(policy "guard": no host buffer, no copy, counted as resident in every phase) and only the guard
+comes and goes, so a forward or step outside the phase raises as on a GPU.
+
+Also: activation offloading and per-block checkpointing for the training forward (on a CPU the
+same code runs: a copy into a separate buffer). No shapes: tensors move whole.
 Leaves out: offloading the trainer's own weights, disk offload, copy streams overlapping compute.
 Tested by tests/test_memory.py and tests/test_memory_cuda.py; measured by tests/bench_memory.py.
 """
@@ -235,17 +240,22 @@ class Offloaded:
     """Copied into one host buffer outside its phase (allocated once, reused; pinned on CUDA) and
     back: an optimizer's state on the device (looked up at each sleep: AdamW creates it at its
     first step) or a reference model's parameters. Readable on the host while asleep; the module's
-    forward and the optimizer's step raise until wake."""
-    policy = "offload"
+    forward and the optimizer's step raise until wake. On a CPU (in_place) nothing is copied: the
+    host is the device, a copy would hold the same bytes twice; only the guard sleeps and wakes."""
 
     def __init__(self, tag: str, releasable: bool, device: torch.device, pin: bool,
                  module: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None):
         self.tag, self.releasable, self.device, self.pin = tag, releasable, device, pin
+        self.in_place = device.type == "cpu"
         self.module, self.optimizer = module, optimizer
         self.params = list(module.parameters()) if module is not None else []
         self.host: Tensor | None = None  # flat uint8
         self.host_allocations = 0
         self.hooks: list = []  # the guard's handles, present while asleep
+
+    @property
+    def policy(self) -> str:
+        return "guard" if self.in_place else "offload"
 
     def tensors(self) -> list[Tensor]:
         if self.optimizer is None:
@@ -280,6 +290,8 @@ class Offloaded:
             self.wake()  # made on the device while asleep: all back, then one host layout for all
         if not self.hooks:
             self._guard(manager)
+        if self.in_place:  # guarded where they are: nothing moved, no transition recorded
+            return 0
         tensors = self.resident()
         sizes = [t.numel() * t.element_size() for t in tensors]
         offsets = [0]
@@ -312,20 +324,21 @@ class Offloaded:
     def _guard(self, manager: "PhaseManager") -> None:
         """A forward pre-hook on every parameter owner (callers may skip the top module's forward,
         as rollout does with Llama.head) and a step pre-hook on the optimizer; removed at wake."""
+        how = "asleep (in place: on a CPU)" if self.in_place else "offloaded to the host"
         owners = self.module.named_modules() if self.module is not None else []
         for name, owner in owners:
             if next(owner.parameters(recurse=False), None) is not None:
                 what = f"{self.tag} module '{name or type(owner).__name__}'"
-                hook = functools.partial(_raise_offloaded, manager, what, self.tag)
+                hook = functools.partial(_raise_offloaded, manager, what, self.tag, how)
                 self.hooks.append(owner.register_forward_pre_hook(hook))
         if self.optimizer is not None:
             what = f"{type(self.optimizer).__name__}.step(): the optimizer state"
-            hook = functools.partial(_raise_offloaded, manager, what, self.tag)
+            hook = functools.partial(_raise_offloaded, manager, what, self.tag, how)
             self.hooks.append(self.optimizer.register_step_pre_hook(hook))
 
 
-def _raise_offloaded(manager: "PhaseManager", what: str, tag: str, *hook_args) -> None:
-    raise RuntimeError(manager.asleep_message(what, tag, "offloaded to the host"))
+def _raise_offloaded(manager: "PhaseManager", what: str, tag: str, how: str, *hook_args) -> None:
+    raise RuntimeError(manager.asleep_message(what, tag, how))
 
 # -----------------------------------------------------------------------------
 # The phase manager
@@ -502,37 +515,38 @@ class PhaseManager:
             return max(self.lifetime_peak, torch.cuda.max_memory_allocated(self.device))
         return max(self.phase_peak.values(), default=0)
 
-    def plan(self) -> dict[str, dict[str, int]]:
-        """phase -> tag -> bytes resident, from the policies and shapes alone (works on meta)."""
-        return {phase: {g.tag: g.full_bytes() if g.tag in tags or not g.releasable else 0
-                        for g in self.groups}
+    def plan(self, target: str | torch.device | None = None) -> dict[str, dict[str, int]]:
+        """phase -> tag -> bytes resident, from the policies and shapes alone (works on meta), on
+        `target` (default: this manager's device): on a CPU an offloaded tag stays in place."""
+        cpu = None if target is None else torch.device(target).type == "cpu"
+
+        def awake(g, tags) -> bool:
+            stays = isinstance(g, Offloaded) and (g.in_place if cpu is None else cpu)
+            return g.tag in tags or not g.releasable or stays
+        return {phase: {g.tag: g.full_bytes() if awake(g, tags) else 0 for g in self.groups}
                 for phase, tags in PHASE_TAGS.items()}
 
     def plan_step(self, transients: dict[str, int], target: str | torch.device,
                   phases: bool = True) -> dict[str, dict[str, int]]:
-        """phase -> {tag: bytes, ..., "host": bytes, "transient": bytes, "peak": bytes}: each
-        phase's peak allocated on `target` (what torch.cuda.max_memory_allocated reads there),
-        from shapes alone (a manager on the meta device plans for any target):
-            peak = the tags awake in the phase (plan()) + host buffers + its largest transient
+        """phase -> {tag: bytes, ..., "transient": bytes, "peak": bytes}: each phase's peak
+        allocated on `target` (what torch.cuda.max_memory_allocated reads there), from shapes
+        alone (a manager on the meta device plans for any target):
+            peak = the tags awake in the phase (plan(target)) + its largest transient
         "idle" is outside every phase (the old logprobs' forward): only what no phase releases.
-        On a CPU the host is the device, so an offloaded tag's host buffer (allocated at its
-        first sleep, kept for reuse) counts in every phase; on a GPU it is not device memory.
+        On a CPU the offloaded tags stay in place (policy "guard"): counted once, in every phase;
+        on a GPU their pinned host buffers are not device memory.
         phases=False (train.py --phases false): every tag resident throughout.
         transients: phase -> bytes of activations, logits and the like at the phase's largest
         moment (plan.py: rollout_memory, micro_batch_memory): "rollout", "reference",
         "train", "idle"."""
-        plan = self.plan()
+        plan = self.plan(target)
         tags = {"idle": {tag: min(p[tag] for p in plan.values()) for tag in plan["train"]},
                 **plan}
         if not phases:
             tags = {phase: {g.tag: g.full_bytes() for g in self.groups} for phase in tags}
-        host = 0
-        if torch.device(target).type == "cpu" and phases:
-            host = sum(g.full_bytes() for g in self.groups
-                       if isinstance(g, Offloaded) and g.releasable)
         out = {}
         for phase, by_tag in tags.items():
-            row = {**by_tag, "host": host, "transient": transients.get(phase, 0)}
+            row = {**by_tag, "transient": transients.get(phase, 0)}
             out[phase] = {**row, "peak": sum(row.values())}
         return out
 

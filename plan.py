@@ -3,7 +3,7 @@ The memory plan: what a run will hold per rank in each phase, from shapes alone,
 is read (`train.py --plan`).
 
 Each phase's peak = the tagged tensors awake in it (memory.PhaseManager.plan_step: weights, KV
-cache, grads, optimizer state, reference, and on a CPU the offload buffers) + its largest transient,
+cache, grads, optimizer state, reference; on a CPU the last two stay in place) + its largest transient,
 which the formulas below give: rollout_memory (the sampler's prefill and first sampling),
 micro_batch_memory (one training micro-batch forward and backward, with or without activation
 checkpointing), batch_bytes (the generation batch's tensors kept through the step). Each formula
@@ -180,12 +180,15 @@ def step_transients(config: ModelConfig, prompts: int, prompt_len: int, r: Rollo
 
 def print_plan(mem: PhaseManager, transients: dict[str, int], target: str, phases: bool,
                reference: bool, title: str) -> None:
-    """The table `train.py --plan` prints: MB per tag, host buffers, transient, peak, per phase."""
+    """The table `train.py --plan` prints: MB per tag, transient, peak, per phase."""
     plan = mem.plan_step(transients, target, phases)
     if not reference:  # no reference model: no such phase
         del plan["reference"]
     columns = list(plan["train"])
-    print(f"memory plan per rank on {target} ({title}), MB:")
+    note = ""
+    if target == "cpu" and phases:  # memory.py's "guard": nothing copied, counted once
+        note = "; optimizer and reference stay in place (the host is the device)"
+    print(f"memory plan per rank on {target} ({title}), MB{note}:")
     print(f"{'phase':<10}" + "".join(f"{c:>11}" for c in columns))
     for phase, row in plan.items():
         print(f"{phase:<10}" + "".join(f"{row[c] / 1e6:>11,.1f}" for c in columns))

@@ -45,9 +45,11 @@ def loss_fn(model: M.Llama, tokens: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, V), tokens[:, 1:].reshape(-1))
 
 
-def engine(cfg: MemoryConfig | None = None, sampler_dtype: torch.dtype | None = torch.float64):
+def engine(cfg: MemoryConfig | None = None, sampler_dtype: torch.dtype | None = torch.float64,
+           copies: bool = False):
     """A trainer with AdamW, a separate sampler copy (or the trainer itself), a reference, a KV
-    cache in the sampler's dtype."""
+    cache in the sampler's dtype. copies=True: the offloaded tags copy into a host buffer as on a
+    GPU (on a CPU they stay in place), so the copy path runs here too."""
     trainer = tiny_model()
     sampler = trainer if sampler_dtype is None else copy.deepcopy(trainer).to(sampler_dtype)
     reference = copy.deepcopy(trainer)
@@ -59,6 +61,9 @@ def engine(cfg: MemoryConfig | None = None, sampler_dtype: torch.dtype | None = 
     mgr.add_grads(trainer)
     mgr.add_optimizer(optimizer)
     mgr.add_reference(reference)
+    for group in mgr.groups:
+        if group.tag in ("optimizer", "reference"):
+            group.in_place = not copies
     return mgr, trainer, sampler, reference, optimizer, cache
 
 
@@ -82,8 +87,10 @@ def optimizer_bytes(optimizer) -> int:
 # Accounting
 
 
-def test_sleep_releases_every_tag_and_wake_restores_its_bytes():
-    mgr, trainer, sampler, reference, optimizer, cache = engine()
+@pytest.mark.parametrize("copies", [False, True])
+def test_sleep_releases_every_tag_and_wake_restores_its_bytes(copies):
+    """On a CPU (copies=False) optimizer state and reference stay resident in every phase."""
+    mgr, trainer, sampler, reference, optimizer, cache = engine(copies=copies)
     scratch = {}
     mgr.add_scratch(scratch)
     train_step(trainer, optimizer, 0)  # grads and AdamW state exist now
@@ -93,10 +100,11 @@ def test_sleep_releases_every_tag_and_wake_restores_its_bytes():
              "reference": nbytes(params), "scratch": 0}
     assert mgr.resident_bytes() == awake  # before any phase everything is as registered
     with mgr.phase("rollout"):
-        asleep = {"grads", "optimizer", "reference"}
+        asleep = {"grads", "optimizer", "reference"} if copies else {"grads"}
         assert mgr.resident_bytes() == {t: 0 if t in asleep else b for t, b in awake.items()}
     # Leaving a phase frees what it woke at once (not at the next phase): only the trainer stays.
-    between = {t: awake[t] if t == "trainer" else 0 for t in awake}
+    stay = {"trainer"} if copies else {"trainer", "optimizer", "reference"}
+    between = {t: awake[t] if t in stay else 0 for t in awake}
     assert mgr.resident_bytes() == between
     with mgr.phase("reference"):
         assert mgr.resident_bytes() == {**between, "reference": awake["reference"]}
@@ -111,25 +119,32 @@ def test_sleep_releases_every_tag_and_wake_restores_its_bytes():
     for phase, by_tag in mgr.plan().items():
         measured = {t: mgr.phase_bytes[phase].get(t, 0) for t in by_tag if t != "scratch"}
         assert {t: b for t, b in by_tag.items() if t != "scratch"} == measured, phase
-    assert mgr.phase_peak["rollout"] == awake["trainer"] + awake["weights"] + awake["kv_cache"]
+    rollout = awake["trainer"] + awake["weights"] + awake["kv_cache"]
+    rollout += 0 if copies else awake["optimizer"] + awake["reference"]
+    assert mgr.phase_peak["rollout"] == rollout
     assert mgr.peak_bytes() == max(mgr.phase_peak.values())
 
 
-def test_transitions_and_report():
-    mgr, trainer, sampler, reference, optimizer, cache = engine()
+@pytest.mark.parametrize("copies", [False, True])
+def test_transitions_and_report(copies):
+    """A copy is a transition with its bytes and GB/s; on a CPU nothing moves: no transition."""
+    mgr, trainer, sampler, reference, optimizer, cache = engine(copies=copies)
     train_step(trainer, optimizer, 0)
     with mgr.phase("rollout"):
         pass
     offload = [t for t in mgr.transitions if t.tag == "optimizer"]
-    assert [(t.phase, t.action) for t in offload] == [("rollout", "sleep")]
-    assert offload[0].nbytes == optimizer_bytes(optimizer) and offload[0].seconds > 0
+    assert [(t.phase, t.action) for t in offload] == [("rollout", "sleep")][:copies]
+    assert not copies or offload[0].nbytes == optimizer_bytes(optimizer) > 0
     with mgr.phase("train"):
         pass
-    assert [t.action for t in mgr.transitions if t.tag == "optimizer"] == ["sleep", "wake", "sleep"]
+    actions = ["sleep", "wake", "sleep"] if copies else []
+    assert [t.action for t in mgr.transitions if t.tag == "optimizer"] == actions
     text = mgr.report()
+    words = ["offload", "GB/s"] if copies else ["guard"]
     for word in ("rollout", "train", "trainer", "weights", "kv_cache", "grads", "optimizer",
-                 "reference", "release", "offload", "GB/s", "peak"):
+                 "reference", "release", "peak", *words):
         assert word in text, word
+    assert ("offload" in text) == copies
 
 
 def test_flags_off_keep_everything_resident():
@@ -157,10 +172,10 @@ def test_plan_on_the_meta_device_counts_bytes_from_shapes():
     with pytest.raises(RuntimeError, match="meta device can only plan"):
         mgr.enter("rollout")
 
-def test_plan_step_adds_adam_state_host_buffers_and_transients():
+def test_plan_step_adds_adam_state_and_transients_and_counts_a_cpu_offload_once():
     """Before AdamW's first step (always, on the meta device) its state is planned from the
-    parameters: two moments each. On a CPU target the offloaded tags' host buffers count in
-    every phase (the host is the device); on a GPU they are not device memory."""
+    parameters: two moments each. On a CPU target the offloaded tags stay in place: resident in
+    every phase, counted once (regression: a host-buffer column counted them a second time)."""
     with torch.device("meta"):
         trainer = M.Llama(tiny_model().config)
     reference = copy.deepcopy(trainer).requires_grad_(False)
@@ -176,17 +191,19 @@ def test_plan_step_adds_adam_state_host_buffers_and_transients():
         "idle": n + 4, "rollout": n + 1, "reference": 2 * n + 2, "train": 4 * n + 3}
     assert gpu["train"]["optimizer"] == 2 * n and gpu["rollout"]["optimizer"] == 0
     cpu = mgr.plan_step(transients, "cpu")
-    assert all(row["host"] == 3 * n and row["peak"] == gpu[p]["peak"] + 3 * n
-               for p, row in cpu.items())
+    assert {p: row["peak"] for p, row in cpu.items()} == {  # trainer, AdamW, reference throughout
+        "idle": 4 * n + 4, "rollout": 4 * n + 1, "reference": 4 * n + 2, "train": 5 * n + 3}
+    assert all("host" not in row and row["optimizer"] == 2 * n for row in cpu.values())
     everything = mgr.plan_step(transients, "cpu", phases=False)
-    assert everything["rollout"]["peak"] == 5 * n + 1  # all resident, no host copies
+    assert everything["rollout"]["peak"] == 5 * n + 1  # all resident
 
 
 # -----------------------------------------------------------------------------
 # Exactness and identity
 
 
-def test_training_with_sleep_wake_around_every_rollout_is_bit_exact_with_the_same_objects():
+@pytest.mark.parametrize("copies", [False, True])
+def test_training_with_sleep_wake_around_every_rollout_is_bit_exact_with_the_same_objects(copies):
     steps = 4
     plain = tiny_model()
     plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.1)
@@ -194,7 +211,7 @@ def test_training_with_sleep_wake_around_every_rollout_is_bit_exact_with_the_sam
         train_step(plain, plain_opt, step)
         plain_opt.zero_grad()
 
-    mgr, trainer, sampler, reference, optimizer, cache = engine()
+    mgr, trainer, sampler, reference, optimizer, cache = engine(copies=copies)
     ids = None
     for step in range(steps):
         with mgr.phase("rollout"):
@@ -213,8 +230,10 @@ def test_training_with_sleep_wake_around_every_rollout_is_bit_exact_with_the_sam
         assert torch.equal(p, q)
         for key in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(optimizer.state[p][key], plain_opt.state[q][key]), key
-    # One host buffer per offloaded group, allocated at its first offload with state, and reused.
-    assert [g.host_allocations for g in mgr.groups if g.policy == "offload"] == [1, 1]
+    # One host buffer per offloaded group, allocated at its first offload with state, and reused;
+    # none on a CPU.
+    offloaded = [g for g in mgr.groups if g.tag in ("optimizer", "reference")]
+    assert [g.host_allocations for g in offloaded] == [int(copies)] * 2
     # The reference went through 4 offload/reload cycles and is still the initial model.
     assert all(torch.equal(p, q) for p, q in zip(reference.parameters(), tiny_model().parameters()))
     assert not all(torch.equal(p, q) for p, q in zip(reference.parameters(), plain.parameters()))
@@ -224,7 +243,7 @@ def test_leaving_train_offloads_the_optimizer_and_a_checkpoint_reads_the_same_va
     """Regression: the phase table kept optimizer state on the device after training "for a
     checkpoint". Offloaded state is readable on the host: state_dict() and a safetensors file
     written from it hold the same values, and nothing in memory.py knows about checkpoints."""
-    mgr, trainer, sampler, reference, optimizer, cache = engine()
+    mgr, trainer, sampler, reference, optimizer, cache = engine(copies=True)
     with mgr.phase("train"):
         train_step(trainer, optimizer, 0)
         awake = copy.deepcopy(optimizer.state_dict())
@@ -240,6 +259,43 @@ def test_leaving_train_offloads_the_optimizer_and_a_checkpoint_reads_the_same_va
     save_file(tensors, str(tmp_path / "optimizer.safetensors"))  # as checkpoint.py writes it
     loaded = load_file(str(tmp_path / "optimizer.safetensors"))
     assert all(torch.equal(loaded[k], v) for k, v in tensors.items())
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="Linux's /proc")
+def test_on_a_cpu_offload_copies_nothing_keeps_every_bit_and_still_guards():
+    """Regression: on a CPU the optimizer's and the reference's offload copied them into a second
+    buffer in the same memory (for a 135M model 1,076 MB beside the 1,076 MB of AdamW state, and
+    1.3 s a step). Now sleep and wake keep the same storages (data_ptr), bit for bit, allocate
+    no buffer (awake again, the resident set has not grown by the state's bytes), and the guard
+    still raises."""
+    trainer, reference = torch.nn.Linear(2048, 2048), torch.nn.Linear(2048, 2048)  # 16 MB each
+    optimizer = torch.optim.AdamW(trainer.parameters())
+    trainer(torch.ones(1, 2048)).sum().backward()
+    optimizer.step()  # AdamW state: 32 MB
+    mgr = PhaseManager("cpu")
+    mgr.add_weights(trainer, trainer)
+    mgr.add_optimizer(optimizer)
+    mgr.add_reference(reference)
+    tensors = [*reference.parameters()] + [v for st in optimizer.state.values() for v in st.values()]
+    before = [(t.data_ptr(), t.clone()) for t in tensors]
+    rss = resident_kib()
+    with mgr.phase("rollout"):
+        with pytest.raises(RuntimeError, match="optimizer memory is asleep"):
+            optimizer.step()
+        with pytest.raises(RuntimeError, match="reference memory is asleep"):
+            reference(torch.ones(1, 2048))
+        assert mgr.resident_bytes()["optimizer"] == optimizer_bytes(optimizer)  # still here
+    with mgr.phase("reference"):
+        reference(torch.ones(1, 2048))
+    assert [t.data_ptr() for t in tensors] == [ptr for ptr, _ in before]
+    assert all(torch.equal(t, old) for t, (_, old) in zip(tensors, before))
+    with mgr.phase("train"):
+        # A copy's host buffer is kept for reuse: awake, the state would be there twice.
+        assert resident_kib() - rss < 8 * 1024, "no second copy of the 32 MB state (in KiB)"
+        optimizer.step()  # awake: no hook left behind
+    offloaded = [g for g in mgr.groups if g.tag in ("optimizer", "reference")]
+    assert all(g.host is None and g.host_allocations == 0 for g in offloaded)
+    assert all(g.policy == "guard" for g in offloaded) and not mgr.transitions
 
 
 def test_wake_sync_generate_is_bit_exact_with_a_never_released_sampler():
@@ -379,16 +435,19 @@ def test_a_view_taken_before_the_release_keeps_its_memory_instead_of_dangling():
     assert view.sum().item() == 24.0  # the old storage lives on with the view, never freed under it
 
 
-def test_offloaded_modules_and_optimizer_raise_a_clear_error():
-    mgr, trainer, sampler, reference, optimizer, cache = engine()
+@pytest.mark.parametrize("copies", [False, True])
+def test_offloaded_modules_and_optimizer_raise_a_clear_error(copies):
+    """On a CPU too (nothing copied), a step or forward outside the phase raises."""
+    mgr, trainer, sampler, reference, optimizer, cache = engine(copies=copies)
     train_step(trainer, optimizer, 0)
+    how = r"offloaded to the host" if copies else r"asleep \(in place: on a CPU\)"
     with mgr.phase("rollout"):
         with pytest.raises(RuntimeError, match=r"AdamW.step\(\): the optimizer state: its "
-                                               r"optimizer memory is offloaded to the host in "
+                                               rf"optimizer memory is {how} in "
                                                r"phase 'rollout'"):
             optimizer.step()
         with pytest.raises(RuntimeError, match=r"reference module 'model.embed_tokens': its "
-                                               r"reference memory is offloaded.*"
+                                               rf"reference memory is {how}.*"
                                                r"phase\('reference'\)"):
             reference(batch(0))
         with pytest.raises(RuntimeError, match=r"reference module 'model.norm'"):
@@ -417,7 +476,7 @@ def test_grads_made_outside_the_train_phase_are_released_by_the_next_sleep():
 def test_a_tensor_put_on_the_device_while_offloaded_is_offloaded_by_the_next_sleep():
     """Sleeps act on what is resident now: one parameter moved back to the device while the rest
     sit on the host goes to the host with them, and the module stays guarded."""
-    mgr, trainer, sampler, reference, optimizer, cache = engine()
+    mgr, trainer, sampler, reference, optimizer, cache = engine(copies=True)
     mgr.enter("rollout")
     mgr.exit()
     weight = reference.lm_head.weight

@@ -600,7 +600,7 @@ def planned_peak_mb(capsys, argv: list[str]) -> float:
 
 
 def test_plan_is_within_15_percent_of_the_measured_allocator_peak(tmp_path, capsys):
-    """Two steps (the second has the optimizer's host buffer, as every later one) under
+    """Two steps (the second has AdamW's state, as every later one) under
     torch.profiler's memory events: their running sum's maximum is the CPU analogue of
     torch.cuda.max_memory_allocated, which the plan predicts. 15%: the plan's activation
     formulas leave out small transients (autograd's and SDPA's own buffers)."""
