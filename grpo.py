@@ -18,11 +18,12 @@ Two memory tricks, each tested against its obvious slow twin in tests/test_grpo.
    truncated gradient. The two forwards alternate block by block (model.hidden_steps), so
    backward does too and a weight's prompt and completion gradients meet one block apart (the
    whole prompt first held a second copy of every block's weight gradients at the peak).
-2. Chunked logprobs: final norm + lm_head + softmax + gather run chunk_size tokens at a time and
+2. Chunked logprobs: final norm + lm_head + softmax + gather run a chunk of tokens at a time and
    each chunk's logits are rebuilt in backward, so the (tokens x V) logits never exist at once,
    forward or backward (Liger's fused loss makes the same trade). The default path is a custom
    autograd Function that keeps one log-sum-exp per token; a caller's logprob_fn (tp.py's
-   vocab-parallel one) is wrapped in activation checkpointing instead.
+   vocab-parallel one) is wrapped in activation checkpointing instead. A chunk is sized in bytes
+   of logits (chunk_rows): a token count fit for V = 16 is 200 MB at V = 49,152.
 
 One contract for the three logprob routes (the plain logprobs_from_logits, the chunked
 ChunkedSoftmaxLogprobs, tp.vocab_parallel_logprobs): each returns logp and the entropy
@@ -79,7 +80,7 @@ class GRPOConfig:
     std_correction: int = 1           # 1: the n-1 (Bessel) std of TRL and verl; 0: population std
     mu: int = 1                       # optimizer steps per generation batch
     micro_batch_groups: int = 16      # whole groups per forward/backward
-    chunk_size: int = 1024            # completion tokens per logprob chunk (0 = unchunked twin)
+    chunk_bytes: int = 16 * 2**20     # logits bytes per logprob chunk (chunk_rows); 0 = unchunked
 
     def __post_init__(self):
         checks = [
@@ -90,7 +91,7 @@ class GRPOConfig:
         ]
         for field in ("micro_batch_groups", "mu"):
             checks.append((field, getattr(self, field) >= 1, "must be >= 1"))
-        for field in ("eps_high", "beta", "chunk_size", "std_eps", "entropy_coef"):
+        for field in ("eps_high", "beta", "chunk_bytes", "std_eps", "entropy_coef"):
             checks.append((field, getattr(self, field) >= 0, "must be >= 0"))
         for field, ok, why in checks:
             if not ok:
@@ -332,6 +333,14 @@ class ChunkedSoftmaxLogprobs(torch.autograd.Function):
             grad_params = [new if acc is None else acc if new is None else acc.add_(new)
                            for acc, new in zip(grad_params, grads[1:])]
         return grad_h, None, None, None, None, *grad_params
+
+
+def chunk_rows(chunk_bytes: int, vocab_size: int, dtype: torch.dtype) -> int:
+    """Tokens per logprob chunk: as many rows of logits (V of them, in float32, or float64 for a
+    float64 model: head_logits) as chunk_bytes holds, at least one; 0 stays 0 (unchunked). V is
+    the full vocabulary: the same chunks on every tensor-parallel rank (chunked_logprobs' NOTE)."""
+    row = vocab_size * torch.promote_types(dtype, torch.float32).itemsize
+    return max(1, chunk_bytes // row) if chunk_bytes else 0
 
 
 def chunked_logprobs(model, h: Tensor, targets: Tensor, *, temperature: float = 1.0,
@@ -578,9 +587,9 @@ def batch_logprobs(model, batch: GRPOBatch, cfg: GRPOConfig, *,
     param = next(model.parameters())
     dtype = torch.promote_types(param.dtype, torch.float32)
     out = torch.zeros(batch.tokens.shape, device=batch.tokens.device, dtype=dtype)  # (N, Tr)
+    chunk = chunk_rows(cfg.chunk_bytes, model.config.vocab_size, param.dtype)
     for rows, micro in micro_batches(batch, cfg):
-        logp, _ = completion_logprobs(model, micro, chunk_size=cfg.chunk_size,
-                                      logprob_fn=logprob_fn)
+        logp, _ = completion_logprobs(model, micro, chunk_size=chunk, logprob_fn=logprob_fn)
         out[rows, :logp.shape[1]] = logp
     return out
 
@@ -600,8 +609,9 @@ def accumulate(model, batch: GRPOBatch, cfg: GRPOConfig, *, logprob_fn: Callable
     num_tokens = int(batch.mask.sum()) if num_tokens is None else num_tokens
     totals: dict[str, float] = {}
     tokens_seen = 0.0  # valid completion tokens of the micro-batches so far: the metrics' weights
+    chunk = chunk_rows(cfg.chunk_bytes, model.config.vocab_size, next(model.parameters()).dtype)
     for _, micro in micro_batches(batch, cfg):
-        logp, entropy = completion_logprobs(model, micro, chunk_size=cfg.chunk_size,
+        logp, entropy = completion_logprobs(model, micro, chunk_size=chunk,
                                             logprob_fn=logprob_fn)  # (n_rows, Tr_micro)
         mask = micro.mask
         loss, metrics = grpo_loss(logp, micro.old_logp, micro.ref_logp, micro.advantages, mask,

@@ -16,7 +16,7 @@ temporaries, allocator fragmentation and the CUDA context (~1 GB on a GPU).
 
 import torch
 
-from grpo import GRPOConfig
+from grpo import GRPOConfig, chunk_rows
 from memory import PhaseManager
 from model import ModelConfig
 from rollout import RolloutConfig
@@ -169,7 +169,8 @@ def step_transients(config: ModelConfig, prompts: int, prompt_len: int, r: Rollo
     Tc = r.max_new_tokens
     micro = micro_batch_memory(config, min(g.micro_batch_groups, prompts), r.num_samples,
                                prompt_len, Tc, dtype, checkpoint=checkpoint,
-                               chunk_size=g.chunk_size, tp_size=tp_size,
+                               chunk_size=chunk_rows(g.chunk_bytes, config.vocab_size, dtype),
+                               tp_size=tp_size,
                                sequence_parallel=sequence_parallel)
     kept = batch_bytes(prompts * r.num_samples, Tc, old, g.beta > 0)  # through the step
     sampling = rollout_memory(config, prompts, prompt_len, r, sampler_dtype, tp_size)

@@ -2,6 +2,7 @@
 
     python tests/bench_grpo.py                 # CPU, fp32
     python tests/bench_grpo.py --device cuda   # GPU, bf16
+    python tests/bench_grpo.py --part chunk    # logprob chunk sizes at V = 16, 49,152, 151,936
 
 Setup (issue 4): dim 256, 4 layers, 8/4 heads, ffn 704, vocab 32000; 4 prompts x P=512 tokens, G=8
 completions x C=64 tokens; the loss is grpo_loss (dapo, mu = 1) and one backward. Then logprobs
@@ -153,12 +154,57 @@ def table(title: str, args, variants: list[str], baseline: str) -> dict:
     return memory
 
 
+class Head(torch.nn.Module):
+    """A final norm and lm_head alone: what chunked_logprobs runs per chunk."""
+
+    def __init__(self, C: int, V: int):
+        super().__init__()
+        self.norm, self.lm_head = M.RMSNorm(C, 1e-5), torch.nn.Linear(C, V, bias=False)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(h))
+
+
+def chunk_sweep(n: int, rounds: int) -> None:
+    """Chunked logprobs fwd+bwd of n tokens of width 576 (SmolLM2's) at V = 16, 49,152, 151,936:
+    chunks of a fixed 1,024 tokens (the base) next to chunks of 4..256 MiB of float32 logits
+    (GRPOConfig.chunk_bytes). Peak: allocator bytes above the start (tests/memtrace.py), the
+    lm_head grad (V x 576 floats) included; time: the best of `rounds` after a warm-up."""
+    from memtrace import allocator_peak
+    print(f"\nlogprob chunks: {n} tokens, C = 576, float32, fwd+bwd; base = 1,024 tokens a chunk")
+    print(f"{'V':>8} {'chunk':>12}{'rows':>7}{'peak MiB':>10}{'mem/base':>10}{'s':>8}{'time/base':>11}")
+    for V in (16, 49152, 151936):
+        head = Head(576, V)
+        h = torch.randn(n, 576, requires_grad=True)
+        targets = torch.randint(0, V, (n,))
+
+        def run(rows: int) -> None:
+            logp, entropy = grpo.chunked_logprobs(head, h, targets, chunk_size=rows)
+            (logp.sum() + entropy.sum()).backward()
+            h.grad = head.lm_head.weight.grad = head.norm.weight.grad = None
+
+        base = None
+        for name, mib in [("1,024 tokens", None), *[(f"{m} MiB", m) for m in (4, 16, 64, 256)]]:
+            rows = 1024 if mib is None else grpo.chunk_rows(mib * 2**20, V, torch.float32)
+            peak = allocator_peak(lambda: run(rows)) / 2**20
+            run(rows)  # warm-up
+            best = float("inf")
+            for _ in range(rounds):
+                t0 = time.perf_counter()
+                run(rows)
+                best = min(best, time.perf_counter() - t0)
+            base = base or (peak, best)
+            print(f"{V:>8} {name:>12}{min(rows, n):>7}{peak:>10.0f}{peak / base[0]:>10.2f}"
+                  f"{best:>8.2f}{best / base[1]:>11.2f}", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--chunk", type=int, default=grpo.GRPOConfig.chunk_size, help="tokens per logprob chunk")
+    parser.add_argument("--chunk", type=int, default=1024, help="tokens per logprob chunk")
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds after the warm-up round")
-    parser.add_argument("--part", default="all", choices=["all", "step", "logprobs"])
+    parser.add_argument("--part", default="all", choices=["all", "step", "logprobs", "chunk"])
+    parser.add_argument("--tokens", type=int, default=2048, help="--part chunk: tokens scored")
     parser.add_argument("--memory", default=None, help=argparse.SUPPRESS)  # child: one variant's peak
     parser.add_argument("--time", default=None, help=argparse.SUPPRESS)  # child: comma-separated variants
     args = parser.parse_args()
@@ -169,6 +215,8 @@ def main():
         print(json.dumps(child_time(args.time.split(","), args.device, args.chunk, args.rounds)))
         return
     print(f"device {args.device}, torch {torch.__version__}, {torch.get_num_threads()} threads, chunk {args.chunk}")
+    if args.part == "chunk":
+        return chunk_sweep(args.tokens, args.rounds)
     if args.part in ("all", "step"):
         steps = list(STEP_VARIANTS)
         memory = table("One GRPO fwd+bwd, 4 prompts x 512 + 8 x 64 completions, V=32000\n"

@@ -247,6 +247,26 @@ def test_chunked_equals_unchunked_and_never_holds_more_than_a_chunk(path, chunk_
     torch.testing.assert_close(logp_n, logp.detach(), **LOGP_TOL)
 
 
+@pytest.mark.parametrize("vocab,dtype,rows", [(V, torch.float32, 4), (4 * V, torch.float32, 1),
+                                              (V, torch.float64, 2), (V, torch.bfloat16, 4)])
+def test_a_logprob_chunk_holds_at_most_chunk_bytes_of_logits(vocab, dtype, rows):
+    """Regression: chunks were a token count (1,024), so one chunk's float32 logits grew with the
+    vocabulary (201 MB at V = 49,152). Now accumulate and batch_logprobs cut chunks of as many
+    rows as chunk_bytes holds (logits in float32, float64 for a float64 model), at least one."""
+    cfg = M.ModelConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96,
+                        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
+    m = HeadSpy(cfg).init_weights(0, std=0.2).to(dtype)
+    batch, grpo_cfg = training_batch(tiny_model())  # token ids < V <= vocab
+    grpo_cfg.chunk_bytes = 2048
+    assert grpo.chunk_rows(2048, vocab, dtype) == rows
+    m.rows_seen.clear()
+    grpo.batch_logprobs(m, batch, grpo_cfg)
+    grpo.accumulate(m, batch, grpo_cfg)
+    itemsize = torch.promote_types(dtype, torch.float32).itemsize
+    assert max(m.rows_seen) == rows and rows * vocab * itemsize <= 2048 or rows == 1
+    assert grpo.chunk_rows(0, vocab, dtype) == 0  # the unchunked twin stays reachable
+
+
 class TinyHead(torch.nn.Module):
     """A float64 stand-in for model.head (model.py normalises in float32, too coarse for
     gradcheck)."""
@@ -346,7 +366,7 @@ def test_entropy_bonus_trains_the_policy_entropy_through_accumulate(chunk_size):
     of the entropy, computed by the plain twin (one forward per sequence, log_softmax)."""
     m = tiny_model()
     batch, cfg = training_batch(m)
-    cfg.chunk_size = chunk_size
+    cfg.chunk_bytes = chunk_size * V * 4  # rows of float32 logits
     grpo.accumulate(m, batch, cfg)
     without = grads(m)
     m.zero_grad()
@@ -916,7 +936,8 @@ def test_loss_metrics_and_grads_equal_trls_on_the_same_weights(hf_checkpoint, tm
                           max_completion_length=8)
     scored = trl_scored(trainer, N)
     ours = hf.load_model(hf_checkpoint[0], dtype=torch.float64)
-    cfg = GRPOConfig(loss_type=loss_type, beta=beta, eps_low=0.2, eps_high=0.28, chunk_size=5,
+    cfg = GRPOConfig(loss_type=loss_type, beta=beta, eps_low=0.2, eps_high=0.28,
+                     chunk_bytes=5 * V * 8,  # 5 rows of float64 logits
                      micro_batch_groups=N // G // TRL_MICRO_BATCHES)
     advantages = our_advantages(G, "group")
     torch.testing.assert_close(advantages, scored["advantages"], rtol=1e-6, atol=0)

@@ -120,7 +120,7 @@ def grpo_step(model, prompts, completions, advantages, logprob_fn=None, *, old_l
               num_seqs=None, num_tokens=None):
     beta = 0.0 if ref_logp is None else 0.05
     # chunks of 5 tokens: several, recomputed; one group per micro-batch (see grpo_batch)
-    cfg = grpo.GRPOConfig(chunk_size=5, beta=beta, micro_batch_groups=1)
+    cfg = grpo.GRPOConfig(chunk_bytes=5 * V * 4, beta=beta, micro_batch_groups=1)  # float32 rows
     batch = grpo.GRPOBatch.from_lists(prompts, completions, advantages=advantages,
                                       old_logp=old_logp, ref_logp=ref_logp)
     return grpo.accumulate(model, batch, cfg, logprob_fn=logprob_fn, num_seqs=num_seqs,
