@@ -80,7 +80,7 @@ class GRPOConfig:
     std_correction: int = 1           # 1: the n-1 (Bessel) std of TRL and verl; 0: population std
     mu: int = 1                       # optimizer steps per generation batch
     micro_batch_groups: int = 16      # whole groups per forward/backward
-    chunk_bytes: int = 16 * 2**20     # logits bytes per logprob chunk (chunk_rows); 0 = unchunked
+    chunk_bytes: int = 64 * 2**20     # logits bytes per logprob chunk (chunk_rows); 0 = unchunked
 
     def __post_init__(self):
         checks = [

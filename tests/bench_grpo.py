@@ -165,15 +165,15 @@ class Head(torch.nn.Module):
         return self.lm_head(self.norm(h))
 
 
-def chunk_sweep(n: int, rounds: int) -> None:
+def chunk_sweep(n: int, rounds: int, vocabs: list[int]) -> None:
     """Chunked logprobs fwd+bwd of n tokens of width 576 (SmolLM2's) at V = 16, 49,152, 151,936:
-    chunks of a fixed 1,024 tokens (the base) next to chunks of 4..256 MiB of float32 logits
+    chunks of a fixed 1,024 tokens (the base) next to chunks of 16..256 MiB of float32 logits
     (GRPOConfig.chunk_bytes). Peak: allocator bytes above the start (tests/memtrace.py), the
     lm_head grad (V x 576 floats) included; time: the best of `rounds` after a warm-up."""
     from memtrace import allocator_peak
     print(f"\nlogprob chunks: {n} tokens, C = 576, float32, fwd+bwd; base = 1,024 tokens a chunk")
     print(f"{'V':>8} {'chunk':>12}{'rows':>7}{'peak MiB':>10}{'mem/base':>10}{'s':>8}{'time/base':>11}")
-    for V in (16, 49152, 151936):
+    for V in vocabs:
         head = Head(576, V)
         h = torch.randn(n, 576, requires_grad=True)
         targets = torch.randint(0, V, (n,))
@@ -184,15 +184,15 @@ def chunk_sweep(n: int, rounds: int) -> None:
             h.grad = head.lm_head.weight.grad = head.norm.weight.grad = None
 
         base = None
-        for name, mib in [("1,024 tokens", None), *[(f"{m} MiB", m) for m in (4, 16, 64, 256)]]:
+        for name, mib in [("1,024 tokens", None), *[(f"{m} MiB", m) for m in (16, 64, 256)]]:
             rows = 1024 if mib is None else grpo.chunk_rows(mib * 2**20, V, torch.float32)
-            peak = allocator_peak(lambda: run(rows)) / 2**20
-            run(rows)  # warm-up
-            best = float("inf")
-            for _ in range(rounds):
+            peak = allocator_peak(lambda: run(rows)) / 2**20  # also the warm-up
+            best, spent, done = float("inf"), 0.0, 0
+            while done < rounds or spent < 1.0:  # milliseconds at V = 16: repeat for a second
                 t0 = time.perf_counter()
                 run(rows)
-                best = min(best, time.perf_counter() - t0)
+                seconds = time.perf_counter() - t0
+                best, spent, done = min(best, seconds), spent + seconds, done + 1
             base = base or (peak, best)
             print(f"{V:>8} {name:>12}{min(rows, n):>7}{peak:>10.0f}{peak / base[0]:>10.2f}"
                   f"{best:>8.2f}{best / base[1]:>11.2f}", flush=True)
@@ -204,7 +204,8 @@ def main():
     parser.add_argument("--chunk", type=int, default=1024, help="tokens per logprob chunk")
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds after the warm-up round")
     parser.add_argument("--part", default="all", choices=["all", "step", "logprobs", "chunk"])
-    parser.add_argument("--tokens", type=int, default=2048, help="--part chunk: tokens scored")
+    parser.add_argument("--tokens", type=int, default=1536, help="--part chunk: tokens scored")
+    parser.add_argument("--vocabs", default="16,49152,151936", help="--part chunk: vocabularies")
     parser.add_argument("--memory", default=None, help=argparse.SUPPRESS)  # child: one variant's peak
     parser.add_argument("--time", default=None, help=argparse.SUPPRESS)  # child: comma-separated variants
     args = parser.parse_args()
@@ -216,7 +217,7 @@ def main():
         return
     print(f"device {args.device}, torch {torch.__version__}, {torch.get_num_threads()} threads, chunk {args.chunk}")
     if args.part == "chunk":
-        return chunk_sweep(args.tokens, args.rounds)
+        return chunk_sweep(args.tokens, args.rounds, [int(v) for v in args.vocabs.split(",")])
     if args.part in ("all", "step"):
         steps = list(STEP_VARIANTS)
         memory = table("One GRPO fwd+bwd, 4 prompts x 512 + 8 x 64 completions, V=32000\n"

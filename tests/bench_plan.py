@@ -22,8 +22,10 @@ phase is also a torch.profiler.record_function range.
 
 Below the table: train.py --plan with the same flags, and its peak against the measured one.
 
-Run: python tests/bench_plan.py [--P 64,512] [--steps 2] [train.py flags ...]
-(about a minute for P = 64 and three for P = 512 on the shared 2-core CPU).
+Run: python tests/bench_plan.py [--P 64,512] [--steps 2] [--model DIR] [train.py flags ...]
+(about a minute for P = 64 and three for P = 512 on the shared 2-core CPU). --model DIR: a Hugging
+Face checkpoint instead of the random tiny one (bench_trl.link_checkpoint: no early stop), e.g.
+SmolLM2-135M-Instruct with --prompts_per_step 4 (minutes per step on that CPU).
 """
 
 import argparse
@@ -295,7 +297,10 @@ def main() -> None:
     import bench_trl
     work = tempfile.mkdtemp(prefix="bench_plan_")
     model_dir = os.path.join(work, "model")
-    bench_trl.write_checkpoint(model_dir)
+    if own.model:
+        bench_trl.link_checkpoint(own.model, model_dir)
+    else:
+        bench_trl.write_checkpoint(model_dir)
     for P in own.P:
         prompts = os.path.join(work, f"prompts_{P}.json")
         bench_trl.write_prompts(prompts, P)
@@ -316,6 +321,7 @@ def split_args(argv: list[str]):
     parser = argparse.ArgumentParser(add_help=True)
     parser.add_argument("--P", default="64,512")
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--model", default="", help="a Hugging Face checkpoint directory")
     parser.add_argument("--worker", choices=("alloc", "rss"))
     parser.add_argument("--result")
     own, rest = parser.parse_known_args(argv)

@@ -12,6 +12,10 @@ It uses the same `sample` function, so the difference is the KV/prefill design a
     python tests/bench_rollout.py             # full tables (+ a bf16 1B-sized config when CUDA is present)
     python tests/bench_rollout.py --quick     # P = 64 only, no transformers
     python tests/bench_rollout.py --breakdown # where a CPU decode step's wall clock goes, P = 64 and 512
+    python tests/bench_rollout.py --fused     # the CPU's fused prompt attention vs the generic path
+    python tests/bench_rollout.py --model DIR --rounds 1  # a Hugging Face checkpoint instead (e.g.
+                                              # SmolLM2-135M-Instruct), loaded by hf.py and by transformers
+--rounds R sets the interleaved rounds (5).
 """
 
 import os
@@ -35,10 +39,10 @@ NUM_PROMPTS, G, NEW = 16, 8, 64
 class NaiveCache:
     """One KV row per sample: (B, Hkv, P + new, D) per layer, written at `pos`, read with plain SDPA."""
 
-    def __init__(self, B: int, length: int, device: torch.device, dtype: torch.dtype):
-        shape = (B, CFG.num_key_value_heads, length, CFG.head_dim)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(CFG.num_hidden_layers)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(CFG.num_hidden_layers)]
+    def __init__(self, cfg: ModelConfig, B: int, length: int, device: torch.device, dtype: torch.dtype):
+        shape = (B, cfg.num_key_value_heads, length, cfg.head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
         self.pos = 0
 
     def __call__(self, layer: int, q, k, v):
@@ -55,7 +59,8 @@ def naive_generate(model: Llama, prompts: list[list[int]], num_samples: int, new
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
     tokens = torch.tensor(prompts, device=device).repeat_interleave(num_samples, dim=0)  # (Bp*G, P)
-    cache = NaiveCache(tokens.shape[0], tokens.shape[1] + new, device, next(model.parameters()).dtype)
+    cfg = model.config
+    cache = NaiveCache(cfg, tokens.shape[0], tokens.shape[1] + new, device, next(model.parameters()).dtype)
     logits = model(tokens, attention=cache)[:, -1]  # the prompt prefilled once per sample
     sync(device)
     prefill_seconds = time.perf_counter() - started
@@ -68,7 +73,7 @@ def naive_generate(model: Llama, prompts: list[list[int]], num_samples: int, new
             positions = torch.full((tokens.shape[0], 1), cache.pos, device=device)
             logits = model(next_tokens[:, None], positions, cache)[:, -1]
     torch.stack(out).tolist()
-    kv_prompt = 2 * CFG.num_hidden_layers * tokens.numel() * CFG.num_key_value_heads * CFG.head_dim * 4
+    kv_prompt = 2 * cfg.num_hidden_layers * tokens.numel() * cfg.num_key_value_heads * cfg.head_dim * 4
     return dict(seconds=time.perf_counter() - started, prefill_seconds=prefill_seconds, prompt_kv_bytes=kv_prompt)
 
 
@@ -163,7 +168,8 @@ def breakdown(model: Llama, P: int, rounds: int = 3) -> None:
         if part(name):
             module.bench_part = part(name)
             handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
-    prompts = torch.randint(CFG.vocab_size, (NUM_PROMPTS, P), generator=torch.Generator().manual_seed(0)).tolist()
+    V = model.config.vocab_size
+    prompts = torch.randint(V, (NUM_PROMPTS, P), generator=torch.Generator().manual_seed(0)).tolist()
     best = {}
     for new in [NEW, 1] * rounds:
         spent.clear()
@@ -185,25 +191,56 @@ def breakdown(model: Llama, P: int, rounds: int = 3) -> None:
         print(f"  {name:55s} {value:6.2f} ms  {value / step:4.0%}")
 
 
+def fused_vs_generic(model: Llama, P: int, rounds: int) -> None:
+    """Decode tokens/s of the CPU's fused prompt attention (rollout._fused_prefix_attention) next to
+    the generic path (model.prefix_attention with a mask, what CUDA runs), interleaved rounds."""
+    import rollout
+    prompts = torch.randint(model.config.vocab_size, (NUM_PROMPTS, P), generator=torch.Generator().manual_seed(0)).tolist()
+    fused = rollout._CPU_FLASH
+    best = {"fused": float("inf"), "generic": float("inf")}
+    for _ in range(rounds):
+        for name in best:
+            rollout._CPU_FLASH = fused if name == "fused" else None
+            stats = engine(model, prompts, G, 1)
+            best[name] = min(best[name], stats["seconds"] - stats["prefill_seconds"])
+    rollout._CPU_FLASH = fused
+    decode = NUM_PROMPTS * G * (NEW - 1)
+    print(f"P = {P}, decode alone: fused {decode / best['fused']:,.0f} tokens/s, generic "
+          f"{decode / best['generic']:,.0f} tokens/s: fused / generic = {best['generic'] / best['fused']:.2f}x "
+          f"(best of {rounds})")
+
+
+def option(name: str, default: str) -> str:
+    return sys.argv[sys.argv.index(name) + 1] if name in sys.argv else default
+
+
 def main() -> None:
-    quick, rounds = "--quick" in sys.argv, 5
-    if "--breakdown" in sys.argv:
-        model = Llama(CFG).init_weights(seed=0).eval()
-        for P in (64, 512):
-            breakdown(model, P)
-        return
+    quick, rounds, model_dir = "--quick" in sys.argv, int(option("--rounds", "5")), option("--model", "")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = Llama(CFG).init_weights(seed=0).to(device, dtype).eval()
-    print(f"device {device}, {torch.get_num_threads()} threads, {NUM_PROMPTS} prompts x {G} samples, {NEW} new tokens,"
-          f" best of {rounds} interleaved rounds (the machine is shared: a busy neighbour slows one run, not all)")
+    if model_dir:
+        model = hf.load_model(model_dir, device, dtype).eval()
+    else:
+        model = Llama(CFG).init_weights(seed=0).to(device, dtype).eval()
+    if "--breakdown" in sys.argv:
+        for P in (64, 512):
+            breakdown(model, P, rounds=min(rounds, 3))
+        return
+    if "--fused" in sys.argv:
+        for P in (64, 512):
+            fused_vs_generic(model, P, rounds)
+        return
+    print(f"device {device}, {torch.get_num_threads()} threads, {model_dir or 'random tiny Llama'}, {NUM_PROMPTS} "
+          f"prompts x {G} samples, {NEW} new tokens, best of {rounds} interleaved rounds (the machine is shared: a "
+          f"busy neighbour slows one run, not all); load average {os.getloadavg()[0]:.1f}")
     hf_model = None
     if not quick:
         try:
             from transformers import LlamaForCausalLM
             with tempfile.TemporaryDirectory() as tmp:
-                hf.save_model(model, tmp)
-                hf_model = LlamaForCausalLM.from_pretrained(tmp, torch_dtype=dtype).to(device).eval()
+                if not model_dir:
+                    hf.save_model(model, tmp)
+                hf_model = LlamaForCausalLM.from_pretrained(model_dir or tmp, dtype=dtype).to(device).eval()
         except ImportError:
             print("transformers not installed: its column is skipped")
 
@@ -211,7 +248,7 @@ def main() -> None:
     new_tokens = NUM_PROMPTS * G * NEW
     table = []
     for P in ([64] if quick else [64, 512]):
-        prompts = torch.randint(CFG.vocab_size, (NUM_PROMPTS, P), generator=gen).tolist()
+        prompts = torch.randint(model.config.vocab_size, (NUM_PROMPTS, P), generator=gen).tolist()
         engine(model, prompts, G, 0)  # warm-up: first calls of every shape are slow on the CPU
         runs: dict[str, list] = {"engine": [], "naive": [], "hf": [], "ceiling": []}
         for _ in range(rounds):
@@ -235,15 +272,16 @@ def main() -> None:
     for P, e, n, h, gflops, ceiling in table:
         decode = new_tokens * (NEW - 1) / NEW / (e["seconds"] - e["prefill_seconds"])
         print(f"P = {P}: engine prefill {e['prefill_seconds']:.3f}s of {e['seconds']:.3f}s; decode alone "
-              f"{decode:,.0f} tokens/s = {decode / ceiling:.0%} of the ceiling set by the decode linears at "
-              f"{NUM_PROMPTS * G} rows ({gflops:.0f} GFLOP/s -> {ceiling:,.0f} tokens/s)")
+              f"{decode:,.0f} tokens/s, {decode / ceiling * gflops:.0f} GFLOP/s in its linears = {decode / ceiling:.0%}"
+              f" of the same linears' matmuls alone at {NUM_PROMPTS * G} rows, measured in the same rounds "
+              f"({gflops:.0f} GFLOP/s -> {ceiling:,.0f} tokens/s)")
     if quick:
         return
 
     print(f"\nscaling in P: prefill seconds of the engine at G = 1 and G = {G}, and of the naive sampler at G = {G}")
     print("     P | engine G=1 | engine G=8 | G=8/G=1 | naive G=8 | engine tok/s | naive tok/s")
     for P in (64, 256, 1024):
-        prompts = torch.randint(CFG.vocab_size, (NUM_PROMPTS, P), generator=gen).tolist()
+        prompts = torch.randint(model.config.vocab_size, (NUM_PROMPTS, P), generator=gen).tolist()
         one, eight, n = [], [], []
         for _ in range(rounds):
             one.append(engine(model, prompts, 1, 2))

@@ -24,9 +24,14 @@ this file re-run with --worker trl), in a fresh process, one after the other (en
 - the training-token ratio TRL / engine, printed beside the measured speed ratio: TRL forwards
   Bp*G*(P+C) tokens, the engine Bp*P + Bp*G*C (each prompt once per group).
 
+--model DIR benches a Hugging Face checkpoint instead (e.g. SmolLM2-135M-Instruct; link_checkpoint:
+its weights and tokenizer, without its eos, so every row still runs C tokens; digits must be one
+token each), --num_prompts N (16) a smaller generation batch for a larger model.
+
 Needs trl (and transformers, datasets); without them it prints one line and exits 0.
 Run: python tests/bench_trl.py [--P 64,512] [--steps 4] [--checkpoint true,false]
-         [--micro_groups 1] [--keep] [--quick]   (--quick: P 64, 3 steps, checkpointing on)
+         [--micro_groups 1] [--keep] [--quick] [--model DIR] [--num_prompts 16]
+         (--quick: P 64, 3 steps, checkpointing on)
 --micro_groups 16 (one forward/backward for the whole batch) is faster and holds more memory on
 both sides. It takes about 5 minutes for P = 64 and 15 for P = 512 (TRL ~60 CPU s/step there) on
 the shared 2-core CPU.
@@ -56,7 +61,7 @@ from hf import build_char_tokenizer  # noqa: E402
 from model import Llama, ModelConfig  # noqa: E402
 from tasks import Task  # noqa: E402
 
-PROMPTS = 16                 # Bp prompts per generation batch
+PROMPTS = 16                 # Bp prompts per generation batch (--num_prompts sets it)
 G = 8                        # samples per prompt
 C = 32                       # new tokens per completion, always all of them
 LR = 1e-6                    # tiny: both sides keep generating from the same model
@@ -105,6 +110,20 @@ def write_checkpoint(path: str) -> None:
                       bos_token_id=None, eos_token_id=None)
     hf.save_model(Llama(cfg).init_weights(0), path)
     tokenizer.save(os.path.join(path, "tokenizer.json"))
+
+
+def link_checkpoint(source: str, path: str) -> None:
+    """A Hugging Face checkpoint as both sides run it here: its safetensors and tokenizer.json
+    linked, its config.json without eos_token_id and no generation_config.json (no early stop)."""
+    os.makedirs(path)
+    for name in os.listdir(source):
+        if ".safetensors" in name or name == "tokenizer.json":
+            os.symlink(os.path.abspath(os.path.join(source, name)), os.path.join(path, name))
+    with open(os.path.join(source, "config.json")) as f:
+        config = json.load(f)
+    config.pop("eos_token_id", None)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
 
 
 def write_prompts(path: str, P: int) -> None:
@@ -257,9 +276,11 @@ def trl_worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     with open(args.prompts) as f:
         prompts = json.load(f)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_file=os.path.join(args.model, "tokenizer.json"), pad_token="<pad>",
-        eos_token="<eos>")
+    # Pad and eos from the vocabulary: ids 0 and 2 are <pad> and <eos> here, <|endoftext|> and
+    # <|im_end|> in SmolLM2 (a token outside the vocabulary would be appended past the embedding).
+    file = os.path.join(args.model, "tokenizer.json")
+    vocab = {i: t for t, i in json.load(open(file))["model"]["vocab"].items()}
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=file, pad_token=vocab[0], eos_token=vocab[2])
     lengths = {len(ids) for ids in tokenizer(prompts)["input_ids"]}
     if lengths != {len(prompts[0])}:
         sys.exit(f"bench_trl: TRL's tokenizer gives prompt lengths {sorted(lengths)}, expected "
@@ -287,7 +308,7 @@ def trl_command(model_dir: str, prompts: str, steps: int, checkpoint: bool, micr
                 out: str) -> list[str]:
     return [sys.executable, os.path.abspath(__file__), "--worker", "trl", "--model", model_dir,
             "--prompts", prompts, "--steps", str(steps), "--checkpoint", str(checkpoint).lower(),
-            "--micro_groups", str(micro_groups), "--out", out]
+            "--micro_groups", str(micro_groups), "--out", out, "--num_prompts", str(PROMPTS)]
 
 
 def trl_lengths(log: str) -> set[float]:
@@ -388,6 +409,7 @@ def parse_bool_list(text: str) -> list[bool]:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
+    global PROMPTS  # a module constant for every function here, the TRL worker's process too
     parser = argparse.ArgumentParser(description="engine vs TRL GRPOTrainer, side by side")
     parser.add_argument("--P", default="64,512", help="prompt lengths, comma-separated")
     parser.add_argument("--steps", type=int, default=4, help="steps per run (>= 2; step 1 "
@@ -398,12 +420,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "per forward/backward on both sides (1 = both tools' defaults)")
     parser.add_argument("--quick", action="store_true", help="P 64, 3 steps, checkpointing on")
     parser.add_argument("--keep", action="store_true", help="keep the work dir (logs, runs)")
+    parser.add_argument("--model", default="", help="a Hugging Face checkpoint directory "
+                        "(default: the random tiny Llama written here)")
+    parser.add_argument("--num_prompts", type=int, default=PROMPTS, help="prompts per step")
     # the TRL worker's own options (this file re-run in a fresh process)
     parser.add_argument("--worker", choices=("trl", "trl-imports"), help=argparse.SUPPRESS)
-    parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--prompts", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    PROMPTS = args.num_prompts
     if args.worker == "trl":
         args.checkpoint = args.checkpoint[0]
         return args
@@ -434,7 +459,8 @@ def versions() -> str:
 
 def main(args: argparse.Namespace) -> None:
     per_device = args.micro_groups * G
-    print(f"engine vs TRL GRPOTrainer: {PROMPTS} prompts x G={G}, C={C} new tokens (no early "
+    print(f"engine vs TRL GRPOTrainer on {args.model or 'a random tiny Llama'}: "
+          f"{PROMPTS} prompts x G={G}, C={C} new tokens (no early "
           f"stop), P={args.P}, {args.steps} steps each (median of steps 2..{args.steps}), "
           f"1 thread each; {versions()}")
     print(f"micro-batch: engine --micro_batch_groups {args.micro_groups} = TRL "
@@ -443,7 +469,10 @@ def main(args: argparse.Namespace) -> None:
     print(f"load average at start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores", flush=True)
     work = tempfile.mkdtemp(prefix="bench_trl_")
     model_dir = os.path.join(work, "model")
-    write_checkpoint(model_dir)
+    if args.model:
+        link_checkpoint(args.model, model_dir)
+    else:
+        write_checkpoint(model_dir)
     base_engine = import_baseline_kib("engine", os.path.join(work, "import_engine.log"))
     base_trl = import_baseline_kib("trl", os.path.join(work, "import_trl.log"))
     pairs = [measure_pair(work, model_dir, P, checkpoint, args)

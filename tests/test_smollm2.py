@@ -1,0 +1,66 @@
+"""The engine on a real trained checkpoint, SmolLM2-135M-Instruct (30 layers, dim 576, 9/3 heads,
+vocabulary 49,152, tied embeddings, ChatML), against transformers on the same directory: the
+logits of chat prompts, and greedy completions against transformers' generate.
+
+The checkpoint is not in the repository: SMOLLM2_DIR names its directory (default: models/smollm2
+in the repository root, where `python make_smollm2.py models/smollm2` puts it); every test here is
+skipped when it is absent, or when transformers is not installed (not a requirement of the engine).
+"""
+
+import os
+
+import pytest
+import torch
+
+import hf
+from rollout import RolloutConfig, generate
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DIR = os.environ.get("SMOLLM2_DIR", os.path.join(ROOT, "models", "smollm2"))
+pytestmark = pytest.mark.skipif(not os.path.isfile(os.path.join(DIR, "config.json")),
+                                reason=f"no SmolLM2 checkpoint at {DIR} (set SMOLLM2_DIR)")
+QUESTIONS = ["What is 17 + 25?", "Name a colour of the sky.", "Write one word that rhymes with "
+             "cat.", "Translate 'bonjour' into English."]
+
+
+@pytest.fixture(scope="module")
+def models():
+    transformers = pytest.importorskip("transformers")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(DIR, dtype=torch.float32).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(DIR)
+    prompts = [list(tokenizer.apply_chat_template([{"role": "user", "content": q}],
+                                                  add_generation_prompt=True, return_dict=True)
+                    ["input_ids"]) for q in QUESTIONS]
+    yield hf.load_model(DIR).eval(), ref, prompts
+    torch.set_num_threads(threads)
+
+
+@torch.no_grad()
+def test_logits_of_chat_prompts_equal_transformers(models):
+    """fp32 on both sides, the same weights: the same math in a possibly different summation order
+    (SDPA vs eager attention, fused RMSNorm), so a tolerance of 1e-4 on logits of magnitude ~20."""
+    ours, ref, prompts = models
+    for ids in prompts:
+        x = torch.tensor([ids])
+        torch.testing.assert_close(ours(x), ref(x).logits, atol=1e-4, rtol=1e-4)
+
+
+@torch.no_grad()
+def test_greedy_rows_equal_transformers_generate(models):
+    """Greedy decoding with the checkpoint's own stop ids (config.json and generation_config.json):
+    every row equals transformers' generate (do_sample=False), token for token, its eos included."""
+    ours, ref, prompts = models
+    new = 24
+    config = hf.load_generation_config(DIR)
+    stop_ids = hf.stop_token_ids(ours.config, config)
+    out = generate(ours, prompts, RolloutConfig(num_samples=1, max_new_tokens=new, temperature=0.0),
+                   stop_ids=stop_ids)
+    for ids, row in zip(prompts, out.completions()):
+        x = torch.tensor([ids])
+        want = ref.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                            max_new_tokens=new, pad_token_id=stop_ids[0])[0, len(ids):].tolist()
+        # transformers pads after its eos; the engine's row ends there
+        cut = next((i + 1 for i, t in enumerate(want) if t in stop_ids), len(want))
+        assert row == want[:cut]
