@@ -135,7 +135,35 @@ def build_configs(values: dict[str, object]) -> Configs:
 
 class StopTraining(Exception):
     """A run that cannot go on (a reward function failed, no finite update for too long): one
-    clear line, after a checkpoint of the last good state."""
+    clear line, after a checkpoint of the last good state. `own`: found by this rank alone (it
+    prints the line whatever its rank); an empty line: another rank found it."""
+
+    def __init__(self, message: str, own: bool = False):
+        super().__init__(message)
+        self.own = own
+
+
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """Whether any rank (dp and tp) raised the flag: a stop or continue decided together."""
+    if not dist.is_initialized():
+        return flag
+    t = torch.tensor([float(flag)], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # over every rank of the world
+    return bool(t.item())
+
+
+def together(run, fn, *args):
+    """fn(*args), which may fail on one rank alone (a reward function, a prompt too long): every
+    rank learns whether any failed and all stop here, at the same step. A lone rank that raised
+    would leave the others waiting in the next collective: a hang."""
+    error = None
+    try:
+        result = fn(*args)
+    except (StopTraining, tasks.RewardError) as e:
+        error = e
+    if any_rank(error is not None, run.device):
+        raise StopTraining(str(error or ""), own=error is not None)
+    return result
 
 
 def build_model(cfg: TrainConfig, task: Task, source: str, device: torch.device,
@@ -177,7 +205,6 @@ def learning_rate(cfg: TrainConfig, opt_step: int, total: int) -> float:
 class Run:
     """Everything setup() builds once and step() uses."""
     cfgs: Configs
-    explicit: set[str]               # options given on the command line (they beat a resume's)
     rank: int
     groups: tp.ParallelGroups
     device: torch.device
@@ -208,19 +235,14 @@ class Run:
         return self.mem.phase(name) if self.cfgs.train.phases else contextlib.nullcontext()
 
 
-def resolve_configs(values: dict[str, object]) -> tuple[Configs, set[str]]:
+def resolve_configs(values: dict[str, object]) -> tuple[Configs, list[str]]:
     """The command line's configs, or a resumed run's saved ones with this command line's options
-    on top."""
-    explicit = set(values)
-    resume = values.get("resume", "")
-    if resume:
-        out = values.get("out", TrainConfig.out)
-        saved = checkpoint.saved_config(resume, out)
+    on top (checkpoint.resume_values: refused if they change what the checkpoint fixes)."""
+    changes = []
+    if values.get("resume"):
         owners = cli.field_owners(SECTIONS)
-        flat = {name: value for section, fields in saved.items() for name, value in fields.items()
-                if owners.get(name) == section}
-        values = {**flat, **values}
-    return build_configs(values), explicit
+        values, changes = checkpoint.resume_values(values, owners, TrainConfig.out)
+    return build_configs(values), changes
 
 
 def memory_phases(device: torch.device | str, cfg: memory.MemoryConfig, model: Llama,
@@ -241,7 +263,7 @@ def memory_phases(device: torch.device | str, cfg: memory.MemoryConfig, model: L
 
 def setup(values: dict[str, object]) -> Run:
     rank, world, device = tp.init_distributed()
-    cfgs, explicit = resolve_configs(values)
+    cfgs, changes = resolve_configs(values)
     cfg = cfgs.train
     cli.check_config(cfgs)
     groups = tp.make_groups(cfgs.parallel.tp)
@@ -249,6 +271,16 @@ def setup(values: dict[str, object]) -> Run:
         raise ValueError(f"--prompts_per_step {cfg.prompts_per_step} must be divisible by "
                          f"dp = world / tp = {groups.dp_size}")
     checkpoint.check_out_dir(cfg.out, cfg.resume, cfg.overwrite)
+    error = None
+    if rank == 0:  # one run per --out; the others learn rank 0's verdict
+        try:
+            checkpoint.lock_out_dir(cfg.out)
+        except ValueError as e:
+            error = e
+    if any_rank(error is not None, device):
+        raise error or ValueError("")
+    if rank == 0 and changes:
+        print(f"resuming {cfg.resume} with: {'; '.join(changes)}")
     if device.type == "cpu":
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # no oversubscription
         torch.set_num_threads(cfg.threads or max(1, torch.get_num_threads() // local))
@@ -284,7 +316,7 @@ def setup(values: dict[str, object]) -> Run:
     memory.checkpoint_blocks(model.model.layers, cfgs.memory.activation_checkpoint)
     mem = memory_phases(device, cfgs.memory, model, sampler, cache, optimizer, reference)
     stop_ids = stop_token_ids(model.config, generation_config)
-    run = Run(cfgs, explicit, rank, groups, device, task, tokenizer, stop_ids, generation_config,
+    run = Run(cfgs, rank, groups, device, task, tokenizer, stop_ids, generation_config,
               model, sampler, reference, optimizer, mem, cache, start=start,
               opt_step=start * cfgs.grpo.mu)
     if cfg.eval_every:
@@ -308,6 +340,14 @@ def draw_prompts(run: Run, step: int) -> tuple[list[list[int]], list[str], int]:
     examples = examples[lo:lo + run.local_prompts]
     ids, truncated = tokenize_prompts(run, [text for text, _ in examples])
     return ids, [ref for _, ref in examples], truncated
+
+
+def score(run: Run, texts: list[str], references: list[str]) -> torch.Tensor:
+    """(N,) float64 rewards: each reward function's, summed as TRL sums them; NaN: missing."""
+    weights = [weight for _, weight in run.task.rewards]
+    rewards = grpo.combine_rewards(tasks.score(run.task, texts, references), weights)
+    tasks.check_statistics(run.task, rewards)
+    return rewards
 
 
 def draw_training_example(run: Run, rng: random.Random) -> tuple[str, str]:
@@ -351,6 +391,13 @@ def tokenize_prompts(run: Run, texts: list[str]) -> tuple[list[list[int]], int]:
             tokens = tokens[-cfg.max_prompt_len:]
             truncated += 1
         ids.append(tokens)
+    try:
+        if ids:
+            rollout.check_prompts(ids, run.stop_ids, run.cfgs.rollout.max_new_tokens,
+                                  run.model.config)
+    except ValueError as e:
+        raise StopTraining(f"task {run.task.name}: {e} (lower --max_prompt_len or "
+                           "--max_new_tokens)") from None
     return ids, truncated
 
 
@@ -405,13 +452,8 @@ def step(run: Run, step: int) -> dict:
     G = cfgs.rollout.num_samples
     times = {}
     t0 = time.perf_counter()
-    # 1. The step's prompts.
-    prompts, references, truncated = draw_prompts(run, step)
-    try:
-        rollout.check_prompts(prompts, run.stop_ids, cfgs.rollout.max_new_tokens, run.model.config)
-    except ValueError as e:
-        raise StopTraining(f"task {run.task.name}: {e} (lower --max_prompt_len or "
-                           "--max_new_tokens)") from None
+    # 1. The step's prompts (each dp rank checks its own: they stop together).
+    prompts, references, truncated = together(run, draw_prompts, run, step)
     # 2. Rollout: the sampler gets the trainer's weights, then samples G completions per prompt.
     with run.phase("rollout"):
         rollout.sync_weights(run.sampler, run.model)
@@ -421,10 +463,8 @@ def step(run: Run, step: int) -> dict:
     times["rollout"] = time.perf_counter() - t0
     # 3. Rewards: each reward function's score, summed as TRL sums them (None leaves one out).
     texts = completion_texts(run, out)
-    per_function = tasks.score(run.task, texts, [ref for ref in references for _ in range(G)])
-    weights = [weight for _, weight in run.task.rewards]
-    rewards = grpo.combine_rewards(per_function, weights).to(run.device)  # (N,), NaN: missing
-    all_rewards = gather_dp(rewards, run)  # (dp * N,)
+    rewards = together(run, score, run, texts, [ref for ref in references for _ in range(G)])
+    all_rewards = gather_dp(rewards.to(run.device), run)  # (dp * N,)
     # 4. Group advantages over the whole generation batch; this rank keeps its rows.
     g = cfgs.grpo
     advantages = grpo.group_advantages(all_rewards, G, g.scale, g.std_eps, g.std_correction)
@@ -473,13 +513,17 @@ def train_phase(run: Run, batch: grpo.GRPOBatch) -> list[dict]:
             tp.DataParallelGrads(run.model, run.groups).all_reduce()
             m["grad_norm"] = tp.clip_grad_norm(run.model, cfgs.train.grad_clip or math.inf,
                                                run.groups)
-            # A non-finite loss or gradient anywhere: skip this update on every rank.
+            # A non-finite loss or gradient anywhere: skip this update on every rank. A gradient
+            # of exactly 0 (every advantage 0) has nothing to learn: no update either (AdamW
+            # would replay its momentum). The schedule advances on either, as torch's schedulers
+            # do: the lr is a function of the step, and a resumed run rebuilds it from the step.
             finite = math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])
             (all_finite,) = all_reduce_dp([float(finite)], run, dist.ReduceOp.MIN)
-            m["updated"] = bool(all_finite)
+            m["finite"] = bool(all_finite)
+            m["updated"] = m["finite"] and m["grad_norm"] > 0
             if m["updated"]:
                 run.optimizer.step()
-                run.opt_step += 1
+            run.opt_step += 1
             run.optimizer.zero_grad(set_to_none=True)
             iterations.append(reduce_iteration(run, m, m["tokens"]))
     return iterations
@@ -494,7 +538,7 @@ def reduce_iteration(run: Run, m: dict, tokens: float) -> dict:
     keys = [k for k in WEIGHTED if k in m]
     sums = all_reduce_dp([m["loss"], tokens] + [m[k] * tokens for k in keys], run)
     extremes = all_reduce_dp([-m["ratio_min"], m["ratio_max"]], run, dist.ReduceOp.MAX)
-    out = dict(loss=sums[0], grad_norm=m["grad_norm"], updated=m["updated"])
+    out = dict(loss=sums[0], grad_norm=m["grad_norm"], updated=m["updated"], finite=m["finite"])
     out.update({k: s / max(sums[1], 1.0) for k, s in zip(keys, sums[2:])})
     out.update(ratio_min=-extremes[0], ratio_max=extremes[1])
     return out
@@ -522,8 +566,9 @@ def step_record(run: Run, step: int, rewards: torch.Tensor, out: rollout.Rollout
                   tokens_per_s=tokens / max(times["rollout"], 1e-9))
     record["zero_std"] = zero_std_share(rewards, run.cfgs.rollout.num_samples)
     updated = [it for it in iterations if it["updated"]]
-    record["updates"] = len(updated)
-    record["skipped_updates"] = len(iterations) - len(updated)
+    record["updates"] = len(updated)  # applied, with a gradient
+    record["skipped_updates"] = sum(not it["finite"] for it in iterations)
+    record["zero_grad"] = len(iterations) - len(updated) - record["skipped_updates"]
     for key in ("loss", *WEIGHTED):
         values = [it[key] for it in iterations if key in it]
         record[key] = sum(values) / len(values) if values else None
@@ -536,7 +581,7 @@ def step_record(run: Run, step: int, rewards: torch.Tensor, out: rollout.Rollout
     record["grad_norm"] = sum(norms) / len(norms) if norms else None
     record["lr"] = run.optimizer.param_groups[0]["lr"]
     record.update({f"t_{k}": v for k, v in times.items()})
-    record["peak_gb"] = peak_memory(run)
+    record.update(peak_memory(run))
     return record
 
 
@@ -546,22 +591,20 @@ def evaluate(run: Run) -> dict:
     t0 = time.perf_counter()
     items = list(run.held_out.items())[run.groups.dp_rank::run.groups.dp_size]
     greedy = dataclasses.replace(run.cfgs.rollout, num_samples=1, temperature=0.0)
-    rewards = []
-    correct = 0
+    prompts = together(run, tokenize_prompts, run, [prompt for prompt, _ in items])[0]
+    texts = []
     for first in range(0, len(items), run.local_prompts):  # batches the KV cache was sized for
-        part = items[first:first + run.local_prompts]
-        prompts, _ = tokenize_prompts(run, [prompt for prompt, _ in part])
         with run.phase("rollout"):
             rollout.sync_weights(run.sampler, run.model)
-            out = rollout.generate(run.sampler, prompts, greedy, stop_ids=run.stop_ids,
-                                   cache=run.cache, logits_fn=run.logits_fn)
-        texts = completion_texts(run, out)
-        references = [ref for _, ref in part]
-        weights = [weight for _, weight in run.task.rewards]
-        rewards.append(grpo.combine_rewards(tasks.score(run.task, texts, references), weights))
-        if run.task.correct is not None:
-            correct += sum(bool(run.task.correct(t, r)) for t, r in zip(texts, references))
-    scores = torch.cat(rewards) if rewards else torch.zeros(0, dtype=torch.float64)
+            out = rollout.generate(run.sampler, prompts[first:first + run.local_prompts], greedy,
+                                   stop_ids=run.stop_ids, cache=run.cache, logits_fn=run.logits_fn)
+        texts += completion_texts(run, out)
+    references = [ref for _, ref in items]
+
+    def judge() -> tuple[torch.Tensor, int]:  # the task's own functions: they may raise
+        right = [run.task.correct(t, r) for t, r in zip(texts, references) if run.task.correct]
+        return score(run, texts, references), sum(map(bool, right))
+    scores, correct = together(run, judge)
     scored = scores[~scores.isnan()]
     total, count, right, prompts = all_reduce_dp(
         [scored.sum().item(), len(scored), correct, len(items)], run)
@@ -570,11 +613,13 @@ def evaluate(run: Run) -> dict:
                 t_eval=time.perf_counter() - t0)
 
 
-def peak_memory(run: Run) -> float:
-    """GB: the peak of max_memory_allocated over all phases on a GPU, peak RSS on a CPU."""
+def peak_memory(run: Run) -> dict[str, float]:
+    """On a GPU, the max of max_memory_allocated over all phases; on a CPU, the process's max RSS
+    (what the OS holds for it, not the memory table's tagged tensors). In GB."""
     if run.device.type == "cuda":
-        return max(run.mem.peak_bytes(), torch.cuda.max_memory_allocated(run.device)) / 1e9
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # Linux reports KiB
+        peak = max(run.mem.peak_bytes(), torch.cuda.max_memory_allocated(run.device))
+        return dict(max_allocated_gb=peak / 1e9)
+    return dict(max_rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6)  # KiB
 
 
 def print_plan(argv: list[str]) -> int:
@@ -657,32 +702,35 @@ def check_health(run: Run, record: dict) -> None:
 def train(run: Run) -> None:
     cfg = run.cfgs.train
     metrics_file = ""
-    if run.rank == 0:
-        metrics_file = checkpoint.start_out_dir(cfg.out, cfg.resume, cfg.overwrite, run.start)
     bar = tqdm(range(run.start, cfg.steps), initial=run.start, total=cfg.steps,
                disable=run.rank != 0, dynamic_ncols=True)
     for i in bar:
         try:
             record = step(run, i)
-            due = i == 0 or (i + 1) % max(cfg.eval_every, 1) == 0 or i + 1 == cfg.steps
+        except StopTraining:
+            if i > run.start:  # nothing lost: the state after the last finished step (at the
+                save(run, i)   # first, --out holds it already, or nothing: never rewrite it)
+            raise
+        failed = None
+        due = i == 0 or (i + 1) % max(cfg.eval_every, 1) == 0 or i + 1 == cfg.steps
+        try:
             if run.held_out and due:
                 record.update(evaluate(run))
-        except (StopTraining, tasks.RewardError):
-            save(run, i)  # nothing lost: the state after the last finished step
-            raise
-        if run.rank == 0:
+        except StopTraining as e:  # after step i's update: the checkpoint below holds i + 1
+            failed = e
+        if run.rank == 0:  # the first step finished: now --out is the new run's
+            metrics_file = metrics_file or checkpoint.start_out_dir(cfg.out, cfg.resume,
+                                                                    cfg.overwrite, run.start)
             with open(metrics_file, "a") as f:
                 f.write(json.dumps(cli.jsonable(record), allow_nan=False) + "\n")
             bar.write(cli.step_line(record, cfg.steps, run.cfgs.grpo.beta))
             if i == run.start and cfg.phases:
                 bar.write(run.mem.report())
+        if failed:
+            save(run, i + 1)
+            raise failed
         check_health(run, record)
-        # A signal seen by any rank stops every rank after this same step.
-        (stop,) = all_reduce_dp([float(bool(run.stop_signals))], run, dist.ReduceOp.MAX)
-        if run.groups.tp_group is not None:
-            stop_t = torch.tensor([stop], device=run.device)
-            dist.all_reduce(stop_t, op=dist.ReduceOp.MAX, group=run.groups.tp_group)  # over tp
-            stop = stop_t.item()
+        stop = any_rank(bool(run.stop_signals), run.device)  # every rank stops after this step
         last = i + 1 == cfg.steps
         if last or stop or (cfg.save_every and (i + 1) % cfg.save_every == 0):
             path = save(run, i + 1)
@@ -697,9 +745,15 @@ def train(run: Run) -> None:
 
 def on_stop_signal(run: Run, signum: int, frame) -> None:
     """Ctrl-C (SIGINT) or preemption (SIGTERM from torchrun, Slurm, Kubernetes): finish the step,
-    checkpoint, exit 0. A second Ctrl-C interrupts at once."""
+    checkpoint, exit 0. A second one exits at once (a reward function that never returns)."""
+    if run.stop_signals:
+        checkpoint.release_out_dir()
+        print("second stop signal: exiting now, without a checkpoint", file=sys.stderr, flush=True)
+        os._exit(128 + signum)
     run.stop_signals.append(signum)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    if run.rank == 0:
+        print(f"{signal.Signals(signum).name}: the step finishes, then a checkpoint is written "
+              "(send it again to exit at once, without one)", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str]) -> int:
@@ -717,9 +771,12 @@ def main(argv: list[str]) -> int:
         train(run)
         finished = True
     except (ValueError, FileNotFoundError, StopTraining) as e:  # one line; else: a traceback
-        print(f"error: {e}", file=sys.stderr)
+        # Under torchrun every rank finds a config error: rank 0 says it, the others exit quietly.
+        if str(e) and (int(os.environ.get("RANK", 0)) == 0 or getattr(e, "own", False)):
+            print(f"error: {e}", file=sys.stderr)
         return 2
     finally:
+        checkpoint.release_out_dir()
         for s, handler in handlers.items():
             signal.signal(s, handler)
         if dist.is_initialized():

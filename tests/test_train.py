@@ -198,13 +198,16 @@ def write_task(tmp_path, body: str) -> str:
     return "mytask:task"
 
 
-def test_reward_that_raises_names_the_task_and_completion_and_keeps_a_checkpoint(tmp_path, capsys):
+def test_reward_that_raises_names_the_task_and_completion_and_writes_nothing(tmp_path, capsys):
+    """At the first step nothing is lost by stopping, and --out stays as it was (absent): the
+    corrected command starts without --overwrite."""
     spec = write_task(tmp_path, "def reward(c, r):\n    raise KeyError('boom')\n")
     sys.modules.pop("mytask", None)
     code, out = run(tmp_path, "--task", spec, "--steps", "2")
     err = capsys.readouterr().err
     assert code == 2 and "task mytask: reward function reward raised KeyError" in err and "on completion '" in err
-    assert os.path.isdir(os.path.join(out, "step-000000"))
+    assert not os.path.exists(out)
+    assert run(tmp_path, "--steps", "1")[0] == 0
 
 
 def strict_records(out) -> list[dict]:
@@ -310,14 +313,14 @@ def test_mu_iterations_are_aggregated_and_a_skipped_one_does_not_hide_the_others
                                            rel=1e-9)
 
 
-def test_reward_that_returns_a_string_names_the_function_and_keeps_a_checkpoint(tmp_path, capsys):
+def test_reward_that_returns_a_string_names_the_function(tmp_path, capsys):
     """Regression: float(r) sat outside the try: the run stopped without naming the function."""
     spec = write_task(tmp_path, "def reward(c, r):\n    return 'good'\n")
     sys.modules.pop("mytask", None)
     code, out = run(tmp_path, "--task", spec, "--steps", "2")
     err = capsys.readouterr().err
     assert code == 2 and "task mytask: reward function reward returned 'good' on completion" in err
-    assert "Traceback" not in err and os.path.isdir(os.path.join(out, "step-000000"))
+    assert "Traceback" not in err and not os.path.exists(out)
 
 
 def test_prompt_outside_the_alphabet_names_the_character(tmp_path, capsys):
@@ -331,7 +334,7 @@ def test_prompt_outside_the_alphabet_names_the_character(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2 and "task abc: prompt '12x=' has the character 'x'" in err
     assert "Traceback" not in err and err.count("error:") == 1
-    assert os.path.isdir(os.path.join(out, "step-000000"))
+    assert not os.path.exists(out)
 
 
 def test_a_prompt_too_long_for_the_model_found_mid_run_stops_with_a_checkpoint(tmp_path, capsys):
@@ -523,9 +526,9 @@ def _dp_metrics_worker(rank: int, tmp: str) -> None:
         run_ = types.SimpleNamespace(groups=groups, device=torch.device("cpu"))
         # Rank 0 has 30 completion tokens of entropy 1.0, rank 1 has 10 of entropy 3.0.
         m = [dict(loss=0.25, entropy=1.0, clip_low=0.1, clip_high=0.0, ratio_mean=1.0,
-                  ratio_min=0.9, ratio_max=1.2, grad_norm=2.0, updated=True),
+                  ratio_min=0.9, ratio_max=1.2, grad_norm=2.0, updated=True, finite=True),
              dict(loss=0.5, entropy=3.0, clip_low=0.5, clip_high=0.2, ratio_mean=1.0,
-                  ratio_min=0.7, ratio_max=1.1, grad_norm=2.0, updated=True)][rank]
+                  ratio_min=0.7, ratio_max=1.1, grad_norm=2.0, updated=True, finite=True)][rank]
         got = train.reduce_iteration(run_, m, [30.0, 10.0][rank])
         assert got["entropy"] == pytest.approx((30 * 1.0 + 10 * 3.0) / 40)  # not (1 + 3) / 2
         assert got["clip_low"] == pytest.approx((30 * 0.1 + 10 * 0.5) / 40)
