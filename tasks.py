@@ -108,21 +108,30 @@ def check_statistics(task: Task, rewards: torch.Tensor) -> None:
                       f"{big:.3g}); keep rewards within about +-1e150, e.g. 0 to 1")
 
 
+def call(task: Task, fn: Callable, text: str, ref: str):
+    """fn(text, ref), a user's function: what it raises is reported with the input that broke it."""
+    try:
+        return fn(text, ref)
+    except Exception as e:
+        name = getattr(fn, "__name__", repr(fn))
+        raise RewardError(f"task {task.name}: reward function {name} raised {type(e).__name__}: "
+                          f"{e} on completion {text!r} (reference {ref!r})") from None
+
+
 def score(task: Task, texts: list[str], references: list[str]) -> torch.Tensor:
     """(N, F) rewards of N completions by the task's F reward functions, NaN where a function
     returned None (grpo.combine_rewards sums them, weighted, as TRL does)."""
     per_function = torch.full((len(texts), len(task.rewards)), math.nan, dtype=torch.float64)
     for j, (fn, _) in enumerate(task.rewards):
         for i, (text, ref) in enumerate(zip(texts, references)):
-            try:
-                value = fn(text, ref)
-            except Exception as e:  # a user's function: report it with the input that broke it
-                name = getattr(fn, "__name__", repr(fn))
-                raise RewardError(f"task {task.name}: reward function {name} raised "
-                                  f"{type(e).__name__}: {e} on completion {text!r} "
-                                  f"(reference {ref!r})") from None
-            per_function[i, j] = check_reward(value, fn, text, ref, task)
+            per_function[i, j] = check_reward(call(task, fn, text, ref), fn, text, ref, task)
     return per_function
+
+
+def count_correct(task: Task, texts: list[str], references: list[str]) -> int:
+    """How many completions task.correct calls fully correct (0 without a predicate)."""
+    return sum(bool(call(task, task.correct, t, r)) for t, r in zip(texts, references)
+               if task.correct is not None)
 
 
 REVERSE_LEN = 3

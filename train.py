@@ -601,10 +601,8 @@ def evaluate(run: Run) -> dict:
         texts += completion_texts(run, out)
     references = [ref for _, ref in items]
 
-    def judge() -> tuple[torch.Tensor, int]:  # the task's own functions: they may raise
-        right = [run.task.correct(t, r) for t, r in zip(texts, references) if run.task.correct]
-        return score(run, texts, references), sum(map(bool, right))
-    scores, correct = together(run, judge)
+    scores = together(run, score, run, texts, references)
+    correct = together(run, tasks.count_correct, run.task, texts, references)
     scored = scores[~scores.isnan()]
     total, count, right, prompts = all_reduce_dp(
         [scored.sum().item(), len(scored), correct, len(items)], run)
