@@ -27,7 +27,9 @@ import atexit
 import json
 import os
 import shutil
+import signal
 import socket
+import sys
 
 import torch
 import torch.distributed as dist
@@ -247,6 +249,23 @@ def _lock_holder(path: str) -> tuple[int, str] | None:
 
 
 def lock_out_dir(out: str) -> None:
+    """Collective under torchrun: rank 0 takes the lock, every rank raises its refusal (main
+    prints it once, from rank 0)."""
+    error = ""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            _take_lock(out)
+        except ValueError as e:
+            error = str(e)
+    if dist.is_initialized():
+        verdict = [error]
+        dist.broadcast_object_list(verdict, src=0)  # rank 0's verdict to every rank
+        error = verdict[0]
+    if error:
+        raise ValueError(error)
+
+
+def _take_lock(out: str) -> None:
     """One run per output directory: OUT/.lock ("pid host"), made with O_EXCL, so of two runs
     started at once one gets it. A lock whose process is gone on this host (a crash) is stale and
     taken over. Also finds a read-only --out before any work. Released by release_out_dir."""
@@ -307,3 +326,52 @@ def start_out_dir(out: str, resume: str, overwrite: bool, start: int) -> str:
             f.writelines(kept)
         os.replace(metrics_file + ".tmp", metrics_file)  # atomic, like the checkpoints
     return metrics_file
+
+class Metrics:
+    """OUT/metrics.jsonl (rank 0), one JSON record per step. The first append, once the new
+    run's first step has finished, makes --out the new run's (start_out_dir)."""
+
+    def __init__(self, out: str, resume: str, overwrite: bool, start: int):
+        self.args = (out, resume, overwrite, start)
+        self.path = ""
+
+    def append(self, record: dict) -> None:
+        self.path = self.path or start_out_dir(*self.args)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record, allow_nan=False) + "\n")
+
+# -----------------------------------------------------------------------------
+# Stop signals: an interrupt loses nothing
+
+
+class StopSignals:
+    """Ctrl-C (SIGINT) or preemption (SIGTERM from torchrun, Slurm, Kubernetes), while installed:
+    the first is noted (the loop finishes its step, checkpoints, exits 0); a second exits at once,
+    without a checkpoint (e.g. a reward function that never returns). A context manager: the
+    previous handlers come back on exit."""
+
+    def __init__(self, rank: int = 0):
+        self.rank = rank
+        self.seen: list[int] = []
+
+    def __enter__(self):
+        self.previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        for s in self.previous:
+            signal.signal(s, self.handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+    def handle(self, signum: int, frame) -> None:
+        if self.seen:
+            release_out_dir()
+            print("second stop signal: exiting now, without a checkpoint", file=sys.stderr,
+                  flush=True)
+            os._exit(128 + signum)
+        self.seen.append(signum)
+        if self.rank == 0:
+            print(f"{signal.Signals(signum).name}: the step finishes, then a checkpoint is "
+                  "written (send it again to exit at once, without one)", file=sys.stderr,
+                  flush=True)

@@ -16,7 +16,10 @@ import dataclasses
 import inspect
 import math
 import os
+import resource
 import sys
+
+import torch
 
 # -----------------------------------------------------------------------------
 # Flags and help
@@ -148,6 +151,16 @@ def check_config(cfgs) -> None:
 
 # -----------------------------------------------------------------------------
 # The step line
+
+
+def memory_figures(device: torch.device, mem) -> dict[str, float]:
+    """On a GPU, the max of max_memory_allocated over all phases (mem: memory.PhaseManager); on a
+    CPU, the process's max RSS (what the OS holds for it, not the memory table's tagged tensors).
+    In GB, each named for what it measures."""
+    if device.type == "cuda":
+        peak = max(mem.peak_bytes(), torch.cuda.max_memory_allocated(device))
+        return dict(max_allocated_gb=peak / 1e9)
+    return dict(max_rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6)  # KiB
 
 
 def jsonable(record: dict) -> dict:

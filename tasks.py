@@ -38,6 +38,8 @@ from typing import Callable
 import numpy
 import torch
 
+from grpo import combine_rewards
+
 Reward = Callable[[str, str], "float | None"]
 
 
@@ -126,6 +128,14 @@ def score(task: Task, texts: list[str], references: list[str]) -> torch.Tensor:
         for i, (text, ref) in enumerate(zip(texts, references)):
             per_function[i, j] = check_reward(call(task, fn, text, ref), fn, text, ref, task)
     return per_function
+
+
+def total_rewards(task: Task, texts: list[str], references: list[str]) -> torch.Tensor:
+    """(N,) float64: each completion's rewards summed as TRL sums them (grpo.combine_rewards),
+    NaN where no function scored it; statistics that overflow stop the run."""
+    total = combine_rewards(score(task, texts, references), [w for _, w in task.rewards])
+    check_statistics(task, total)
+    return total
 
 
 def count_correct(task: Task, texts: list[str], references: list[str]) -> int:

@@ -34,12 +34,9 @@ Tested by tests/test_train.py.
 import contextlib
 import copy
 import dataclasses
-import json
 import math
 import os
 import random
-import resource
-import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -135,20 +132,14 @@ def build_configs(values: dict[str, object]) -> Configs:
 
 class StopTraining(Exception):
     """A run that cannot go on (a reward function failed, no finite update for too long): one
-    clear line, after a checkpoint of the last good state. `own`: found by this rank alone (it
-    prints the line whatever its rank); an empty line: another rank found it."""
-
-    def __init__(self, message: str, own: bool = False):
-        super().__init__(message)
-        self.own = own
+    clear line, after a checkpoint of the last good state."""
 
 
 def any_rank(flag: bool, device: torch.device) -> bool:
     """Whether any rank (dp and tp) raised the flag: a stop or continue decided together."""
-    if not dist.is_initialized():
-        return flag
     t = torch.tensor([float(flag)], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # over every rank of the world
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # over every rank of the world
     return bool(t.item())
 
 
@@ -162,7 +153,9 @@ def together(run, fn, *args):
     except (StopTraining, tasks.RewardError) as e:
         error = e
     if any_rank(error is not None, run.device):
-        raise StopTraining(str(error or ""), own=error is not None)
+        if error and run.rank != 0:  # rank 0 prints its own at exit; another rank's, here
+            print(f"error: {error}", file=sys.stderr, flush=True)
+        raise StopTraining(str(error or "") if run.rank == 0 else "")
     return result
 
 
@@ -225,7 +218,7 @@ class Run:
     held_out: dict[str, str] = field(default_factory=dict)  # the eval's prompt -> reference
     logits_fn: object = None         # TP: all-gather the vocab shards before sampling
     logprob_fn: object = None        # TP: vocab-parallel logprobs
-    stop_signals: list = field(default_factory=list)
+    signals: checkpoint.StopSignals = field(default_factory=checkpoint.StopSignals)
 
     @property
     def local_prompts(self) -> int:  # this dp rank's share of the generation batch
@@ -233,16 +226,6 @@ class Run:
 
     def phase(self, name: str):
         return self.mem.phase(name) if self.cfgs.train.phases else contextlib.nullcontext()
-
-
-def resolve_configs(values: dict[str, object]) -> tuple[Configs, list[str]]:
-    """The command line's configs, or a resumed run's saved ones with this command line's options
-    on top (checkpoint.resume_values: refused if they change what the checkpoint fixes)."""
-    changes = []
-    if values.get("resume"):
-        owners = cli.field_owners(SECTIONS)
-        values, changes = checkpoint.resume_values(values, owners, TrainConfig.out)
-    return build_configs(values), changes
 
 
 def memory_phases(device: torch.device | str, cfg: memory.MemoryConfig, model: Llama,
@@ -263,7 +246,11 @@ def memory_phases(device: torch.device | str, cfg: memory.MemoryConfig, model: L
 
 def setup(values: dict[str, object]) -> Run:
     rank, world, device = tp.init_distributed()
-    cfgs, changes = resolve_configs(values)
+    changes = []  # a resumed run: the checkpoint's flags, this command line's on top
+    if values.get("resume"):
+        owners = cli.field_owners(SECTIONS)
+        values, changes = checkpoint.resume_values(values, owners, TrainConfig.out)
+    cfgs = build_configs(values)
     cfg = cfgs.train
     cli.check_config(cfgs)
     groups = tp.make_groups(cfgs.parallel.tp)
@@ -271,14 +258,7 @@ def setup(values: dict[str, object]) -> Run:
         raise ValueError(f"--prompts_per_step {cfg.prompts_per_step} must be divisible by "
                          f"dp = world / tp = {groups.dp_size}")
     checkpoint.check_out_dir(cfg.out, cfg.resume, cfg.overwrite)
-    error = None
-    if rank == 0:  # one run per --out; the others learn rank 0's verdict
-        try:
-            checkpoint.lock_out_dir(cfg.out)
-        except ValueError as e:
-            error = e
-    if any_rank(error is not None, device):
-        raise error or ValueError("")
+    checkpoint.lock_out_dir(cfg.out)  # one run per --out, before anything is written there
     if rank == 0 and changes:
         print(f"resuming {cfg.resume} with: {'; '.join(changes)}")
     if device.type == "cpu":
@@ -340,14 +320,6 @@ def draw_prompts(run: Run, step: int) -> tuple[list[list[int]], list[str], int]:
     examples = examples[lo:lo + run.local_prompts]
     ids, truncated = tokenize_prompts(run, [text for text, _ in examples])
     return ids, [ref for _, ref in examples], truncated
-
-
-def score(run: Run, texts: list[str], references: list[str]) -> torch.Tensor:
-    """(N,) float64 rewards: each reward function's, summed as TRL sums them; NaN: missing."""
-    weights = [weight for _, weight in run.task.rewards]
-    rewards = grpo.combine_rewards(tasks.score(run.task, texts, references), weights)
-    tasks.check_statistics(run.task, rewards)
-    return rewards
 
 
 def draw_training_example(run: Run, rng: random.Random) -> tuple[str, str]:
@@ -463,7 +435,7 @@ def step(run: Run, step: int) -> dict:
     times["rollout"] = time.perf_counter() - t0
     # 3. Rewards: each reward function's score, summed as TRL sums them (None leaves one out).
     texts = completion_texts(run, out)
-    rewards = together(run, score, run, texts, [ref for ref in references for _ in range(G)])
+    rewards = together(run, tasks.total_rewards, run.task, texts, [ref for ref in references for _ in range(G)])
     all_rewards = gather_dp(rewards.to(run.device), run)  # (dp * N,)
     # 4. Group advantages over the whole generation batch; this rank keeps its rows.
     g = cfgs.grpo
@@ -581,7 +553,7 @@ def step_record(run: Run, step: int, rewards: torch.Tensor, out: rollout.Rollout
     record["grad_norm"] = sum(norms) / len(norms) if norms else None
     record["lr"] = run.optimizer.param_groups[0]["lr"]
     record.update({f"t_{k}": v for k, v in times.items()})
-    record.update(peak_memory(run))
+    record.update(cli.memory_figures(run.device, run.mem))
     return record
 
 
@@ -601,7 +573,7 @@ def evaluate(run: Run) -> dict:
         texts += completion_texts(run, out)
     references = [ref for _, ref in items]
 
-    scores = together(run, score, run, texts, references)
+    scores = together(run, tasks.total_rewards, run.task, texts, references)
     correct = together(run, tasks.count_correct, run.task, texts, references)
     scored = scores[~scores.isnan()]
     total, count, right, prompts = all_reduce_dp(
@@ -609,15 +581,6 @@ def evaluate(run: Run) -> dict:
     return dict(eval_reward=total / count if count else None,
                 eval_correct=right / prompts if run.task.correct is not None else None,
                 t_eval=time.perf_counter() - t0)
-
-
-def peak_memory(run: Run) -> dict[str, float]:
-    """On a GPU, the max of max_memory_allocated over all phases; on a CPU, the process's max RSS
-    (what the OS holds for it, not the memory table's tagged tensors). In GB."""
-    if run.device.type == "cuda":
-        peak = max(run.mem.peak_bytes(), torch.cuda.max_memory_allocated(run.device))
-        return dict(max_allocated_gb=peak / 1e9)
-    return dict(max_rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6)  # KiB
 
 
 def print_plan(argv: list[str]) -> int:
@@ -687,19 +650,20 @@ def check_health(run: Run, record: dict) -> None:
     no_update = record["skipped_updates"] > 0 and record["updates"] == 0
     run.bad_in_a_row = run.bad_in_a_row + 1 if no_update else 0
     run.unscored_in_a_row = run.unscored_in_a_row + 1 if record["reward"] is None else 0
+    why = ""
     if run.bad_in_a_row >= cfg.max_bad_steps:
-        path = save(run, record["step"])
-        raise StopTraining(f"{run.bad_in_a_row} steps in a row had no finite update (non-finite "
-                           f"loss or gradients); stopped, last good state at {path}")
-    if run.unscored_in_a_row >= cfg.max_unscored_steps:
-        path = save(run, record["step"])
-        raise StopTraining(f"{run.unscored_in_a_row} steps in a row had no reward scored (every "
-                           f"reward function returned None); stopped, checkpoint at {path}")
+        why = (f"{run.bad_in_a_row} steps in a row had no finite update (non-finite loss or "
+               "gradients)")
+    elif run.unscored_in_a_row >= cfg.max_unscored_steps:
+        why = (f"{run.unscored_in_a_row} steps in a row had no reward scored (every reward "
+               "function returned None)")
+    if why:
+        raise StopTraining(f"{why}; stopped, last good state at {save(run, record['step'])}")
 
 
 def train(run: Run) -> None:
     cfg = run.cfgs.train
-    metrics_file = ""
+    metrics = checkpoint.Metrics(cfg.out, cfg.resume, cfg.overwrite, run.start)
     bar = tqdm(range(run.start, cfg.steps), initial=run.start, total=cfg.steps,
                disable=run.rank != 0, dynamic_ncols=True)
     for i in bar:
@@ -710,17 +674,14 @@ def train(run: Run) -> None:
                 save(run, i)   # first, --out holds it already, or nothing: never rewrite it)
             raise
         failed = None
-        due = i == 0 or (i + 1) % max(cfg.eval_every, 1) == 0 or i + 1 == cfg.steps
         try:
-            if run.held_out and due:
+            if run.held_out and (i == 0 or (i + 1) % max(cfg.eval_every, 1) == 0
+                                 or i + 1 == cfg.steps):
                 record.update(evaluate(run))
         except StopTraining as e:  # after step i's update: the checkpoint below holds i + 1
             failed = e
-        if run.rank == 0:  # the first step finished: now --out is the new run's
-            metrics_file = metrics_file or checkpoint.start_out_dir(cfg.out, cfg.resume,
-                                                                    cfg.overwrite, run.start)
-            with open(metrics_file, "a") as f:
-                f.write(json.dumps(cli.jsonable(record), allow_nan=False) + "\n")
+        if run.rank == 0:
+            metrics.append(cli.jsonable(record))  # the first: now --out is the new run's
             bar.write(cli.step_line(record, cfg.steps, run.cfgs.grpo.beta))
             if i == run.start and cfg.phases:
                 bar.write(run.mem.report())
@@ -728,7 +689,7 @@ def train(run: Run) -> None:
             save(run, i + 1)
             raise failed
         check_health(run, record)
-        stop = any_rank(bool(run.stop_signals), run.device)  # every rank stops after this step
+        stop = any_rank(bool(run.signals.seen), run.device)  # every rank stops after this step
         last = i + 1 == cfg.steps
         if last or stop or (cfg.save_every and (i + 1) % cfg.save_every == 0):
             path = save(run, i + 1)
@@ -741,46 +702,29 @@ def train(run: Run) -> None:
     bar.close()
 
 
-def on_stop_signal(run: Run, signum: int, frame) -> None:
-    """Ctrl-C (SIGINT) or preemption (SIGTERM from torchrun, Slurm, Kubernetes): finish the step,
-    checkpoint, exit 0. A second one exits at once (a reward function that never returns)."""
-    if run.stop_signals:
-        checkpoint.release_out_dir()
-        print("second stop signal: exiting now, without a checkpoint", file=sys.stderr, flush=True)
-        os._exit(128 + signum)
-    run.stop_signals.append(signum)
-    if run.rank == 0:
-        print(f"{signal.Signals(signum).name}: the step finishes, then a checkpoint is written "
-              "(send it again to exit at once, without one)", file=sys.stderr, flush=True)
-
-
 def main(argv: list[str]) -> int:
     if "-h" in argv or "--help" in argv:
         cli.print_help(SECTIONS)
         return 0
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     finished = False  # every rank got through: the groups can meet at a last barrier
     try:
         if "--plan" in argv:
             return print_plan(argv)
         run = setup(parse_args(argv))
-        for s in handlers:
-            signal.signal(s, partial(on_stop_signal, run))
-        train(run)
+        run.signals.rank = run.rank
+        with run.signals:  # Ctrl-C, SIGTERM: finish the step, checkpoint, exit 0
+            train(run)
         finished = True
     except (ValueError, FileNotFoundError, StopTraining) as e:  # one line; else: a traceback
         # Under torchrun every rank finds a config error: rank 0 says it, the others exit quietly.
-        if str(e) and (int(os.environ.get("RANK", 0)) == 0 or getattr(e, "own", False)):
+        if str(e) and int(os.environ.get("RANK", 0)) == 0:
             print(f"error: {e}", file=sys.stderr)
         return 2
     finally:
         checkpoint.release_out_dir()
-        for s, handler in handlers.items():
-            signal.signal(s, handler)
         if dist.is_initialized():
             tp.destroy_groups(barrier=finished)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

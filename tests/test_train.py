@@ -756,17 +756,21 @@ def test_a_second_stop_signal_exits_at_once(tmp_path):
 
 
 def torchrun(cwd, *args: str, timeout: int = 240) -> tuple[int, str]:
-    """train.py on 2 processes (dp 2); a hang fails the test (its processes are killed)."""
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                             "--nproc_per_node=2", os.path.join(ROOT, "train.py"), *FAST, *args],
-                            cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        output = proc.communicate(timeout=timeout)[0]
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail(f"hang: no exit in {timeout} s\n{proc.communicate()[0][-3000:]}")
-    return proc.returncode, output
+    """train.py on 2 processes (dp 2); a hang fails the test. The output goes to a file: the
+    workers, each in a session of its own, would hold a pipe open after a kill."""
+    with open(os.path.join(cwd, "torchrun.log"), "w+") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                 "--nproc_per_node=2", os.path.join(ROOT, "train.py"), *FAST,
+                                 *args], cwd=cwd, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.terminate()  # torchrun stops its workers (SIGTERM, then SIGKILL)
+            proc.wait(120)
+            log.seek(0)
+            pytest.fail(f"hang: no exit in {timeout} s\n{log.read()[-3000:]}")
+        log.seek(0)
+        return proc.returncode, log.read()
 
 
 LONG = "'1' * 2000 + '='"
