@@ -435,7 +435,8 @@ def step(run: Run, step: int) -> dict:
     times["rollout"] = time.perf_counter() - t0
     # 3. Rewards: each reward function's score, summed as TRL sums them (None leaves one out).
     texts = completion_texts(run, out)
-    rewards = together(run, tasks.total_rewards, run.task, texts, [ref for ref in references for _ in range(G)])
+    references = [ref for ref in references for _ in range(G)]  # (N,)
+    rewards = together(run, tasks.total_rewards, run.task, texts, references)
     all_rewards = gather_dp(rewards.to(run.device), run)  # (dp * N,)
     # 4. Group advantages over the whole generation batch; this rank keeps its rows.
     g = cfgs.grpo

@@ -100,4 +100,5 @@ def test_command_line_writes_the_picture_and_refuses_bad_arguments(tmp_path, cap
 
 
 def test_help_prints_the_usage_and_exits_0(capsys):
-    assert plot.main(["--help"]) == 0 and capsys.readouterr().out.startswith("usage: python plot.py")
+    assert plot.main(["--help"]) == 0
+    assert capsys.readouterr().out.startswith("usage: python plot.py")

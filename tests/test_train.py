@@ -774,7 +774,8 @@ def torchrun(cwd, *args: str, timeout: int = 240) -> tuple[int, str]:
 
 
 LONG = "'1' * 2000 + '='"
-ONE_RANK = {  # each rank draws the whole batch (4 prompts) and keeps its half: calls 7, 8 are rank 1's
+# Each rank draws the whole batch (4 prompts) and keeps its half: calls 7 and 8 are rank 1's.
+ONE_RANK = {
     "reward": ("def reward(c, r):\n    calls.append(1)\n"
                "    if os.environ['RANK'] == '1' and len(calls) > 8:\n"
                "        raise KeyError('rank 1')\n    return tasks.digits_correct(c, r)\n"
