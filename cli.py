@@ -149,6 +149,13 @@ def check_config(cfgs) -> None:
                          "logprobs do not (the GRPO ratio would not be 1 on-policy); leave them "
                          "off for training (they are for evaluation with rollout.generate)")
 
+def check_budget(max_new_tokens: int, context: int) -> None:
+    """Before any weight or KV cache is allocated: a completion budget that leaves no room for a
+    prompt in the model's context (max_position_embeddings) would fail at the first step."""
+    if max_new_tokens >= context:
+        raise ValueError(f"--max_new_tokens {max_new_tokens} leaves no room for a prompt in the "
+                         f"model's context of {context} tokens (max_position_embeddings); lower it")
+
 # -----------------------------------------------------------------------------
 # The step line
 

@@ -144,9 +144,8 @@ def any_rank(flag: bool, device: torch.device) -> bool:
 
 
 def together(run, fn, *args):
-    """fn(*args), which may fail on one rank alone (a reward function, a prompt too long): every
-    rank learns whether any failed and all stop here, at the same step. A lone rank that raised
-    would leave the others waiting in the next collective: a hang."""
+    """fn(*args), which may fail on one rank alone (a reward function, a prompt too long): all stop
+    here, at the same step. A lone rank that raised would leave the others in a collective: a hang."""
     error = None
     try:
         result = fn(*args)
@@ -267,11 +266,11 @@ def setup(values: dict[str, object]) -> Run:
     task = tasks.load_task(cfg.task, cfg.task_data)
     resume_dir = checkpoint.resolve(cfg.resume, cfg.out) if cfg.resume else ""
     source = resume_dir or cfg.model
+    budget = cfgs.rollout.max_new_tokens or task.max_new_tokens or 256  # 0: the task's own
+    cfgs.rollout = dataclasses.replace(cfgs.rollout, max_new_tokens=budget)
+    cli.check_budget(budget, load_config(source).max_position_embeddings if source else 1024)
     model, tokenizer = build_model(cfg, task, source, device, groups)
     generation_config = load_generation_config(source) if source else None
-    if cfgs.rollout.max_new_tokens == 0:  # the task's own budget
-        budget = task.max_new_tokens or 256
-        cfgs.rollout = dataclasses.replace(cfgs.rollout, max_new_tokens=budget)
     # The reference is the initial policy (built before any checkpoint is loaded).
     reference = None
     if cfgs.grpo.beta > 0:

@@ -95,7 +95,7 @@ def test_a_resume_that_fails_at_its_first_step_never_rewrites_the_checkpoint(tmp
     state = os.path.join(out, "step-000001", "trainer_state.json")
     before = open(state).read()
     capsys.readouterr()
-    code, _ = run(tmp_path, "--resume", "latest", "--steps", "3", "--max_new_tokens", "1100")
+    code, _ = run(tmp_path, "--resume", "latest", "--steps", "3", "--max_new_tokens", "1022")
     err = capsys.readouterr().err
     assert code == 2 and "max_position_embeddings" in err
     assert open(state).read() == before and json.loads(before)["step"] == 1

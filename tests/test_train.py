@@ -159,6 +159,8 @@ def test_tp2_gloo_matches_tp1_and_writes_the_same_tensors(tmp_path):
     (["--kv_heads", "0"], "--kv_heads must be >= 1"),
     (["--dim", "36"], "--dim 36 must be a multiple of 2 x --heads 4"),
     (["--out", ""], "--out is empty"),
+    (["--max_new_tokens", "2000"], "--max_new_tokens 2000 leaves no room for a prompt in the "
+                                   "model's context of 1024 tokens"),
     (["--task", "tasks:REVERSE_LEN"], "--task tasks:REVERSE_LEN: is a int, not a tasks.Task"),
     (["--task", "tasks:parse_number"], "--task tasks:parse_number: is a NoneType, not a tasks.Task"),
 ])
