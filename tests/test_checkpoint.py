@@ -21,17 +21,21 @@ def test_two_runs_started_at_once_into_one_out_one_is_refused_naming_the_holder(
     """Regression: both ran, metrics.jsonl interleaved, checkpoints overwrote each other."""
     out = str(tmp_path / "run")
     procs = [start(out, "--steps", "10000", "--eval_every", "0") for _ in range(2)]
-    deadline = time.time() + 120
-    while time.time() < deadline and all(p.poll() is None for p in procs):
-        time.sleep(0.2)
-    loser = next(p for p in procs if p.poll() is not None)
-    winner = next(p for p in procs if p is not loser)
-    _, err = loser.communicate()
-    metrics = os.path.join(out, "metrics.jsonl")
-    while time.time() < deadline and not (os.path.exists(metrics) and os.path.getsize(metrics)):
-        time.sleep(0.2)
-    winner.send_signal(2)  # Ctrl-C: the winner checkpoints and exits 0
-    winner.communicate(timeout=120)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and all(p.poll() is None for p in procs):
+            time.sleep(0.2)
+        loser = next(p for p in procs if p.poll() is not None)
+        winner = next(p for p in procs if p is not loser)
+        _, err = loser.communicate()
+        metrics = os.path.join(out, "metrics.jsonl")
+        while time.time() < deadline and not (os.path.exists(metrics) and os.path.getsize(metrics)):
+            time.sleep(0.2)
+        winner.send_signal(2)  # Ctrl-C: the winner checkpoints and exits 0
+        winner.communicate(timeout=120)
+    finally:
+        for p in procs:
+            p.kill()  # this test's own processes, if they are still there
     assert loser.returncode == 2 and winner.returncode == 0, err
     assert err.strip() == err.strip().splitlines()[0]  # one line
     assert f"--out {out} is in use by the run of pid {winner.pid} on {socket.gethostname()}" in err

@@ -740,14 +740,17 @@ def test_a_second_stop_signal_exits_at_once(tmp_path):
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), *FAST, "--task",
                              "stuck:task", "--out", "run"], cwd=tmp_path, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    deadline = time.time() + 120
-    while time.time() < deadline and not (tmp_path / "in_reward").exists():
-        time.sleep(0.1)
-    proc.send_signal(signal.SIGTERM)
-    time.sleep(1)
-    assert proc.poll() is None  # the first: the step is to finish
-    proc.send_signal(signal.SIGTERM)
-    output, _ = proc.communicate(timeout=30)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not (tmp_path / "in_reward").exists():
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(1)
+        assert proc.poll() is None  # the first: the step is to finish
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=30)
+    finally:
+        proc.kill()  # this test's own process, if it is still there
     assert proc.returncode == 128 + signal.SIGTERM, output
     assert "SIGTERM: the step finishes, then a checkpoint is written" in output
     assert "second stop signal: exiting now, without a checkpoint" in output
