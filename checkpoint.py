@@ -132,7 +132,7 @@ def saved_config(resume: str, out: str) -> dict[str, dict]:
                          "checkpoint") from None
 
 
-# What a checkpoint fixes: its weights have this shape, its optimizer state this task and group size.
+# What a checkpoint fixes: its weights' shape, the task and group size its optimizer state learned.
 FIXED_ON_RESUME = ("model", "dim", "layers", "heads", "kv_heads", "task", "task_data",
                    "num_samples")
 

@@ -145,7 +145,7 @@ def any_rank(flag: bool, device: torch.device) -> bool:
 
 def together(run, fn, *args):
     """fn(*args), which may fail on one rank alone (a reward function, a prompt too long): all stop
-    here, at the same step. A lone rank that raised would leave the others in a collective: a hang."""
+    here, at the same step. A lone rank that raised would leave the others in a collective."""
     error = None
     try:
         result = fn(*args)
