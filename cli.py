@@ -213,5 +213,5 @@ def step_line(record: dict, steps: int, beta: float) -> str:
     if record["skipped_updates"]:
         parts.append(f"{record['skipped_updates']} updates skipped (non-finite loss or grads)")
     if record.get("zero_grad"):
-        parts.append(f"{record['zero_grad']} updates skipped (zero gradient: every advantage 0)")
+        parts.append(f"{record['zero_grad']} steps with a zero gradient (every advantage 0: AdamW's momentum only)")
     return " | ".join(parts)

@@ -486,14 +486,15 @@ def train_phase(run: Run, batch: grpo.GRPOBatch) -> list[dict]:
             m["grad_norm"] = tp.clip_grad_norm(run.model, cfgs.train.grad_clip or math.inf,
                                                run.groups)
             # A non-finite loss or gradient anywhere: skip this update on every rank. A gradient
-            # of exactly 0 (every advantage 0) has nothing to learn: no update either (AdamW
-            # would replay its momentum). The schedule advances on either, as torch's schedulers
-            # do: the lr is a function of the step, and a resumed run rebuilds it from the step.
+            # of exactly 0 (every advantage 0) still steps AdamW, as TRL does (its momentum
+            # moves the weights), but is counted apart from the updates that learned something.
+            # The schedule advances on every step, as torch's schedulers do: the lr is a
+            # function of the step, and a resumed run rebuilds it from the step.
             finite = math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])
             (all_finite,) = all_reduce_dp([float(finite)], run, dist.ReduceOp.MIN)
             m["finite"] = bool(all_finite)
             m["updated"] = m["finite"] and m["grad_norm"] > 0
-            if m["updated"]:
+            if m["finite"]:
                 run.optimizer.step()
             run.opt_step += 1
             run.optimizer.zero_grad(set_to_none=True)

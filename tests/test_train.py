@@ -686,7 +686,7 @@ def test_an_eval_error_after_step_i_is_saved_as_the_updates_held(tmp_path, capsy
     assert not os.path.exists(os.path.join(out, "step-000000"))
 
 
-def test_a_zero_gradient_is_no_update_and_memory_is_named_for_what_it_measures(tmp_path, capsys):
+def test_a_zero_gradient_is_not_counted_as_an_update_and_memory_is_named_for_what_it_measures(tmp_path, capsys):
     """Regression: a step whose advantages were all 0 counted an update; the step line's process
     RSS was called "peak", as the memory table's sum of tagged tensors is."""
     spec = write_module(tmp_path, "flat", "def same(c, r):\n    return 0.5\n"
@@ -696,7 +696,7 @@ def test_a_zero_gradient_is_no_update_and_memory_is_named_for_what_it_measures(t
     text = capsys.readouterr().out
     recs = strict_records(out)
     assert code == 0 and [(r["updates"], r["zero_grad"]) for r in recs] == [(0, 2), (0, 2)]
-    assert "2 updates skipped (zero gradient: every advantage 0)" in text
+    assert "2 steps with a zero gradient (every advantage 0" in text
     assert "max RSS" in text and all(r["max_rss_gb"] > 0 for r in recs)
 
 
