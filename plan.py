@@ -3,8 +3,8 @@ The memory plan: what a run will hold per rank in each phase, from shapes alone,
 is read (`train.py --plan`).
 
 Each phase's peak = the tagged tensors awake in it (memory.PhaseManager.plan_step: weights, KV
-cache, grads, optimizer state, reference; on a CPU the last two stay in place) + its largest transient,
-which the formulas below give: rollout_memory (the sampler's prefill and first sampling),
+cache, grads, optimizer state, reference; on a CPU the last two stay in place) + its largest
+transient, which the formulas below give: rollout_memory (the sampler's prefill and first sampling),
 micro_batch_memory (one training micro-batch forward and backward, with or without activation
 checkpointing), batch_bytes (the generation batch's tensors kept through the step). Each formula
 sits in a docstring next to its terms; tests/test_train.py checks the plan against the allocator

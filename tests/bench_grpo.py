@@ -165,7 +165,7 @@ class Head(torch.nn.Module):
         return self.lm_head(self.norm(h))
 
 
-def chunk_sweep(n: int, rounds: int, vocabs: list[int]) -> None:
+def chunk_sweep(n: int, rounds: int, vocabs: list[int], mibs: list[int]) -> None:
     """Chunked logprobs fwd+bwd of n tokens of width 576 (SmolLM2's) at V = 16, 49,152, 151,936:
     chunks of a fixed 1,024 tokens (the base) next to chunks of 16..256 MiB of float32 logits
     (GRPOConfig.chunk_bytes). Peak: allocator bytes above the start (tests/memtrace.py), the
@@ -184,7 +184,7 @@ def chunk_sweep(n: int, rounds: int, vocabs: list[int]) -> None:
             h.grad = head.lm_head.weight.grad = head.norm.weight.grad = None
 
         base = None
-        for name, mib in [("1,024 tokens", None), *[(f"{m} MiB", m) for m in (16, 64, 256)]]:
+        for name, mib in [("1,024 tokens", None), *[(f"{m} MiB", m) for m in mibs]]:
             rows = 1024 if mib is None else grpo.chunk_rows(mib * 2**20, V, torch.float32)
             peak = allocator_peak(lambda: run(rows)) / 2**20  # also the warm-up
             best, spent, done = float("inf"), 0.0, 0
@@ -206,6 +206,7 @@ def main():
     parser.add_argument("--part", default="all", choices=["all", "step", "logprobs", "chunk"])
     parser.add_argument("--tokens", type=int, default=1536, help="--part chunk: tokens scored")
     parser.add_argument("--vocabs", default="16,49152,151936", help="--part chunk: vocabularies")
+    parser.add_argument("--chunk_mib", default="16,64,256", help="--part chunk: chunk sizes, MiB")
     parser.add_argument("--memory", default=None, help=argparse.SUPPRESS)  # child: one variant's peak
     parser.add_argument("--time", default=None, help=argparse.SUPPRESS)  # child: comma-separated variants
     args = parser.parse_args()
@@ -217,7 +218,8 @@ def main():
         return
     print(f"device {args.device}, torch {torch.__version__}, {torch.get_num_threads()} threads, chunk {args.chunk}")
     if args.part == "chunk":
-        return chunk_sweep(args.tokens, args.rounds, [int(v) for v in args.vocabs.split(",")])
+        return chunk_sweep(args.tokens, args.rounds, [int(v) for v in args.vocabs.split(",")],
+                           [int(m) for m in args.chunk_mib.split(",")])
     if args.part in ("all", "step"):
         steps = list(STEP_VARIANTS)
         memory = table("One GRPO fwd+bwd, 4 prompts x 512 + 8 x 64 completions, V=32000\n"

@@ -271,6 +271,7 @@ def trl_config(args: argparse.Namespace):
 def trl_worker(args: argparse.Namespace) -> None:
     import datasets
     import torch
+    from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast, TrainerCallback
     from trl import GRPOTrainer
     torch.set_num_threads(1)
@@ -279,8 +280,9 @@ def trl_worker(args: argparse.Namespace) -> None:
     # Pad and eos from the vocabulary: ids 0 and 2 are <pad> and <eos> here, <|endoftext|> and
     # <|im_end|> in SmolLM2 (a token outside the vocabulary would be appended past the embedding).
     file = os.path.join(args.model, "tokenizer.json")
-    vocab = {i: t for t, i in json.load(open(file))["model"]["vocab"].items()}
-    tokenizer = PreTrainedTokenizerFast(tokenizer_file=file, pad_token=vocab[0], eos_token=vocab[2])
+    vocab = Tokenizer.from_file(file)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=file, pad_token=vocab.id_to_token(0),
+                                        eos_token=vocab.id_to_token(2))
     lengths = {len(ids) for ids in tokenizer(prompts)["input_ids"]}
     if lengths != {len(prompts[0])}:
         sys.exit(f"bench_trl: TRL's tokenizer gives prompt lengths {sorted(lengths)}, expected "

@@ -276,7 +276,8 @@ def test_on_a_cpu_offload_copies_nothing_keeps_every_bit_and_still_guards():
     mgr.add_weights(trainer, trainer)
     mgr.add_optimizer(optimizer)
     mgr.add_reference(reference)
-    tensors = [*reference.parameters()] + [v for st in optimizer.state.values() for v in st.values()]
+    state = [v for values in optimizer.state.values() for v in values.values()]
+    tensors = [*reference.parameters(), *state]
     before = [(t.data_ptr(), t.clone()) for t in tensors]
     rss = resident_kib()
     with mgr.phase("rollout"):
