@@ -264,9 +264,9 @@ def main() -> None:
 
     print("\n  P | engine tok/s | naive tok/s | HF tok/s | engine/naive | engine/HF | prompt KV engine | naive")
     for P, e, n, h, gflops, ceiling in table:
-        hf = f"{new_tokens / h['seconds']:8,.0f} | " if h else "       - | "
+        hf_cell = f"{new_tokens / h['seconds']:8,.0f} | " if h else "       - | "
         hf_ratio = f"{h['seconds'] / e['seconds']:8.1f}x" if h else "        -"
-        print(f"{P:4d} | {new_tokens / e['seconds']:12,.0f} | {new_tokens / n['seconds']:11,.0f} | {hf}"
+        print(f"{P:4d} | {new_tokens / e['seconds']:12,.0f} | {new_tokens / n['seconds']:11,.0f} | {hf_cell}"
               f"{n['seconds'] / e['seconds']:11.1f}x | {hf_ratio} | {e['prompt_kv_bytes'] / 2**20:13.2f} MiB | "
               f"{n['prompt_kv_bytes'] / 2**20:.2f} MiB")
     for P, e, n, h, gflops, ceiling in table:
