@@ -16,6 +16,7 @@ from memtrace import allocator_peak
 
 import cli
 import hf
+import tokenizer as tk
 import train
 from model import Llama
 
@@ -81,7 +82,7 @@ def test_ctrl_c_writes_a_checkpoint(tmp_path):
 def tied_checkpoint(tmp_path, generation_eos: list[int]) -> str:
     """A fresh tied-embedding model directory whose generation_config.json adds stop ids."""
     from model import ModelConfig
-    tok = hf.build_char_tokenizer("0123456789=")
+    tok = tk.build_char_tokenizer("0123456789=")
     cfg = ModelConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64,
                       num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
                       bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
@@ -408,7 +409,7 @@ def test_completion_text_keeps_special_tokens_but_not_the_stop(tmp_path, capsys)
     """The reward sees every token the model wrote except the stop token: a <pad> inside an answer
     is the policy's doing and must cost reward (it was silently dropped)."""
     import train as T
-    tok = hf.build_char_tokenizer("0123456789=")
+    tok = tk.build_char_tokenizer("0123456789=")
 
     class Fake:
         tokenizer = tok
@@ -421,18 +422,18 @@ def test_completion_text_keeps_special_tokens_but_not_the_stop(tmp_path, capsys)
 
 def test_eval_scores_greedy_completions_of_prompts_training_never_draws(tmp_path, monkeypatch):
     drawn, held = [], []
-    draw, hold = train.draw_training_example, train.held_out_prompts
+    draw, split = train.tasks.draw_training_example, train.tasks.eval_split
 
-    def spy_draw(run, rng):
-        example = draw(run, rng)
+    def spy_draw(task, eval_split, rng):
+        example = draw(task, eval_split, rng)
         drawn.append(example[0])
         return example
 
-    def spy_hold(task, cfg):
-        held.append(hold(task, cfg))
-        return held[-1]
-    monkeypatch.setattr(train, "draw_training_example", spy_draw)
-    monkeypatch.setattr(train, "held_out_prompts", spy_hold)
+    def spy_split(*args):
+        held.append([prompt for prompt, _ in split(*args).examples])
+        return split(*args)
+    monkeypatch.setattr(train.tasks, "draw_training_example", spy_draw)
+    monkeypatch.setattr(train.tasks, "eval_split", spy_split)
     code, out = run(tmp_path, "--steps", "5", "--eval_every", "2", "--eval_prompts", "40")
     recs = strict_records(out)
     assert code == 0 and len(held[0]) == 40 and len(drawn) == 5 * 4
@@ -487,7 +488,7 @@ def test_optimizer_state_that_misses_a_parameter_is_refused_not_reinitialised(tm
 
 def test_jsonl_math_task_runs_on_a_model_directory(tmp_path):
     from model import ModelConfig
-    tok = hf.build_char_tokenizer("0123456789+*= ")
+    tok = tk.build_char_tokenizer("0123456789+*= ")
     cfg = ModelConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2)
     ckpt = tmp_path / "ckpt"
@@ -576,7 +577,7 @@ def plan_checkpoint(path: str) -> None:
                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
                       bos_token_id=None, eos_token_id=None)
     hf.save_model(Llama(cfg).init_weights(0), path)
-    hf.build_char_tokenizer(bench_trl.ALPHABET).save(os.path.join(path, "tokenizer.json"))
+    tk.build_char_tokenizer(bench_trl.ALPHABET).save(os.path.join(path, "tokenizer.json"))
 
 
 def plan_args(tmp_path, model: str) -> list[str]:
