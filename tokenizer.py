@@ -218,6 +218,12 @@ class PromptTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def decode_completions(self, completions: list[list[int]], stopped: list[bool]) -> list[str]:
+        """What a reward function sees: every token the model wrote, special ones included (a
+        <pad> inside an answer is the policy's doing), except the stop token that ended the row.
+        An id beyond the tokenizer's (a padded embedding) decodes to ""."""
+        return [self.decode(ids[:-1] if stop else ids) for ids, stop in zip(completions, stopped)]
+
     def save_pretrained(self, path: str) -> None:
         """tokenizer.json and the source's side files, verbatim, into a checkpoint directory."""
         self.tok.save(os.path.join(path, "tokenizer.json"))

@@ -25,10 +25,8 @@ on how the batch is split.
 
 Each knob lives in the dataclass of the file that uses it (TrainConfig here, RolloutConfig,
 GRPOConfig, MemoryConfig); `--field value` is routed to its owner. `python train.py --help` lists
-them all. --dtype bfloat16 is mixed precision: fp32 master weights and AdamW state, forward and
-backward under bf16 autocast, the sampler a bf16 copy synced from the master. Prompts are encoded by
-tokenizer.py (the checkpoint's post-processor and chat template), the evaluation's split is
-tasks.py's. Leaves out: pipeline parallelism, multi-node launch details, wandb.
+them all. --dtype bfloat16: fp32 master weights and AdamW state, bf16 autocast, a bf16 sampler copy.
+Leaves out: pipeline parallelism, multi-node launch details, wandb.
 Shapes: Bp prompts, G samples per prompt, N = Bp*G completions, Tr completion length.
 Tested by tests/test_train.py.
 """
@@ -354,16 +352,6 @@ def encode_prompts(run: Run, prompts: list) -> tuple[list[list[int]], int]:
         raise StopTraining(f"task {run.task.name}: {e}") from None
 
 
-def completion_texts(run: Run, out: rollout.Rollout) -> list[str]:
-    """What a reward function sees: every token the model wrote, special ones included (a <pad>
-    inside an answer is the policy's doing), except the stop token that ended the row."""
-    texts = []
-    for tokens, stopped in zip(out.completions(), out.stopped.tolist()):
-        texts.append(run.tokenizer.decode(tokens[:-1] if stopped else tokens,
-                                          skip_special_tokens=False))
-    return texts
-
-
 # -----------------------------------------------------------------------------
 # Reductions over the data-parallel ranks
 
@@ -409,7 +397,7 @@ def step(run: Run, step: int) -> dict:
                                seed=seed, cache=run.cache, logits_fn=run.logits_fn)
     times["rollout"] = time.perf_counter() - t0
     # 3. Rewards: each reward function's score, summed as TRL sums them (None leaves one out).
-    texts = completion_texts(run, out)
+    texts = run.tokenizer.decode_completions(out.completions(), out.stopped.tolist())
     per_function = tasks.score(run.task, texts, [ref for ref in references for _ in range(G)])
     weights = [weight for _, weight in run.task.rewards]
     rewards = grpo.combine_rewards(per_function, weights).to(run.device)  # (N,), NaN: missing
@@ -545,7 +533,7 @@ def evaluate(run: Run) -> dict:
             rollout.sync_weights(run.sampler, run.model)
             out = rollout.generate(run.sampler, prompts, greedy, stop_ids=run.stop_ids,
                                    cache=run.cache, logits_fn=run.logits_fn)
-        texts = completion_texts(run, out)
+        texts = run.tokenizer.decode_completions(out.completions(), out.stopped.tolist())
         references = [ref for _, ref in part]
         weights = [weight for _, weight in run.task.rewards]
         rewards.append(grpo.combine_rewards(tasks.score(run.task, texts, references), weights))

@@ -410,16 +410,13 @@ def test_a_sampler_in_another_dtype_follows_the_trainer_with_phases_off(tmp_path
 def test_completion_text_keeps_special_tokens_but_not_the_stop(tmp_path, capsys):
     """The reward sees every token the model wrote except the stop token: a <pad> inside an answer
     is the policy's doing and must cost reward (it was silently dropped)."""
-    import train as T
-    tok = tk.build_char_tokenizer("0123456789=")
-
-    class Fake:
-        tokenizer = tok
+    tok = tk.PromptTokenizer(tk.build_char_tokenizer("0123456789="))
     out = train.rollout.Rollout(
         tokens=torch.tensor([[3, 0, 4, 2], [5, 6, 0, 0]]),
         mask=torch.tensor([[True, True, True, True], [True, True, False, False]]),
         logprobs=torch.zeros(2, 4), stopped=torch.tensor([True, False]), temperature=1.0)
-    assert T.completion_texts(Fake, out) == ["0<pad>1", "23"]
+    assert tok.decode_completions(out.completions(), out.stopped.tolist()) == ["0<pad>1", "23"]
+    assert tok.decode_completions([[3, 99, 4]], [False]) == ["01"]  # beyond the tokenizer: ""
 
 
 def test_eval_scores_greedy_completions_of_prompts_training_never_draws(tmp_path, monkeypatch):
