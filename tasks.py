@@ -24,8 +24,8 @@ Built in:
   string or a conversation (a list of {"role", "content"} messages, rendered with the checkpoint's
   chat template); the last number in the completion is compared.
 
-The evaluation's prompts (eval_split): a finite dataset's own test split (`--eval_data FILE`, read by
-the same task factory), else distinct prompts held out of the training stream, at most half of a
+The evaluation's prompts (eval_split): a finite dataset's own test split (`--eval_data FILE`, read
+by the same task factory), else distinct prompts held out of the training stream, at most half of a
 finite dataset, with a line that says how many were held out and how many remain.
 """
 

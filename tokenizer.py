@@ -35,7 +35,7 @@ SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token
 @dataclass
 class PromptConfig:
     prompt_template: str = ""  # plain-text prompts: text around "{prompt}"; "" = the prompt itself
-    system_prompt: str = ""    # a system message first in each conversation ("" = none; a string prompt then becomes the user's message)
+    system_prompt: str = ""    # a system message first; a string prompt becomes the user's message
 
     def __post_init__(self):
         if self.prompt_template and "{prompt}" not in self.prompt_template:
@@ -163,7 +163,8 @@ class PromptTokenizer:
 
     def render(self, messages: list[dict]) -> str:
         """The conversation as the checkpoint's template writes it, ending with the generation
-        prompt (transformers' apply_chat_template(..., tokenize=False, add_generation_prompt=True))."""
+        prompt (transformers' apply_chat_template(messages, tokenize=False,
+        add_generation_prompt=True))."""
         import jinja2
         if self._template is None:
             source = self.template_source()

@@ -80,12 +80,12 @@ class TrainConfig:
     # task
     task: str = "tasks:reverse"      # package.module:attr, a Task or a function (task_data) -> Task
     task_data: str = ""              # passed to a task factory, e.g. tasks:jsonl_math's JSONL file
-    eval_data: str = ""              # the eval's own test split (same format as task_data); "" = held out
+    eval_data: str = ""              # the eval's test split, task_data's format; "" = held out
     prompts_per_step: int = 16       # Bp prompts per generation batch (over all dp ranks)
     max_prompt_len: int = 256        # longer prompts are truncated on the left (counted in the log)
     # optimisation
     steps: int = 800                 # generation batches to train on
-    lr: float = 5e-4                 # peak learning rate (fresh model; with --model the default is 1e-6)
+    lr: float = 5e-4                 # peak learning rate (fresh model; 1e-6 with --model)
     min_lr_ratio: float = 0.1        # cosine decay floor, as a fraction of lr
     warmup_steps: int = 10           # linear warmup, in optimizer steps
     weight_decay: float = 0.0        # AdamW weight decay
@@ -159,7 +159,8 @@ def build_model(cfg: TrainConfig, task: Task, source: str, device: torch.device,
     mcfg = ModelConfig(vocab_size=tokenizer.num_ids, hidden_size=cfg.dim,
                        intermediate_size=cfg.dim * 11 // 4, num_hidden_layers=cfg.layers,
                        num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
-                       max_position_embeddings=1024, bos_token_id=tokenizer.tok.token_to_id("<bos>"),
+                       max_position_embeddings=1024,
+                       bos_token_id=tokenizer.tok.token_to_id("<bos>"),
                        eos_token_id=tokenizer.tok.token_to_id("<eos>"))
     model = Llama(mcfg).init_weights(cfg.seed).to(device=device, dtype=dtype)  # same on every rank
     if groups.tp_size > 1:

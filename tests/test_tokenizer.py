@@ -104,7 +104,8 @@ def byte_level_bpe(specials: list[str], bos: str | None):
 
 def write_checkpoint(path, kind: str, template_as: str = "string") -> str:
     """A tiny random Llama (Qwen2 for "qwen") with a BPE tokenizer and its tokenizer_config.json.
-    config.json names a bos_token_id as both published configs do (Qwen2.5's tokenizer adds none)."""
+    config.json names a bos_token_id, as both published configs do (Qwen2.5's tokenizer adds
+    none)."""
     llama = kind == "llama"
     tok = byte_level_bpe(LLAMA_SPECIALS if llama else QWEN_SPECIALS,
                          "<|begin_of_text|>" if llama else None)
