@@ -678,6 +678,25 @@ def test_bf16_resume_continues_exactly(tmp_path):
         assert (ra["reward"], ra["loss"], ra["entropy"]) == (rb["reward"], rb["loss"], rb["entropy"])
 
 
+def test_tp2_bf16_saves_the_master_and_resumes_from_it(tmp_path):
+    """Each tp rank loads its slice of the fp32 master (tp.load_sharded) on resume."""
+    from safetensors.torch import load_file
+    args = [*FAST, "--model", tied_checkpoint(tmp_path, [2]), "--dtype", "bfloat16", "--tp", "2",
+            "--eval_every", "0", "--out", str(tmp_path / "tp2")]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+              "train.py"]
+    for more in (["--steps", "2", "--save_every", "1"], ["--steps", "3", "--resume", "latest"]):
+        done = subprocess.run(launch + args + more, cwd=ROOT, capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    step = tmp_path / "tp2" / "step-000002"
+    master = load_file(str(step / "master" / "model.safetensors"))
+    model = load_file(str(step / "model.safetensors"))
+    assert all(t.dtype == torch.float32 for t in master.values())
+    assert all(torch.equal(model[n], t.to(torch.bfloat16)) for n, t in master.items())
+    assert [r["step"] for r in records(tmp_path / "tp2")] == [1, 2, 3]
+
+
 def test_plan_counts_the_fp32_master_and_the_bf16_sampler(capsys):
     assert train.main(["--plan", "--dim", "64", "--layers", "2"]) == 0
     fp32 = capsys.readouterr().out
