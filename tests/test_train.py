@@ -145,6 +145,7 @@ def test_tp2_gloo_matches_tp1_and_writes_the_same_tensors(tmp_path):
     (["--steps", "0"], "--steps must be >= 1"),
     (["--dtype", "float64"], "--dtype must be one of"),
     (["--dtype", "float16"], "--dtype float16 is not supported: without loss scaling"),
+    (["--eval_data", "test.jsonl"], "--eval_data: task reverse has no finite dataset"),
     (["--task", "tasks:jsonl_math", "--task_data", "/no/file.jsonl"], "/no/file.jsonl: file not found"),
     (["--model", "/does/not/exist"], "/does/not/exist: not a directory"),
     (["--task", "tasks:nothing"], "--task tasks:nothing: cannot load it"),
