@@ -165,22 +165,27 @@ class PromptTokenizer:
         """The conversation as the checkpoint's template writes it, ending with the generation
         prompt (transformers' apply_chat_template(messages, tokenize=False,
         add_generation_prompt=True))."""
-        import jinja2
+        where = self.source or "the tokenizer"
         if self._template is None:
             source = self.template_source()
             if source is None:
-                raise ValueError(f"{self.source or 'the tokenizer'}: no chat template "
-                                 "(tokenizer_config.json's chat_template or chat_template.jinja) "
-                                 "for a conversation prompt; give plain-text prompts instead")
-            self._template = compile_template(source)
-        specials = {k: token_text(self.config[k]) for k in SPECIAL_TOKENS
-                    if self.config.get(k) is not None}
+                raise ValueError(f"{where}: no chat template (tokenizer_config.json's "
+                                 "chat_template or chat_template.jinja) for a conversation "
+                                 "prompt; give plain-text prompts instead")
+            try:
+                self._template = compile_template(source)
+            except Exception as e:  # jinja2's TemplateSyntaxError, with the line
+                raise ValueError(f"{where}: the chat template does not compile ({e})") from None
+        # special_tokens_map.json is transformers 4's older home for the same names
+        legacy = json.loads(self.files.get("special_tokens_map.json", "{}"))
+        specials = {k: token_text(self.config.get(k) or legacy.get(k)) for k in SPECIAL_TOKENS
+                    if (self.config.get(k) or legacy.get(k)) is not None}
         # transformers drops the keys of a message whose value is None
         messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
         try:
             return self._template.render(messages=messages, add_generation_prompt=True,
                                          **specials)
-        except jinja2.TemplateError as e:
+        except Exception as e:  # a checkpoint's template is code: any failure is one line
             raise ValueError(f"the chat template refused the conversation: {e}") from None
 
     # -------------------------------------------------------------------------

@@ -332,3 +332,18 @@ def test_a_conversation_without_a_template_is_one_line(tmp_path):
     with pytest.raises(ValueError, match="neither a string nor a conversation"):
         ours.encode([{"content": "ab"}], tk.PromptConfig())
     assert torch.tensor(ours.encode("ab", tk.PromptConfig())).tolist() == [1, 3, 4]
+
+
+def test_a_broken_template_and_special_tokens_map_json(tmp_path):
+    """transformers 4 checkpoints may name their special tokens in special_tokens_map.json only."""
+    path = write_checkpoint(tmp_path / "l", "llama")
+    config = json.load(open(os.path.join(path, "tokenizer_config.json")))
+    bos = config.pop("bos_token")
+    json.dump(config, open(os.path.join(path, "tokenizer_config.json"), "w"))
+    json.dump({"bos_token": {"content": bos, "lstrip": False}},
+              open(os.path.join(path, "special_tokens_map.json"), "w"))
+    assert tk.load_tokenizer(path).render(CONVERSATIONS[0]).startswith(bos)
+    with open(os.path.join(path, "chat_template.jinja"), "w") as f:
+        f.write("{% for m in messages %}{{ m['content'] }")
+    with pytest.raises(ValueError, match="the chat template does not compile"):
+        tk.load_tokenizer(path).render(CONVERSATIONS[0])
