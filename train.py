@@ -76,7 +76,7 @@ class TrainConfig:
     heads: int = 4                   # fresh model: attention heads
     kv_heads: int = 2                # fresh model: key/value heads (GQA)
     dtype: str = "float32"           # compute: float32, or bfloat16 (fp32 master weights, autocast)
-    sampler_dtype: str = ""          # sampler weights; "" = the trainer's own tensors (no copy)
+    sampler_dtype: str = ""          # sampler weights; "" = --dtype (bf16: a copy of the master)
     # task
     task: str = "tasks:reverse"      # package.module:attr, a Task or a function (task_data) -> Task
     task_data: str = ""              # passed to a task factory, e.g. tasks:jsonl_math's JSONL file
