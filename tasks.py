@@ -265,9 +265,13 @@ def has_number(completion: str, reference: str) -> float:
     return float(parse_number(completion) is not None)
 
 
-def jsonl_prompt(row: dict):
+def jsonl_prompt(row: dict, where: str):
     """A row's prompt: a string, or a conversation (a list of {"role", "content"} messages)."""
     prompt = row["prompt"] if "prompt" in row else row["question"]  # GSM8K names it question
+    if type(row["answer"]) not in (str, int, float) or not isinstance(prompt, (str, list)):
+        raise ValueError(f"{where}: 'prompt' must be a string (or a conversation) and 'answer' a "
+                         f"string or a number, got {type(prompt).__name__} and "
+                         f"{type(row['answer']).__name__}")
     if isinstance(prompt, list):
         if not prompt or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
                                  and isinstance(m.get("content"), str) for m in prompt):
@@ -289,16 +293,12 @@ def jsonl_math(data: str) -> Task:
                 if not line.strip():
                     continue
                 row = json.loads(line)
-                if not isinstance(row["prompt"], str) or type(row["answer"]) not in (str, int,
-                                                                                    float):
-                    raise ValueError(f"{data}:{i}: 'prompt' must be a string and 'answer' a "
-                                     f"string or a number, got {type(row['prompt']).__name__} "
-                                     f"and {type(row['answer']).__name__}")
+                prompt = jsonl_prompt(row, f"{data}:{i}")
                 # GSM8K puts the number after ####
                 answer = str(row["answer"]).split("####")[-1].strip()
                 if parse_number(answer) is None:
                     raise ValueError(f"{data}:{i}: answer {row['answer']!r} holds no number")
-                examples.append((jsonl_prompt(row), str(parse_number(answer))))
+                examples.append((prompt, str(parse_number(answer))))
     except FileNotFoundError:
         raise ValueError(f"{data}: file not found") from None
     except (OSError, UnicodeDecodeError) as e:  # a folder, a binary file, no permission
