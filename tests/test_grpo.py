@@ -196,6 +196,26 @@ def test_shared_prompt_backward_holds_one_block_of_pending_weight_gradients():
     # 8 blocks' gradients at once (21.1 MB).
     assert peak < 4 * block, (peak, block)
 
+
+def test_shared_prompt_forward_saves_no_repeated_prompt():
+    """The completions read the prompt's K/V once per group: nothing saved for backward is as
+    large as a per-row copy of the prompt's keys, (N, Hkv, P, D), nor a per-row (T, P + T) mask
+    (both were saved per layer when the prompt was repeated for one fused SDPA call)."""
+    cfg = M.ModelConfig(vocab_size=16, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2)
+    m = M.Llama(cfg).init_weights(0)
+    Bp, G, P, T = 2, 8, 40, 3
+    prompt_ids = torch.randint(0, 16, (Bp, P), generator=torch.Generator().manual_seed(0))
+    inputs = torch.randint(0, 16, (Bp * G, T), generator=torch.Generator().manual_seed(1))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t,
+                                                  lambda t: t):
+        grpo.shared_prompt_hidden(m, prompt_ids, torch.tensor([P, 31]), inputs, G)
+    repeated_keys = Bp * G * 2 * P * 16  # (N, Hkv, P, D)
+    # the largest saved tensors are the prompt's MLP activations, (Bp, P, 96): 7,680 entries
+    assert max(saved) < repeated_keys / 2, (max(saved), repeated_keys)
+    assert all(n != Bp * G * T * (P + T) for n in saved)  # no (N, 1, T, P + T) mask
+
 # -----------------------------------------------------------------------------
 # Chunked == unchunked; the token/position alignment
 
