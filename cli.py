@@ -122,6 +122,9 @@ def check_config(cfgs) -> None:
     for name, allowed in (("dtype", dtypes), ("sampler_dtype", ("", *dtypes))):
         if getattr(cfg, name) not in allowed:
             raise ValueError(f"--{name} must be one of {allowed}, got {getattr(cfg, name)!r}")
+    if not cfgs.memory.memory_budget >= 0:  # NaN too
+        raise ValueError(f"--memory_budget must be >= 0 GB (0: off), got "
+                         f"{cfgs.memory.memory_budget}")
     if cfg.prompt_template and "{prompt}" not in cfg.prompt_template:
         raise ValueError(f"--prompt_template {cfg.prompt_template!r} has no {{prompt}} to replace")
     r = cfgs.rollout

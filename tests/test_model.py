@@ -196,7 +196,8 @@ def test_shared_prefix_attention_equals_repeated_prefix_values_and_grads(dtype, 
     q, k, v = leaf(Bp * G, H, T, D), leaf(Bp * G, Hkv, T, D), leaf(Bp * G, Hkv, T, D)
     pk, pv = leaf(Bp, Hkv, P, D), leaf(Bp, Hkv, P, D)
     valid = torch.arange(P) < torch.tensor([9, 4, 1])[:, None]  # right padding, one 1-token prompt
-    prompt_bias = torch.zeros(Bp, 1, 1, P, dtype=dtype).masked_fill(~valid[:, None, None], -math.inf)
+    prompt_bias = torch.zeros(Bp, 1, 1, P, dtype=dtype)
+    prompt_bias = prompt_bias.masked_fill(~valid[:, None, None], -math.inf)
     future = torch.ones(T, T, dtype=torch.bool).triu(1)
     own_bias = torch.zeros(T, T, dtype=dtype).masked_fill(future, -math.inf).repeat(H // Hkv, 1)
     out = M.SharedPrefixAttention.apply(q, k, v, pk, pv, prompt_bias, own_bias[None, None])
