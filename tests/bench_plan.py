@@ -201,8 +201,10 @@ class AttentionSaves:
 
             def hooked(q, k, v, pk, pv):
                 import torch
+                # detach: the saved tensor itself (an output saved by its own node) would make a
+                # cycle that only the garbage collector frees
                 with torch.autograd.graph.saved_tensors_hooks(
-                        lambda t: self.count(t, q.shape) or t, lambda t: t):
+                        lambda t: self.count(t, q.shape) or t.detach(), lambda t: t):
                     return attend(q, k, v, pk, pv)
             return hooked
         grpo.shared_prompt_attention = counted
