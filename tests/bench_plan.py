@@ -185,8 +185,9 @@ def alloc_peaks(trace_file: str) -> tuple[dict[str, int], dict[str, int], int]:
 class AttentionSaves:
     """Bytes the completions' prompt attention saves for backward, summed over the layers of a
     micro-batch (the largest micro-batch kept): keys and values longer than the row's own tokens
-    (the prompt's K/V copied per row) and bool masks. `repeated` runs the repeated-prompt twin
-    (model.repeated_prefix_attention) in place of model.SharedPrefixAttention."""
+    (the prompt's K/V copied per row) and masks (bool or additive, one head wide). `repeated`
+    runs the repeated-prompt twin (model.repeated_prefix_attention) in place of
+    model.SharedPrefixAttention."""
 
     def __init__(self, repeated: bool):
         import grpo
@@ -210,11 +211,10 @@ class AttentionSaves:
         grpo.shared_prompt_attention = counted
 
     def count(self, t, q_shape) -> None:
-        import torch
         N, _, T, _ = q_shape
-        if t.dtype == torch.bool:
-            self.current["mask"] += t.numel()
-        elif t.dim() == 4 and t.shape[0] == N and t.shape[2] > T:
+        if t.dim() == 4 and t.shape[1] == 1:  # a mask or additive bias, broadcast over heads
+            self.current["mask"] += t.numel() * t.element_size()
+        elif t.dim() == 4 and t.shape[0] == N and t.shape[2] > T:  # (N, Hkv, P + T, D)
             self.current["prompt K/V per row"] += t.numel() * t.element_size()
         for k in self.totals:
             self.totals[k] = max(self.totals[k], self.current[k])
