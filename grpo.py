@@ -80,7 +80,7 @@ class GRPOConfig:
     std_eps: float = 1e-4             # advantage = (r - mean) / (std + std_eps), TRL's 1e-4
     std_correction: int = 1           # 1: the n-1 (Bessel) std of TRL and verl; 0: population std
     mu: int = 1                       # optimizer steps per generation batch
-    micro_batch_groups: int = 4       # whole groups per forward/backward (16's speed, ~0.4x its peak)
+    micro_batch_groups: int = 4       # whole groups per forward+backward (16's speed, 0.4x peak)
     chunk_size: int = 1024            # completion tokens per logprob chunk (0 = unchunked twin)
 
     def __post_init__(self):
