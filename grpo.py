@@ -14,11 +14,11 @@ Two memory tricks, each tested against its obvious slow twin in tests/test_grpo.
    per-layer keys/values are recorded; each completion then attends to [its prompt's keys; its own
    keys] (model.SharedPrefixAttention: the G completions of a group folded into the query length
    against the one prompt K/V, never copied, no mask). Tokens forwarded: Bp*(P + G*Tr) instead of
-   Bp*G*(P + Tr). The prompt stays in the graph, so the
-   gradients of all G completions sum into it; a no-grad prompt (what #2669 first did) gives a
-   truncated gradient. The two forwards alternate block by block (model.hidden_steps), so
-   backward does too and a weight's prompt and completion gradients meet one block apart (the
-   whole prompt first held a second copy of every block's weight gradients at the peak).
+   Bp*G*(P + Tr). The prompt stays in the graph, so the gradients of all G completions sum into
+   it; a no-grad prompt (what #2669 first did) gives a truncated gradient. The two forwards
+   alternate block by block (model.hidden_steps), so backward does too and a weight's prompt and
+   completion gradients meet one block apart (the whole prompt first held a second copy of every
+   block's weight gradients at the peak).
 2. Chunked logprobs: final norm + lm_head + softmax + gather run chunk_size tokens at a time and
    each chunk's logits are rebuilt in backward, so the (tokens x V) logits never exist at once,
    forward or backward (Liger's fused loss makes the same trade). The default path is a custom
@@ -51,7 +51,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
