@@ -28,12 +28,17 @@ import importlib
 import json
 import math
 import numbers
+import os
 import random
 import re
+import sys
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy
 import torch
+
+from grpo import combine_rewards
 
 Reward = Callable[[str, str], "float | None"]
 
@@ -56,6 +61,8 @@ class RewardError(ValueError):
 def load_task(spec: str, data: str) -> Task:
     """`package.module:attr`: a Task, or a function (data: str) -> Task called with --task_data."""
     module_name, _, attr = spec.partition(":")
+    if os.getcwd() not in sys.path:  # a task module in the current directory, as `python -m` finds
+        sys.path.append(os.getcwd())  # after the engine's own modules: they keep their names
     try:
         obj = getattr(importlib.import_module(module_name), attr or "task")
     except (ImportError, AttributeError) as e:
@@ -68,17 +75,49 @@ def load_task(spec: str, data: str) -> Task:
     return task
 
 
+def short(value, limit: int = 60) -> str:
+    """repr, cut: a reward of 10**400 would print 401 digits."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def check_reward(value, fn: Reward, text: str, ref: str, task: Task) -> float:
-    """A reward function's output as a float: None (or NaN) means "cannot score"."""
+    """A reward function's output as a float: None (or NaN) means "cannot score". A bool is a
+    number, Python's or numpy's alike."""
     if value is None:
         return math.nan
-    number = isinstance(value, numbers.Real) or (torch.is_tensor(value) and value.numel() == 1)
-    if number and not math.isinf(float(value)):
-        return float(value)
+    number = (isinstance(value, (numbers.Real, numpy.bool_))
+              or (torch.is_tensor(value) and value.numel() == 1))
+    try:
+        if number and not math.isinf(float(value)):
+            return float(value)
+    except OverflowError:  # an int beyond float64 (10**400)
+        pass
     name = getattr(fn, "__name__", repr(fn))
-    raise RewardError(f"task {task.name}: reward function {name} returned {value!r} on completion "
-                      f"{text!r} (reference {ref!r}); a reward is a finite number, or None when "
-                      "the completion cannot be scored")
+    raise RewardError(f"task {task.name}: reward function {name} returned {short(value)} on "
+                      f"completion {text!r} (reference {ref!r}); a reward is a finite number, or "
+                      "None when the completion cannot be scored")
+
+
+def check_statistics(task: Task, rewards: torch.Tensor) -> None:
+    """Finite rewards whose sum or squares overflow float64 (1e300) would make the group std inf
+    and every advantage 0: the run would train nothing, silently. rewards (N,), NaN: missing."""
+    scored = rewards[~rewards.isnan()]
+    if torch.isfinite(scored.sum()) and torch.isfinite((scored * scored).sum()):
+        return
+    big = scored[scored.abs().argmax()].item()
+    raise RewardError(f"task {task.name}: the rewards' mean or spread overflows (a reward of "
+                      f"{big:.3g}); keep rewards within about +-1e150, e.g. 0 to 1")
+
+
+def call(task: Task, fn: Callable, text: str, ref: str):
+    """fn(text, ref), a user's function: what it raises is reported with the input that broke it."""
+    try:
+        return fn(text, ref)
+    except Exception as e:
+        name = getattr(fn, "__name__", repr(fn))
+        raise RewardError(f"task {task.name}: reward function {name} raised {type(e).__name__}: "
+                          f"{e} on completion {text!r} (reference {ref!r})") from None
 
 
 def score(task: Task, texts: list[str], references: list[str]) -> torch.Tensor:
@@ -87,15 +126,22 @@ def score(task: Task, texts: list[str], references: list[str]) -> torch.Tensor:
     per_function = torch.full((len(texts), len(task.rewards)), math.nan, dtype=torch.float64)
     for j, (fn, _) in enumerate(task.rewards):
         for i, (text, ref) in enumerate(zip(texts, references)):
-            try:
-                value = fn(text, ref)
-            except Exception as e:  # a user's function: report it with the input that broke it
-                name = getattr(fn, "__name__", repr(fn))
-                raise RewardError(f"task {task.name}: reward function {name} raised "
-                                  f"{type(e).__name__}: {e} on completion {text!r} "
-                                  f"(reference {ref!r})") from None
-            per_function[i, j] = check_reward(value, fn, text, ref, task)
+            per_function[i, j] = check_reward(call(task, fn, text, ref), fn, text, ref, task)
     return per_function
+
+
+def total_rewards(task: Task, texts: list[str], references: list[str]) -> torch.Tensor:
+    """(N,) float64: each completion's rewards summed as TRL sums them (grpo.combine_rewards),
+    NaN where no function scored it; statistics that overflow stop the run."""
+    total = combine_rewards(score(task, texts, references), [w for _, w in task.rewards])
+    check_statistics(task, total)
+    return total
+
+
+def count_correct(task: Task, texts: list[str], references: list[str]) -> int:
+    """How many completions task.correct calls fully correct (0 without a predicate)."""
+    return sum(bool(call(task, task.correct, t, r)) for t, r in zip(texts, references)
+               if task.correct is not None)
 
 
 REVERSE_LEN = 3
@@ -224,6 +270,11 @@ def jsonl_math(data: str) -> Task:
                 if not line.strip():
                     continue
                 row = json.loads(line)
+                if not isinstance(row["prompt"], str) or type(row["answer"]) not in (str, int,
+                                                                                    float):
+                    raise ValueError(f"{data}:{i}: 'prompt' must be a string and 'answer' a "
+                                     f"string or a number, got {type(row['prompt']).__name__} "
+                                     f"and {type(row['answer']).__name__}")
                 # GSM8K puts the number after ####
                 answer = str(row["answer"]).split("####")[-1].strip()
                 if parse_number(answer) is None:
@@ -231,6 +282,9 @@ def jsonl_math(data: str) -> Task:
                 examples.append((str(row["prompt"]), str(parse_number(answer))))
     except FileNotFoundError:
         raise ValueError(f"--task_data {data}: file not found") from None
+    except (OSError, UnicodeDecodeError) as e:  # a folder, a binary file, no permission
+        raise ValueError(f"--task_data {data}: cannot read it as a JSONL text file "
+                         f"({type(e).__name__}: {e})") from None
     except (json.JSONDecodeError, KeyError, TypeError) as e:
         raise ValueError(f"{data}:{i}: expected a JSON object with 'prompt' and 'answer' "
                          f"({e!r})") from None

@@ -34,12 +34,9 @@ Tested by tests/test_train.py.
 import contextlib
 import copy
 import dataclasses
-import json
 import math
 import os
 import random
-import resource
-import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -138,6 +135,29 @@ class StopTraining(Exception):
     clear line, after a checkpoint of the last good state."""
 
 
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """Whether any rank (dp and tp) raised the flag: a stop or continue decided together."""
+    t = torch.tensor([float(flag)], device=device)
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # over every rank of the world
+    return bool(t.item())
+
+
+def together(run, fn, *args):
+    """fn(*args), which may fail on one rank alone (a reward function, a prompt too long): all stop
+    here, at the same step. A lone rank that raised would leave the others in a collective."""
+    error = None
+    try:
+        result = fn(*args)
+    except (StopTraining, tasks.RewardError) as e:
+        error = e
+    if any_rank(error is not None, run.device):
+        if error and run.rank != 0:  # rank 0 prints its own at exit; another rank's, here
+            print(f"error: {error}", file=sys.stderr, flush=True)
+        raise StopTraining(str(error or "") if run.rank == 0 else "")
+    return result
+
+
 def build_model(cfg: TrainConfig, task: Task, source: str, device: torch.device,
                 groups: tp.ParallelGroups) -> tuple[Llama, object]:
     """From a HF directory (--model, or a checkpoint being resumed), or fresh: a char tokenizer for
@@ -177,7 +197,6 @@ def learning_rate(cfg: TrainConfig, opt_step: int, total: int) -> float:
 class Run:
     """Everything setup() builds once and step() uses."""
     cfgs: Configs
-    explicit: set[str]               # options given on the command line (they beat a resume's)
     rank: int
     groups: tp.ParallelGroups
     device: torch.device
@@ -198,7 +217,7 @@ class Run:
     held_out: dict[str, str] = field(default_factory=dict)  # the eval's prompt -> reference
     logits_fn: object = None         # TP: all-gather the vocab shards before sampling
     logprob_fn: object = None        # TP: vocab-parallel logprobs
-    stop_signals: list = field(default_factory=list)
+    signals: checkpoint.StopSignals = field(default_factory=checkpoint.StopSignals)
 
     @property
     def local_prompts(self) -> int:  # this dp rank's share of the generation batch
@@ -206,21 +225,6 @@ class Run:
 
     def phase(self, name: str):
         return self.mem.phase(name) if self.cfgs.train.phases else contextlib.nullcontext()
-
-
-def resolve_configs(values: dict[str, object]) -> tuple[Configs, set[str]]:
-    """The command line's configs, or a resumed run's saved ones with this command line's options
-    on top."""
-    explicit = set(values)
-    resume = values.get("resume", "")
-    if resume:
-        out = values.get("out", TrainConfig.out)
-        saved = checkpoint.saved_config(resume, out)
-        owners = cli.field_owners(SECTIONS)
-        flat = {name: value for section, fields in saved.items() for name, value in fields.items()
-                if owners.get(name) == section}
-        values = {**flat, **values}
-    return build_configs(values), explicit
 
 
 def memory_phases(device: torch.device | str, cfg: memory.MemoryConfig, model: Llama,
@@ -241,7 +245,11 @@ def memory_phases(device: torch.device | str, cfg: memory.MemoryConfig, model: L
 
 def setup(values: dict[str, object]) -> Run:
     rank, world, device = tp.init_distributed()
-    cfgs, explicit = resolve_configs(values)
+    changes = []  # a resumed run: the checkpoint's flags, this command line's on top
+    if values.get("resume"):
+        owners = cli.field_owners(SECTIONS)
+        values, changes = checkpoint.resume_values(values, owners, TrainConfig.out)
+    cfgs = build_configs(values)
     cfg = cfgs.train
     cli.check_config(cfgs)
     groups = tp.make_groups(cfgs.parallel.tp)
@@ -249,17 +257,20 @@ def setup(values: dict[str, object]) -> Run:
         raise ValueError(f"--prompts_per_step {cfg.prompts_per_step} must be divisible by "
                          f"dp = world / tp = {groups.dp_size}")
     checkpoint.check_out_dir(cfg.out, cfg.resume, cfg.overwrite)
+    checkpoint.lock_out_dir(cfg.out)  # one run per --out, before anything is written there
+    if rank == 0 and changes:
+        print(f"resuming {cfg.resume} with: {'; '.join(changes)}")
     if device.type == "cpu":
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # no oversubscription
         torch.set_num_threads(cfg.threads or max(1, torch.get_num_threads() // local))
     task = tasks.load_task(cfg.task, cfg.task_data)
     resume_dir = checkpoint.resolve(cfg.resume, cfg.out) if cfg.resume else ""
     source = resume_dir or cfg.model
+    budget = cfgs.rollout.max_new_tokens or task.max_new_tokens or 256  # 0: the task's own
+    cfgs.rollout = dataclasses.replace(cfgs.rollout, max_new_tokens=budget)
+    cli.check_budget(budget, load_config(source).max_position_embeddings if source else 1024)
     model, tokenizer = build_model(cfg, task, source, device, groups)
     generation_config = load_generation_config(source) if source else None
-    if cfgs.rollout.max_new_tokens == 0:  # the task's own budget
-        budget = task.max_new_tokens or 256
-        cfgs.rollout = dataclasses.replace(cfgs.rollout, max_new_tokens=budget)
     # The reference is the initial policy (built before any checkpoint is loaded).
     reference = None
     if cfgs.grpo.beta > 0:
@@ -286,7 +297,7 @@ def setup(values: dict[str, object]) -> Run:
     # --memory_budget: the largest micro-batch whose planned peak fits
     plan.fit(mem, cfgs, model, sampler, reference, local_prompts, groups.tp_size, device.type)
     stop_ids = stop_token_ids(model.config, generation_config)
-    run = Run(cfgs, explicit, rank, groups, device, task, tokenizer, stop_ids, generation_config,
+    run = Run(cfgs, rank, groups, device, task, tokenizer, stop_ids, generation_config,
               model, sampler, reference, optimizer, mem, cache, start=start,
               opt_step=start * cfgs.grpo.mu)
     if cfg.eval_every:
@@ -353,6 +364,13 @@ def tokenize_prompts(run: Run, texts: list[str]) -> tuple[list[list[int]], int]:
             tokens = tokens[-cfg.max_prompt_len:]
             truncated += 1
         ids.append(tokens)
+    try:
+        if ids:
+            rollout.check_prompts(ids, run.stop_ids, run.cfgs.rollout.max_new_tokens,
+                                  run.model.config)
+    except ValueError as e:
+        raise StopTraining(f"task {run.task.name}: {e} (lower --max_prompt_len or "
+                           "--max_new_tokens)") from None
     return ids, truncated
 
 
@@ -407,13 +425,8 @@ def step(run: Run, step: int) -> dict:
     G = cfgs.rollout.num_samples
     times = {}
     t0 = time.perf_counter()
-    # 1. The step's prompts.
-    prompts, references, truncated = draw_prompts(run, step)
-    try:
-        rollout.check_prompts(prompts, run.stop_ids, cfgs.rollout.max_new_tokens, run.model.config)
-    except ValueError as e:
-        raise StopTraining(f"task {run.task.name}: {e} (lower --max_prompt_len or "
-                           "--max_new_tokens)") from None
+    # 1. The step's prompts (each dp rank checks its own: they stop together).
+    prompts, references, truncated = together(run, draw_prompts, run, step)
     # 2. Rollout: the sampler gets the trainer's weights, then samples G completions per prompt.
     with run.phase("rollout"):
         rollout.sync_weights(run.sampler, run.model)
@@ -423,10 +436,9 @@ def step(run: Run, step: int) -> dict:
     times["rollout"] = time.perf_counter() - t0
     # 3. Rewards: each reward function's score, summed as TRL sums them (None leaves one out).
     texts = completion_texts(run, out)
-    per_function = tasks.score(run.task, texts, [ref for ref in references for _ in range(G)])
-    weights = [weight for _, weight in run.task.rewards]
-    rewards = grpo.combine_rewards(per_function, weights).to(run.device)  # (N,), NaN: missing
-    all_rewards = gather_dp(rewards, run)  # (dp * N,)
+    references = [ref for ref in references for _ in range(G)]  # (N,)
+    rewards = together(run, tasks.total_rewards, run.task, texts, references)
+    all_rewards = gather_dp(rewards.to(run.device), run)  # (dp * N,)
     # 4. Group advantages over the whole generation batch; this rank keeps its rows.
     g = cfgs.grpo
     advantages = grpo.group_advantages(all_rewards, G, g.scale, g.std_eps, g.std_correction)
@@ -475,13 +487,18 @@ def train_phase(run: Run, batch: grpo.GRPOBatch) -> list[dict]:
             tp.DataParallelGrads(run.model, run.groups).all_reduce()
             m["grad_norm"] = tp.clip_grad_norm(run.model, cfgs.train.grad_clip or math.inf,
                                                run.groups)
-            # A non-finite loss or gradient anywhere: skip this update on every rank.
+            # A non-finite loss or gradient anywhere: skip this update on every rank. A gradient
+            # of exactly 0 (every advantage 0) still steps AdamW, as TRL does (its momentum
+            # moves the weights), but is counted apart from the updates that learned something.
+            # The schedule advances on every step, as torch's schedulers do: the lr is a
+            # function of the step, and a resumed run rebuilds it from the step.
             finite = math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])
             (all_finite,) = all_reduce_dp([float(finite)], run, dist.ReduceOp.MIN)
-            m["updated"] = bool(all_finite)
-            if m["updated"]:
+            m["finite"] = bool(all_finite)
+            m["updated"] = m["finite"] and m["grad_norm"] > 0
+            if m["finite"]:
                 run.optimizer.step()
-                run.opt_step += 1
+            run.opt_step += 1
             run.optimizer.zero_grad(set_to_none=True)
             iterations.append(reduce_iteration(run, m, m["tokens"]))
     return iterations
@@ -496,7 +513,7 @@ def reduce_iteration(run: Run, m: dict, tokens: float) -> dict:
     keys = [k for k in WEIGHTED if k in m]
     sums = all_reduce_dp([m["loss"], tokens] + [m[k] * tokens for k in keys], run)
     extremes = all_reduce_dp([-m["ratio_min"], m["ratio_max"]], run, dist.ReduceOp.MAX)
-    out = dict(loss=sums[0], grad_norm=m["grad_norm"], updated=m["updated"])
+    out = dict(loss=sums[0], grad_norm=m["grad_norm"], updated=m["updated"], finite=m["finite"])
     out.update({k: s / max(sums[1], 1.0) for k, s in zip(keys, sums[2:])})
     out.update(ratio_min=-extremes[0], ratio_max=extremes[1])
     return out
@@ -524,8 +541,9 @@ def step_record(run: Run, step: int, rewards: torch.Tensor, out: rollout.Rollout
                   tokens_per_s=tokens / max(times["rollout"], 1e-9))
     record["zero_std"] = zero_std_share(rewards, run.cfgs.rollout.num_samples)
     updated = [it for it in iterations if it["updated"]]
-    record["updates"] = len(updated)
-    record["skipped_updates"] = len(iterations) - len(updated)
+    record["updates"] = len(updated)  # applied, with a gradient
+    record["skipped_updates"] = sum(not it["finite"] for it in iterations)
+    record["zero_grad"] = len(iterations) - len(updated) - record["skipped_updates"]
     for key in ("loss", *WEIGHTED):
         values = [it[key] for it in iterations if key in it]
         record[key] = sum(values) / len(values) if values else None
@@ -538,7 +556,7 @@ def step_record(run: Run, step: int, rewards: torch.Tensor, out: rollout.Rollout
     record["grad_norm"] = sum(norms) / len(norms) if norms else None
     record["lr"] = run.optimizer.param_groups[0]["lr"]
     record.update({f"t_{k}": v for k, v in times.items()})
-    record["peak_gb"] = peak_memory(run)
+    record.update(cli.memory_figures(run.device, run.mem))
     return record
 
 
@@ -548,35 +566,24 @@ def evaluate(run: Run) -> dict:
     t0 = time.perf_counter()
     items = list(run.held_out.items())[run.groups.dp_rank::run.groups.dp_size]
     greedy = dataclasses.replace(run.cfgs.rollout, num_samples=1, temperature=0.0)
-    rewards = []
-    correct = 0
+    prompts = together(run, tokenize_prompts, run, [prompt for prompt, _ in items])[0]
+    texts = []
     for first in range(0, len(items), run.local_prompts):  # batches the KV cache was sized for
-        part = items[first:first + run.local_prompts]
-        prompts, _ = tokenize_prompts(run, [prompt for prompt, _ in part])
         with run.phase("rollout"):
             rollout.sync_weights(run.sampler, run.model)
-            out = rollout.generate(run.sampler, prompts, greedy, stop_ids=run.stop_ids,
-                                   cache=run.cache, logits_fn=run.logits_fn)
-        texts = completion_texts(run, out)
-        references = [ref for _, ref in part]
-        weights = [weight for _, weight in run.task.rewards]
-        rewards.append(grpo.combine_rewards(tasks.score(run.task, texts, references), weights))
-        if run.task.correct is not None:
-            correct += sum(bool(run.task.correct(t, r)) for t, r in zip(texts, references))
-    scores = torch.cat(rewards) if rewards else torch.zeros(0, dtype=torch.float64)
+            out = rollout.generate(run.sampler, prompts[first:first + run.local_prompts], greedy,
+                                   stop_ids=run.stop_ids, cache=run.cache, logits_fn=run.logits_fn)
+        texts += completion_texts(run, out)
+    references = [ref for _, ref in items]
+
+    scores = together(run, tasks.total_rewards, run.task, texts, references)
+    correct = together(run, tasks.count_correct, run.task, texts, references)
     scored = scores[~scores.isnan()]
     total, count, right, prompts = all_reduce_dp(
         [scored.sum().item(), len(scored), correct, len(items)], run)
     return dict(eval_reward=total / count if count else None,
                 eval_correct=right / prompts if run.task.correct is not None else None,
                 t_eval=time.perf_counter() - t0)
-
-
-def peak_memory(run: Run) -> float:
-    """GB: the peak of max_memory_allocated over all phases on a GPU, peak RSS on a CPU."""
-    if run.device.type == "cuda":
-        return max(run.mem.peak_bytes(), torch.cuda.max_memory_allocated(run.device)) / 1e9
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # Linux reports KiB
 
 
 def print_plan(argv: list[str]) -> int:
@@ -642,45 +649,46 @@ def check_health(run: Run, record: dict) -> None:
     no_update = record["skipped_updates"] > 0 and record["updates"] == 0
     run.bad_in_a_row = run.bad_in_a_row + 1 if no_update else 0
     run.unscored_in_a_row = run.unscored_in_a_row + 1 if record["reward"] is None else 0
+    why = ""
     if run.bad_in_a_row >= cfg.max_bad_steps:
-        path = save(run, record["step"])
-        raise StopTraining(f"{run.bad_in_a_row} steps in a row had no finite update (non-finite "
-                           f"loss or gradients); stopped, last good state at {path}")
-    if run.unscored_in_a_row >= cfg.max_unscored_steps:
-        path = save(run, record["step"])
-        raise StopTraining(f"{run.unscored_in_a_row} steps in a row had no reward scored (every "
-                           f"reward function returned None); stopped, checkpoint at {path}")
+        why = (f"{run.bad_in_a_row} steps in a row had no finite update (non-finite loss or "
+               "gradients)")
+    elif run.unscored_in_a_row >= cfg.max_unscored_steps:
+        why = (f"{run.unscored_in_a_row} steps in a row had no reward scored (every reward "
+               "function returned None)")
+    if why:
+        raise StopTraining(f"{why}; stopped, last good state at {save(run, record['step'])}")
 
 
 def train(run: Run) -> None:
     cfg = run.cfgs.train
-    metrics_file = ""
-    if run.rank == 0:
-        metrics_file = checkpoint.start_out_dir(cfg.out, cfg.resume, cfg.overwrite, run.start)
+    metrics = checkpoint.Metrics(cfg.out, cfg.resume, cfg.overwrite, run.start)
     bar = tqdm(range(run.start, cfg.steps), initial=run.start, total=cfg.steps,
                disable=run.rank != 0, dynamic_ncols=True)
     for i in bar:
         try:
             record = step(run, i)
-            due = i == 0 or (i + 1) % max(cfg.eval_every, 1) == 0 or i + 1 == cfg.steps
-            if run.held_out and due:
-                record.update(evaluate(run))
-        except (StopTraining, tasks.RewardError):
-            save(run, i)  # nothing lost: the state after the last finished step
+        except StopTraining:
+            if i > run.start:  # nothing lost: the state after the last finished step (at the
+                save(run, i)   # first, --out holds it already, or nothing: never rewrite it)
             raise
+        failed = None
+        try:
+            if run.held_out and (i == 0 or (i + 1) % max(cfg.eval_every, 1) == 0
+                                 or i + 1 == cfg.steps):
+                record.update(evaluate(run))
+        except StopTraining as e:  # after step i's update: the checkpoint below holds i + 1
+            failed = e
         if run.rank == 0:
-            with open(metrics_file, "a") as f:
-                f.write(json.dumps(cli.jsonable(record), allow_nan=False) + "\n")
+            metrics.append(cli.jsonable(record))  # the first: now --out is the new run's
             bar.write(cli.step_line(record, cfg.steps, run.cfgs.grpo.beta))
             if i == run.start and cfg.phases:
                 bar.write(run.mem.report())
+        if failed:
+            save(run, i + 1)
+            raise failed
         check_health(run, record)
-        # A signal seen by any rank stops every rank after this same step.
-        (stop,) = all_reduce_dp([float(bool(run.stop_signals))], run, dist.ReduceOp.MAX)
-        if run.groups.tp_group is not None:
-            stop_t = torch.tensor([stop], device=run.device)
-            dist.all_reduce(stop_t, op=dist.ReduceOp.MAX, group=run.groups.tp_group)  # over tp
-            stop = stop_t.item()
+        stop = any_rank(bool(run.signals.seen), run.device)  # every rank stops after this step
         last = i + 1 == cfg.steps
         if last or stop or (cfg.save_every and (i + 1) % cfg.save_every == 0):
             path = save(run, i + 1)
@@ -693,37 +701,29 @@ def train(run: Run) -> None:
     bar.close()
 
 
-def on_stop_signal(run: Run, signum: int, frame) -> None:
-    """Ctrl-C (SIGINT) or preemption (SIGTERM from torchrun, Slurm, Kubernetes): finish the step,
-    checkpoint, exit 0. A second Ctrl-C interrupts at once."""
-    run.stop_signals.append(signum)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-
-
 def main(argv: list[str]) -> int:
     if "-h" in argv or "--help" in argv:
         cli.print_help(SECTIONS)
         return 0
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     finished = False  # every rank got through: the groups can meet at a last barrier
     try:
         if "--plan" in argv:
             return print_plan(argv)
         run = setup(parse_args(argv))
-        for s in handlers:
-            signal.signal(s, partial(on_stop_signal, run))
-        train(run)
+        run.signals.rank = run.rank
+        with run.signals:  # Ctrl-C, SIGTERM: finish the step, checkpoint, exit 0
+            train(run)
         finished = True
     except (ValueError, FileNotFoundError, StopTraining) as e:  # one line; else: a traceback
-        print(f"error: {e}", file=sys.stderr)
+        # Under torchrun every rank finds a config error: rank 0 says it, the others exit quietly.
+        if str(e) and int(os.environ.get("RANK", 0)) == 0:
+            print(f"error: {e}", file=sys.stderr)
         return 2
     finally:
-        for s, handler in handlers.items():
-            signal.signal(s, handler)
+        checkpoint.release_out_dir()
         if dist.is_initialized():
             tp.destroy_groups(barrier=finished)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -121,6 +121,9 @@ def test_jsonl_math_loads_gsm8k_style_answers_and_scores(tmp_path):
     ("not json\n", "expected a JSON object"),
     ('{"prompt": "a", "answer": "none"}\n', "holds no number"),
     ("", "no examples"),
+    ('{"prompt": "a", "answer": [1, 2]}\n', "'answer' a string or a number, got str and list"),
+    ('{"prompt": "a", "answer": true}\n', "'answer' a string or a number, got str and bool"),
+    ('{"prompt": 7, "answer": "7"}\n', "'prompt' must be a string"),
 ])
 def test_jsonl_math_errors_name_the_line(tmp_path, content, message):
     f = tmp_path / "bad.jsonl"
@@ -171,3 +174,32 @@ def test_a_reward_function_that_raises_is_named_with_its_input():
     with pytest.raises(tasks.RewardError, match="reward function judge raised KeyError: 'abc' on "
                                                 "completion 'abc' \\(reference 'ref'\\)"):
         tasks.score(task, ["abc"], ["ref"])
+
+
+def test_task_data_that_is_no_jsonl_text_is_one_clear_line(tmp_path):
+    """Regression: a folder was an IsADirectoryError traceback, a binary file a
+    UnicodeDecodeError one."""
+    binary = tmp_path / "weights.bin"
+    binary.write_bytes(bytes(range(256)))
+    for path in (tmp_path, binary):
+        with pytest.raises(ValueError, match=f"--task_data {path}: cannot read it as a JSONL text"):
+            tasks.jsonl_math(str(path))
+
+
+def test_nan_counts_as_missing_and_numpy_bools_as_numbers():
+    """A NaN reward is "cannot score", like None; numpy's bool was refused while Python's was a
+    number."""
+    task = tasks.Task("t", tasks.sample_reverse, [(lambda c, r: math.nan if c == "x" else
+                                                   np.bool_(c == "y"), 1.0)])
+    got = tasks.score(task, ["x", "y", "z"], ["", "", ""])
+    assert got[0, 0].isnan() and got[1:, 0].tolist() == [1.0, 0.0]
+
+
+@pytest.mark.parametrize("reward", [1e300, -1e200])
+def test_rewards_whose_statistics_overflow_are_refused(reward):
+    """Finite rewards whose squares overflow would make the group std inf: every advantage 0."""
+    task = tasks.Task("big", tasks.sample_reverse, [(lambda c, r: reward if c == "a" else 0.0,
+                                                     1.0)])
+    with pytest.raises(tasks.RewardError, match="task big: the rewards' mean or spread overflows"):
+        tasks.total_rewards(task, ["a", "b"], ["", ""])
+    assert tasks.total_rewards(task, ["b", "b"], ["", ""]).tolist() == [0.0, 0.0]

@@ -153,6 +153,14 @@ def test_tp2_gloo_matches_tp1_and_writes_the_same_tensors(tmp_path):
     (["--top_p", "0.9"], "--top_k/--top_p truncate the sampling distribution"),
     (["--top_k", "5"], "--top_k/--top_p truncate the sampling distribution"),
     (["--prompt_template", "Q: {question}"], "has no {prompt} to replace"),
+    (["--num_samples", "1"], "--num_samples 1: GRPO compares the samples of a prompt"),
+    (["--threads", "-1"], "--threads must be >= 0, got -1"),
+    (["--heads", "3"], "--heads 3 must be a multiple of --kv_heads 2"),
+    (["--kv_heads", "0"], "--kv_heads must be >= 1"),
+    (["--dim", "36"], "--dim 36 must be a multiple of 2 x --heads 4"),
+    (["--out", ""], "--out is empty"),
+    (["--max_new_tokens", "2000"], "--max_new_tokens 2000 leaves no room for a prompt in the "
+                                   "model's context of 1024 tokens"),
     (["--task", "tasks:REVERSE_LEN"], "--task tasks:REVERSE_LEN: is a int, not a tasks.Task"),
     (["--task", "tasks:parse_number"], "--task tasks:parse_number: is a NoneType, not a tasks.Task"),
 ])
@@ -198,13 +206,16 @@ def write_task(tmp_path, body: str) -> str:
     return "mytask:task"
 
 
-def test_reward_that_raises_names_the_task_and_completion_and_keeps_a_checkpoint(tmp_path, capsys):
+def test_reward_that_raises_names_the_task_and_completion_and_writes_nothing(tmp_path, capsys):
+    """At the first step nothing is lost by stopping, and --out stays as it was (absent): the
+    corrected command starts without --overwrite."""
     spec = write_task(tmp_path, "def reward(c, r):\n    raise KeyError('boom')\n")
     sys.modules.pop("mytask", None)
     code, out = run(tmp_path, "--task", spec, "--steps", "2")
     err = capsys.readouterr().err
     assert code == 2 and "task mytask: reward function reward raised KeyError" in err and "on completion '" in err
-    assert os.path.isdir(os.path.join(out, "step-000000"))
+    assert not os.path.exists(out)
+    assert run(tmp_path, "--steps", "1")[0] == 0
 
 
 def strict_records(out) -> list[dict]:
@@ -310,14 +321,14 @@ def test_mu_iterations_are_aggregated_and_a_skipped_one_does_not_hide_the_others
                                            rel=1e-9)
 
 
-def test_reward_that_returns_a_string_names_the_function_and_keeps_a_checkpoint(tmp_path, capsys):
+def test_reward_that_returns_a_string_names_the_function(tmp_path, capsys):
     """Regression: float(r) sat outside the try: the run stopped without naming the function."""
     spec = write_task(tmp_path, "def reward(c, r):\n    return 'good'\n")
     sys.modules.pop("mytask", None)
     code, out = run(tmp_path, "--task", spec, "--steps", "2")
     err = capsys.readouterr().err
     assert code == 2 and "task mytask: reward function reward returned 'good' on completion" in err
-    assert "Traceback" not in err and os.path.isdir(os.path.join(out, "step-000000"))
+    assert "Traceback" not in err and not os.path.exists(out)
 
 
 def test_prompt_outside_the_alphabet_names_the_character(tmp_path, capsys):
@@ -331,7 +342,7 @@ def test_prompt_outside_the_alphabet_names_the_character(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2 and "task abc: prompt '12x=' has the character 'x'" in err
     assert "Traceback" not in err and err.count("error:") == 1
-    assert os.path.isdir(os.path.join(out, "step-000000"))
+    assert not os.path.exists(out)
 
 
 def test_a_prompt_too_long_for_the_model_found_mid_run_stops_with_a_checkpoint(tmp_path, capsys):
@@ -523,9 +534,9 @@ def _dp_metrics_worker(rank: int, tmp: str) -> None:
         run_ = types.SimpleNamespace(groups=groups, device=torch.device("cpu"))
         # Rank 0 has 30 completion tokens of entropy 1.0, rank 1 has 10 of entropy 3.0.
         m = [dict(loss=0.25, entropy=1.0, clip_low=0.1, clip_high=0.0, ratio_mean=1.0,
-                  ratio_min=0.9, ratio_max=1.2, grad_norm=2.0, updated=True),
+                  ratio_min=0.9, ratio_max=1.2, grad_norm=2.0, updated=True, finite=True),
              dict(loss=0.5, entropy=3.0, clip_low=0.5, clip_high=0.2, ratio_mean=1.0,
-                  ratio_min=0.7, ratio_max=1.1, grad_norm=2.0, updated=True)][rank]
+                  ratio_min=0.7, ratio_max=1.1, grad_norm=2.0, updated=True, finite=True)][rank]
         got = train.reduce_iteration(run_, m, [30.0, 10.0][rank])
         assert got["entropy"] == pytest.approx((30 * 1.0 + 10 * 3.0) / 40)  # not (1 + 3) / 2
         assert got["clip_low"] == pytest.approx((30 * 0.1 + 10 * 0.5) / 40)
@@ -648,7 +659,10 @@ def test_memory_budget_picks_the_largest_micro_batch_whose_measured_peak_fits(tm
             runs.append(train.setup(train.parse_args(argv + extra)))
             for step in range(2):
                 train.step(runs[0], step)
-        peak = allocator_peak(two_steps)
+        try:
+            peak = allocator_peak(two_steps)
+        finally:
+            train.checkpoint.release_out_dir()  # the next run in this process takes --out again
         return runs[0].cfgs.grpo.micro_batch_groups, peak
     peaks = [measured(["--micro_batch_groups", str(m)])[1] for m in (1, 2, 3)]
     assert peaks[0] < peaks[1] < peaks[2], peaks
@@ -663,3 +677,185 @@ def test_memory_budget_picks_the_largest_micro_batch_whose_measured_peak_fits(tm
     assert len(err) == 1 and "the smallest planned peak is 0.0" in err[0], err
     assert train.main(argv + ["--memory_budget", "100", "--plan"]) == 0
     assert "--micro_batch_groups 8 --chunk_size 1024" in capsys.readouterr().out
+
+# -----------------------------------------------------------------------------
+# Exact resume on every path, counted updates, overflowing rewards, signals
+
+
+def test_resume_after_a_skipped_update_continues_exactly(tmp_path, monkeypatch):
+    """Regression: the lr schedule counted applied updates only and a resume rebuilt it from the
+    step: after one skipped update, the resumed run's lr (and so its losses) differed."""
+    original = train.grpo.accumulate
+    calls = []
+
+    def poisoned(model, *args, **kwargs):
+        metrics = original(model, *args, **kwargs)
+        calls.append(1)
+        if len(calls) == 1:  # the first step's update is skipped (a NaN gradient)
+            next(model.parameters()).grad.view(-1)[0] = float("nan")
+        return metrics
+    monkeypatch.setattr(train.grpo, "accumulate", poisoned)
+    code, full = run(tmp_path, "--steps", "3", "--save_every", "1", out="full")
+    monkeypatch.undo()
+    assert code == 0 and records(full)[0]["skipped_updates"] == 1
+    code, resumed = run(tmp_path, "--resume", os.path.join(full, "step-000001"), out="resumed")
+    assert code == 0 and [r["step"] for r in records(resumed)] == [2, 3]
+    for ra, rb in zip(records(full)[1:], records(resumed)):
+        assert (ra["lr"], ra["loss"], ra["reward"]) == (rb["lr"], rb["loss"], rb["reward"])
+
+
+def write_module(path, name: str, body: str) -> str:
+    (path / f"{name}.py").write_text("import os\nimport tasks\n" + body)
+    sys.path.insert(0, str(path))
+    sys.modules.pop(name, None)
+    return f"{name}:task"
+
+
+def test_an_eval_error_after_step_i_is_saved_as_the_updates_held(tmp_path, capsys):
+    """Regression: an evaluation fault after step 1's update was saved as step-000000: a resume
+    applied step 1 a second time."""
+    spec = write_module(tmp_path, "evaltask", "def boom(c, r):\n    raise KeyError('eval')\n"
+                        "task = tasks.Task('e', tasks.sample_reverse, [(tasks.digits_correct, 1)],"
+                        " alphabet='0123456789=', max_new_tokens=4, correct=boom)\n")
+    code, out = run(tmp_path, "--task", spec, "--steps", "3", "--eval_every", "2")
+    err = capsys.readouterr().err
+    assert code == 2 and "task e: reward function boom raised KeyError" in err
+    assert open(os.path.join(out, "latest")).read().strip() == "step-000001"
+    assert [r["step"] for r in records(out)] == [1]
+    assert not os.path.exists(os.path.join(out, "step-000000"))
+
+
+def test_a_zero_gradient_is_not_counted_as_an_update_and_memory_is_named_for_what_it_measures(tmp_path, capsys):
+    """Regression: a step whose advantages were all 0 counted an update; the step line's process
+    RSS was called "peak", as the memory table's sum of tagged tensors is."""
+    spec = write_module(tmp_path, "flat", "def same(c, r):\n    return 0.5\n"
+                        "task = tasks.Task('flat', tasks.sample_reverse, [(same, 1.0)],"
+                        " alphabet='0123456789=', max_new_tokens=4)\n")
+    code, out = run(tmp_path, "--task", spec, "--steps", "2", "--mu", "2")
+    text = capsys.readouterr().out
+    recs = strict_records(out)
+    assert code == 0 and [(r["updates"], r["zero_grad"]) for r in recs] == [(0, 2), (0, 2)]
+    assert "2 steps with a zero gradient (every advantage 0" in text
+    assert "max RSS" in text and all(r["max_rss_gb"] > 0 for r in recs)
+
+
+@pytest.mark.parametrize("value,message", [
+    ("1e300", "the rewards' mean or spread overflows (a reward of 1e+300)"),
+    ("10 ** 400", "returned 100000"),
+])
+def test_rewards_whose_statistics_overflow_stop_the_run_in_one_line(tmp_path, capsys, value,
+                                                                    message):
+    """Regression: 1e300 made the group std inf: every advantage 0, silently; 10**400 was an
+    OverflowError traceback."""
+    spec = write_module(tmp_path, "huge", f"def big(c, r):\n    return {value} if c[:1] == '1' "
+                        "else 0.0\ntask = tasks.Task('huge', tasks.sample_reverse, [(big, 1.0)],"
+                        " alphabet='0123456789=', max_new_tokens=4)\n")
+    code, out = run(tmp_path, "--task", spec, "--steps", "3", "--eval_every", "0")
+    err = capsys.readouterr().err
+    assert code == 2 and f"task huge: " in err and message in err and "Traceback" not in err
+    assert len(err.strip().splitlines()[-1]) < 400 and err.count("error:") == 1
+
+
+def test_a_custom_task_loads_from_the_current_directory(tmp_path):
+    """Regression: only the repository's folder was importable (python -m puts the current
+    directory on the path; python train.py did not)."""
+    write_module(tmp_path, "here", "task = tasks.Task('here', tasks.sample_reverse, "
+                 "[(tasks.digits_correct, 1.0)], alphabet='0123456789=', max_new_tokens=4)\n")
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *FAST, "--steps", "1",
+                           "--task", "here:task", "--out", "run"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert len(records(tmp_path / "run")) == 1
+
+
+def test_a_second_stop_signal_exits_at_once(tmp_path):
+    """Regression: a reward function that never returns kept the run alive through any number
+    of SIGTERMs."""
+    write_module(tmp_path, "stuck", "import time\n"
+                 "def hang(c, r):\n    open('in_reward', 'w').close()\n"
+                 "    while True:\n        time.sleep(0.05)\n"
+                 "task = tasks.Task('stuck', tasks.sample_reverse, [(hang, 1.0)],"
+                 " alphabet='0123456789=', max_new_tokens=4)\n")
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), *FAST, "--task",
+                             "stuck:task", "--out", "run"], cwd=tmp_path, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not (tmp_path / "in_reward").exists():
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(1)
+        assert proc.poll() is None  # the first: the step is to finish
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=30)
+    finally:
+        proc.kill()  # this test's own process, if it is still there
+    assert proc.returncode == 128 + signal.SIGTERM, output
+    assert "SIGTERM: the step finishes, then a checkpoint is written" in output
+    assert "second stop signal: exiting now, without a checkpoint" in output
+    assert not (tmp_path / "run").exists()  # nothing was written before the first step ended
+
+# -----------------------------------------------------------------------------
+# Under data parallelism (2 gloo processes): a fault on one rank stops every rank together
+
+
+def torchrun(cwd, *args: str, timeout: int = 240) -> tuple[int, str]:
+    """train.py on 2 processes (dp 2); a hang fails the test. The output goes to a file: the
+    workers, each in a session of its own, would hold a pipe open after a kill."""
+    with open(os.path.join(cwd, "torchrun.log"), "w+") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                 "--nproc_per_node=2", os.path.join(ROOT, "train.py"), *FAST,
+                                 *args], cwd=cwd, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.terminate()  # torchrun stops its workers (SIGTERM, then SIGKILL)
+            proc.wait(120)
+            log.seek(0)
+            pytest.fail(f"hang: no exit in {timeout} s\n{log.read()[-3000:]}")
+        log.seek(0)
+        return proc.returncode, log.read()
+
+
+LONG = "'1' * 2000 + '='"
+# Each rank draws the whole batch (4 prompts) and keeps its half: calls 7 and 8 are rank 1's.
+ONE_RANK = {
+    "reward": ("def reward(c, r):\n    calls.append(1)\n"
+               "    if os.environ['RANK'] == '1' and len(calls) > 8:\n"
+               "        raise KeyError('rank 1')\n    return tasks.digits_correct(c, r)\n"
+               "def sample(rng):\n    return tasks.sample_reverse(rng)\n",
+               "reward function reward raised KeyError: 'rank 1'", 1),
+    "prompt": ("reward = tasks.digits_correct\n"
+               f"def sample(rng):\n    calls.append(1)\n    p = tasks.sample_reverse(rng)\n"
+               f"    return ({LONG}, '1') if len(calls) == 7 else p\n",
+               "prompts[0] has 2002 tokens", 1),
+    # the held-out prompts are drawn first; rank 1 evaluates the 2nd and 4th
+    "eval prompt": ("reward = tasks.digits_correct\n"
+                    f"def sample(rng):\n    calls.append(1)\n    p = tasks.sample_reverse(rng)\n"
+                    f"    return ({LONG}, '1') if len(calls) == 2 else p\n",
+                    "prompts[0] has 2002 tokens", 1),
+}
+
+
+@pytest.mark.parametrize("fault", list(ONE_RANK))
+def test_a_fault_on_one_data_parallel_rank_stops_every_rank_with_one_checkpoint(tmp_path, fault):
+    """Regression: the rank that failed went to the checkpoint's collectives while the others
+    waited in the rewards' all-gather: a hang (an eval prompt too long exited without one)."""
+    body, message, saved = ONE_RANK[fault]
+    write_module(tmp_path, "onerank", "calls = []\n" + body +
+                 "task = tasks.Task('one', sample, [(reward, 1.0)], alphabet='0123456789=',"
+                 " max_new_tokens=4)\n")
+    evals = ["--eval_every", "1", "--eval_prompts", "4"] if fault == "eval prompt" else \
+        ["--eval_every", "0"]
+    code, output = torchrun(tmp_path, "--task", "onerank:task", "--steps", "4", "--out", "run",
+                            "--max_prompt_len", "4000", *evals)
+    assert code != 0 and output.count(message) == 1, output[-3000:]
+    out = tmp_path / "run"
+    assert sorted(d for d in os.listdir(out) if d.startswith("step-")) == [f"step-{saved:06d}"]
+    assert [r["step"] for r in records(out)] == list(range(1, saved + 1))
+
+
+def test_a_config_error_under_torchrun_is_printed_once(tmp_path):
+    """Regression: every rank printed it, under torchrun's failure dump."""
+    code, output = torchrun(tmp_path, "--steps", "0", "--out", "run")
+    assert code != 0 and output.count("error: --steps must be >= 1, got 0") == 1, output[-3000:]
