@@ -212,8 +212,10 @@ class SharedPrefixAttention(torch.autograd.Function):
     calls: the G rows of a group (and the rep query heads of a kv head) folded into the query
     length against the prompt's (Bp, Hkv, P, D), non-causal; each row against its own keys, the rep
     heads folded too. Their outputs merge by log-sum-exp (model.prefix_attention's merge). Backward
-    runs the flash backward on each part with the MERGED output and log-sum-exp: that gives each
-    part's share of the joint softmax's gradient exactly. Saves q, k, v, out and the lse, not the
+    runs the flash backward on each part with the MERGED output and log-sum-exp: it rebuilds the
+    probabilities as exp(scores - lse) and uses rowsum(dout * out), so with the joint lse and out
+    these are the joint softmax's, restricted to that part's keys: each part's share of the exact
+    gradient (the two dq add up). Saves q, k, v, out and the lse, not the
     (N, Hkv, P, D) copy. q (N, H, T, D), k/v (N, Hkv, T, D), prompt_k/v (Bp, Hkv, P, D); the
     biases are additive 0 / -inf: prompt_bias (Bp, 1, 1, P) its padding, own_bias
     (1, 1, rep*T, T) causal per folded head."""
