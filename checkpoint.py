@@ -2,8 +2,11 @@
 Checkpoints that a crash cannot corrupt and a resume continues from exactly.
 
 A checkpoint is a directory `OUT/step-000123/` holding:
-- the policy as a Hugging Face directory: config.json, model.safetensors, tokenizer.json, and the
-  source's generation_config.json when it had one (any HF tool, and `--model`, loads it);
+- the policy as a Hugging Face directory: config.json, model.safetensors (in the run's --dtype),
+  tokenizer.json with the source's tokenizer_config.json, chat_template.jinja and
+  special_tokens_map.json, and its generation_config.json (any HF tool, and `--model`, loads it);
+- `master/` under bf16 mixed precision: the fp32 master weights, a Hugging Face directory of their
+  own, from which a resume continues exactly;
 - `optimizer-tp{r}.safetensors` + `optimizer-tp{r}.json`: the AdamW state of tensor-parallel rank
   r (tensors in safetensors, the rest in JSON: nothing is ever unpickled);
 - `trainer_state.json`: step, every config section, the tp size, torch's RNG state.
@@ -40,6 +43,8 @@ from torch import Tensor
 from hf import write_pretrained
 from model import ModelConfig
 
+MASTER = "master"  # the fp32 master weights' subdirectory of a bf16 run's checkpoint
+
 # -----------------------------------------------------------------------------
 # Save
 
@@ -67,10 +72,12 @@ def _optimizer_to_files(optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
 def save_checkpoint(out: str, step: int, model_config: ModelConfig, tensors: dict[str, Tensor],
                     tokenizer, optimizer: torch.optim.Optimizer, config: dict, *, tp_rank: int = 0,
                     tp_size: int = 1, dp_rank: int = 0,
-                    generation_config: dict | None = None) -> str:
+                    generation_config: dict | None = None,
+                    master: dict[str, Tensor] | None = None) -> str:
     """Collective under torchrun (every rank calls it). `tensors`: the model's full tensors as a
-    one-process model names them (train.py gathers a sharded model's: tp.full_state_dict); rank 0
-    writes them. Returns the final directory."""
+    one-process model names them (train.py gathers a sharded model's: tp.full_state_dict), and
+    `master` the fp32 master weights when they differ; rank 0 writes them. Returns the final
+    directory."""
     final = os.path.join(out, f"step-{step:06d}")
     tmp = final + ".tmp"
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -80,7 +87,9 @@ def save_checkpoint(out: str, step: int, model_config: ModelConfig, tensors: dic
     _barrier()
     if rank == 0:
         write_pretrained(tmp, model_config, tensors, generation_config=generation_config)
-        tokenizer.save(os.path.join(tmp, "tokenizer.json"))
+        tokenizer.save_pretrained(tmp)
+        if master is not None:
+            write_pretrained(os.path.join(tmp, MASTER), model_config, master)
         world = dist.get_world_size() if dist.is_initialized() else 1
         state = {"step": step, "config": config, "world_size": world, "tp_size": tp_size,
                  "torch_rng_state": torch.get_rng_state().tolist()}
@@ -104,6 +113,12 @@ def save_checkpoint(out: str, step: int, model_config: ModelConfig, tensors: dic
 
 # -----------------------------------------------------------------------------
 # Load
+
+
+def master_dir(path: str) -> str:
+    """A checkpoint's fp32 master weights directory, or "" when it has none."""
+    master = os.path.join(path, MASTER)
+    return master if os.path.isfile(os.path.join(master, "config.json")) else ""
 
 
 def resolve(resume: str, out: str) -> str:

@@ -122,6 +122,10 @@ def check_config(cfgs) -> None:
                  "threads"):
         if getattr(cfg, name) < 0:
             raise ValueError(f"--{name} must be >= 0, got {getattr(cfg, name)}")
+    if cfg.dtype == "float16":
+        raise ValueError("--dtype float16 is not supported: without loss scaling its gradients "
+                         "underflow and its weights overflow to NaN; use --dtype bfloat16 (fp32 "
+                         "master weights) or float32")
     if not cfg.out:
         raise ValueError("--out is empty: name the directory for metrics and checkpoints")
     if not cfg.model:  # a fresh model's shape (a checkpoint's is checked by hf.py)
@@ -132,14 +136,12 @@ def check_config(cfgs) -> None:
             raise ValueError(f"--dim {cfg.dim} must be a multiple of 2 x --heads {cfg.heads} "
                              "(an even head width for rotary embeddings)")
     dtypes = ("float32", "bfloat16", "float16")
-    for name, allowed in (("dtype", dtypes), ("sampler_dtype", ("", *dtypes))):
+    for name, allowed in (("dtype", dtypes[:2]), ("sampler_dtype", ("", *dtypes))):
         if getattr(cfg, name) not in allowed:
             raise ValueError(f"--{name} must be one of {allowed}, got {getattr(cfg, name)!r}")
     if not cfgs.memory.memory_budget >= 0:  # NaN too
         raise ValueError(f"--memory_budget must be >= 0 GB (0: off), got "
                          f"{cfgs.memory.memory_budget}")
-    if cfg.prompt_template and "{prompt}" not in cfg.prompt_template:
-        raise ValueError(f"--prompt_template {cfg.prompt_template!r} has no {{prompt}} to replace")
     r = cfgs.rollout
     if r.num_samples < 2:
         raise ValueError(f"--num_samples {r.num_samples}: GRPO compares the samples of a prompt "
@@ -151,6 +153,21 @@ def check_config(cfgs) -> None:
         raise ValueError("--top_k/--top_p truncate the sampling distribution, which the trainer's "
                          "logprobs do not (the GRPO ratio would not be 1 on-policy); leave them "
                          "off for training (they are for evaluation with rollout.generate)")
+
+
+PRETRAINED_LR = 1e-6  # TRL's default: the fresh model's 5e-4 wrecks a pretrained one in a few steps
+
+
+def pretrained_defaults(cfgs, explicit: set[str]) -> str:
+    """--model without --lr (and not a resume, which keeps its own): TRL's learning rate. Returns
+    the line that says so ("" when nothing changed)."""
+    cfg = cfgs.train
+    if not cfg.model or cfg.resume or "lr" in explicit:
+        return ""
+    cfgs.train = dataclasses.replace(cfg, lr=PRETRAINED_LR)
+    return (f"lr {PRETRAINED_LR:g}: the default for a pretrained --model (TRL's; the fresh "
+            f"model's {cfg.lr:g} would wreck it); pass --lr to choose")
+
 
 def check_budget(max_new_tokens: int, context: int) -> None:
     """Before any weight or KV cache is allocated: a completion budget that leaves no room for a

@@ -369,23 +369,28 @@ def chunked_logprobs(model, h: Tensor, targets: Tensor, *, temperature: float = 
 # Completion logprobs: shared prompt (exact) and its naive twin
 
 
-def shared_prompt_attention(prompt_lens: Tensor, P: int, T: int, rep: int, dtype: torch.dtype):
+def shared_prompt_attention(prompt_lens: Tensor, P: int, T: int, rep: int):
     """attention(q, k, v, prompt_k, prompt_v) -> (N, H, T, D) of the completions on their group's
     prompt K/V: model.SharedPrefixAttention on the CPU, its repeated-prompt twin elsewhere (a GPU
     route reading the prompt once per group is not written yet). Its masks are built once for all
-    layers: rep*T*T and Bp*P entries."""
+    layers (in q's dtype: bf16 under autocast over fp32 weights): rep*T*T and Bp*P entries."""
     device = prompt_lens.device
     prompt_valid = torch.arange(P, device=device) < prompt_lens[:, None]  # (Bp, P)
     if device.type != "cpu" or not CPU_FLASH:
         return lambda q, k, v, pk, pv: repeated_prefix_attention(q, k, v, pk, pv, prompt_valid)
     arange = torch.arange(T, device=device)
     future = arange[:, None] < arange[None, :]  # (T, T)
-    prompt_bias = torch.zeros(prompt_valid.shape, dtype=dtype, device=device)
-    prompt_bias = prompt_bias.masked_fill(~prompt_valid, -torch.inf)[:, None, None]  # (Bp,1,1,P)
-    own_bias = torch.zeros(T, T, dtype=dtype, device=device).masked_fill(future, -torch.inf)
-    own_bias = own_bias.repeat(rep, 1)[None, None]  # (1, 1, rep*T, T): each folded head causal
-    return lambda q, k, v, pk, pv: SharedPrefixAttention.apply(q, k, v, pk, pv, prompt_bias,
-                                                               own_bias)
+    biases: dict[torch.dtype, tuple[Tensor, Tensor]] = {}
+
+    def attend(q: Tensor, k: Tensor, v: Tensor, pk: Tensor, pv: Tensor) -> Tensor:
+        if q.dtype not in biases:
+            prompt_bias = torch.zeros(prompt_valid.shape, dtype=q.dtype, device=device)
+            prompt_bias = prompt_bias.masked_fill(~prompt_valid, -torch.inf)  # (Bp, P)
+            own_bias = torch.zeros(T, T, dtype=q.dtype, device=device)
+            own_bias = own_bias.masked_fill(future, -torch.inf).repeat(rep, 1)  # each head causal
+            biases[q.dtype] = prompt_bias[:, None, None], own_bias[None, None]
+        return SharedPrefixAttention.apply(q, k, v, pk, pv, *biases[q.dtype])
+    return attend
 
 
 def shared_prompt_hidden(model, prompt_ids: Tensor, prompt_lens: Tensor, inputs: Tensor,
@@ -414,7 +419,7 @@ def shared_prompt_hidden(model, prompt_ids: Tensor, prompt_lens: Tensor, inputs:
     positions = prompt_lens.repeat_interleave(G)[:, None] + torch.arange(T, device=inputs.device)
     config = model.config
     rep = config.num_attention_heads // config.num_key_value_heads
-    attend = shared_prompt_attention(prompt_lens, P, T, rep, model.model.embed_tokens.weight.dtype)
+    attend = shared_prompt_attention(prompt_lens, P, T, rep)
 
     def attend_to_prompt(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         return attend(q, k, v, *kv[layer])  # (N, H, T, D)

@@ -191,7 +191,7 @@ def step_plan(mem: PhaseManager, cfgs, model, sampler, reference, prompts: int, 
     phase -> {tag: bytes, "host", "transient", "peak"}; no "reference" phase without one."""
     transients = step_transients(
         model.config, prompts, cfgs.train.max_prompt_len, cfgs.rollout, g,
-        next(model.parameters()).dtype, next(sampler.parameters()).dtype,
+        getattr(torch, cfgs.train.dtype), next(sampler.parameters()).dtype,  # activations' dtype
         checkpoint=cfgs.memory.activation_checkpoint, tp_size=tp_size,
         sequence_parallel=cfgs.parallel.sequence_parallel, old=g.mu > 1 or sampler is not model,
         repeated_prompt=torch.device(target).type != "cpu")  # grpo.shared_prompt_attention's

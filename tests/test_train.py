@@ -16,6 +16,7 @@ from memtrace import allocator_peak
 
 import cli
 import hf
+import tokenizer as tk
 import train
 from model import Llama
 
@@ -81,7 +82,7 @@ def test_ctrl_c_writes_a_checkpoint(tmp_path):
 def tied_checkpoint(tmp_path, generation_eos: list[int]) -> str:
     """A fresh tied-embedding model directory whose generation_config.json adds stop ids."""
     from model import ModelConfig
-    tok = hf.build_char_tokenizer("0123456789=")
+    tok = tk.build_char_tokenizer("0123456789=")
     cfg = ModelConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64,
                       num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
                       bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
@@ -143,6 +144,9 @@ def test_tp2_gloo_matches_tp1_and_writes_the_same_tensors(tmp_path):
     (["--phases", "maybe"], "--phases expects true or false"),
     (["--steps", "0"], "--steps must be >= 1"),
     (["--dtype", "float64"], "--dtype must be one of"),
+    (["--dtype", "float16"], "--dtype float16 is not supported: without loss scaling"),
+    (["--eval_data", "test.jsonl"], "--eval_data: task reverse has no finite dataset"),
+    (["--task", "tasks:jsonl_math", "--task_data", "/no/file.jsonl"], "/no/file.jsonl: file not found"),
     (["--model", "/does/not/exist"], "/does/not/exist: not a directory"),
     (["--task", "tasks:nothing"], "--task tasks:nothing: cannot load it"),
     (["--task", "no_such_module:x"], "--task no_such_module:x: cannot load it"),
@@ -418,32 +422,29 @@ def test_a_sampler_in_another_dtype_follows_the_trainer_with_phases_off(tmp_path
 def test_completion_text_keeps_special_tokens_but_not_the_stop(tmp_path, capsys):
     """The reward sees every token the model wrote except the stop token: a <pad> inside an answer
     is the policy's doing and must cost reward (it was silently dropped)."""
-    import train as T
-    tok = hf.build_char_tokenizer("0123456789=")
-
-    class Fake:
-        tokenizer = tok
+    tok = tk.PromptTokenizer(tk.build_char_tokenizer("0123456789="))
     out = train.rollout.Rollout(
         tokens=torch.tensor([[3, 0, 4, 2], [5, 6, 0, 0]]),
         mask=torch.tensor([[True, True, True, True], [True, True, False, False]]),
         logprobs=torch.zeros(2, 4), stopped=torch.tensor([True, False]), temperature=1.0)
-    assert T.completion_texts(Fake, out) == ["0<pad>1", "23"]
+    assert tok.decode_completions(out.completions(), out.stopped.tolist()) == ["0<pad>1", "23"]
+    assert tok.decode_completions([[3, 99, 4]], [False]) == ["01"]  # beyond the tokenizer: ""
 
 
 def test_eval_scores_greedy_completions_of_prompts_training_never_draws(tmp_path, monkeypatch):
     drawn, held = [], []
-    draw, hold = train.draw_training_example, train.held_out_prompts
+    draw, split = train.tasks.draw_training_example, train.tasks.eval_split
 
-    def spy_draw(run, rng):
-        example = draw(run, rng)
+    def spy_draw(task, eval_split, rng):
+        example = draw(task, eval_split, rng)
         drawn.append(example[0])
         return example
 
-    def spy_hold(task, cfg):
-        held.append(hold(task, cfg))
-        return held[-1]
-    monkeypatch.setattr(train, "draw_training_example", spy_draw)
-    monkeypatch.setattr(train, "held_out_prompts", spy_hold)
+    def spy_split(*args):
+        held.append([prompt for prompt, _ in split(*args).examples])
+        return split(*args)
+    monkeypatch.setattr(train.tasks, "draw_training_example", spy_draw)
+    monkeypatch.setattr(train.tasks, "eval_split", spy_split)
     code, out = run(tmp_path, "--steps", "5", "--eval_every", "2", "--eval_prompts", "40")
     recs = strict_records(out)
     assert code == 0 and len(held[0]) == 40 and len(drawn) == 5 * 4
@@ -498,7 +499,7 @@ def test_optimizer_state_that_misses_a_parameter_is_refused_not_reinitialised(tm
 
 def test_jsonl_math_task_runs_on_a_model_directory(tmp_path):
     from model import ModelConfig
-    tok = hf.build_char_tokenizer("0123456789+*= ")
+    tok = tk.build_char_tokenizer("0123456789+*= ")
     cfg = ModelConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2)
     ckpt = tmp_path / "ckpt"
@@ -587,7 +588,7 @@ def plan_checkpoint(path: str) -> None:
                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
                       bos_token_id=None, eos_token_id=None)
     hf.save_model(Llama(cfg).init_weights(0), path)
-    hf.build_char_tokenizer(bench_trl.ALPHABET).save(os.path.join(path, "tokenizer.json"))
+    tk.build_char_tokenizer(bench_trl.ALPHABET).save(os.path.join(path, "tokenizer.json"))
 
 
 def plan_args(tmp_path, model: str) -> list[str]:
@@ -677,6 +678,150 @@ def test_memory_budget_picks_the_largest_micro_batch_whose_measured_peak_fits(tm
     assert len(err) == 1 and "the smallest planned peak is 0.0" in err[0], err
     assert train.main(argv + ["--memory_budget", "100", "--plan"]) == 0
     assert "--micro_batch_groups 8 --chunk_size 1024" in capsys.readouterr().out
+
+
+# -----------------------------------------------------------------------------
+# bf16 mixed precision: fp32 master weights and AdamW state
+
+
+def initial_weights() -> dict[str, torch.Tensor]:
+    """The fresh model a FAST run starts from (seeded: the same in every run)."""
+    cfgs = train.build_configs(train.parse_args(FAST))
+    model, _ = train.build_model(cfgs.train, train.tasks.reverse, "", torch.device("cpu"),
+                                 train.tp.make_groups(1))
+    return {name: p.detach() for name, p in model.named_parameters()}
+
+
+def changed_share(path: str, initial: dict[str, torch.Tensor]) -> float:
+    from safetensors.torch import load_file
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    changed = sum(int((t != initial[n].to(t.dtype)).sum()) for n, t in tensors.items())
+    return changed / sum(t.numel() for t in tensors.values())
+
+
+def test_bf16_keeps_updates_below_its_resolution_in_fp32_master_weights(tmp_path):
+    """lr 1e-6 on weights of ~0.02 is below bf16's resolution (~1e-4 there): bf16 weights kept
+    0.6% of the updates in 10 steps; the fp32 master keeps them all, as float32 does."""
+    args = ["--steps", "10", "--lr", "1e-6", "--eval_every", "0"]
+    code, full = run(tmp_path, *args, out="fp32")
+    code2, mixed = run(tmp_path, *args, "--dtype", "bfloat16", out="bf16")
+    assert code == code2 == 0
+    initial = initial_weights()
+    fp32 = changed_share(os.path.join(full, "step-000010"), initial)
+    master = changed_share(os.path.join(mixed, "step-000010", "master"), initial)
+    assert fp32 >= 0.99 and master >= 0.99, (fp32, master)
+    # model.safetensors is what Hugging Face users load: bf16, the master rounded
+    from safetensors import safe_open
+    with safe_open(os.path.join(mixed, "step-000010", "model.safetensors"), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+    assert json.load(open(os.path.join(mixed, "step-000010", "config.json")))["dtype"] == "bfloat16"
+    rec = records(mixed)[0]
+    assert rec["sampler_logp_diff"] is not None  # the bf16 sampler is a copy of the master
+
+
+def test_bf16_resume_continues_exactly(tmp_path):
+    args = ["--dtype", "bfloat16", "--mu", "2", "--eval_every", "0"]
+    code, full = run(tmp_path, "--steps", "4", "--save_every", "2", *args, out="full")
+    assert code == 0
+    code, resumed = run(tmp_path, "--resume", os.path.join(full, "step-000002"), out="resumed")
+    assert code == 0
+    for ra, rb in zip(records(full)[2:], records(resumed)):
+        assert (ra["reward"], ra["loss"], ra["entropy"]) == (rb["reward"], rb["loss"], rb["entropy"])
+
+
+def test_tp2_bf16_saves_the_master_and_resumes_from_it(tmp_path):
+    """Each tp rank loads its slice of the fp32 master (tp.load_sharded) on resume."""
+    from safetensors.torch import load_file
+    args = [*FAST, "--model", tied_checkpoint(tmp_path, [2]), "--dtype", "bfloat16", "--tp", "2",
+            "--eval_every", "0", "--out", str(tmp_path / "tp2")]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+              "train.py"]
+    for more in (["--steps", "2", "--save_every", "1"], ["--steps", "3", "--resume", "latest"]):
+        done = subprocess.run(launch + args + more, cwd=ROOT, capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    step = tmp_path / "tp2" / "step-000002"
+    master = load_file(str(step / "master" / "model.safetensors"))
+    model = load_file(str(step / "model.safetensors"))
+    assert all(t.dtype == torch.float32 for t in master.values())
+    assert all(torch.equal(model[n], t.to(torch.bfloat16)) for n, t in master.items())
+    assert [r["step"] for r in records(tmp_path / "tp2")] == [1, 2, 3]
+
+
+def test_plan_counts_the_fp32_master_and_the_bf16_sampler(capsys):
+    assert train.main(["--plan", "--dim", "64", "--layers", "2"]) == 0
+    fp32 = capsys.readouterr().out
+    assert train.main(["--plan", "--dim", "64", "--layers", "2", "--dtype", "bfloat16"]) == 0
+    bf16 = capsys.readouterr().out
+
+    def mb(text: str, phase: str, tag: str) -> float:
+        rows = [line.split() for line in text.splitlines()]
+        header = next(r for r in rows if r[:1] == ["phase"])
+        return float(next(r for r in rows if r[:1] == [phase])[header.index(tag)])
+    assert mb(bf16, "train", "trainer") == mb(fp32, "train", "trainer") > 0  # the fp32 master
+    assert mb(bf16, "train", "optimizer") == mb(fp32, "train", "optimizer")  # fp32 AdamW state
+    assert mb(bf16, "rollout", "weights") == pytest.approx(mb(fp32, "train", "trainer") / 2,
+                                                           abs=0.1)  # the bf16 sampler
+
+
+def test_a_pretrained_model_defaults_to_trls_lr_and_says_so(tmp_path, capsys):
+    source = tied_checkpoint(tmp_path, [2])
+    code, out = run(tmp_path, "--model", source, "--steps", "2", "--warmup_steps", "0",
+                    "--eval_every", "0")
+    assert code == 0 and "lr 1e-06: the default for a pretrained --model" in capsys.readouterr().out
+    assert records(out)[0]["lr"] == 1e-6
+    code, out = run(tmp_path, "--model", source, "--steps", "1", "--lr", "1e-5", "--warmup_steps",
+                    "0", "--eval_every", "0", out="explicit")
+    assert code == 0 and "default for a pretrained" not in capsys.readouterr().out
+    assert records(out)[0]["lr"] == 1e-5
+
+
+# -----------------------------------------------------------------------------
+# Real datasets: a test split of their own, never a silently shrunk training set
+
+
+def jsonl(path, first: int, count: int) -> str:
+    with open(path, "w") as f:
+        for i in range(first, first + count):
+            f.write(json.dumps({"prompt": f"{i}=", "answer": str(i)}) + "\n")
+    return str(path)
+
+
+def test_a_65_prompt_file_trains_on_what_the_eval_leaves_and_says_so(tmp_path, capsys,
+                                                                      monkeypatch):
+    """--eval_prompts 64 used to hold out 64 of 65 prompts silently: training saw one."""
+    drawn = []
+    draw = train.tasks.draw_training_example
+
+    def spy(*args):
+        example = draw(*args)
+        drawn.append(example[0])
+        return example
+    monkeypatch.setattr(train.tasks, "draw_training_example", spy)
+    data = jsonl(tmp_path / "train.jsonl", 0, 65)
+    code, _ = run(tmp_path, "--model", tied_checkpoint(tmp_path, [2]), "--task", "tasks:jsonl_math",
+                  "--task_data", data, "--steps", "3", "--max_new_tokens", "3", "--eval_every", "3")
+    out = capsys.readouterr().out
+    assert code == 0 and out.count("eval: 32 of the 65 distinct prompts held out of training") == 1
+    assert "33 remain for training" in out
+    held = {p for p, _ in train.tasks.eval_split(train.tasks.jsonl_math(data), None, 64, 0).examples}
+    assert len(set(drawn)) > 1 and not set(drawn) & held
+
+
+def test_eval_data_is_the_evaluations_own_split(tmp_path, capsys, monkeypatch):
+    data, test = jsonl(tmp_path / "train.jsonl", 0, 65), jsonl(tmp_path / "test.jsonl", 100, 10)
+    evaluated = []
+    original = train.encode_prompts
+    monkeypatch.setattr(train, "encode_prompts",
+                        lambda run, prompts: evaluated.append(prompts) or original(run, prompts))
+    code, out = run(tmp_path, "--model", tied_checkpoint(tmp_path, [2]), "--task", "tasks:jsonl_math",
+                    "--task_data", data, "--eval_data", test, "--steps", "1", "--max_new_tokens", "3")
+    assert code == 0 and "eval: 10 prompts of --eval_data" in capsys.readouterr().out
+    assert records(out)[0]["eval_reward"] is not None
+    train_prompts, *eval_batches = evaluated
+    assert sorted(sum(eval_batches, [])) == sorted(f"{i}=" for i in range(100, 110))
+    assert all(int(p[:-1]) < 65 for p in train_prompts)
+
 
 # -----------------------------------------------------------------------------
 # Exact resume on every path, counted updates, overflowing rewards, signals
