@@ -373,7 +373,7 @@ def shared_prompt_attention(prompt_lens: Tensor, P: int, T: int, rep: int):
     """attention(q, k, v, prompt_k, prompt_v) -> (N, H, T, D) of the completions on their group's
     prompt K/V: model.SharedPrefixAttention on the CPU, its repeated-prompt twin elsewhere (a GPU
     route reading the prompt once per group is not written yet). Its masks are built once for all
-    layers (in q's dtype: bf16 under autocast over fp32 weights): rep*T*T and Bp*P entries."""
+    layers (in v's dtype: bf16 under autocast over fp32 weights): rep*T*T and Bp*P entries."""
     device = prompt_lens.device
     prompt_valid = torch.arange(P, device=device) < prompt_lens[:, None]  # (Bp, P)
     if device.type != "cpu" or not CPU_FLASH:
@@ -383,6 +383,9 @@ def shared_prompt_attention(prompt_lens: Tensor, P: int, T: int, rep: int):
     biases: dict[torch.dtype, tuple[Tensor, Tensor]] = {}
 
     def attend(q: Tensor, k: Tensor, v: Tensor, pk: Tensor, pv: Tensor) -> Tensor:
+        # Under autocast v is the linears' bf16 while rope left q, k in the weights' fp32: the
+        # flash kernel takes one dtype, v's (what autocast gives SDPA)
+        q, k, pk, pv = (x.to(v.dtype) for x in (q, k, pk, pv))
         if q.dtype not in biases:
             prompt_bias = torch.zeros(prompt_valid.shape, dtype=q.dtype, device=device)
             prompt_bias = prompt_bias.masked_fill(~prompt_valid, -torch.inf)  # (Bp, P)
