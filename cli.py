@@ -139,6 +139,9 @@ def check_config(cfgs) -> None:
     for name, allowed in (("dtype", dtypes[:2]), ("sampler_dtype", ("", *dtypes))):
         if getattr(cfg, name) not in allowed:
             raise ValueError(f"--{name} must be one of {allowed}, got {getattr(cfg, name)!r}")
+    if not cfgs.memory.memory_budget >= 0:  # NaN too
+        raise ValueError(f"--memory_budget must be >= 0 GB (0: off), got "
+                         f"{cfgs.memory.memory_budget}")
     r = cfgs.rollout
     if r.num_samples < 2:
         raise ValueError(f"--num_samples {r.num_samples}: GRPO compares the samples of a prompt "

@@ -12,12 +12,13 @@ mu times per generation batch (generate once per effective batch, TRL PR #3283).
 Two memory tricks, each tested against its obvious slow twin in tests/test_grpo.py:
 1. Shared prompt (TRL PR #2669, done exactly): each prompt is forwarded once, WITH grad, and its
    per-layer keys/values are recorded; each completion then attends to [its prompt's keys; its own
-   keys] in one fused SDPA call (the prompt's K/V repeated per row for that call). Tokens
-   forwarded: Bp*(P + G*Tr) instead of Bp*G*(P + Tr). The prompt stays in the graph, so the
-   gradients of all G completions sum into it; a no-grad prompt (what #2669 first did) gives a
-   truncated gradient. The two forwards alternate block by block (model.hidden_steps), so
-   backward does too and a weight's prompt and completion gradients meet one block apart (the
-   whole prompt first held a second copy of every block's weight gradients at the peak).
+   keys] (model.SharedPrefixAttention: the G completions of a group folded into the query length
+   against the one prompt K/V, never copied, no mask). Tokens forwarded: Bp*(P + G*Tr) instead of
+   Bp*G*(P + Tr). The prompt stays in the graph, so the gradients of all G completions sum into
+   it; a no-grad prompt (what #2669 first did) gives a truncated gradient. The two forwards
+   alternate block by block (model.hidden_steps), so backward does too and a weight's prompt and
+   completion gradients meet one block apart (the whole prompt first held a second copy of every
+   block's weight gradients at the peak).
 2. Chunked logprobs: final norm + lm_head + softmax + gather run a chunk of tokens at a time and
    each chunk's logits are rebuilt in backward, so the (tokens x V) logits never exist at once,
    forward or backward (Liger's fused loss makes the same trade). The default path is a custom
@@ -51,11 +52,11 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from model import ModelConfig, causal_attention
+from model import (CPU_FLASH, ModelConfig, SharedPrefixAttention, causal_attention,
+                   repeated_prefix_attention)
 
 # -----------------------------------------------------------------------------
 # Config
@@ -79,7 +80,7 @@ class GRPOConfig:
     std_eps: float = 1e-4             # advantage = (r - mean) / (std + std_eps), TRL's 1e-4
     std_correction: int = 1           # 1: the n-1 (Bessel) std of TRL and verl; 0: population std
     mu: int = 1                       # optimizer steps per generation batch
-    micro_batch_groups: int = 16      # whole groups per forward/backward
+    micro_batch_groups: int = 4       # whole groups per forward+backward (16's speed, 0.4x peak)
     chunk_bytes: int = 64 * 2**20     # logits bytes per logprob chunk (chunk_rows); 0 = unchunked
 
     def __post_init__(self):
@@ -377,6 +378,33 @@ def chunked_logprobs(model, h: Tensor, targets: Tensor, *, temperature: float = 
 # Completion logprobs: shared prompt (exact) and its naive twin
 
 
+def shared_prompt_attention(prompt_lens: Tensor, P: int, T: int, rep: int):
+    """attention(q, k, v, prompt_k, prompt_v) -> (N, H, T, D) of the completions on their group's
+    prompt K/V: model.SharedPrefixAttention on the CPU, its repeated-prompt twin elsewhere (a GPU
+    route reading the prompt once per group is not written yet). Its masks are built once for all
+    layers (in v's dtype: bf16 under autocast over fp32 weights): rep*T*T and Bp*P entries."""
+    device = prompt_lens.device
+    prompt_valid = torch.arange(P, device=device) < prompt_lens[:, None]  # (Bp, P)
+    if device.type != "cpu" or not CPU_FLASH:
+        return lambda q, k, v, pk, pv: repeated_prefix_attention(q, k, v, pk, pv, prompt_valid)
+    arange = torch.arange(T, device=device)
+    future = arange[:, None] < arange[None, :]  # (T, T)
+    biases: dict[torch.dtype, tuple[Tensor, Tensor]] = {}
+
+    def attend(q: Tensor, k: Tensor, v: Tensor, pk: Tensor, pv: Tensor) -> Tensor:
+        # Under autocast v is the linears' bf16 while rope left q, k in the weights' fp32: the
+        # flash kernel takes one dtype, v's (what autocast gives SDPA)
+        q, k, pk, pv = (x.to(v.dtype) for x in (q, k, pk, pv))
+        if q.dtype not in biases:
+            prompt_bias = torch.zeros(prompt_valid.shape, dtype=q.dtype, device=device)
+            prompt_bias = prompt_bias.masked_fill(~prompt_valid, -torch.inf)  # (Bp, P)
+            own_bias = torch.zeros(T, T, dtype=q.dtype, device=device)
+            own_bias = own_bias.masked_fill(future, -torch.inf).repeat(rep, 1)  # each head causal
+            biases[q.dtype] = prompt_bias[:, None, None], own_bias[None, None]
+        return SharedPrefixAttention.apply(q, k, v, pk, pv, *biases[q.dtype])
+    return attend
+
+
 def shared_prompt_hidden(model, prompt_ids: Tensor, prompt_lens: Tensor, inputs: Tensor,
                          G: int) -> Tensor:
     """Hidden states that predict each completion token: (N, T+1, C) for inputs (N, T) =
@@ -400,27 +428,13 @@ def shared_prompt_hidden(model, prompt_ids: Tensor, prompt_lens: Tensor, inputs:
     if T == 0:
         *_, last = prompt_steps
         return last[:, 0].repeat_interleave(G, 0)[:, None]  # (N, 1, C)
-    arange = torch.arange(T, device=inputs.device)
-    positions = prompt_lens.repeat_interleave(G)[:, None] + arange  # (N, T), continues each prompt
-    prefix_valid = torch.arange(P, device=inputs.device) < prompt_lens[:, None]  # (Bp, P)
-    own_causal = arange[:, None] >= arange[None, :]  # (T, T)
-    N = inputs.shape[0]
-    allowed = torch.cat([prefix_valid.repeat_interleave(G, 0)[:, None, :].expand(N, T, P),
-                         own_causal.expand(N, T, T)], dim=-1)[:, None]  # (N, 1, T, P + T)
+    positions = prompt_lens.repeat_interleave(G)[:, None] + torch.arange(T, device=inputs.device)
+    config = model.config
+    rep = config.num_attention_heads // config.num_key_value_heads
+    attend = shared_prompt_attention(prompt_lens, P, T, rep)
 
     def attend_to_prompt(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        # Each row attends to [its prompt's keys; its own keys] in ONE fused SDPA call. The
-        # prompt's K/V (computed once per group) is repeated per row for that call only: a
-        # transient (N, Hkv, P, D), saved for backward in place of model.prefix_attention's
-        # (N, H, T, P) probabilities, and the fused kernel's forward + backward is 2-2.5x faster
-        # on the CPU than the log-sum-exp merge (tests/bench_grpo.py). repeat_interleave's
-        # backward sums the G rows' gradients into the prompt.
-        prompt_k, prompt_v = kv[layer]  # (Bp, Hkv, P, D)
-        keys = torch.cat([prompt_k.repeat_interleave(G, 0), k], dim=2)  # (N, Hkv, P + T, D)
-        values = torch.cat([prompt_v.repeat_interleave(G, 0), v], dim=2)  # (N, Hkv, P + T, D)
-        gqa = q.shape[1] != k.shape[1]
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed,
-                                              enable_gqa=gqa)  # (N, H, T, D)
+        return attend(q, k, v, *kv[layer])  # (N, H, T, D)
 
     completion_steps = model.hidden_steps(inputs, positions, attend_to_prompt)
     # zip steps the prompt's block i before the completions' block i (which reads its K/V)

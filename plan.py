@@ -14,6 +14,9 @@ Leaves out: tp's sequence-parallel gather buffers, --activation_offload, the opt
 temporaries, allocator fragmentation and the CUDA context (~1 GB on a GPU).
 """
 
+import dataclasses
+from functools import partial
+
 import torch
 
 from grpo import GRPOConfig, chunk_rows
@@ -76,19 +79,20 @@ def block_bytes(config: ModelConfig, dtype: torch.dtype, tp_size: int = 1,
 
 def micro_batch_memory(config: ModelConfig, groups: int, G: int, prompt_len: int,
                        completion_len: int, dtype: torch.dtype, *, checkpoint: bool,
-                       chunk_size: int, tp_size: int = 1,
-                       sequence_parallel: bool = False) -> dict[str, int]:
+                       chunk_size: int, tp_size: int = 1, sequence_parallel: bool = False,
+                       repeated_prompt: bool = False) -> dict[str, int]:
     """Bytes one micro-batch of `groups` prompts of P tokens and their N = groups*G completions of
     Tr tokens (T = Tr - 1 fed) holds at its largest moments, per rank, besides the weights, grads
     and optimizer state (memory.py plans those): {"forward", "backward", "no grad"} (the last:
     old or reference logprobs). Per layer, with block_bytes' per-token terms:
         prompt tokens      full blocks, the last one less its MLP (an upper bound: its queries run
                            at one position too)
-        completion tokens  full blocks less their k, v; per row the [prompt; own] keys and values
-                           of the fused attention, 2a*K/tp*(P + T)
+        completion tokens  full blocks; with repeated_prompt (the attention off the CPU,
+                           grpo.shared_prompt_attention) also each row's copy of its prompt's keys
+                           and values, 2a*K/tp*P, and a bool (T, P + T) mask per row
     With activation checkpointing a block keeps only its input (a*C), the prompt's k, v (the
     completions attend to them), and backward recomputes one block at a time. Outside the blocks:
-    the rope tables, the [prompt; own] mask (bool), the hidden states at the head (a*C + 16 per
+    the rope tables, the hidden states at the head (a*C + 16 per
     token), the loss's (N, Tr) float32 tensors. Transients: a chunk of head logits (8 bytes per
     entry forward: float32 logits and exp; 16 + a backward, and a (V, C) lm_head grad per chunk),
     the SwiGLU's 3 (inference) or 2 (gradients) I-wide tensors, the hidden states' (N, Tr, C);
@@ -104,9 +108,10 @@ def micro_batch_memory(config: ModelConfig, groups: int, G: int, prompt_len: int
     completion = rows * T
     n = rows * completion_len  # completion tokens scored (every row at full length)
     full = b["norms"] + b["attention"] + b["mlp"]  # a prompt token's block
-    row_keys = rows * b["kv"] * (prompt_len + T)
+    row_keys = completion * b["kv"] + repeated_prompt * rows * b["kv"] * prompt_len
     completion_block = completion * (full - b["kv"]) + row_keys
-    outside = (2 * a * config.head_dim * (prompt + completion) + rows * T * (prompt_len + T)
+    outside = (2 * a * config.head_dim * (prompt + completion)
+               + repeated_prompt * rows * T * (prompt_len + T)
                + n * (a * C + 16) + rows * completion_len * 4 * 8)
     chunk = min(chunk_size or n, n)
     head = chunk * V * 8
@@ -161,7 +166,7 @@ def batch_bytes(rows: int, completion_len: int, old: bool, reference: bool) -> i
 def step_transients(config: ModelConfig, prompts: int, prompt_len: int, r: RolloutConfig,
                     g: GRPOConfig, dtype: torch.dtype, sampler_dtype: torch.dtype, *,
                     checkpoint: bool, tp_size: int = 1, sequence_parallel: bool = False,
-                    old: bool = False) -> dict[str, int]:
+                    old: bool = False, repeated_prompt: bool = False) -> dict[str, int]:
     """Each phase's largest transient (bytes per rank) for `prompts` prompts of prompt_len tokens
     and r.max_new_tokens completion tokens: the largest of rollout_memory in rollout; the batch
     kept through the step plus a micro-batch's no-grad forward (old or reference logprobs) or its
@@ -171,7 +176,8 @@ def step_transients(config: ModelConfig, prompts: int, prompt_len: int, r: Rollo
                                prompt_len, Tc, dtype, checkpoint=checkpoint,
                                chunk_size=chunk_rows(g.chunk_bytes, config.vocab_size, dtype),
                                tp_size=tp_size,
-                               sequence_parallel=sequence_parallel)
+                               sequence_parallel=sequence_parallel,
+                               repeated_prompt=repeated_prompt)
     kept = batch_bytes(prompts * r.num_samples, Tc, old, g.beta > 0)  # through the step
     sampling = rollout_memory(config, prompts, prompt_len, r, sampler_dtype, tp_size)
     return {"rollout": max(sampling.values()), "idle": kept + old * micro["no grad"],
@@ -179,20 +185,71 @@ def step_transients(config: ModelConfig, prompts: int, prompt_len: int, r: Rollo
             "train": kept + max(micro["forward"], micro["backward"])}
 
 
-def print_plan(mem: PhaseManager, transients: dict[str, int], target: str, phases: bool,
-               reference: bool, title: str) -> None:
-    """The table `train.py --plan` prints: MB per tag, transient, peak, per phase."""
-    plan = mem.plan_step(transients, target, phases)
-    if not reference:  # no reference model: no such phase
+def step_plan(mem: PhaseManager, cfgs, model, sampler, reference, prompts: int, tp_size: int,
+              target: str, g: GRPOConfig) -> dict[str, dict[str, int]]:
+    """mem.plan_step for one step of train.py's configs `cfgs` (rollout.max_new_tokens resolved)
+    with the GRPO knobs g, `prompts` prompts per rank of cfgs.train.max_prompt_len tokens:
+    phase -> {tag: bytes, "transient", "peak"}; no "reference" phase without one."""
+    transients = step_transients(
+        model.config, prompts, cfgs.train.max_prompt_len, cfgs.rollout, g,
+        getattr(torch, cfgs.train.dtype), next(sampler.parameters()).dtype,  # activations' dtype
+        checkpoint=cfgs.memory.activation_checkpoint, tp_size=tp_size,
+        sequence_parallel=cfgs.parallel.sequence_parallel, old=g.mu > 1 or sampler is not model,
+        repeated_prompt=torch.device(target).type != "cpu")  # grpo.shared_prompt_attention's
+    plan = mem.plan_step(transients, target, cfgs.train.phases)
+    if reference is None:
         del plan["reference"]
+    return plan
+
+
+def fit(mem: PhaseManager, cfgs, model, sampler, reference, prompts: int, tp_size: int,
+        target: str):
+    """plan_of(g) -> step_plan of this run; with cfgs.memory.memory_budget, cfgs.grpo becomes the
+    fitted one first (fit_memory_budget)."""
+    plan_of = partial(step_plan, mem, cfgs, model, sampler, reference, prompts, tp_size, target)
+    if cfgs.memory.memory_budget:
+        cfgs.grpo = fit_memory_budget(cfgs.memory.memory_budget, plan_of, cfgs.grpo, prompts)
+    return plan_of
+
+
+def peak(plan: dict[str, dict[str, int]]) -> int:
+    return max(row["peak"] for row in plan.values())
+
+
+def fit_memory_budget(budget_gb: float, plan_of, g: GRPOConfig, prompts: int) -> GRPOConfig:
+    """--memory_budget: g with the largest micro_batch_groups (prompts down to 1), then the largest
+    logprob chunk (g.chunk_bytes halved down to 1 MiB; 0, unchunked, first tries 64 MiB), whose
+    planned peak (plan_of(g) -> step_plan's dict) fits budget_gb per rank. Prints the choice; one line
+    naming the smallest peak it could reach when nothing fits. The micro-batch changes no loss:
+    the normalisers are the generation batch's."""
+    chunks = [g.chunk_bytes] if g.chunk_bytes else [0, 2**26]
+    while chunks[-1] > 2**20:
+        chunks.append(max(2**20, chunks[-1] // 2))
+    smallest = None
+    for groups in range(prompts, 0, -1):
+        for chunk in chunks:
+            fit = dataclasses.replace(g, micro_batch_groups=groups, chunk_bytes=chunk)
+            planned = peak(plan_of(fit))
+            if planned <= budget_gb * 1e9:
+                print(f"memory budget {budget_gb:g} GB per rank: --micro_batch_groups {groups} "
+                      f"--chunk_bytes {chunk}, planned peak {planned / 1e9:.3f} GB")
+                return fit
+            smallest = planned if smallest is None else min(smallest, planned)
+    raise ValueError(f"--memory_budget {budget_gb:g} GB per rank: nothing fits; the smallest "
+                     f"planned peak is {smallest / 1e9:.3f} GB (--micro_batch_groups 1 "
+                     f"--chunk_bytes {chunks[-1]}); raise it, or lower --prompts_per_step, "
+                     f"--num_samples, --max_prompt_len or --max_new_tokens")
+
+
+def print_plan(plan: dict[str, dict[str, int]], target: str, title: str) -> None:
+    """The table `train.py --plan` prints: MB per tag, transient, peak, per phase."""
     columns = list(plan["train"])
     note = ""
-    if target == "cpu" and phases:  # memory.py's "guard": nothing copied, counted once
+    if target == "cpu":  # memory.py's "guard": nothing copied, counted once
         note = "; optimizer and reference stay in place (the host is the device)"
     print(f"memory plan per rank on {target} ({title}), MB{note}:")
     print(f"{'phase':<10}" + "".join(f"{c:>11}" for c in columns))
     for phase, row in plan.items():
         print(f"{phase:<10}" + "".join(f"{row[c] / 1e6:>11,.1f}" for c in columns))
-    peak = max(row["peak"] for row in plan.values())
-    print(f"peak {peak / 1e9:.3f} GB (max_memory_allocated); a GPU needs about that plus its "
+    print(f"peak {peak(plan) / 1e9:.3f} GB (max_memory_allocated); a GPU needs about that plus its "
           "CUDA context and allocator slack (~1 GB)")

@@ -313,6 +313,8 @@ def setup(values: dict[str, object]) -> Run:
                                       tp_size=groups.tp_size)
     memory.checkpoint_blocks(model.model.layers, cfgs.memory.activation_checkpoint)
     mem = memory_phases(device, cfgs.memory, model, sampler, cache, optimizer, reference)
+    # --memory_budget: the largest micro-batch whose planned peak fits
+    plan.fit(mem, cfgs, model, sampler, reference, local_prompts, groups.tp_size, device.type)
     stop_ids = stop_token_ids(model.config, generation_config)
     run = Run(cfgs, rank, groups, device, task, tokenizer, stop_ids, generation_config,
               model, sampler, reference, optimizer, mem, cache, start=start,
@@ -584,27 +586,23 @@ def print_plan(argv: list[str]) -> int:
         else:
             model = build_model(cfg, task, "", torch.device("meta"), groups)[0]
     sampler = build_sampler(cfg, model)
-    sampler_dtype = next(sampler.parameters()).dtype
     budget = cfgs.rollout.max_new_tokens or task.max_new_tokens or 256  # as setup()
-    r = dataclasses.replace(cfgs.rollout, max_new_tokens=budget)
+    r = cfgs.rollout = dataclasses.replace(cfgs.rollout, max_new_tokens=budget)
     Bp = cfg.prompts_per_step // groups.dp_size
     P = cfg.max_prompt_len  # the longest prompt
     cache = rollout.KVCache.for_batch(model.config, Bp, r.num_samples, P, r.max_new_tokens,
-                                      sampler_dtype, "meta", tp_size=groups.tp_size)
+                                      next(sampler.parameters()).dtype, "meta",
+                                      tp_size=groups.tp_size)
     reference = None
     if cfgs.grpo.beta > 0:
         reference = copy.deepcopy(model).requires_grad_(False)
     mem = memory_phases("meta", cfgs.memory, model, sampler, cache,
                         torch.optim.AdamW(model.parameters()), reference)
-    transients = plan.step_transients(
-        model.config, Bp, P, r, cfgs.grpo, dtype, sampler_dtype,
-        checkpoint=cfgs.memory.activation_checkpoint, tp_size=groups.tp_size,
-        sequence_parallel=cfgs.parallel.sequence_parallel,
-        old=cfgs.grpo.mu > 1 or sampler is not model)
     target = "cuda" if torch.cuda.is_available() else "cpu"
+    plan_of = plan.fit(mem, cfgs, model, sampler, reference, Bp, groups.tp_size, target)
     title = (f"tp {groups.tp_size} x dp {groups.dp_size}; {Bp} prompts x {P} + "
              f"{r.max_new_tokens} tokens x G {r.num_samples}")
-    plan.print_plan(mem, transients, target, cfg.phases, reference is not None, title)
+    plan.print_plan(plan_of(cfgs.grpo), target, title)
     return 0
 
 # -----------------------------------------------------------------------------

@@ -22,10 +22,14 @@ phase is also a torch.profiler.record_function range.
 
 Below the table: train.py --plan with the same flags, and its peak against the measured one.
 
-Run: python tests/bench_plan.py [--P 64,512] [--steps 2] [--model DIR] [train.py flags ...]
-(about a minute for P = 64 and three for P = 512 on the shared 2-core CPU). --model DIR: a Hugging
-Face checkpoint instead of the random tiny one (bench_trl.link_checkpoint: no early stop), e.g.
-SmolLM2-135M-Instruct with --prompts_per_step 4 (minutes per step on that CPU).
+Below the table: the bytes the completions' attention over the shared prompt saves for backward
+as K/V copied per row and as masks (0 with model.SharedPrefixAttention; --repeated_prompt runs
+its repeated-prompt twin instead, the baseline of that row).
+
+Run: python tests/bench_plan.py [--P 64,512] [--steps 2] [--repeated_prompt] [--model DIR]
+[train.py flags ...] (about a minute for P = 64 and three for P = 512 on the shared 2-core CPU).
+--model DIR: a Hugging Face checkpoint instead of the random tiny one (bench_trl.link_checkpoint:
+no early stop), e.g. SmolLM2-135M-Instruct with --prompts_per_step 4 (minutes per step there).
 """
 
 import argparse
@@ -180,11 +184,50 @@ def alloc_peaks(trace_file: str) -> tuple[dict[str, int], dict[str, int], int]:
     return peaks, starts, overall
 
 
-def worker(mode: str, values: dict, steps: int, out_file: str) -> None:
+class AttentionSaves:
+    """Bytes the completions' prompt attention saves for backward, summed over the layers of a
+    micro-batch (the largest micro-batch kept): keys and values longer than the row's own tokens
+    (the prompt's K/V copied per row) and masks (bool or additive, one head wide). `repeated`
+    runs the repeated-prompt twin (model.repeated_prefix_attention) in place of
+    model.SharedPrefixAttention."""
+
+    def __init__(self, repeated: bool):
+        import grpo
+        self.totals = {"prompt K/V per row": 0, "mask": 0}
+        self.current = dict(self.totals)
+        grpo.CPU_FLASH = grpo.CPU_FLASH and not repeated
+        build = grpo.shared_prompt_attention
+
+        def counted(*args, **kwargs):
+            attend = build(*args, **kwargs)
+            self.current = {k: 0 for k in self.totals}
+
+            def hooked(q, k, v, pk, pv):
+                import torch
+                # detach: the saved tensor itself (an output saved by its own node) would make a
+                # cycle that only the garbage collector frees
+                with torch.autograd.graph.saved_tensors_hooks(
+                        lambda t: self.count(t, q.shape) or t.detach(), lambda t: t):
+                    return attend(q, k, v, pk, pv)
+            return hooked
+        grpo.shared_prompt_attention = counted
+
+    def count(self, t, q_shape) -> None:
+        N, _, T, _ = q_shape
+        if t.dim() == 4 and t.shape[1] == 1:  # a mask or additive bias, broadcast over heads
+            self.current["mask"] += t.numel() * t.element_size()
+        elif t.dim() == 4 and t.shape[0] == N and t.shape[2] > T:  # (N, Hkv, P + T, D)
+            self.current["prompt K/V per row"] += t.numel() * t.element_size()
+        for k in self.totals:
+            self.totals[k] = max(self.totals[k], self.current[k])
+
+
+def worker(mode: str, values: dict, steps: int, out_file: str, repeated: bool) -> None:
     import torch
     import torch._dynamo  # noqa: F401  torch.optim's Optimizer() imports it (sympy, +68 MiB RSS)
     import train
     torch.set_num_threads(1)
+    saves = AttentionSaves(repeated)
     baseline = rss_kib("VmRSS")
     result = dict(baseline_kib=baseline, baseline_file_kib=rss_kib("RssFile"))
     if mode == "alloc":
@@ -206,6 +249,7 @@ def worker(mode: str, values: dict, steps: int, out_file: str) -> None:
             train.step(run, i)
             cpu_seconds.append(time.process_time() - start)
     result["cpu_seconds"] = cpu_seconds
+    result["attention_saves"] = saves.totals
     result["tags"] = {p: dict(t) for p, t in run.mem.phase_bytes.items()}
     if mode == "alloc":
         if recorder.current is not None:
@@ -235,10 +279,10 @@ PHASES = ["other", "phase switch", "rollout: weight sync", "rollout: prefill",
           "train: optimizer"]
 
 
-def run_worker(mode: str, train_args: list[str], steps: int, work: str) -> dict:
+def run_worker(mode: str, train_args: list[str], steps: int, work: str, repeated: bool) -> dict:
     out_file = os.path.join(work, f"{mode}.json")
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", mode, "--steps", str(steps),
-           "--result", out_file, "--", *train_args]
+           "--result", out_file, *["--repeated_prompt"] * repeated, "--", *train_args]
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]))
     subprocess.run(cmd, check=True, env=env, cwd=ROOT, stdout=subprocess.DEVNULL)
@@ -271,6 +315,8 @@ def print_table(alloc: dict, rss: dict, steps: int) -> None:
           f"(library code) {(rss['file_kib'] - rss['baseline_file_kib']) / 1024:.1f} MiB)")
     print(f"CPU seconds per step (RSS run, no profiler): "
           f"{' '.join(f'{t:.2f}' for t in rss['cpu_seconds'])}")
+    print("saved for backward by the completions' prompt attention, one micro-batch, all layers: "
+          + ", ".join(f"{k} {b / mb:.1f} MB" for k, b in alloc["attention_saves"].items()))
     print("tags resident (MB): " + "; ".join(
         f"{p}: " + ", ".join(f"{t} {b / mb:.1f}" for t, b in tags.items() if b)
         for p, tags in alloc["tags"].items()))
@@ -292,7 +338,8 @@ def main() -> None:
     own, train_args = split_args(sys.argv[1:])
     if own.worker:
         import train
-        worker(own.worker, train.parse_args(train_args), own.steps, own.result)
+        worker(own.worker, train.parse_args(train_args), own.steps, own.result,
+               own.repeated_prompt)
         return
     import bench_trl
     work = tempfile.mkdtemp(prefix="bench_plan_")
@@ -311,8 +358,8 @@ def main() -> None:
                      out=os.path.join(work, "out"), overwrite="true", save_every=0)
         args = [f"--{k}={v}" for k, v in flags.items()] + train_args
         print(f"\nP = {P}: {' '.join(train_args) or '(bench_trl defaults)'}", flush=True)
-        alloc = run_worker("alloc", args, own.steps, work)
-        rss = run_worker("rss", args, own.steps, work)
+        alloc = run_worker("alloc", args, own.steps, work, own.repeated_prompt)
+        rss = run_worker("rss", args, own.steps, work, own.repeated_prompt)
         print_table(alloc, rss, own.steps)
         print_plan(args, alloc["overall"])
 
@@ -324,6 +371,8 @@ def split_args(argv: list[str]):
     parser.add_argument("--model", default="", help="a Hugging Face checkpoint directory")
     parser.add_argument("--worker", choices=("alloc", "rss"))
     parser.add_argument("--result")
+    parser.add_argument("--repeated_prompt", action="store_true",
+                        help="train with the repeated-prompt twin (the baseline of the default)")
     own, rest = parser.parse_known_args(argv)
     if rest and rest[0] == "--":
         rest = rest[1:]

@@ -9,7 +9,8 @@ the share of "1"s) is the same function on both sides and costs nothing. GRPO as
 allows: beta 0, loss "dapo", eps 0.2 / 0.28, group std scaling, mu 1, temperature 1, fp32, lr 1e-6
 (the weights barely move). One optimizer step per generation batch of 16 x 8 completions,
 micro-batched alike: the engine's --micro_batch_groups m is TRL's per_device_train_batch_size 8m
-with gradient_accumulation_steps 16/m.
+with gradient_accumulation_steps 16/m; by default both m = 1 (one group, TRL's default) and m = 16
+(the whole generation batch in one forward/backward) run, and the tables show both.
 
 Each side runs as anyone would run it (`python train.py --model DIR ...`; GRPOTrainer.train() in
 this file re-run with --worker trl), in a fresh process, one after the other (engine, TRL, engine,
@@ -30,11 +31,10 @@ token each), --num_prompts N (16) a smaller generation batch for a larger model.
 
 Needs trl (and transformers, datasets); without them it prints one line and exits 0.
 Run: python tests/bench_trl.py [--P 64,512] [--steps 4] [--checkpoint true,false]
-         [--micro_groups 1] [--keep] [--quick] [--model DIR] [--num_prompts 16]
+         [--micro_groups 1,16] [--keep] [--quick] [--model DIR] [--num_prompts 16]
          (--quick: P 64, 3 steps, checkpointing on)
---micro_groups 16 (one forward/backward for the whole batch) is faster and holds more memory on
-both sides. It takes about 5 minutes for P = 64 and 15 for P = 512 (TRL ~60 CPU s/step there) on
-the shared 2-core CPU.
+Each (P, checkpoint, micro_groups) pair takes about 2 minutes at P = 64 and 7 at P = 512 (TRL
+~60 CPU s/step there) on the shared 2-core CPU.
 """
 
 import argparse
@@ -327,21 +327,22 @@ def trl_lengths(log: str) -> set[float]:
 class Pair:
     P: int
     checkpoint: bool
+    micro_groups: int
     engine: ChildRun
     trl: ChildRun
     engine_split: tuple[float, float]  # median t_rollout, t_train of steps 2..N (engine's own log)
 
 
-def measure_pair(work: str, model_dir: str, P: int, checkpoint: bool,
+def measure_pair(work: str, model_dir: str, P: int, checkpoint: bool, micro_groups: int,
                  args: argparse.Namespace) -> Pair:
     """The engine, then TRL, each in a fresh process, on the same checkpoint and prompts."""
     prompts = os.path.join(work, f"prompts_{P}.json")
     if not os.path.exists(prompts):
         write_prompts(prompts, P)
-    tag = f"P{P}_{'ckpt' if checkpoint else 'nockpt'}"
-    what = f"P={P} checkpoint={str(checkpoint).lower()}"
+    tag = f"P{P}_{'ckpt' if checkpoint else 'nockpt'}_m{micro_groups}"
+    what = f"P={P} checkpoint={str(checkpoint).lower()} micro_groups={micro_groups}"
     out = os.path.join(work, f"engine_{tag}")
-    cmd = engine_command(model_dir, prompts, P, args.steps, checkpoint, args.micro_groups, out)
+    cmd = engine_command(model_dir, prompts, P, args.steps, checkpoint, micro_groups, out)
     engine = run_child(cmd, ENGINE_LINE, os.path.join(work, f"engine_{tag}.log"))
     check_child(engine, f"the engine ({what})", args.steps)
     records = engine_metrics(out)
@@ -351,7 +352,7 @@ def measure_pair(work: str, model_dir: str, P: int, checkpoint: bool,
     split = (statistics.median(r["t_rollout"] for r in records[1:]),
              statistics.median(r["t_train"] for r in records[1:]))
     print(f"  engine {what}: {progress(engine)}", flush=True)
-    cmd = trl_command(model_dir, prompts, args.steps, checkpoint, args.micro_groups,
+    cmd = trl_command(model_dir, prompts, args.steps, checkpoint, micro_groups,
                       os.path.join(work, f"trl_{tag}"))
     trl = run_child(cmd, TRL_LINE, os.path.join(work, f"trl_{tag}.log"))
     check_child(trl, f"TRL ({what})", args.steps)
@@ -359,7 +360,7 @@ def measure_pair(work: str, model_dir: str, P: int, checkpoint: bool,
         sys.exit(f"bench_trl: TRL's completion lengths were {sorted(trl_lengths(trl.log))}, not "
                  f"{C} (see {trl.log})")
     print(f"  TRL    {what}: {progress(trl)}", flush=True)
-    return Pair(P, checkpoint, engine, trl, split)
+    return Pair(P, checkpoint, micro_groups, engine, trl, split)
 
 
 def progress(run: ChildRun) -> str:
@@ -374,13 +375,14 @@ def mib(kib: float) -> str:
 
 def print_times(pairs: list[Pair]) -> None:
     print("\nseconds per step, median of steps 2..N: wall clock, and CPU time of the process")
-    print(f"{'P':>5} {'ckpt':>5} | {'engine':>7} {'TRL':>7} {'faster':>7} | {'engine':>7} "
-          f"{'TRL':>7} {'faster':>7} | {'tokens':>7} | {'engine split':>13}")
-    print(f"{'':>11} | {'wall':>23} | {'cpu':>23} | {'TRL/eng':>7} | {'roll / train':>13}")
+    print(f"{'P':>5} {'ckpt':>5} {'micro':>5} | {'engine':>7} {'TRL':>7} {'faster':>7} | "
+          f"{'engine':>7} {'TRL':>7} {'faster':>7} | {'tokens':>7} | {'engine split':>13}")
+    print(f"{'':>17} | {'wall':>23} | {'cpu':>23} | {'TRL/eng':>7} | {'roll / train':>13}")
     for p in pairs:
         tokens_engine, tokens_trl = train_tokens(p.P)
         split = f"{p.engine_split[0]:.2f} / {p.engine_split[1]:.2f}"
-        print(f"{p.P:>5} {str(p.checkpoint).lower():>5} | {p.engine.wall():>7.2f} "
+        print(f"{p.P:>5} {str(p.checkpoint).lower():>5} {p.micro_groups:>5} | "
+              f"{p.engine.wall():>7.2f} "
               f"{p.trl.wall():>7.2f} {p.trl.wall() / p.engine.wall():>6.1f}x | "
               f"{p.engine.cpu():>7.2f} {p.trl.cpu():>7.2f} {p.trl.cpu() / p.engine.cpu():>6.1f}x | "
               f"{tokens_trl / tokens_engine:>6.1f}x | {split:>13}")
@@ -388,13 +390,14 @@ def print_times(pairs: list[Pair]) -> None:
 
 def print_memory(pairs: list[Pair], base_engine: int, base_trl: int) -> None:
     print(f"\npeak RSS in MiB; import baseline: engine {mib(base_engine)}, TRL {mib(base_trl)}")
-    print(f"{'P':>5} {'ckpt':>5} | {'engine':>7} {'TRL':>7} {'less':>6} | {'engine':>7} "
-          f"{'TRL':>7} {'less':>6}")
-    print(f"{'':>11} | {'peak':>22} | {'peak over baseline':>22}")
+    print(f"{'P':>5} {'ckpt':>5} {'micro':>5} | {'engine':>7} {'TRL':>7} {'less':>6} | "
+          f"{'engine':>7} {'TRL':>7} {'less':>6}")
+    print(f"{'':>17} | {'peak':>22} | {'peak over baseline':>22}")
     for p in pairs:
         over_engine = p.engine.peak_kib - base_engine
         over_trl = p.trl.peak_kib - base_trl
-        print(f"{p.P:>5} {str(p.checkpoint).lower():>5} | {mib(p.engine.peak_kib):>7} "
+        print(f"{p.P:>5} {str(p.checkpoint).lower():>5} {p.micro_groups:>5} | "
+              f"{mib(p.engine.peak_kib):>7} "
               f"{mib(p.trl.peak_kib):>7} {p.trl.peak_kib / p.engine.peak_kib:>5.1f}x | "
               f"{mib(over_engine):>7} {mib(over_trl):>7} {over_trl / over_engine:>5.1f}x")
 
@@ -418,8 +421,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "is warm-up and not counted)")
     parser.add_argument("--checkpoint", type=parse_bool_list, default=[True, False],
                         help="activation checkpointing on both sides: true,false")
-    parser.add_argument("--micro_groups", type=int, default=1, help="groups of G completions "
-                        "per forward/backward on both sides (1 = both tools' defaults)")
+    parser.add_argument("--micro_groups", default="1,16", help="groups of G completions per "
+                        "forward/backward on both sides, comma-separated (1: TRL's default; "
+                        f"{PROMPTS}: the whole generation batch)")
     parser.add_argument("--quick", action="store_true", help="P 64, 3 steps, checkpointing on")
     parser.add_argument("--keep", action="store_true", help="keep the work dir (logs, runs)")
     parser.add_argument("--model", default="", help="a Hugging Face checkpoint directory "
@@ -431,8 +435,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     PROMPTS = args.num_prompts
+    try:
+        args.micro_groups = [int(m) for m in args.micro_groups.split(",")]
+    except ValueError:
+        parser.error(f"--micro_groups expects integers separated by commas, got "
+                     f"{args.micro_groups!r}")
     if args.worker == "trl":
         args.checkpoint = args.checkpoint[0]
+        args.micro_groups = args.micro_groups[0]
         return args
     if args.quick:
         args.P = "64"
@@ -444,8 +454,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error(f"--P expects integers separated by commas, got {args.P!r}")
     if args.steps < 2:
         parser.error(f"--steps {args.steps}: needs >= 2 (step 1 is warm-up, not counted)")
-    if args.micro_groups < 1 or PROMPTS % args.micro_groups:
-        parser.error(f"--micro_groups {args.micro_groups}: must divide {PROMPTS}")
+    if any(m < 1 or PROMPTS % m for m in args.micro_groups):
+        parser.error(f"--micro_groups {args.micro_groups}: each must divide {PROMPTS}")
     if min(args.P) < 1 or max(args.P) + C > 2048:
         parser.error(f"--P {args.P}: each needs 1 <= P and P + {C} <= 2048 (max positions)")
     return args
@@ -460,14 +470,13 @@ def versions() -> str:
 
 
 def main(args: argparse.Namespace) -> None:
-    per_device = args.micro_groups * G
     print(f"engine vs TRL GRPOTrainer on {args.model or 'a random tiny Llama'}: "
           f"{PROMPTS} prompts x G={G}, C={C} new tokens (no early "
           f"stop), P={args.P}, {args.steps} steps each (median of steps 2..{args.steps}), "
           f"1 thread each; {versions()}")
-    print(f"micro-batch: engine --micro_batch_groups {args.micro_groups} = TRL "
-          f"per_device_train_batch_size {per_device}, gradient_accumulation_steps "
-          f"{PROMPTS * G // per_device} (one generation of {PROMPTS * G} completions per step)")
+    print(f"micro-batch: engine --micro_batch_groups m = TRL per_device_train_batch_size {G}m, "
+          f"gradient_accumulation_steps {PROMPTS}/m, m in {args.micro_groups} (one generation of "
+          f"{PROMPTS * G} completions per step)")
     print(f"load average at start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores", flush=True)
     work = tempfile.mkdtemp(prefix="bench_trl_")
     model_dir = os.path.join(work, "model")
@@ -477,8 +486,8 @@ def main(args: argparse.Namespace) -> None:
         write_checkpoint(model_dir)
     base_engine = import_baseline_kib("engine", os.path.join(work, "import_engine.log"))
     base_trl = import_baseline_kib("trl", os.path.join(work, "import_trl.log"))
-    pairs = [measure_pair(work, model_dir, P, checkpoint, args)
-             for P in args.P for checkpoint in args.checkpoint]
+    pairs = [measure_pair(work, model_dir, P, checkpoint, m, args)
+             for P in args.P for checkpoint in args.checkpoint for m in args.micro_groups]
     print_times(pairs)
     print_memory(pairs, base_engine, base_trl)
     print(f"load average at end: {os.getloadavg()[0]:.1f} (the machine is shared: compare ratios)")

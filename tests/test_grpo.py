@@ -196,6 +196,48 @@ def test_shared_prompt_backward_holds_one_block_of_pending_weight_gradients():
     # 8 blocks' gradients at once (21.1 MB).
     assert peak < 4 * block, (peak, block)
 
+
+def test_shared_prompt_forward_saves_no_repeated_prompt():
+    """The completions read the prompt's K/V once per group: nothing saved for backward is as
+    large as a per-row copy of the prompt's keys, (N, Hkv, P, D), nor a per-row (T, P + T) mask
+    (both were saved per layer when the prompt was repeated for one fused SDPA call)."""
+    cfg = M.ModelConfig(vocab_size=16, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2)
+    m = M.Llama(cfg).init_weights(0)
+    Bp, G, P, T = 2, 8, 40, 3
+    prompt_ids = torch.randint(0, 16, (Bp, P), generator=torch.Generator().manual_seed(0))
+    inputs = torch.randint(0, 16, (Bp * G, T), generator=torch.Generator().manual_seed(1))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t,
+                                                  lambda t: t):
+        grpo.shared_prompt_hidden(m, prompt_ids, torch.tensor([P, 31]), inputs, G)
+    repeated_keys = Bp * G * 2 * P * 16  # (N, Hkv, P, D)
+    # the largest saved tensors are the prompt's MLP activations, (Bp, P, 96): 7,680 entries
+    assert max(saved) < repeated_keys / 2, (max(saved), repeated_keys)
+    assert all(n != Bp * G * T * (P + T) for n in saved)  # no (N, 1, T, P + T) mask
+
+def test_shared_prompt_attention_under_bf16_autocast_equals_its_twin(monkeypatch):
+    """bf16 autocast over fp32 weights (train.py --dtype bfloat16) hands the attention q, k in
+    fp32 (rope) and v in bf16: the flash path runs in one dtype and matches the repeated-prompt
+    twin to bf16's resolution (8 bits: 1e-1 on logprobs of magnitude ~8, 3% on a gradient)."""
+    G = 3
+    prompts, completions = ragged_batch(G)
+    m = tiny_model()
+    batch = grpo.GRPOBatch.from_lists(prompts, completions)
+
+    def logp_and_grad():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logp, _ = grpo.completion_logprobs(m, batch, chunk_size=0)
+        weighted_sum(logp, batch.mask).backward()
+        grad = m.model.layers[0].self_attn.k_proj.weight.grad.clone()
+        m.zero_grad()
+        return logp.detach(), grad
+    got, got_grad = logp_and_grad()
+    monkeypatch.setattr(grpo, "CPU_FLASH", False)  # the repeated-prompt twin
+    want, want_grad = logp_and_grad()
+    torch.testing.assert_close(got, want, atol=1e-1, rtol=0)
+    assert (got_grad - want_grad).norm() <= 0.03 * want_grad.norm()
+
 # -----------------------------------------------------------------------------
 # Chunked == unchunked; the token/position alignment
 

@@ -641,6 +641,45 @@ def test_plan_reads_config_json_and_no_weight(tmp_path, capsys):
     assert not os.path.exists(tmp_path / "out")  # nothing written either
 
 
+def test_memory_budget_picks_the_largest_micro_batch_whose_measured_peak_fits(tmp_path, capsys):
+    """--memory_budget on the CPU: budgets placed between the measured allocator peaks of
+    consecutive micro-batch sizes (8 prompts x G 8 x 32 tokens, two steps each) choose exactly the
+    smaller one, whose measured peak stays under the budget while the next one's is above it; a
+    budget below every plan refuses in one line naming the smallest planned peak."""
+    model = str(tmp_path / "model")
+    plan_checkpoint(model)
+    argv = plan_args(tmp_path, model)
+    argv += ["--prompts_per_step", "8", "--num_samples", "8", "--max_new_tokens", "32",
+             "--activation_checkpoint", "false"]  # later flags win
+
+    def measured(extra: list[str]) -> tuple[int, int]:
+        """(micro_batch_groups chosen, allocator peak of setup + two steps)"""
+        runs = []
+
+        def two_steps():
+            runs.append(train.setup(train.parse_args(argv + extra)))
+            for step in range(2):
+                train.step(runs[0], step)
+        try:
+            peak = allocator_peak(two_steps)
+        finally:
+            train.checkpoint.release_out_dir()  # the next run in this process takes --out again
+        return runs[0].cfgs.grpo.micro_batch_groups, peak
+    peaks = [measured(["--micro_batch_groups", str(m)])[1] for m in (1, 2, 3)]
+    assert peaks[0] < peaks[1] < peaks[2], peaks
+    capsys.readouterr()
+    for k in (1, 2):
+        budget = (peaks[k - 1] + peaks[k]) / 2  # bytes
+        chosen, peak = measured(["--memory_budget", str(budget / 1e9)])
+        assert f"--micro_batch_groups {k} " in capsys.readouterr().out
+        assert chosen == k and peak <= budget < peaks[k], (k, peak, budget, peaks)
+    assert train.main(argv + ["--memory_budget", "0.001"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "the smallest planned peak is 0.0" in err[0], err
+    assert train.main(argv + ["--memory_budget", "100", "--plan"]) == 0
+    assert "--micro_batch_groups 8 --chunk_bytes 67108864" in capsys.readouterr().out
+
+
 # -----------------------------------------------------------------------------
 # bf16 mixed precision: fp32 master weights and AdamW state
 
