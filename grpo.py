@@ -46,6 +46,8 @@ arXiv:2402.05099, k3 KL estimator: http://joschu.net/blog/kl-approx.html.
 Tested by tests/test_grpo.py; benchmarked by tests/bench_grpo.py.
 """
 
+import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -59,22 +61,36 @@ from model import ModelConfig, causal_attention
 # -----------------------------------------------------------------------------
 # Config
 
-LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
+LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "cispo")
 SCALES = ("group", "batch", "none")
+LEVELS = ("token", "sequence")
+CORRECTION_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
 @dataclass
 class GRPOConfig:
     """The loss and its optimisation knobs. The group size, the sampling temperature and the
     completion budget are not here: they are the rollout's (RolloutConfig), and the batch carries
-    what the sampler did (GRPOBatch), so the trainer cannot score another distribution."""
-    loss_type: str = "dapo"           # token mean over the generation batch: micro-batch invariant
+    what the sampler did (GRPOBatch), so the trainer cannot score another distribution. TRL's
+    None (off) is inf here for delta, off_policy_mask_threshold and sampler_correction_max, 0 for
+    sampler_correction_min: the same loss, and every knob a plain number on the command line."""
+    loss_type: str = "dapo"           # token mean over the generation batch; cispo: MiniMax-M1
     scale: str = "group"              # advantage std: "group" (GRPO), "batch", "none" (Dr. GRPO)
     eps_low: float = 0.2              # ratio clipped below at 1 - eps_low
-    eps_high: float = 0.28            # clip-higher (DAPO): more room for unlikely tokens to grow
+    eps_high: float = 0.28            # clip-higher (DAPO); cispo: the weight's cap (ScaleRL: 5)
+    delta: float = math.inf           # two-sided clip (INTELLECT-2): ratio capped at delta; inf off
+    importance_sampling_level: str = "token"  # "sequence": GSPO's one ratio per completion
     beta: float = 0.0                 # k3 KL weight; 0 means no reference model is needed
     use_bias_correction_kl: bool = True  # k3 KL times the ratio pi/pi_old, as TRL's default
     entropy_coef: float = 0.0         # entropy bonus: -coef * H per completion token (verl's)
+    top_entropy_quantile: float = 1.0  # 80/20 rule (arXiv:2506.01939): top-q entropy tokens train
+    mask_truncated_completions: bool = False  # DAPO overlong filtering: no loss without a stop id
+    off_policy_mask_threshold: float = math.inf  # DeepSeek-V3.2 off-policy masking: KL bound
+    sampler_correction: bool = True   # TRL's vLLM IS correction: weigh by trainer/sampler prob
+    sampler_correction_mode: str = "sequence_mask"  # {token,sequence}_{truncate,mask} (TRL's)
+    sampler_correction_max: float = 3.0  # correction ratio upper bound C_max (TRL's)
+    sampler_correction_min: float = 0.0  # correction ratio lower bound C_min; 0 = none (TRL's)
+    dynamic_sampling: int = 0         # DAPO: up to N extra rollouts replace all-equal groups
     std_eps: float = 1e-4             # advantage = (r - mean) / (std + std_eps), TRL's 1e-4
     std_correction: int = 1           # 1: the n-1 (Bessel) std of TRL and verl; 0: population std
     mu: int = 1                       # optimizer steps per generation batch
@@ -85,12 +101,23 @@ class GRPOConfig:
         checks = [
             ("loss_type", self.loss_type in LOSS_TYPES, f"must be one of {LOSS_TYPES}"),
             ("scale", self.scale in SCALES, f"must be one of {SCALES}"),
+            ("importance_sampling_level", self.importance_sampling_level in LEVELS,
+             f"must be one of {LEVELS}"),
+            ("sampler_correction_mode", self.sampler_correction_mode in CORRECTION_MODES,
+             f"must be one of {CORRECTION_MODES}"),
             ("eps_low", 0 <= self.eps_low < 1, "must be in [0, 1): the lower clip 1 - eps_low > 0"),
+            ("eps_high", self.loss_type != "cispo" or self.eps_high >= 1,
+             "caps cispo's importance weight (TRL's epsilon_high): below 1 it caps every "
+             "on-policy weight; MiniMax-M1 and ScaleRL use 5 (pass --eps_high 5)"),
             ("std_correction", self.std_correction in (0, 1), "must be 0 or 1"),
+            ("top_entropy_quantile", 0 <= self.top_entropy_quantile <= 1, "must be in [0, 1]"),
+            ("sampler_correction_max", self.sampler_correction_max > self.sampler_correction_min,
+             f"must be > sampler_correction_min = {self.sampler_correction_min}"),
         ]
         for field in ("micro_batch_groups", "mu"):
             checks.append((field, getattr(self, field) >= 1, "must be >= 1"))
-        for field in ("eps_high", "beta", "chunk_size", "std_eps", "entropy_coef"):
+        for field in ("eps_high", "beta", "chunk_size", "std_eps", "entropy_coef", "delta",
+                      "sampler_correction_min", "dynamic_sampling"):
             checks.append((field, getattr(self, field) >= 0, "must be >= 0"))
         for field, ok, why in checks:
             if not ok:
@@ -180,7 +207,8 @@ class GRPOBatch:
     temperature: float                # the sampler's: the trainer scores the same distribution
     max_new_tokens: int               # the completion budget: Dr. GRPO's constant normaliser
     advantages: Tensor | None = None  # (N,)
-    sampler_logp: Tensor | None = None  # (N, Tr) the sampler's logprobs: the mismatch metric
+    sampler_logp: Tensor | None = None  # (N, Tr) the sampler's logprobs, of what it sampled from
+    stopped: Tensor | None = None     # (N,) bool: the row ended with a stop id (else truncated)
     old_logp: Tensor | None = None    # (N, Tr) when mu > 1 (or another sampler); None: current
     ref_logp: Tensor | None = None    # (N, Tr) from the reference model when beta > 0
 
@@ -213,11 +241,21 @@ class GRPOBatch:
         Tp = int(self.prompt_lens[first:stop].max())
 
         def cut(t: Tensor | None) -> Tensor | None:
-            return None if t is None else t[rows, :Tr]
-        return GRPOBatch(self.prompt_ids[first:stop, :Tp], self.prompt_lens[first:stop],
-                         cut(self.tokens), cut(self.mask), self.temperature, self.max_new_tokens,
-                         None if self.advantages is None else self.advantages[rows],
-                         cut(self.sampler_logp), cut(self.old_logp), cut(self.ref_logp))
+            return None if t is None else t[rows, :Tr] if t.dim() == 2 else t[rows]
+        return dataclasses.replace(
+            self, prompt_ids=self.prompt_ids[first:stop, :Tp],
+            prompt_lens=self.prompt_lens[first:stop],
+            **{name: cut(getattr(self, name)) for name in ROW_TENSORS})
+
+    def loss_mask(self, cfg: "GRPOConfig") -> Tensor:
+        """(N, Tr) the tokens the loss counts: the mask, less the rows that ended without a stop
+        id when cfg.mask_truncated_completions (DAPO's overlong filtering, TRL's rule)."""
+        if not cfg.mask_truncated_completions:
+            return self.mask
+        if self.stopped is None:
+            raise ValueError("mask_truncated_completions needs batch.stopped, each row's stop flag "
+                             "(rollout.Rollout.stopped)")
+        return self.mask & self.stopped[:, None]
 
     def check(self) -> None:
         """One clear error for a batch whose rows, advantages or logprobs do not line up."""
@@ -242,6 +280,38 @@ class GRPOBatch:
             t = getattr(self, name)
             if t is not None and t.shape != (N, Tr):
                 raise ValueError(f"batch.{name} has shape {tuple(t.shape)}, expected ({N}, {Tr})")
+        if self.stopped is not None and (self.stopped.shape != (N,)
+                                         or self.stopped.dtype != torch.bool):
+            raise ValueError(f"batch.stopped must be a bool ({N},) tensor, got "
+                             f"{self.stopped.dtype} {tuple(self.stopped.shape)}")
+
+
+# The batch's per-row tensors, (N, ...): what groups() and cat_groups() cut and join.
+ROW_TENSORS = ("tokens", "mask", "advantages", "sampler_logp", "stopped", "old_logp", "ref_logp")
+
+
+def cat_groups(parts: list[tuple[GRPOBatch, Tensor]]) -> GRPOBatch:
+    """The groups picked from each batch ((k,) long group indices each), in order, as one batch:
+    prompts and completions right-padded with zeros to the longest. Dynamic sampling joins the
+    informative groups of several rollouts this way."""
+    G = parts[0][0].num_samples
+    joined = {}
+    for name in ("prompt_ids", "prompt_lens", *ROW_TENSORS):
+        picked = []
+        for batch, groups in parts:
+            t = getattr(batch, name)
+            if t is None:
+                break
+            rows = groups if name.startswith("prompt") else (groups[:, None] * G + torch.arange(
+                G, device=groups.device)).flatten()  # (k*G,)
+            picked.append(t[rows])
+        if len(picked) < len(parts):  # absent from a batch: absent from the join
+            joined[name] = None
+            continue
+        width = max(t.shape[1] for t in picked) if picked[0].dim() == 2 else 0
+        joined[name] = torch.cat([F.pad(t, (0, width - t.shape[1])) if t.dim() == 2 else t
+                                  for t in picked])
+    return dataclasses.replace(parts[0][0], **joined)
 
 # -----------------------------------------------------------------------------
 # Chunked logprobs
@@ -465,94 +535,149 @@ def completion_logprobs(model, batch: "GRPOBatch", *, chunk_size: int = 1024,
 # The loss
 
 
-def grpo_loss(logp: Tensor, old_logp: Tensor | None, ref_logp: Tensor | None, advantages: Tensor,
-              mask: Tensor, cfg: GRPOConfig, *, num_seqs: int, num_tokens: int,
-              max_completion_len: int, entropy: Tensor | None = None
-              ) -> tuple[Tensor, dict[str, float]]:
-    """Clipped policy-gradient loss of a micro-batch, logp/old_logp/ref_logp/mask (N, Tr),
-    advantages (N,). num_seqs and num_tokens count the WHOLE generation batch (all micro-batches,
-    all data-parallel ranks), so the micro-batch losses sum to the big-batch loss;
-    max_completion_len is the sampler's budget (Dr. GRPO's constant). Pure: never modifies its
-    inputs.
-
-    Algorithmic choices:
-    1. Per-token ratio exp(logp - old_logp); old_logp None means logp.detach() (mu = 1).
-    2. PPO clip with clip-higher: -min(ratio * A, clamp(ratio, 1 - eps_low, 1 + eps_high) * A).
-    3. KL to the reference (beta > 0) with the k3 estimator exp(ref - logp) - (ref - logp) - 1,
-       per token, added to the loss (not folded into the reward). With use_bias_correction_kl
-       (TRL's default, DeepSeek-V3.2) k3 is multiplied by the ratio, gradient included: the tokens
-       were sampled from pi_old, and ratio * k3 estimates KL(pi || ref) under pi. It differs even
-       at mu = 1, where the ratio's value is 1 but its gradient adds k3 * d logp.
-    4. Aggregation: "grpo" mean over each sequence's tokens, then sum / num_seqs; "dapo" sum over
-       tokens / num_tokens; "dr_grpo" sum over tokens / (num_seqs * max_completion_len). TRL's
-       normalisers for grpo and dr_grpo are per micro-batch (its rows, divided again by the
-       gradient accumulation steps): equal to these when micro-batches have the same number of
-       rows. Where they do not (an uneven last micro-batch, uneven data-parallel ranks) ours stay
-       the big batch's, by design; TRL's would weigh the rows of a smaller micro-batch more. dapo
-       divides by the generation batch's tokens in both.
-    5. Metrics over the micro-batch's valid tokens: clip_low (ratio < 1 - eps_low, A < 0) and
-       clip_high (ratio > 1 + eps_high, A > 0), whose gradient the clip zeroes;
-       ratio_mean/min/max; kl (the per-token term the loss adds, as TRL logs it) if ref_logp is
-       given.
-    6. Entropy bonus (entropy_coef > 0; verl's entropy_coeff, not in TRL): -coef * H per token,
-       H (N, Tr) the policy's differentiable entropy (completion_logprobs), aggregated as the rest.
-       It pays the policy to keep spreading its mass, against a collapse onto one answer before
-       the reward has told the answers apart.
-    """
-    for name, t in (("old_logp", old_logp), ("ref_logp", ref_logp), ("mask", mask)):
+def check_loss_inputs(logp: Tensor, advantages: Tensor, cfg: GRPOConfig, counts: dict[str, int],
+                      **tensors: Tensor | None) -> None:
+    """One clear error for inputs grpo_loss cannot use."""
+    for name, t in tensors.items():
         if t is not None and t.shape != logp.shape:
             raise ValueError(f"{name} has shape {tuple(t.shape)}, logp has {tuple(logp.shape)}")
     if advantages.shape != logp.shape[:1]:
         raise ValueError(f"advantages has shape {tuple(advantages.shape)}, expected "
                          f"({logp.shape[0]},)")
-    if cfg.beta > 0 and ref_logp is None:
+    if cfg.beta > 0 and tensors["ref_logp"] is None:
         raise ValueError(f"ref_logp is None but beta = {cfg.beta} > 0 needs reference logprobs")
-    if cfg.entropy_coef > 0 and (entropy is None or entropy.shape != logp.shape):
-        got = None if entropy is None else tuple(entropy.shape)
-        raise ValueError(f"entropy_coef = {cfg.entropy_coef} > 0 needs the entropy (N, Tr) of "
-                         f"the policy, shape {tuple(logp.shape)}; got {got}")
-    if num_seqs < 1 or num_tokens < 1 or max_completion_len < 1:
-        raise ValueError(f"num_seqs = {num_seqs}, num_tokens = {num_tokens} and "
-                         f"max_completion_len = {max_completion_len} must be >= 1")
-    # With mu = 1 and old_logp = logp.detach() the ratio is exactly 1, so the loss VALUE is ~0
-    # (-mean A), which is expected; its GRADIENT is still the policy gradient:
-    # d exp(logp - logp.detach()) = d logp.
-    old_logp = logp.detach() if old_logp is None else old_logp
-    zero = torch.zeros_like(logp)
+    for name, needs in (("entropy_coef", cfg.entropy_coef > 0),
+                        ("top_entropy_quantile", cfg.top_entropy_quantile < 1)):
+        if needs and tensors["entropy"] is None:
+            raise ValueError(f"{name} = {getattr(cfg, name)} needs the entropy (N, Tr) of the "
+                             f"policy, shape {tuple(logp.shape)}; got None")
+    if min(counts.values()) < 1:
+        raise ValueError(", ".join(f"{k} = {v}" for k, v in counts.items()) + " must be >= 1")
+
+
+def ratio_stats(name: str, ratio: Tensor, units: Tensor, **flags: Tensor) -> dict[str, Tensor]:
+    """{name}_mean/_min/_max of ratio and the share of each flag over units (bool, broadcast)."""
+    n = units.sum().clamp_min(1)
+    stats = {f"{name}_mean": torch.where(units, ratio, 0.0).sum() / n,
+             f"{name}_min": torch.where(units, ratio, torch.inf).amin(),
+             f"{name}_max": torch.where(units, ratio, -torch.inf).amax()}
+    return stats | {key: (flag & units).sum() / n for key, flag in flags.items()}
+
+
+def sampler_weights(old_logp: Tensor, sampler_logp: Tensor, mask: Tensor, cfg: GRPOConfig
+                    ) -> tuple[Tensor, dict[str, Tensor]]:
+    """Choice 3's correction weight pi_old / pi_sampler, (N, Tr) or (N, 1), a constant; and the
+    ratio's stats BEFORE its clamp or mask, with the share outside [min, max]."""
+    # NaN (a token the sampler could not score) and the padding: log-ratio 0, weight 1 (TRL's).
+    diff = torch.where(mask, old_logp.detach() - sampler_logp, 0.0).nan_to_num(0.0)  # (N, Tr)
+    units = mask
+    if cfg.sampler_correction_mode.startswith("sequence"):  # the product of its token ratios
+        diff = diff.sum(1, keepdim=True)  # (N, 1)
+        units = torch.ones_like(diff, dtype=torch.bool)  # every row, as TRL averages them
+    ratio = diff.exp()
+    low, high = cfg.sampler_correction_min, cfg.sampler_correction_max
+    outside = (ratio < low) | (ratio > high)
+    truncate = cfg.sampler_correction_mode.endswith("truncate")
+    weights = ratio.clamp(low, high) if truncate else ratio.masked_fill(outside, 0.0)
+    return weights, ratio_stats("sampler_ratio", ratio, units, sampler_corrected=outside)
+
+
+def policy_term(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, cfg: GRPOConfig
+                ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    """Choices 1-2: the policy loss per token (N, Tr) or per sequence (N, 1), adv (N, 1); and its
+    metrics: the ratio's mean/min/max and the shares the clip holds (TRL's clip_ratio low/high
+    after delta's cap, or cispo_clip_ratio), over the valid tokens or every row (sequence)."""
     # Zero the padding BEFORE exp: garbage there would give inf, and inf * 0 = NaN in backward.
-    ratio = torch.exp(torch.where(mask, logp - old_logp, zero))  # (N, Tr)
-    adv = advantages[:, None].to(logp.dtype)  # (N, 1)
+    log_ratio = torch.where(mask, logp - old_logp, 0.0)  # (N, Tr)
+    units = mask
+    if cfg.importance_sampling_level == "sequence":  # GSPO: the gradient flows through the mean
+        log_ratio = log_ratio.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp_min(1)
+        units = torch.ones_like(log_ratio, dtype=torch.bool)  # (N, 1)
+    ratio = torch.exp(log_ratio)  # (N, Tr) or (N, 1)
+    if cfg.loss_type == "cispo":  # a constant weight: the gradient -w A d logp is never zeroed
+        stats = ratio_stats("ratio", ratio, units, clip_low=torch.zeros_like(units),
+                            clip_high=(ratio > cfg.eps_high) & (adv > 0))
+        return -ratio.clamp(max=cfg.eps_high).detach() * adv * logp, ratio, stats
     clipped = ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high)
-    per_token = -torch.min(ratio * adv, clipped * adv)  # (N, Tr)
-    kl = None
+    capped = ratio.clamp(max=cfg.delta)  # two-sided: for A < 0 the unclipped term stops at delta
+    stats = ratio_stats("ratio", ratio, units, clip_low=(capped < 1 - cfg.eps_low) & (adv < 0),
+                        clip_high=(capped > 1 + cfg.eps_high) & (adv > 0))
+    return -torch.min(capped * adv, clipped * adv), ratio, stats
+
+
+def grpo_loss(logp: Tensor, old_logp: Tensor | None, ref_logp: Tensor | None, advantages: Tensor,
+              mask: Tensor, cfg: GRPOConfig, *, num_seqs: int, num_tokens: int,
+              max_completion_len: int, entropy: Tensor | None = None,
+              sampler_logp: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
+    """The loss of a micro-batch: logp, old_logp, ref_logp, mask, entropy, sampler_logp (N, Tr),
+    advantages (N,). num_seqs and num_tokens count the WHOLE generation batch (all micro-batches,
+    all dp ranks), so the micro-batch losses sum to the big-batch loss; max_completion_len is the
+    sampler's budget. Pure. Each choice is TRL 1.16's (tests/test_grpo.py runs TRL's code) but 6:
+    1. Ratio r = exp(logp - old_logp) per token, or per sequence (importance_sampling_level,
+       GSPO): exp of the mean log-ratio over its tokens, the gradient through the mean. old_logp
+       None means logp.detach() (mu = 1): value 1, gradient d logp.
+    2. Policy term: PPO's clip with clip-higher, -min(r A, clamp(r, 1 - eps_low, 1 + eps_high) A),
+       the unclipped r capped at delta (INTELLECT-2's two-sided clip); or "cispo" (MiniMax-M1):
+       -sg(min(r, eps_high)) A logp, a clipped constant weight that zeroes no token's gradient.
+    3. Masks times the policy term, in TRL's order: off-policy sequences (DeepSeek-V3.2: A < 0
+       and mean log(pi_sampler / pi) > off_policy_mask_threshold; old_logp without
+       sampler_logp), tokens below the top_entropy_quantile (arXiv:2506.01939; the threshold is
+       this call's, in float32, as TRL's), the sampler correction (sampler_correction: TRL's
+       vllm_importance_sampling_*, sampler_weights). Truncated completions
+       (mask_truncated_completions, DAPO) are off the mask the caller passes.
+    4. KL to the reference (beta > 0): k3 = exp(ref - logp) - (ref - logp) - 1 per token; with
+       use_bias_correction_kl (TRL's default, DeepSeek-V3.2) times r, gradient included: the
+       tokens are pi_old's, and r k3 estimates KL(pi || ref) under pi.
+    5. Aggregation: "grpo" each sequence's token mean, summed / num_seqs; "dapo" and "cispo" sum
+       / num_tokens; "dr_grpo" sum / (num_seqs * max_completion_len). TRL's grpo and dr_grpo
+       normalisers are per micro-batch: equal for equal micro-batches; for uneven ones ours stay
+       the big batch's (TRL's would weigh the rows of a smaller micro-batch more).
+    6. Entropy bonus (entropy_coef > 0; verl's): -coef * H per token of choice 3's entropy mask.
+    7. Metrics: policy_term's, sampler_weights' (before its clamp), off_policy_masked (the share
+       of rows dropped), kl; detached floats, one host sync."""
+    counts = dict(num_seqs=num_seqs, num_tokens=num_tokens, max_completion_len=max_completion_len)
+    check_loss_inputs(logp, advantages, cfg, counts, old_logp=old_logp, ref_logp=ref_logp,
+                      mask=mask, entropy=entropy, sampler_logp=sampler_logp)
+    old_logp = logp.detach() if old_logp is None else old_logp
+    adv = advantages[:, None].to(logp.dtype)  # (N, 1)
+    per_token, ratio, stats = policy_term(logp, old_logp, adv, mask, cfg)
+    if math.isfinite(cfg.off_policy_mask_threshold):
+        behaviour = old_logp if sampler_logp is None else sampler_logp
+        kl = torch.where(mask, behaviour - logp.detach(), 0.0).nan_to_num(0.0)  # (N, Tr)
+        mean_kl = kl.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp_min(1)  # (N, 1)
+        keep = (adv >= 0) | (mean_kl <= cfg.off_policy_mask_threshold)  # (N, 1)
+        per_token = per_token * keep
+        stats["off_policy_masked"] = 1 - keep.double().mean()
+    high = None
+    if cfg.top_entropy_quantile < 1:
+        values = entropy.detach()[mask].float()  # (n,)
+        threshold = torch.quantile(values, 1 - cfg.top_entropy_quantile) if len(values) else 0
+        high = (entropy.detach() * mask >= threshold) & mask  # (N, Tr)
+        per_token = per_token * high
+    if cfg.sampler_correction and sampler_logp is not None:
+        weights, correction = sampler_weights(old_logp, sampler_logp, mask, cfg)
+        per_token = per_token * weights
+        stats.update(correction)
+    zero = torch.zeros_like(logp)
     if ref_logp is not None:
         delta = torch.where(mask, ref_logp - logp, zero)
-        # k3 (N, Tr) >= 0: unbiased for KL(pi || ref) on tokens sampled from pi
-        kl = torch.exp(delta) - delta - 1
+        kl = torch.exp(delta) - delta - 1  # (N, Tr) >= 0: unbiased for KL(pi || ref) under pi
         if cfg.use_bias_correction_kl:  # the tokens are pi_old's: reweight them to pi, with grad
             kl = kl * ratio
-    if cfg.beta > 0:  # ref_logp is not None: checked above
-        per_token = per_token + cfg.beta * kl
+        stats["kl"] = torch.where(mask, kl, zero).sum() / mask.sum().clamp_min(1)
+        if cfg.beta > 0:
+            per_token = per_token + cfg.beta * kl
     if cfg.entropy_coef > 0:
-        per_token = per_token - cfg.entropy_coef * entropy
-    per_token = torch.where(mask, per_token, zero)
+        per_token = per_token - cfg.entropy_coef * (entropy if high is None else entropy * high)
+    per_token = torch.where(mask, per_token, zero)  # (N, Tr): a sequence's term on its tokens
     if cfg.loss_type == "grpo":  # each sequence's token mean first: long completions weigh less
         per_token = per_token / mask.sum(1, keepdim=True).clamp_min(1)
-    normaliser = {"grpo": num_seqs, "dapo": num_tokens,
+    normaliser = {"grpo": num_seqs, "dapo": num_tokens, "cispo": num_tokens,
                   "dr_grpo": num_seqs * max_completion_len}[cfg.loss_type]
     loss = per_token.sum() / normaliser
     with torch.no_grad():
-        n = mask.sum().clamp_min(1)
-        stats = {"loss": loss,
-                 "clip_low": ((ratio < 1 - cfg.eps_low) & (adv < 0) & mask).sum() / n,
-                 "clip_high": ((ratio > 1 + cfg.eps_high) & (adv > 0) & mask).sum() / n,
-                 "ratio_mean": torch.where(mask, ratio, zero).sum() / n,
-                 "ratio_min": torch.where(mask, ratio, torch.inf).amin(),
-                 "ratio_max": torch.where(mask, ratio, -torch.inf).amax()}
-        if kl is not None:
-            stats["kl"] = torch.where(mask, kl, zero).sum() / n
-        # one host sync for all metrics
-        values = torch.stack([v.float() for v in stats.values()]).tolist()
+        stats = {"loss": loss, **stats}
+        values = torch.stack([v.detach().float() for v in stats.values()]).tolist()  # one sync
     return loss, dict(zip(stats, values))
 
 # -----------------------------------------------------------------------------
@@ -589,43 +714,50 @@ def accumulate(model, batch: GRPOBatch, cfg: GRPOConfig, *, logprob_fn: Callable
                num_seqs: int | None = None, num_tokens: int | None = None) -> dict[str, float]:
     """Forward, loss and backward over the generation batch in micro-batches of whole groups;
     grads accumulate into .grad (no zero_grad, no step). num_seqs/num_tokens default to this
-    batch's counts; pass global counts under data parallelism. Returns "loss" (the summed, i.e.
-    big-batch, loss), token-weighted means of the other metrics (with "entropy", and
-    "sampler_logp_diff" = mean |logp - sampler_logp| when the batch has the sampler's logprobs),
-    the min/max of ratio_min/ratio_max, and "tokens" (this batch's valid tokens)."""
+    batch's counts (tokens of batch.loss_mask); pass global counts under data parallelism.
+    Returns "loss" (the summed, i.e. big-batch, loss), the other metrics averaged over the
+    micro-batches by their tokens (by their rows for those grpo_loss takes per sequence), with
+    "entropy" and "sampler_logp_diff" = mean |logp - sampler_logp|; the min of *_min and the
+    max of *_max; and "tokens" (this batch's loss tokens)."""
     batch.check()
     if batch.advantages is None:
         raise ValueError("batch.advantages is None: accumulate needs one advantage per row")
     num_seqs = batch.tokens.shape[0] if num_seqs is None else num_seqs
-    num_tokens = int(batch.mask.sum()) if num_tokens is None else num_tokens
+    num_tokens = int(batch.loss_mask(cfg).sum()) if num_tokens is None else num_tokens
+    per_row = {"off_policy_masked"}  # TRL's sequence-level metrics average over rows
+    if cfg.importance_sampling_level == "sequence":
+        per_row |= {"clip_low", "clip_high", "ratio_mean"}
+    if cfg.sampler_correction_mode.startswith("sequence"):
+        per_row |= {"sampler_ratio_mean", "sampler_corrected"}
     totals: dict[str, float] = {}
-    tokens_seen = 0.0  # valid completion tokens of the micro-batches so far: the metrics' weights
+    seen = {"tokens": 0.0, "rows": 0.0}  # of the micro-batches so far: the metrics' weights
     for _, micro in micro_batches(batch, cfg):
         logp, entropy = completion_logprobs(model, micro, chunk_size=cfg.chunk_size,
                                             logprob_fn=logprob_fn)  # (n_rows, Tr_micro)
-        mask = micro.mask
+        mask = micro.loss_mask(cfg)
         loss, metrics = grpo_loss(logp, micro.old_logp, micro.ref_logp, micro.advantages, mask,
                                   cfg, num_seqs=num_seqs, num_tokens=max(num_tokens, 1),
-                                  max_completion_len=batch.max_new_tokens, entropy=entropy)
+                                  max_completion_len=batch.max_new_tokens, entropy=entropy,
+                                  sampler_logp=micro.sampler_logp)
         loss.backward()
-        tokens = float(mask.sum())
+        weight = {"tokens": float(mask.sum()), "rows": float(mask.shape[0])}
         with torch.no_grad():
-            metrics["entropy"] = float((entropy * mask).sum()) / max(tokens, 1.0)
+            metrics["entropy"] = float((entropy * mask).sum()) / max(weight["tokens"], 1.0)
             if micro.sampler_logp is not None:  # the health check of the whole engine
                 diff = (logp - micro.sampler_logp).abs() * mask
-                metrics["sampler_logp_diff"] = float(diff.sum()) / max(tokens, 1.0)
+                metrics["sampler_logp_diff"] = float(diff.sum()) / max(weight["tokens"], 1.0)
         for key, value in metrics.items():
             prev = totals.get(key)
-            if key == "ratio_min":
+            if key.endswith("_min"):
                 totals[key] = value if prev is None else min(prev, value)
-            elif key == "ratio_max":
+            elif key.endswith("_max"):
                 totals[key] = value if prev is None else max(prev, value)
             elif key == "loss":  # a plain sum: already normalised by the batch counts
                 totals[key] = (prev or 0.0) + value
-            else:  # token-weighted sums
-                totals[key] = (prev or 0.0) + value * tokens
-        tokens_seen += tokens
-    out = {k: v if k in ("loss", "ratio_min", "ratio_max") else v / max(tokens_seen, 1.0)
-           for k, v in totals.items()}
-    out["tokens"] = tokens_seen
+            else:  # weighted sums
+                totals[key] = (prev or 0.0) + value * weight["rows" if key in per_row else "tokens"]
+        seen = {unit: seen[unit] + weight[unit] for unit in seen}
+    out = {k: v if k == "loss" or k.endswith(("_min", "_max")) else
+           v / max(seen["rows" if k in per_row else "tokens"], 1.0) for k, v in totals.items()}
+    out["tokens"] = seen["tokens"]
     return out
