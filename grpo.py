@@ -183,6 +183,13 @@ def group_advantages(rewards: Tensor, num_samples: int, scale: str = "group",
         centred = centred / (std + std_eps)
     return centred.view(-1).to(rewards.dtype)
 
+def informative_groups(rewards: Tensor, num_samples: int) -> Tensor:
+    """(N,) rewards, NaN where unscored -> (Bp,) bool: the groups whose scored rewards differ, the
+    only ones with a gradient (DAPO's dynamic sampling keeps these)."""
+    groups = rewards.view(-1, num_samples)  # (Bp, G)
+    high = torch.where(groups.isnan(), -torch.inf, groups).amax(1)
+    return high > torch.where(groups.isnan(), torch.inf, groups).amin(1)
+
 # -----------------------------------------------------------------------------
 # The generation batch, as the sampler returned it
 

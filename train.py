@@ -298,11 +298,11 @@ def setup(values: dict[str, object]) -> Run:
 # Prompts and rewards
 
 
-def draw_prompts(run: Run, step: int) -> tuple[list[list[int]], list[str], int]:
+def draw_prompts(run: Run, step: int, round: int = 0) -> tuple[list[list[int]], list[str], int]:
     """This rank's prompts (token ids) and references, and how many were truncated. The whole
-    batch is a function of (seed, step) alone, so a resumed run draws the same one."""
+    batch is a function of (seed, step, round) alone, so a resumed run draws the same one."""
     cfg = run.cfgs.train
-    rng = random.Random(cfg.seed * 1_000_003 + step)
+    rng = random.Random(cfg.seed * 1_000_003 + step if not round else f"{cfg.seed}:{step}:{round}")
     examples = [draw_training_example(run, rng) for _ in range(cfg.prompts_per_step)]
     lo = run.groups.dp_rank * run.local_prompts
     examples = examples[lo:lo + run.local_prompts]
@@ -399,14 +399,14 @@ def gather_dp(t: torch.Tensor, run: Run) -> torch.Tensor:
 # One step
 
 
-def step(run: Run, step: int) -> dict:
-    """One GRPO step (the numbered pieces of the module docstring); returns its metrics record."""
+def sample_round(run: Run, step: int, round: int) -> tuple[grpo.GRPOBatch, torch.Tensor, dict]:
+    """Pieces 1-4 once: this rank's batch with its advantages, every rank's rewards (dp * N,) and
+    the rollout's counts. Round r > 0 (dynamic sampling) draws other prompts and samples."""
     cfgs = run.cfgs
     G = cfgs.rollout.num_samples
-    times = {}
     t0 = time.perf_counter()
     # 1. The step's prompts.
-    prompts, references, truncated = draw_prompts(run, step)
+    prompts, references, truncated = draw_prompts(run, step, round)
     try:
         rollout.check_prompts(prompts, run.stop_ids, cfgs.rollout.max_new_tokens, run.model.config)
     except ValueError as e:
@@ -415,10 +415,11 @@ def step(run: Run, step: int) -> dict:
     # 2. Rollout: the sampler gets the trainer's weights, then samples G completions per prompt.
     with run.phase("rollout"):
         rollout.sync_weights(run.sampler, run.model)
-        seed = cfgs.train.seed * 1_000_003 + step * 7919 + run.groups.dp_rank
+        seed = cfgs.train.seed * 1_000_003 + step * 7919 + run.groups.dp_rank + (round << 40)
         out = rollout.generate(run.sampler, prompts, cfgs.rollout, stop_ids=run.stop_ids,
                                seed=seed, cache=run.cache, logits_fn=run.logits_fn)
-    times["rollout"] = time.perf_counter() - t0
+    counts = dict(rollout=time.perf_counter() - t0, truncated=truncated,
+                  lengths=float(out.mask.sum()), new_tokens=float(out.stats["new_tokens"]))
     # 3. Rewards: each reward function's score, summed as TRL sums them (None leaves one out).
     texts = completion_texts(run, out)
     per_function = tasks.score(run.task, texts, [ref for ref in references for _ in range(G)])
@@ -433,7 +434,46 @@ def step(run: Run, step: int) -> dict:
     # The sampler's tensors as they are; the batch carries the temperature they were sampled at.
     batch = grpo.GRPOBatch(prompt_ids, prompt_lens, out.tokens, out.mask, out.temperature,
                            cfgs.rollout.max_new_tokens, advantages[rows],
-                           sampler_logp=out.logprobs)
+                           sampler_logp=out.logprobs, stopped=out.stopped)
+    return batch, all_rewards, counts
+
+
+def dynamic_sampling(run: Run, step: int) -> tuple[grpo.GRPOBatch, torch.Tensor, dict]:
+    """Pieces 1-4, and with --dynamic_sampling N (DAPO) up to N more rounds until the rounds hold
+    prompts_per_step informative groups (rewards not all equal); then only the first
+    prompts_per_step of those are kept, each rank its own (at least one group: a rank left without
+    any trains one zero-advantage group). Advantages are each round's. Returns the batch, the
+    rewards of every round (dp * rounds * N,) and the counts summed over the rounds."""
+    G = run.cfgs.rollout.num_samples
+    target = run.cfgs.train.prompts_per_step
+    rounds = [sample_round(run, step, 0)]
+    kept = [grpo.informative_groups(rounds[0][1], G)]  # (dp * Bp,): the same on every rank
+    while len(rounds) <= run.cfgs.grpo.dynamic_sampling and sum(int(k.sum()) for k in kept) < target:
+        rounds.append(sample_round(run, step, len(rounds)))
+        kept.append(grpo.informative_groups(rounds[-1][1], G))
+    counts = {k: sum(c[k] for _, _, c in rounds) for k in rounds[0][2]}
+    counts["extra_rollouts"] = len(rounds) - 1
+    rewards = torch.cat([r for _, r, _ in rounds])
+    if not run.cfgs.grpo.dynamic_sampling:
+        counts["kept_groups"] = run.local_prompts
+        return rounds[0][0], rewards, counts
+    first = run.groups.dp_rank * run.local_prompts  # this rank's groups in each round's flags
+    parts = []
+    for (batch, _, _), flags in zip(rounds, kept):
+        flags = flags & (torch.cumsum(flags, 0) <= target)  # the first `target` informative
+        target -= int(flags.sum())
+        parts.append((batch, flags[first:first + run.local_prompts].nonzero()[:, 0]))
+    if not sum(len(groups) for _, groups in parts):
+        parts = [(rounds[0][0], torch.zeros(1, dtype=torch.long, device=run.device))]
+    counts["kept_groups"] = sum(len(groups) for _, groups in parts)
+    return grpo.cat_groups(parts), rewards, counts
+
+
+def step(run: Run, step: int) -> dict:
+    """One GRPO step (the numbered pieces of the module docstring); returns its metrics record."""
+    g = run.cfgs.grpo
+    # 1-4. Prompts, rollout, rewards, advantages (repeated for more informative groups: DAPO).
+    batch, all_rewards, counts = dynamic_sampling(run, step)
     # 5. Old and reference logprobs, without grad.
     t0 = time.perf_counter()
     if g.mu > 1 or run.sampler is not run.model:
@@ -442,21 +482,22 @@ def step(run: Run, step: int) -> dict:
         with run.phase("reference"):
             batch.ref_logp = grpo.batch_logprobs(run.reference, batch, g,
                                                  logprob_fn=run.logprob_fn)
-    times["logprobs"] = time.perf_counter() - t0
+    times = {"rollout": counts.pop("rollout"), "logprobs": time.perf_counter() - t0}
     # 6. Train: mu optimizer steps over the generation batch (none when nothing was scored).
     t0 = time.perf_counter()
     scored = int((~all_rewards.isnan()).sum())
     iterations = train_phase(run, batch) if scored else []
     times["train"] = time.perf_counter() - t0
     # 7. Metrics.
-    return step_record(run, step, all_rewards, out, iterations, times, truncated)
+    return step_record(run, step, all_rewards, counts, iterations, times)
 
 
 def train_phase(run: Run, batch: grpo.GRPOBatch) -> list[dict]:
     """mu optimizer steps over the one generation batch; each iteration's metrics, summed over
     the dp ranks (token-weighted sums with their token count), and whether its update ran."""
     cfgs = run.cfgs
-    num_seqs, num_tokens = all_reduce_dp([batch.mask.shape[0], float(batch.mask.sum())], run)
+    loss_tokens = float(batch.loss_mask(cfgs.grpo).sum())
+    num_seqs, num_tokens = all_reduce_dp([batch.mask.shape[0], loss_tokens], run)
     iterations = []
     with run.phase("train"):
         for _ in range(cfgs.grpo.mu):
@@ -485,53 +526,48 @@ def train_phase(run: Run, batch: grpo.GRPOBatch) -> list[dict]:
     return iterations
 
 
-WEIGHTED = ("clip_low", "clip_high", "ratio_mean", "kl", "entropy", "sampler_logp_diff")
-
-
 def reduce_iteration(run: Run, m: dict, tokens: float) -> dict:
-    """One iteration's metrics over the dp ranks: token-weighted means, the global loss (each
-    rank's is already normalised by the global counts: they sum), the ratio's min and max."""
-    keys = [k for k in WEIGHTED if k in m]
+    """One iteration's metrics over the dp ranks: the global loss (each rank's is already
+    normalised by the global counts: they sum), the min of *_min and max of *_max, token-weighted
+    means of the rest."""
+    extremes = sorted(k for k in m if k.endswith(("_min", "_max")))
+    keys = sorted(k for k in m if k not in ("loss", "tokens", "grad_norm", "updated", *extremes))
     sums = all_reduce_dp([m["loss"], tokens] + [m[k] * tokens for k in keys], run)
-    extremes = all_reduce_dp([-m["ratio_min"], m["ratio_max"]], run, dist.ReduceOp.MAX)
+    signs = [-1 if k.endswith("_min") else 1 for k in extremes]
+    peaks = all_reduce_dp([s * m[k] for s, k in zip(signs, extremes)], run, dist.ReduceOp.MAX)
     out = dict(loss=sums[0], grad_norm=m["grad_norm"], updated=m["updated"])
     out.update({k: s / max(sums[1], 1.0) for k, s in zip(keys, sums[2:])})
-    out.update(ratio_min=-extremes[0], ratio_max=extremes[1])
+    out.update({k: s * p for k, s, p in zip(extremes, signs, peaks)})
     return out
 
 
-def zero_std_share(rewards: torch.Tensor, G: int) -> float:
-    """The share of groups whose scored rewards are all equal: their advantages are 0, so they
-    give no gradient (DAPO's dynamic sampling drops them). rewards (N,) NaN where unscored."""
-    groups = rewards.view(-1, G)  # (Bp, G)
-    high = torch.where(groups.isnan(), -torch.inf, groups).amax(1)
-    low = torch.where(groups.isnan(), torch.inf, groups).amin(1)
-    return float((~(high > low)).double().mean())
-
-
-def step_record(run: Run, step: int, rewards: torch.Tensor, out: rollout.Rollout,
-                iterations: list[dict], times: dict, truncated: int) -> dict:
-    """The step as one JSON-able dict (null for what did not happen)."""
+def step_record(run: Run, step: int, rewards: torch.Tensor, counts: dict,
+                iterations: list[dict], times: dict) -> dict:
+    """The step as one JSON-able dict (null for what did not happen). rewards: every round's."""
     scored = rewards[~rewards.isnan()]
-    lengths, tokens, truncated = all_reduce_dp(
-        [float(out.mask.sum()), float(out.stats["new_tokens"]), truncated], run)
+    keys = ("lengths", "new_tokens", "truncated", "kept_groups")
+    lengths, tokens, truncated, kept = all_reduce_dp([counts[k] for k in keys], run)
     record = dict(step=step + 1, reward=scored.mean().item() if len(scored) else None,
                   reward_std=scored.std().item() if len(scored) > 1 else None,
                   missing_rewards=len(rewards) - len(scored), truncated_prompts=int(truncated),
                   completion_len=lengths / len(rewards),
                   tokens_per_s=tokens / max(times["rollout"], 1e-9))
-    record["zero_std"] = zero_std_share(rewards, run.cfgs.rollout.num_samples)
+    G = run.cfgs.rollout.num_samples
+    record["zero_std"] = float((~grpo.informative_groups(rewards, G)).double().mean())
+    record.update(extra_rollouts=counts["extra_rollouts"], kept_groups=int(kept))
     updated = [it for it in iterations if it["updated"]]
     record["updates"] = len(updated)
     record["skipped_updates"] = len(iterations) - len(updated)
-    for key in ("loss", *WEIGHTED):
+    metrics = ["loss", "clip_low", "clip_high", "ratio_mean", "kl", "entropy"]
+    metrics += [k for k in (iterations[0] if iterations else {})
+                if k not in (*metrics, "grad_norm", "updated")]
+    for key in metrics:
         values = [it[key] for it in iterations if key in it]
-        record[key] = sum(values) / len(values) if values else None
+        pick = min if key.endswith("_min") else max if key.endswith("_max") else None
+        record[key] = (pick(values) if pick else sum(values) / len(values)) if values else None
     # Before any update of this step, the trainer's logprobs are the sampler's up to numerics.
     first = iterations[0] if iterations else {}
     record["sampler_logp_diff"] = first.get("sampler_logp_diff")
-    record["ratio_min"] = min((it["ratio_min"] for it in iterations), default=None)
-    record["ratio_max"] = max((it["ratio_max"] for it in iterations), default=None)
     norms = [it["grad_norm"] for it in updated]
     record["grad_norm"] = sum(norms) / len(norms) if norms else None
     record["lr"] = run.optimizer.param_groups[0]["lr"]

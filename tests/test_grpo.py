@@ -667,6 +667,20 @@ def test_combine_rewards_skips_missing_functions_like_trl():
     assert torch.isnan(got).tolist() == [False, False, True, False, False]
 
 
+def test_informative_groups_are_those_group_advantages_does_not_zero():
+    """Groups whose scored rewards are all equal (one scored, or none, included) get advantage 0:
+    dynamic sampling drops exactly those."""
+    nan = math.nan
+    rewards = torch.tensor([0.5, 0.5, 0.5, 0.5,   # equal: no gradient
+                            0.0, 1.0, 0.0, 1.0,   # varied
+                            nan, 0.2, 0.2, nan,   # equal among the scored
+                            nan, nan, nan, nan],  # nothing scored
+                           dtype=torch.float64)
+    assert grpo.informative_groups(rewards, 4).tolist() == [False, True, False, False]
+    zero_groups = (grpo.group_advantages(rewards, 4).view(-1, 4) == 0).all(1)
+    assert torch.equal(zero_groups, ~grpo.informative_groups(rewards, 4))
+
+
 def test_group_advantages_with_every_reward_missing_are_zero():
     for scale in ("group", "batch", "none"):
         a = grpo.group_advantages(torch.full((6,), NAN), 3, scale)
@@ -780,9 +794,11 @@ def trl_batch(G: int, seed: int = 3) -> tuple[list[list[int]], list[list[int]]]:
 
 
 def trl_trainer(hf_checkpoint, tmp_path, prompts: list[list[int]], completions: list[list[int]],
-                **trl_config):
+                sampler_logp: list[list[float]] | None = None, vllm: bool = False, **trl_config):
     """A real trl.GRPOTrainer on the CPU in float64. Its rollout_func hook returns our prompts and
-    completions and the reward columns; the two reward functions return those columns."""
+    completions, the sampler's logprobs (or None) and the reward columns; the two reward
+    functions return those columns. vllm: TRL takes the rollout for vLLM's (use_vllm, set after
+    construction: vLLM is not installed), so its vllm_importance_sampling_* code runs."""
     trl = pytest.importorskip("trl")
     import datasets
     import transformers
@@ -793,7 +809,7 @@ def trl_trainer(hf_checkpoint, tmp_path, prompts: list[list[int]], completions: 
 
     def rollout_func(prompt_texts: list[str], trainer) -> dict:
         return {"prompt_ids": [prompts[i // G] for i in range(N)], "completion_ids": completions,
-                "logprobs": None, "reward_a": [r[0] for r in TRL_REWARDS],
+                "logprobs": sampler_logp, "reward_a": [r[0] for r in TRL_REWARDS],
                 "reward_b": [r[1] for r in TRL_REWARDS]}
 
     def reward_a(completions, reward_a, **kwargs):
@@ -816,6 +832,9 @@ def trl_trainer(hf_checkpoint, tmp_path, prompts: list[list[int]], completions: 
                                   train_dataset=dataset, processing_class=tokenizer,
                                   rollout_func=rollout_func)
     trainer.model.train()
+    if vllm:
+        trainer.use_vllm = True
+        trainer._last_loaded_step = trainer.state.global_step  # no weight sync to a vLLM engine
     return trainer
 
 
@@ -862,6 +881,9 @@ def trl_micro_batches(scored: dict, old: torch.Tensor | None, ref: torch.Tensor 
             inputs["old_per_token_logps"] = old[rows]
         if ref is not None:
             inputs["ref_per_token_logps"] = ref[rows]
+        for key in ("sampling_per_token_logps", "importance_sampling_ratio"):
+            if key in scored:
+                inputs[key] = scored[key][rows]
         yield inputs
 
 
@@ -887,10 +909,16 @@ def check_against_trl(trainer, scored: dict, ours: M.Llama, batch: GRPOBatch, cf
     logged = trainer._metrics["train"]  # one value per micro-batch: weigh by its tokens
     names = {"entropy": "entropy", "clip_low": "clip_ratio/low_mean",
              "clip_high": "clip_ratio/high_mean"}
+    if cfg.loss_type == "cispo":
+        names = {"entropy": "entropy", "clip_high": "cispo_clip_ratio"}
     if cfg.beta > 0:
         names["kl"] = "kl"
     for our_name, trl_name in names.items():
-        want = sum(v * t for v, t in zip(logged[trl_name], tokens)) / sum(tokens)
+        # TRL's sequence-level clip shares are over rows; equal rows per micro-batch: a plain mean
+        weights = tokens
+        if cfg.importance_sampling_level == "sequence" and our_name.startswith("clip"):
+            weights = [1.0] * len(tokens)
+        want = sum(v * t for v, t in zip(logged[trl_name], weights)) / sum(weights)
         assert_rel(got[our_name], want, 1e-5, floor=1e-3, what=our_name)
     theirs = dict(trainer.model.named_parameters())
     assert set(theirs) == {name for name, _ in ours.named_parameters()}
@@ -958,3 +986,107 @@ def test_defaults_are_trls_except_the_documented_differences():
     assert (RolloutConfig().num_samples, theirs["num_generations"]) == (16, 8)
     # The completion budget (also Dr. GRPO's constant): the task's own (0); TRL 512.
     assert (RolloutConfig().max_new_tokens, theirs["max_completion_length"]) == (0, 512)
+
+
+# Each knob of the GRPO family on TRL's own code: (ours, TRL's config, the sampler's logprobs given,
+# TRL's vLLM importance-sampling path on). The sampler's logprobs are the policy's plus noise (a
+# bf16 sampler, say); the correction's bounds are tight so that its truncation or mask acts.
+BOUNDS = dict(sampler_correction_min=0.9, sampler_correction_max=1.1)
+TRL_BOUNDS = dict(vllm_importance_sampling_clip_min=0.9, vllm_importance_sampling_clip_max=1.1)
+VARIANTS = {
+    "gspo": (dict(importance_sampling_level="sequence", loss_type="grpo"),
+             dict(importance_sampling_level="sequence", loss_type="grpo"), False, False),
+    "gspo_dapo": (dict(importance_sampling_level="sequence"),
+                  dict(importance_sampling_level="sequence"), False, False),
+    "cispo": (dict(loss_type="cispo", eps_high=5.0), dict(loss_type="cispo", epsilon_high=5.0),
+              False, False),
+    "cispo_cap_acts": (dict(loss_type="cispo", eps_high=1.1),
+                       dict(loss_type="cispo", epsilon_high=1.1), False, False),
+    "delta": (dict(delta=1.1), dict(delta=1.1), False, False),
+    "top_entropy": (dict(top_entropy_quantile=0.3), dict(top_entropy_quantile=0.3), False, False),
+    "mask_truncated": (dict(mask_truncated_completions=True),
+                       dict(mask_truncated_completions=True), False, False),
+    "off_policy": (dict(off_policy_mask_threshold=0.05, sampler_correction=False),
+                   dict(off_policy_mask_threshold=0.05), True, False),
+    **{mode: (dict(sampler_correction_mode=mode, **BOUNDS),
+              dict(vllm_importance_sampling_mode=mode, **TRL_BOUNDS), True, True)
+       for mode in grpo.CORRECTION_MODES},
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_each_knob_equals_trls_loss_metrics_and_grads(hf_checkpoint, tmp_path, variant):
+    """Each knob against TRL's _compute_loss (and, for the correction, the weights its
+    _generate_and_score_completions makes), beta 0.1 with the bias-corrected KL, at mu = 1 and,
+    where TRL's weights do not depend on it, mu = 2 (old_logp given, off the policy, so clips and
+    masks act). Rows 0, 3, 6, 9 end with the eos id (stopped); the others are truncated."""
+    ours_cfg, trl_cfg, with_sampler, vllm = VARIANTS[variant]
+    G = 2
+    prompts, completions = trl_batch(G)
+    N = len(completions)
+    completions = [c[:-1] + [1] if i % 3 == 0 else c for i, c in enumerate(completions)]
+    stopped = torch.tensor([i % 3 == 0 for i in range(N)])
+    ours = hf.load_model(hf_checkpoint[0], dtype=torch.float64)
+    cfg = GRPOConfig(beta=0.1, chunk_size=5, micro_batch_groups=N // G // TRL_MICRO_BATCHES,
+                     **ours_cfg)
+    advantages = our_advantages(G, "group")
+
+    def batch(**tensors) -> GRPOBatch:
+        return GRPOBatch.from_lists(prompts, completions, temperature=TRL_TEMPERATURE,
+                                    max_new_tokens=8, advantages=advantages, stopped=stopped,
+                                    **tensors)
+    current = grpo.batch_logprobs(ours, batch(), cfg)  # (N, Tr)
+    mask = batch().mask
+    gen = torch.Generator().manual_seed(11)
+    sampler = lists = None
+    if with_sampler:  # float32, as TRL tensors the rollout's lists
+        noise = 0.3 * torch.randn(current.shape, generator=gen, dtype=current.dtype)
+        # off-policy masking: a sampler 0.1 nat above the policy on average, so that rows go
+        offset = 0.1 if "off_policy_mask_threshold" in ours_cfg else 0.0
+        sampler = ((current + noise + offset) * mask).float()
+        lists = [row[:int(n)] for row, n in zip(sampler.tolist(), mask.sum(1))]
+        sampler = sampler.double()
+    trl_cfg = dict(beta=0.1, num_iterations=2, epsilon=0.2, epsilon_high=0.28,
+                   max_completion_length=8) | trl_cfg
+    trainer = trl_trainer(hf_checkpoint, tmp_path, prompts, completions, sampler_logp=lists,
+                          vllm=vllm, **trl_cfg)
+    scored = trl_scored(trainer, N)
+    if ours_cfg.get("mask_truncated_completions"):  # TRL's rule: the last id is not eos or pad
+        assert torch.equal(scored["completion_mask"].bool(), mask & stopped[:, None])
+    ref = current + 0.5 * torch.randn(current.shape, generator=gen, dtype=current.dtype) * mask
+    logged = trainer._metrics["train"]  # what TRL logged at generation time
+    if vllm:  # TRL's weights come from its own old logprobs: ours read the same ones
+        old = scored["old_per_token_logps"] * mask
+        weights, stats = grpo.sampler_weights(old, sampler, mask, cfg)
+        # TRL's weights are float32 (its logprobs are): ours from the same values, in float64
+        want = scored["importance_sampling_ratio"]
+        torch.testing.assert_close(weights.expand_as(want).to(want.dtype), want, rtol=1e-6,
+                                   atol=0)
+        # TRL logs the weights' stats (after the clamp or mask)
+        units = mask if cfg.sampler_correction_mode.startswith("token") else torch.ones_like(
+            weights, dtype=torch.bool)
+        for name, value in grpo.ratio_stats("w", weights, units).items():
+            want = logged[f"sampling/importance_sampling_ratio/{name[2:]}"][-1]
+            assert_rel(value.item(), want, 1e-6, what=name)
+        assert 0 < stats["sampler_corrected"] < 1  # the bounds act, not on everything
+        logp_diff = logged["sampling/sampling_logp_difference/mean"][-1]
+    else:  # mu = 1 (old_logp None: TRL's own detached logp), then mu = 2 below
+        check_against_trl(trainer, scored, ours, batch(ref_logp=ref, sampler_logp=sampler), cfg)
+        # mu = 2: old_logp off the policy, pushed out of the clip range (the sign of A),
+        # against it for delta (whose cap acts where A < 0 and the ratio is high)
+        push = (-1.0 if "delta" in ours_cfg else 1.0) * advantages.sign()[:, None]
+        old = current - (0.5 * push + 0.3 * torch.randn(current.shape, generator=gen,
+                                                        dtype=current.dtype)) * mask
+    final = batch(old_logp=old, ref_logp=ref, sampler_logp=sampler)
+    got = check_against_trl(trainer, scored, ours, final, cfg)
+    if vllm:
+        assert_rel(got["sampler_logp_diff"], logp_diff, 1e-5, what="sampler_logp_diff")
+    elif variant not in ("cispo", "delta"):  # cispo's cap at 5 holds nothing; delta: pushed up
+        assert got["clip_low"] + got["clip_high"] > 0  # the clip (or cispo's cap) acts
+    if "off_policy_mask_threshold" in ours_cfg:
+        assert 0 < got["off_policy_masked"] < 1  # some rows dropped, not all
+    # Each knob acts: the loss differs from the one with the knob at its default.
+    defaults = {k: getattr(GRPOConfig(), k) for k in ours_cfg}
+    plain = dataclasses.replace(cfg, **(defaults | dict(sampler_correction=False)))
+    ours.zero_grad()
+    assert abs(grpo.accumulate(ours, final, plain)["loss"] - got["loss"]) > 1e-4

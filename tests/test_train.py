@@ -548,21 +548,6 @@ def test_metrics_are_token_weighted_over_data_parallel_ranks(tmp_path):
     import torch.multiprocessing as mp
     mp.start_processes(_dp_metrics_worker, args=(str(tmp_path),), nprocs=2, start_method="spawn")
 
-
-def test_zero_std_share_counts_groups_without_a_gradient():
-    """Groups whose scored rewards are all equal (one scored, or none, included) get advantage 0."""
-    nan = math.nan
-    rewards = torch.tensor([0.5, 0.5, 0.5, 0.5,   # equal: no gradient
-                            0.0, 1.0, 0.0, 1.0,   # varied
-                            nan, 0.2, 0.2, nan,   # equal among the scored
-                            nan, nan, nan, nan],  # nothing scored
-                           dtype=torch.float64)
-    assert train.zero_std_share(rewards, 4) == 0.75
-    assert train.zero_std_share(rewards[4:8], 4) == 0.0
-    # It is exactly the share of groups group_advantages gives all-zero advantages.
-    zero_groups = (train.grpo.group_advantages(rewards, 4).view(-1, 4) == 0).all(1)
-    assert zero_groups.double().mean().item() == 0.75
-
 # -----------------------------------------------------------------------------
 # --plan: the memory plan before launch
 
