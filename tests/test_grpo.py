@@ -14,6 +14,7 @@ from memtrace import allocator_peak
 import grpo
 import hf
 import model as M
+import rollout
 from grpo import GRPOBatch, GRPOConfig
 from rollout import RolloutConfig
 
@@ -522,6 +523,216 @@ def test_loss_and_gradient_equal_the_token_by_token_twin(loss_type, beta, bias_c
     torch.testing.assert_close(got_lp.grad, want_lp.grad, rtol=1e-12, atol=1e-15)
     if mu == 2 and beta > 0:
         assert metrics["clip_low"] + metrics["clip_high"] > 0  # the clip is exercised
+
+
+def slow_family_loss(logp, old, ref, adv, mask, cfg: GRPOConfig, entropy, sampler,
+                     num_seqs: int, num_tokens: int):
+    """The GRPO family written out row by row and token by token on 0-d tensors (autograd through
+    the loops is the twin's gradient): GSPO's exp(mean log-ratio), cispo's detached capped
+    weight, delta's cap, the off-policy row mask, the entropy quantile (numpy's linear rule by
+    hand), the sampler weight per token or per row, truncated or masked; then the KL and the
+    bonus, and the aggregation of slow_loss."""
+    valid = sorted(entropy[mask].float().double().tolist())
+    pos = (len(valid) - 1) * (1 - cfg.top_entropy_quantile)
+    lo = math.floor(pos)
+    threshold = valid[lo] + (valid[min(lo + 1, len(valid) - 1)] - valid[lo]) * (pos - lo)
+    low, high = cfg.sampler_correction_min, cfg.sampler_correction_max
+
+    def correct(ratio: float) -> float:
+        if cfg.sampler_correction_mode.endswith("truncate"):
+            return min(max(ratio, low), high)
+        return ratio if low <= ratio <= high else 0.0
+    total = logp.new_zeros(())
+    for i in range(logp.shape[0]):
+        L = int(mask[i].sum())
+        behaviour = [float((old if old is not None else logp.detach())[i, t]) for t in range(L)]
+        log_ratios = [logp[i, t] - (logp[i, t].detach() if old is None else old[i, t])
+                      for t in range(L)]
+        if cfg.importance_sampling_level == "sequence":
+            log_ratios = [sum(log_ratios) / L] * L
+        gaps = [behaviour[t] - float(sampler[i, t]) for t in range(L)]
+        weights = [correct(math.exp(g)) for g in gaps]
+        if cfg.sampler_correction_mode.startswith("sequence"):
+            weights = [correct(math.exp(sum(gaps)))] * L
+        drift = sum(float(sampler[i, t] - logp[i, t]) for t in range(L)) / max(L, 1)
+        keep = float(adv[i] >= 0 or drift <= cfg.off_policy_mask_threshold)
+        for t in range(L):
+            r = torch.exp(log_ratios[t])
+            if cfg.loss_type == "cispo":
+                term = -torch.clamp(r, max=cfg.eps_high).detach() * adv[i] * logp[i, t]
+            else:
+                clipped = r.clamp(1 - cfg.eps_low, 1 + cfg.eps_high)
+                term = -torch.minimum(torch.clamp(r, max=cfg.delta) * adv[i], clipped * adv[i])
+            top = float(float(entropy[i, t].detach()) >= threshold)
+            term = term * keep * top * (weights[t] if cfg.sampler_correction else 1.0)
+            d = ref[i, t] - logp[i, t]
+            k3 = torch.exp(d) - d - 1
+            term = term + cfg.beta * (k3 * r if cfg.use_bias_correction_kl else k3)
+            term = term - cfg.entropy_coef * entropy[i, t] * top
+            total = total + (term / L if cfg.loss_type == "grpo" else term)
+    normaliser = {"grpo": num_seqs, "dapo": num_tokens, "cispo": num_tokens,
+                  "dr_grpo": num_seqs * 8}[cfg.loss_type]  # the tests' budget: 8
+    return total / normaliser
+
+
+FAMILY = [dict(importance_sampling_level="sequence", loss_type="grpo"),
+          dict(importance_sampling_level="sequence"),
+          dict(loss_type="cispo", eps_high=1.2), dict(delta=1.1),
+          dict(top_entropy_quantile=0.4, entropy_coef=0.01),
+          dict(off_policy_mask_threshold=0.05),
+          *[dict(sampler_correction_mode=mode, sampler_correction_min=0.8,
+                 sampler_correction_max=1.25) for mode in grpo.CORRECTION_MODES],
+          dict(importance_sampling_level="sequence", loss_type="cispo", eps_high=1.1,
+               top_entropy_quantile=0.5, off_policy_mask_threshold=0.0,
+               sampler_correction_mode="token_truncate", sampler_correction_max=1.1)]
+
+
+@pytest.mark.parametrize("mu", [1, 2])
+@pytest.mark.parametrize("knobs", FAMILY, ids=lambda k: ",".join(f"{a}={b}" for a, b in k.items()))
+def test_family_loss_and_gradient_equal_the_token_by_token_twin(knobs, mu):
+    """float64, no TRL needed: every knob (and all at once) against slow_family_loss, loss to
+    1e-12 and d loss / d logp and d loss / d entropy to 1e-12 (float64 sums of ~20 terms)."""
+    logp, old, ref, adv, mask = loss_inputs()
+    old = None if mu == 1 else old
+    gen = torch.Generator().manual_seed(5)
+    entropy = 3 * torch.rand(logp.shape, generator=gen, dtype=torch.float64)
+    sampler = logp + 0.2 * torch.randn(logp.shape, generator=gen, dtype=torch.float64)
+    cfg = GRPOConfig(beta=0.1, **knobs)
+    counts = dict(num_seqs=4, num_tokens=12)
+    got_lp, got_h = logp.clone().requires_grad_(), entropy.clone().requires_grad_()
+    loss, metrics = grpo.grpo_loss(got_lp, old, ref, adv, mask, cfg, **counts,
+                                   max_completion_len=8, entropy=got_h, sampler_logp=sampler)
+    (loss * 3).backward()  # not 1: a gradient scaled twice would show
+    want_lp, want_h = logp.clone().requires_grad_(), entropy.clone().requires_grad_()
+    want = slow_family_loss(want_lp, old, ref, adv, mask, cfg, want_h, sampler, **counts)
+    (want * 3).backward()
+    assert_rel(loss.item(), want.item(), 1e-12, floor=1.0, what="loss")
+    torch.testing.assert_close(got_lp.grad, want_lp.grad, rtol=1e-12, atol=1e-15)
+    zeros = torch.zeros_like(entropy)  # no entropy_coef: ours never reads the entropy's grad
+    torch.testing.assert_close(zeros if got_h.grad is None else got_h.grad, want_h.grad,
+                               rtol=1e-12, atol=1e-15)
+    assert metrics["sampler_ratio_min"] <= metrics["sampler_ratio_mean"]
+    assert metrics["sampler_ratio_mean"] <= metrics["sampler_ratio_max"]
+
+
+def test_cispo_weight_is_a_detached_capped_constant_and_gspo_one_ratio_per_row():
+    """Hand-built: cispo's gradient is -min(r, eps_high) A / n per token even where PPO's clip
+    would zero it; GSPO's ratio is exp(mean log-ratio) of the row, the same on all its tokens,
+    and its gradient spreads r A / (n L) over the row's L tokens."""
+    old = torch.tensor([[-1.0, -2.0]], dtype=torch.float64)
+    logp = (old + torch.tensor([[math.log(2.0), 0.0]], dtype=torch.float64)).requires_grad_()
+    one = dict(num_seqs=1, num_tokens=2, max_completion_len=2)
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    adv = torch.tensor([1.0], dtype=torch.float64)
+    cfg = GRPOConfig(loss_type="cispo", eps_high=1.5, sampler_correction=False)
+    loss, metrics = grpo.grpo_loss(logp, old, None, adv, mask, cfg, **one)
+    loss.backward()
+    # weights min(2, 1.5) = 1.5 and 1; gradient -w A / 2 (dapo's token mean), value -w A logp / 2
+    torch.testing.assert_close(logp.grad, torch.tensor([[-0.75, -0.5]], dtype=torch.float64))
+    assert_rel(loss.item(), -(1.5 * logp[0, 0] + logp[0, 1]).item() / 2, 1e-12, what="loss")
+    assert metrics["clip_high"] == 0.5  # one token of two held by the cap
+    logp.grad = None
+    cfg = GRPOConfig(loss_type="grpo", importance_sampling_level="sequence", eps_high=1.0)
+    loss, metrics = grpo.grpo_loss(logp, old, None, adv, mask, cfg, **one)
+    loss.backward()
+    r = math.sqrt(2.0)  # exp(mean(log 2, 0))
+    assert_rel(metrics["ratio_mean"], r, 1e-6, what="ratio")  # metrics are float32
+    assert metrics["clip_high"] == 0.0  # eps_high 1: 1 + 1 = 2 > sqrt(2)
+    torch.testing.assert_close(logp.grad, torch.full((1, 2), -r / 2, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+def test_sampler_logp_is_the_sampled_distributions_and_the_correction_is_trainer_over_it(top_p):
+    """rollout.generate records each token's logprob under the distribution it drew from: the
+    logits / temperature, then top-p. Oracle: one full forward per row, filter_logits by hand.
+    At top_p = 1 that is the trainer's logprob at the same temperature (weight 1 up to float32);
+    under top-p the sampler's is higher by -log(kept mass), and the token-level correction weight
+    pi_trainer / pi_sampler is exactly that mass: the importance weight for a trainer scoring the
+    untruncated policy (trl#4159, trl#6789). The batch carries rollout.Rollout.stopped."""
+    m = tiny_model()
+    G, T, budget = 3, 0.7, 6
+    prompts = [[100, 101, 102], [110, 111]]
+    cfg = RolloutConfig(num_samples=G, max_new_tokens=budget, temperature=T, top_p=top_p)
+    out = rollout.generate(m, prompts, cfg, stop_ids=(4, 7, 72), seed=3)
+    prompt_ids, prompt_lens = grpo.pad_right(prompts, torch.device("cpu"))
+    batch = GRPOBatch(prompt_ids, prompt_lens, out.tokens, out.mask, out.temperature, budget,
+                      sampler_logp=out.logprobs, stopped=out.stopped)
+    batch.check()
+    trainer = grpo.batch_logprobs(m, batch, GRPOConfig())  # (N, Tr) at the batch's temperature
+    kept_mass = torch.ones_like(trainer)
+    with torch.no_grad():
+        for i, row in enumerate(batch.lists()[1]):
+            p = prompts[i // G]
+            logits = m(torch.tensor([p + row]))[0, len(p) - 1:len(p) - 1 + len(row)]  # (L, V)
+            sampled = rollout.filter_logits(logits, T, 0, top_p).log_softmax(-1)
+            want = sampled.gather(-1, torch.tensor(row)[:, None])[:, 0]
+            torch.testing.assert_close(out.logprobs[i, :len(row)], want, **LOGP_TOL)
+            kept = sampled.isfinite()
+            kept_mass[i, :len(row)] = ((logits / T).softmax(-1) * kept).sum(-1)
+        assert torch.equal(out.stopped, torch.tensor([r[-1] in (4, 7, 72) for r in batch.lists()[1]]))
+    assert out.stopped.any() and not out.stopped.all()  # both kinds of row
+    if top_p == 1.0:  # the same distribution: the sampler's logprob is the trainer's
+        torch.testing.assert_close(out.logprobs, trainer.float(), **LOGP_TOL)
+        torch.testing.assert_close(kept_mass, torch.ones_like(kept_mass))
+    else:
+        assert (kept_mass[batch.mask] < 1).any()
+    weights, stats = grpo.sampler_weights(trainer, out.logprobs, batch.mask, GRPOConfig(
+        sampler_correction_mode="token_truncate", sampler_correction_max=math.inf))
+    torch.testing.assert_close(weights[batch.mask], kept_mass[batch.mask], **LOGP_TOL)
+
+
+def test_mask_truncated_completions_drops_rows_without_a_stop_id_from_loss_and_counts():
+    """DAPO's overlong filtering through accumulate: the loss and gradient equal those of a batch
+    whose truncated rows carry advantage 0 and are left out of the token count; without
+    batch.stopped it is one clear error."""
+    G = 3
+    prompts, completions = ragged_batch(G)
+    adv = grpo.group_advantages(torch.tensor([1.0, 0, 0, 2, 1, 1, 0, 0, 3]), G)
+    stopped = torch.tensor([True, False, True, True, True, False, False, True, True])
+    m = tiny_model()
+    cfg = GRPOConfig(mask_truncated_completions=True, micro_batch_groups=2)
+    batch = GRPOBatch.from_lists(prompts, completions, advantages=adv, stopped=stopped)
+    got = grpo.accumulate(m, batch, cfg)
+    got_grads = grads(m)
+    m.zero_grad()
+    kept_tokens = int((batch.mask & stopped[:, None]).sum())
+    twin = GRPOBatch.from_lists(prompts, completions, advantages=adv * stopped)
+    want = grpo.accumulate(m, twin, GRPOConfig(micro_batch_groups=2), num_tokens=kept_tokens)
+    assert_rel(got["loss"], want["loss"], 1e-6, floor=1.0, what="loss")
+    assert_grads_close(got_grads, grads(m), rel=1e-6)
+    assert got["tokens"] == kept_tokens
+    with pytest.raises(ValueError, match="mask_truncated_completions needs batch.stopped"):
+        grpo.accumulate(m, dataclasses.replace(batch, stopped=None), cfg)
+
+
+def test_cat_groups_equals_the_batch_built_from_the_same_lists():
+    """Dynamic sampling's join: groups picked from two batches of different widths equal one
+    batch built from those groups' token lists, every per-row tensor cut alike."""
+    G = 3
+    prompts, completions = ragged_batch(G)
+    gen = torch.Generator().manual_seed(2)
+
+    def with_tensors(p, c):
+        b = GRPOBatch.from_lists(p, c)
+        extra = dict(advantages=torch.randn(b.mask.shape[0], generator=gen),
+                     sampler_logp=torch.randn(b.mask.shape, generator=gen) * b.mask,
+                     stopped=torch.rand(b.mask.shape[0], generator=gen) > 0.5)
+        return dataclasses.replace(b, **extra)
+    first = with_tensors(prompts, completions)
+    second = with_tensors(prompts[::-1], completions[::-1])
+    picked = grpo.cat_groups([(first, torch.tensor([2])), (second, torch.tensor([0, 1]))])
+    rows = [6, 7, 8]
+    want = GRPOBatch.from_lists([prompts[2], prompts[2], prompts[1]],
+                                [completions[i] for i in rows + rows[::-1] + [5, 4, 3]])
+    assert picked.lists() == want.lists()
+    assert torch.equal(picked.mask, want.mask)
+    for name, source in (("advantages", None), ("stopped", None), ("sampler_logp", None)):
+        got = getattr(picked, name)
+        parts = [getattr(first, name)[6:9], getattr(second, name)[0:6]]
+        if got.dim() == 2:
+            width = got.shape[1]
+            parts = [torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts]
+        assert torch.equal(got, torch.cat(parts)), name
 
 
 def test_bias_corrected_kl_gradient_at_mu_1_is_hand_derived():
