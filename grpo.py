@@ -69,11 +69,9 @@ CORRECTION_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequen
 
 @dataclass
 class GRPOConfig:
-    """The loss and its optimisation knobs. The group size, the sampling temperature and the
-    completion budget are not here: they are the rollout's (RolloutConfig), and the batch carries
-    what the sampler did (GRPOBatch), so the trainer cannot score another distribution. TRL's
-    None (off) is inf here for delta, off_policy_mask_threshold and sampler_correction_max, 0 for
-    sampler_correction_min: the same loss, and every knob a plain number on the command line."""
+    """The loss and its optimisation knobs; the group size, temperature and budget are the
+    rollout's (RolloutConfig), carried by the batch. TRL's None (off) is inf here (delta,
+    off_policy_mask_threshold, sampler_correction_max) or 0 (sampler_correction_min)."""
     loss_type: str = "dapo"           # token mean over the generation batch; cispo: MiniMax-M1
     scale: str = "group"              # advantage std: "group" (GRPO), "batch", "none" (Dr. GRPO)
     eps_low: float = 0.2              # ratio clipped below at 1 - eps_low
@@ -98,13 +96,11 @@ class GRPOConfig:
     chunk_size: int = 1024            # completion tokens per logprob chunk (0 = unchunked twin)
 
     def __post_init__(self):
-        checks = [
-            ("loss_type", self.loss_type in LOSS_TYPES, f"must be one of {LOSS_TYPES}"),
-            ("scale", self.scale in SCALES, f"must be one of {SCALES}"),
-            ("importance_sampling_level", self.importance_sampling_level in LEVELS,
-             f"must be one of {LEVELS}"),
-            ("sampler_correction_mode", self.sampler_correction_mode in CORRECTION_MODES,
-             f"must be one of {CORRECTION_MODES}"),
+        choices = dict(loss_type=LOSS_TYPES, scale=SCALES, importance_sampling_level=LEVELS,
+                       sampler_correction_mode=CORRECTION_MODES)
+        checks = [(name, getattr(self, name) in allowed, f"must be one of {allowed}")
+                  for name, allowed in choices.items()]
+        checks += [
             ("eps_low", 0 <= self.eps_low < 1, "must be in [0, 1): the lower clip 1 - eps_low > 0"),
             ("eps_high", self.loss_type != "cispo" or self.eps_high >= 1,
              "caps cispo's importance weight (TRL's epsilon_high): below 1 it caps every "
@@ -255,14 +251,12 @@ class GRPOBatch:
             **{name: cut(getattr(self, name)) for name in ROW_TENSORS})
 
     def loss_mask(self, cfg: "GRPOConfig") -> Tensor:
-        """(N, Tr) the tokens the loss counts: the mask, less the rows that ended without a stop
-        id when cfg.mask_truncated_completions (DAPO's overlong filtering, TRL's rule)."""
-        if not cfg.mask_truncated_completions:
-            return self.mask
-        if self.stopped is None:
+        """(N, Tr) the tokens the loss counts: with cfg.mask_truncated_completions (DAPO's
+        overlong filtering) not those of rows that ended without a stop id."""
+        if cfg.mask_truncated_completions and self.stopped is None:
             raise ValueError("mask_truncated_completions needs batch.stopped, each row's stop flag "
                              "(rollout.Rollout.stopped)")
-        return self.mask & self.stopped[:, None]
+        return self.mask & self.stopped[:, None] if cfg.mask_truncated_completions else self.mask
 
     def check(self) -> None:
         """One clear error for a batch whose rows, advantages or logprobs do not line up."""
@@ -280,17 +274,11 @@ class GRPOBatch:
         if not self.temperature > 0:
             raise ValueError(f"batch.temperature = {self.temperature}: logprobs need a sampling "
                              f"temperature > 0")
-        if self.advantages is not None and self.advantages.shape != (N,):
-            raise ValueError(f"batch.advantages has shape {tuple(self.advantages.shape)}, "
-                             f"expected ({N},)")
-        for name in ("sampler_logp", "old_logp", "ref_logp"):
+        for name in ROW_TENSORS[2:]:
             t = getattr(self, name)
-            if t is not None and t.shape != (N, Tr):
-                raise ValueError(f"batch.{name} has shape {tuple(t.shape)}, expected ({N}, {Tr})")
-        if self.stopped is not None and (self.stopped.shape != (N,)
-                                         or self.stopped.dtype != torch.bool):
-            raise ValueError(f"batch.stopped must be a bool ({N},) tensor, got "
-                             f"{self.stopped.dtype} {tuple(self.stopped.shape)}")
+            shape = (N, Tr) if name.endswith("logp") else (N,)
+            if t is not None and t.shape != shape:
+                raise ValueError(f"batch.{name} has shape {tuple(t.shape)}, expected {shape}")
 
 
 # The batch's per-row tensors, (N, ...): what groups() and cat_groups() cut and join.
@@ -298,27 +286,35 @@ ROW_TENSORS = ("tokens", "mask", "advantages", "sampler_logp", "stopped", "old_l
 
 
 def cat_groups(parts: list[tuple[GRPOBatch, Tensor]]) -> GRPOBatch:
-    """The groups picked from each batch ((k,) long group indices each), in order, as one batch:
-    prompts and completions right-padded with zeros to the longest. Dynamic sampling joins the
-    informative groups of several rollouts this way."""
+    """The groups picked from each batch ((k,) long group indices each), in order, as one batch,
+    padded with zeros to the longest prompt and completion (dynamic sampling's join)."""
     G = parts[0][0].num_samples
     joined = {}
     for name in ("prompt_ids", "prompt_lens", *ROW_TENSORS):
-        picked = []
-        for batch, groups in parts:
-            t = getattr(batch, name)
-            if t is None:
-                break
-            rows = groups if name.startswith("prompt") else (groups[:, None] * G + torch.arange(
-                G, device=groups.device)).flatten()  # (k*G,)
-            picked.append(t[rows])
-        if len(picked) < len(parts):  # absent from a batch: absent from the join
-            joined[name] = None
-            continue
-        width = max(t.shape[1] for t in picked) if picked[0].dim() == 2 else 0
+        if getattr(parts[0][0], name) is None:
+            continue  # None in the join too
+        picked = [getattr(batch, name)[groups if name.startswith("prompt") else (
+            groups[:, None] * G + torch.arange(G, device=groups.device)).flatten()]
+            for batch, groups in parts]  # (k,) or (k*G,) rows each
+        width = max(t.shape[-1] for t in picked)
         joined[name] = torch.cat([F.pad(t, (0, width - t.shape[1])) if t.dim() == 2 else t
                                   for t in picked])
     return dataclasses.replace(parts[0][0], **joined)
+
+
+def keep_informative(rounds: list[tuple[GRPOBatch, Tensor]], target: int, first: int
+                     ) -> GRPOBatch:
+    """DAPO's dynamic sampling: the first `target` informative groups of the rounds, in order;
+    each round is this rank's batch and every rank's flags (informative_groups), this rank's from
+    `first` on. A rank left with none keeps one group (advantages 0: no gradient) to train."""
+    parts = []
+    for batch, flags in rounds:
+        flags = flags & (torch.cumsum(flags, 0) <= target)  # (dp * Bp,)
+        target -= int(flags.sum())
+        parts.append((batch, flags[first:first + batch.prompt_ids.shape[0]].nonzero()[:, 0]))
+    if not sum(len(groups) for _, groups in parts):
+        parts = [(rounds[0][0], torch.zeros(1, dtype=torch.long, device=rounds[0][1].device))]
+    return cat_groups(parts)
 
 # -----------------------------------------------------------------------------
 # Chunked logprobs
@@ -551,13 +547,12 @@ def check_loss_inputs(logp: Tensor, advantages: Tensor, cfg: GRPOConfig, counts:
     if advantages.shape != logp.shape[:1]:
         raise ValueError(f"advantages has shape {tuple(advantages.shape)}, expected "
                          f"({logp.shape[0]},)")
-    if cfg.beta > 0 and tensors["ref_logp"] is None:
-        raise ValueError(f"ref_logp is None but beta = {cfg.beta} > 0 needs reference logprobs")
-    for name, needs in (("entropy_coef", cfg.entropy_coef > 0),
-                        ("top_entropy_quantile", cfg.top_entropy_quantile < 1)):
-        if needs and tensors["entropy"] is None:
-            raise ValueError(f"{name} = {getattr(cfg, name)} needs the entropy (N, Tr) of the "
-                             f"policy, shape {tuple(logp.shape)}; got None")
+    needs = dict(ref_logp=("beta", cfg.beta > 0), entropy=("entropy_coef", cfg.entropy_coef > 0))
+    if cfg.top_entropy_quantile < 1:
+        needs["entropy"] = ("top_entropy_quantile", True)
+    for name, (knob, needed) in needs.items():
+        if needed and tensors[name] is None:
+            raise ValueError(f"{name} is None but {knob} = {getattr(cfg, knob)} needs it")
     if min(counts.values()) < 1:
         raise ValueError(", ".join(f"{k} = {v}" for k, v in counts.items()) + " must be >= 1")
 
@@ -599,7 +594,7 @@ def policy_term(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, cfg: 
     units = mask
     if cfg.importance_sampling_level == "sequence":  # GSPO: the gradient flows through the mean
         log_ratio = log_ratio.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp_min(1)
-        units = torch.ones_like(log_ratio, dtype=torch.bool)  # (N, 1)
+        units = torch.ones_like(log_ratio, dtype=torch.bool)  # (N, 1): every row
     ratio = torch.exp(log_ratio)  # (N, Tr) or (N, 1)
     if cfg.loss_type == "cispo":  # a constant weight: the gradient -w A d logp is never zeroed
         stats = ratio_stats("ratio", ratio, units, clip_low=torch.zeros_like(units),
@@ -617,31 +612,29 @@ def grpo_loss(logp: Tensor, old_logp: Tensor | None, ref_logp: Tensor | None, ad
               max_completion_len: int, entropy: Tensor | None = None,
               sampler_logp: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
     """The loss of a micro-batch: logp, old_logp, ref_logp, mask, entropy, sampler_logp (N, Tr),
-    advantages (N,). num_seqs and num_tokens count the WHOLE generation batch (all micro-batches,
-    all dp ranks), so the micro-batch losses sum to the big-batch loss; max_completion_len is the
+    advantages (N,). num_seqs and num_tokens count the WHOLE generation batch (all micro-batches
+    and dp ranks), so micro-batch losses sum to the big-batch loss; max_completion_len is the
     sampler's budget. Pure. Each choice is TRL 1.16's (tests/test_grpo.py runs TRL's code) but 6:
     1. Ratio r = exp(logp - old_logp) per token, or per sequence (importance_sampling_level,
-       GSPO): exp of the mean log-ratio over its tokens, the gradient through the mean. old_logp
-       None means logp.detach() (mu = 1): value 1, gradient d logp.
+       GSPO): exp of the mean log-ratio, the gradient through the mean. old_logp None means
+       logp.detach() (mu = 1): value 1, gradient d logp.
     2. Policy term: PPO's clip with clip-higher, -min(r A, clamp(r, 1 - eps_low, 1 + eps_high) A),
-       the unclipped r capped at delta (INTELLECT-2's two-sided clip); or "cispo" (MiniMax-M1):
+       the unclipped r capped at delta (INTELLECT-2); or "cispo" (MiniMax-M1):
        -sg(min(r, eps_high)) A logp, a clipped constant weight that zeroes no token's gradient.
-    3. Masks times the policy term, in TRL's order: off-policy sequences (DeepSeek-V3.2: A < 0
-       and mean log(pi_sampler / pi) > off_policy_mask_threshold; old_logp without
-       sampler_logp), tokens below the top_entropy_quantile (arXiv:2506.01939; the threshold is
-       this call's, in float32, as TRL's), the sampler correction (sampler_correction: TRL's
-       vllm_importance_sampling_*, sampler_weights). Truncated completions
+    3. Masks times the policy term, in TRL's order: off-policy rows (DeepSeek-V3.2: A < 0 and mean
+       log(pi_sampler / pi) > off_policy_mask_threshold; old_logp without sampler_logp), tokens
+       below this call's top_entropy_quantile (arXiv:2506.01939, in float32 as TRL), and the
+       sampler correction (TRL's vllm_importance_sampling_*). Truncated completions
        (mask_truncated_completions, DAPO) are off the mask the caller passes.
-    4. KL to the reference (beta > 0): k3 = exp(ref - logp) - (ref - logp) - 1 per token; with
-       use_bias_correction_kl (TRL's default, DeepSeek-V3.2) times r, gradient included: the
-       tokens are pi_old's, and r k3 estimates KL(pi || ref) under pi.
+    4. KL to the reference (beta > 0): k3 = exp(ref - logp) - (ref - logp) - 1 per token, times r
+       with use_bias_correction_kl (TRL's default, DeepSeek-V3.2), gradient included: the tokens
+       are pi_old's, and r k3 estimates KL(pi || ref) under pi.
     5. Aggregation: "grpo" each sequence's token mean, summed / num_seqs; "dapo" and "cispo" sum
        / num_tokens; "dr_grpo" sum / (num_seqs * max_completion_len). TRL's grpo and dr_grpo
-       normalisers are per micro-batch: equal for equal micro-batches; for uneven ones ours stay
-       the big batch's (TRL's would weigh the rows of a smaller micro-batch more).
+       normalisers are per micro-batch: the same for equal micro-batches (ours weigh the rows
+       of an uneven one like the others).
     6. Entropy bonus (entropy_coef > 0; verl's): -coef * H per token of choice 3's entropy mask.
-    7. Metrics: policy_term's, sampler_weights' (before its clamp), off_policy_masked (the share
-       of rows dropped), kl; detached floats, one host sync."""
+    7. Metrics: policy_term's, sampler_weights' (before its clamp), off_policy_masked, kl."""
     counts = dict(num_seqs=num_seqs, num_tokens=num_tokens, max_completion_len=max_completion_len)
     check_loss_inputs(logp, advantages, cfg, counts, old_logp=old_logp, ref_logp=ref_logp,
                       mask=mask, entropy=entropy, sampler_logp=sampler_logp)
@@ -721,11 +714,10 @@ def accumulate(model, batch: GRPOBatch, cfg: GRPOConfig, *, logprob_fn: Callable
                num_seqs: int | None = None, num_tokens: int | None = None) -> dict[str, float]:
     """Forward, loss and backward over the generation batch in micro-batches of whole groups;
     grads accumulate into .grad (no zero_grad, no step). num_seqs/num_tokens default to this
-    batch's counts (tokens of batch.loss_mask); pass global counts under data parallelism.
-    Returns "loss" (the summed, i.e. big-batch, loss), the other metrics averaged over the
-    micro-batches by their tokens (by their rows for those grpo_loss takes per sequence), with
-    "entropy" and "sampler_logp_diff" = mean |logp - sampler_logp|; the min of *_min and the
-    max of *_max; and "tokens" (this batch's loss tokens)."""
+    batch's rows and loss tokens; pass global counts under data parallelism. Returns "loss" (the
+    big-batch loss), the other metrics weighted by the micro-batches' tokens (rows for those
+    grpo_loss takes per sequence), "entropy", "sampler_logp_diff" = mean |logp - sampler_logp|,
+    the min of *_min and max of *_max, and "tokens" (this batch's loss tokens)."""
     batch.check()
     if batch.advantages is None:
         raise ValueError("batch.advantages is None: accumulate needs one advantage per row")
@@ -754,15 +746,11 @@ def accumulate(model, batch: GRPOBatch, cfg: GRPOConfig, *, logprob_fn: Callable
                 diff = (logp - micro.sampler_logp).abs() * mask
                 metrics["sampler_logp_diff"] = float(diff.sum()) / max(weight["tokens"], 1.0)
         for key, value in metrics.items():
-            prev = totals.get(key)
-            if key.endswith("_min"):
-                totals[key] = value if prev is None else min(prev, value)
-            elif key.endswith("_max"):
-                totals[key] = value if prev is None else max(prev, value)
-            elif key == "loss":  # a plain sum: already normalised by the batch counts
-                totals[key] = (prev or 0.0) + value
-            else:  # weighted sums
-                totals[key] = (prev or 0.0) + value * weight["rows" if key in per_row else "tokens"]
+            if key.endswith(("_min", "_max")):  # extremes over the micro-batches
+                totals[key] = (min if key.endswith("_min") else max)(totals.get(key, value), value)
+            else:  # the loss: a plain sum (normalised by the batch counts); the rest weighted
+                w = 1.0 if key == "loss" else weight["rows" if key in per_row else "tokens"]
+                totals[key] = totals.get(key, 0.0) + value * w
         seen = {unit: seen[unit] + weight[unit] for unit in seen}
     out = {k: v if k == "loss" or k.endswith(("_min", "_max")) else
            v / max(seen["rows" if k in per_row else "tokens"], 1.0) for k, v in totals.items()}

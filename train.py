@@ -438,42 +438,22 @@ def sample_round(run: Run, step: int, round: int) -> tuple[grpo.GRPOBatch, torch
     return batch, all_rewards, counts
 
 
-def dynamic_sampling(run: Run, step: int) -> tuple[grpo.GRPOBatch, torch.Tensor, dict]:
-    """Pieces 1-4, and with --dynamic_sampling N (DAPO) up to N more rounds until the rounds hold
-    prompts_per_step informative groups (rewards not all equal); then only the first
-    prompts_per_step of those are kept, each rank its own (at least one group: a rank left without
-    any trains one zero-advantage group). Advantages are each round's. Returns the batch, the
-    rewards of every round (dp * rounds * N,) and the counts summed over the rounds."""
-    G = run.cfgs.rollout.num_samples
-    target = run.cfgs.train.prompts_per_step
-    rounds = [sample_round(run, step, 0)]
-    kept = [grpo.informative_groups(rounds[0][1], G)]  # (dp * Bp,): the same on every rank
-    while len(rounds) <= run.cfgs.grpo.dynamic_sampling and sum(int(k.sum()) for k in kept) < target:
-        rounds.append(sample_round(run, step, len(rounds)))
-        kept.append(grpo.informative_groups(rounds[-1][1], G))
-    counts = {k: sum(c[k] for _, _, c in rounds) for k in rounds[0][2]}
-    counts["extra_rollouts"] = len(rounds) - 1
-    rewards = torch.cat([r for _, r, _ in rounds])
-    if not run.cfgs.grpo.dynamic_sampling:
-        counts["kept_groups"] = run.local_prompts
-        return rounds[0][0], rewards, counts
-    first = run.groups.dp_rank * run.local_prompts  # this rank's groups in each round's flags
-    parts = []
-    for (batch, _, _), flags in zip(rounds, kept):
-        flags = flags & (torch.cumsum(flags, 0) <= target)  # the first `target` informative
-        target -= int(flags.sum())
-        parts.append((batch, flags[first:first + run.local_prompts].nonzero()[:, 0]))
-    if not sum(len(groups) for _, groups in parts):
-        parts = [(rounds[0][0], torch.zeros(1, dtype=torch.long, device=run.device))]
-    counts["kept_groups"] = sum(len(groups) for _, groups in parts)
-    return grpo.cat_groups(parts), rewards, counts
-
-
 def step(run: Run, step: int) -> dict:
     """One GRPO step (the numbered pieces of the module docstring); returns its metrics record."""
-    g = run.cfgs.grpo
-    # 1-4. Prompts, rollout, rewards, advantages (repeated for more informative groups: DAPO).
-    batch, all_rewards, counts = dynamic_sampling(run, step)
+    g, G = run.cfgs.grpo, run.cfgs.rollout.num_samples
+    # 1-4. Prompts, rollout, rewards, advantages; with --dynamic_sampling N (DAPO) up to N more
+    # rounds, until they hold prompts_per_step informative groups: only those are trained.
+    rounds = [sample_round(run, step, 0)]
+    while len(rounds) <= g.dynamic_sampling and run.cfgs.train.prompts_per_step > sum(
+            int(grpo.informative_groups(rewards, G).sum()) for _, rewards, _ in rounds):
+        rounds.append(sample_round(run, step, len(rounds)))
+    batch, all_rewards = rounds[0][0], torch.cat([rewards for _, rewards, _ in rounds])
+    if g.dynamic_sampling:  # from every rank's flags: the same choice on every rank
+        batch = grpo.keep_informative([(b, grpo.informative_groups(r, G)) for b, r, _ in rounds],
+                                      run.cfgs.train.prompts_per_step,
+                                      run.groups.dp_rank * run.local_prompts)
+    counts = {k: sum(c[k] for _, _, c in rounds) for k in rounds[0][2]}
+    counts.update(extra_rollouts=len(rounds) - 1, kept_groups=batch.prompt_ids.shape[0])
     # 5. Old and reference logprobs, without grad.
     t0 = time.perf_counter()
     if g.mu > 1 or run.sampler is not run.model:
@@ -496,8 +476,8 @@ def train_phase(run: Run, batch: grpo.GRPOBatch) -> list[dict]:
     """mu optimizer steps over the one generation batch; each iteration's metrics, summed over
     the dp ranks (token-weighted sums with their token count), and whether its update ran."""
     cfgs = run.cfgs
-    loss_tokens = float(batch.loss_mask(cfgs.grpo).sum())
-    num_seqs, num_tokens = all_reduce_dp([batch.mask.shape[0], loss_tokens], run)
+    counts = [batch.mask.shape[0], float(batch.loss_mask(cfgs.grpo).sum())]  # rows, loss tokens
+    num_seqs, num_tokens = all_reduce_dp(counts, run)
     iterations = []
     with run.phase("train"):
         for _ in range(cfgs.grpo.mu):
@@ -530,15 +510,13 @@ def reduce_iteration(run: Run, m: dict, tokens: float) -> dict:
     """One iteration's metrics over the dp ranks: the global loss (each rank's is already
     normalised by the global counts: they sum), the min of *_min and max of *_max, token-weighted
     means of the rest."""
-    extremes = sorted(k for k in m if k.endswith(("_min", "_max")))
+    extremes = {k: -1 if k.endswith("_min") else 1 for k in sorted(m) if k[-4:] in ("_min", "_max")}
     keys = sorted(k for k in m if k not in ("loss", "tokens", "grad_norm", "updated", *extremes))
     sums = all_reduce_dp([m["loss"], tokens] + [m[k] * tokens for k in keys], run)
-    signs = [-1 if k.endswith("_min") else 1 for k in extremes]
-    peaks = all_reduce_dp([s * m[k] for s, k in zip(signs, extremes)], run, dist.ReduceOp.MAX)
-    out = dict(loss=sums[0], grad_norm=m["grad_norm"], updated=m["updated"])
-    out.update({k: s / max(sums[1], 1.0) for k, s in zip(keys, sums[2:])})
-    out.update({k: s * p for k, s, p in zip(extremes, signs, peaks)})
-    return out
+    peaks = all_reduce_dp([s * m[k] for k, s in extremes.items()], run, dist.ReduceOp.MAX)
+    return dict(loss=sums[0], grad_norm=m["grad_norm"], updated=m["updated"],
+                **{k: s / max(sums[1], 1.0) for k, s in zip(keys, sums[2:])},
+                **{k: s * p for (k, s), p in zip(extremes.items(), peaks)})
 
 
 def step_record(run: Run, step: int, rewards: torch.Tensor, counts: dict,
@@ -547,32 +525,29 @@ def step_record(run: Run, step: int, rewards: torch.Tensor, counts: dict,
     scored = rewards[~rewards.isnan()]
     keys = ("lengths", "new_tokens", "truncated", "kept_groups")
     lengths, tokens, truncated, kept = all_reduce_dp([counts[k] for k in keys], run)
+    updated = [it for it in iterations if it["updated"]]
     record = dict(step=step + 1, reward=scored.mean().item() if len(scored) else None,
                   reward_std=scored.std().item() if len(scored) > 1 else None,
                   missing_rewards=len(rewards) - len(scored), truncated_prompts=int(truncated),
                   completion_len=lengths / len(rewards),
-                  tokens_per_s=tokens / max(times["rollout"], 1e-9))
-    G = run.cfgs.rollout.num_samples
-    record["zero_std"] = float((~grpo.informative_groups(rewards, G)).double().mean())
-    record.update(extra_rollouts=counts["extra_rollouts"], kept_groups=int(kept))
-    updated = [it for it in iterations if it["updated"]]
-    record["updates"] = len(updated)
-    record["skipped_updates"] = len(iterations) - len(updated)
+                  tokens_per_s=tokens / max(times["rollout"], 1e-9), kept_groups=int(kept),
+                  zero_std=float((~grpo.informative_groups(
+                      rewards, run.cfgs.rollout.num_samples)).double().mean()),
+                  extra_rollouts=counts["extra_rollouts"], updates=len(updated),
+                  skipped_updates=len(iterations) - len(updated))
     metrics = ["loss", "clip_low", "clip_high", "ratio_mean", "kl", "entropy"]
     metrics += [k for k in (iterations[0] if iterations else {})
                 if k not in (*metrics, "grad_norm", "updated")]
-    for key in metrics:
+    for key in metrics:  # over the mu iterations
         values = [it[key] for it in iterations if key in it]
         pick = min if key.endswith("_min") else max if key.endswith("_max") else None
         record[key] = (pick(values) if pick else sum(values) / len(values)) if values else None
-    # Before any update of this step, the trainer's logprobs are the sampler's up to numerics.
-    first = iterations[0] if iterations else {}
-    record["sampler_logp_diff"] = first.get("sampler_logp_diff")
     norms = [it["grad_norm"] for it in updated]
-    record["grad_norm"] = sum(norms) / len(norms) if norms else None
-    record["lr"] = run.optimizer.param_groups[0]["lr"]
-    record.update({f"t_{k}": v for k, v in times.items()})
-    record["peak_gb"] = peak_memory(run)
+    # sampler_logp_diff before any update of this step: the sampler's logprobs up to numerics
+    record.update({f"t_{k}": v for k, v in times.items()}, peak_gb=peak_memory(run),
+                  sampler_logp_diff=iterations[0].get("sampler_logp_diff") if iterations else None,
+                  grad_norm=sum(norms) / len(norms) if norms else None,
+                  lr=run.optimizer.param_groups[0]["lr"])
     return record
 
 

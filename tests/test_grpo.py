@@ -337,7 +337,7 @@ def test_entropy_bonus_adds_minus_coef_times_the_aggregated_entropy(loss_type):
     want = torch.where(mask, -0.01 / normaliser * torch.ones_like(grad), 0.0)  # float64
     torch.testing.assert_close(grad, want, atol=1e-15, rtol=0)  # float64: one division
     torch.testing.assert_close(got, base + (want * entropy).sum(), atol=1e-15, rtol=0)
-    with pytest.raises(ValueError, match="entropy_coef = 0.01 needs the entropy"):
+    with pytest.raises(ValueError, match="entropy is None but entropy_coef = 0.01 needs it"):
         grpo.grpo_loss(logp, old, ref, adv, mask, bonus, **counts)
 
 
