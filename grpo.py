@@ -654,9 +654,9 @@ def grpo_loss(logp: Tensor, old_logp: Tensor | None, ref_logp: Tensor | None, ad
         threshold = torch.quantile(values, 1 - cfg.top_entropy_quantile) if len(values) else 0
         high = (entropy.detach() * mask >= threshold) & mask  # (N, Tr)
         per_token = per_token * high
-    if cfg.sampler_correction and sampler_logp is not None:
+    if sampler_logp is not None:  # the mismatch's stats are logged with the correction off too
         weights, correction = sampler_weights(old_logp, sampler_logp, mask, cfg)
-        per_token = per_token * weights
+        per_token = per_token * weights if cfg.sampler_correction else per_token
         stats.update(correction)
     zero = torch.zeros_like(logp)
     if ref_logp is not None:
