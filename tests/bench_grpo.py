@@ -31,6 +31,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import grpo  # noqa: E402
+import logprobs  # noqa: E402
 import model as M  # noqa: E402
 
 STEP_VARIANTS = {  # name: (shared_prompt, chunked); "seed" is TRL before PR #2669, written out below
@@ -85,9 +86,9 @@ def make_step(device: str, chunk_size: int):
                                      max_completion_len=C)
             loss.backward()
             return logp.detach().double().sum().item()
-        fn = grpo.logprobs_from_logits if variant.startswith("chunked_ckpt") else None  # tp.py's route
+        fn = logprobs.logprobs_from_logits if variant.startswith("chunked_ckpt") else None  # tp.py's route
         with torch.set_grad_enabled(variant.endswith("_grad")):
-            logp, _ = grpo.chunked_logprobs(model, h, targets, logprob_fn=fn,
+            logp, _ = logprobs.chunked_logprobs(model, h, targets, logprob_fn=fn,
                                             chunk_size=chunk_size if variant.startswith("chunked") else 0)
             if logp.requires_grad:
                 logp.sum().backward()

@@ -12,6 +12,7 @@ import torch
 from memtrace import allocator_peak
 
 import grpo
+import logprobs
 import hf
 import model as M
 import rollout
@@ -228,7 +229,7 @@ def test_chunked_equals_unchunked_and_never_holds_more_than_a_chunk(path, chunk_
     m.zero_grad()
     rows_seen = m.rows_seen
     rows_seen.clear()  # the unchunked twin's rows
-    fn = grpo.logprobs_from_logits if path == "checkpoint" else None
+    fn = logprobs.logprobs_from_logits if path == "checkpoint" else None
     logp_c, ent_c, _ = completion_logprobs(m, prompts, completions, num_samples=G,
                                                 chunk_size=chunk_size, logprob_fn=fn)
     chunks = math.ceil(n / chunk_size)
@@ -264,13 +265,14 @@ def test_chunked_softmax_logprobs_gradients_float64():
     m = TinyHead()
     h = torch.randn(7, 8, dtype=torch.float64, requires_grad=True)
     targets = torch.randint(0, 11, (7,))
-    f = lambda x: grpo.chunked_logprobs(m, x, targets, temperature=0.7, chunk_size=3)[0]
+    f = lambda x: logprobs.chunked_logprobs(m, x, targets, temperature=0.7, chunk_size=3)[0]
     assert torch.autograd.gradcheck(f, (h,))
     w = torch.randn(7, dtype=torch.float64)
     out = []
     for chunk_size in (3, 0):  # 0: the plain log_softmax twin
         m.zero_grad()
-        logp, entropy = grpo.chunked_logprobs(m, h, targets, temperature=0.7, chunk_size=chunk_size)
+        logp, entropy = logprobs.chunked_logprobs(m, h, targets, temperature=0.7,
+                                                  chunk_size=chunk_size)
         (w * logp).sum().backward()
         out.append((logp, entropy, m.lm_head.weight.grad.clone(), m.lm_head.bias.grad.clone()))
     for got, want in zip(*out):
@@ -299,8 +301,8 @@ def test_entropy_is_differentiable_on_every_logprob_route(route):
     w1 = torch.randn(7, dtype=torch.float64)
     w2 = torch.randn(7, dtype=torch.float64)
     kw = dict(temperature=0.7, chunk_size=0 if route == "plain" else 3,
-              logprob_fn=grpo.logprobs_from_logits if route == "checkpoint" else None)
-    logp, entropy = grpo.chunked_logprobs(m, h, targets, **kw)
+              logprob_fn=logprobs.logprobs_from_logits if route == "checkpoint" else None)
+    logp, entropy = logprobs.chunked_logprobs(m, h, targets, **kw)
     assert entropy.requires_grad
     (w1 * logp + w2 * entropy).sum().backward()
     got = [h.grad.clone(), m.lm_head.weight.grad.clone(), m.lm_head.bias.grad.clone()]
@@ -314,7 +316,7 @@ def test_entropy_is_differentiable_on_every_logprob_route(route):
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
     # The entropy alone, and finite differences through the hand-written backward.
-    entropy_only = lambda x: grpo.chunked_logprobs(m, x, targets, **kw)[1]
+    entropy_only = lambda x: logprobs.chunked_logprobs(m, x, targets, **kw)[1]
     assert torch.autograd.gradcheck(entropy_only, (h.detach().requires_grad_(),))
 
 
@@ -669,7 +671,8 @@ def test_sampler_logp_is_the_sampled_distributions_and_the_correction_is_trainer
             torch.testing.assert_close(out.logprobs[i, :len(row)], want, **LOGP_TOL)
             kept = sampled.isfinite()
             kept_mass[i, :len(row)] = ((logits / T).softmax(-1) * kept).sum(-1)
-        assert torch.equal(out.stopped, torch.tensor([r[-1] in (4, 7, 72) for r in batch.lists()[1]]))
+        ends = [r[-1] in (4, 7, 72) for r in batch.lists()[1]]
+        assert torch.equal(out.stopped, torch.tensor(ends))
     assert out.stopped.any() and not out.stopped.all()  # both kinds of row
     if top_p == 1.0:  # the same distribution: the sampler's logprob is the trainer's
         torch.testing.assert_close(out.logprobs, trainer.float(), **LOGP_TOL)
@@ -1190,6 +1193,21 @@ def test_defaults_are_trls_except_the_documented_differences():
             "use_bias_correction_kl": "use_bias_correction_kl"}
     for our_name, trl_name in same.items():
         assert getattr(ours, our_name) == theirs[trl_name], (our_name, trl_name)
+    # The GRPO family: TRL's None (off, or no bound) is inf or 0 here, the same loss.
+    family = {"importance_sampling_level": "importance_sampling_level",
+              "mask_truncated_completions": "mask_truncated_completions",
+              "top_entropy_quantile": "top_entropy_quantile",
+              "sampler_correction": "vllm_importance_sampling_correction",
+              "sampler_correction_mode": "vllm_importance_sampling_mode",
+              "sampler_correction_max": "vllm_importance_sampling_clip_max"}
+    for our_name, trl_name in family.items():
+        assert getattr(ours, our_name) == theirs[trl_name], (our_name, trl_name)
+    for our_name, off in (("delta", math.inf), ("off_policy_mask_threshold", math.inf),
+                          ("sampler_correction_min", 0.0)):
+        trl_name = {"sampler_correction_min": "vllm_importance_sampling_clip_min"}.get(our_name,
+                                                                                 our_name)
+        assert (getattr(ours, our_name), theirs[trl_name]) == (off, None), our_name
+    assert ours.dynamic_sampling == 0  # not in TRL: off
     assert RolloutConfig().temperature == theirs["temperature"]
     # Clip-higher (DAPO) 0.28; TRL's epsilon_high None means epsilon, 0.2.
     assert (ours.eps_high, theirs["epsilon_high"]) == (0.28, None)
