@@ -226,6 +226,15 @@ class GRPOBatch:
         budget = max_new_tokens or max((len(c) for c in completions), default=1)
         return cls(prompt_ids, prompt_lens, tokens, mask, temperature, budget, **tensors)
 
+    @classmethod
+    def from_rollout(cls, prompts: list[list[int]], out, max_new_tokens: int,
+                     advantages: Tensor) -> "GRPOBatch":
+        """rollout.Rollout's tensors as they are: tokens, mask, the sampler's logprobs, the stop
+        flags and the temperature they were sampled at (the trainer scores the same)."""
+        prompt_ids, prompt_lens = pad_right(prompts, out.tokens.device)
+        return cls(prompt_ids, prompt_lens, out.tokens, out.mask, out.temperature, max_new_tokens,
+                   advantages, sampler_logp=out.logprobs, stopped=out.stopped)
+
     def lists(self) -> tuple[list[list[int]], list[list[int]]]:
         """The prompts and completions as ragged Python lists (one host copy)."""
         prompts = [p[:n] for p, n in zip(self.prompt_ids.tolist(), self.prompt_lens.tolist())]

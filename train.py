@@ -9,7 +9,7 @@ one GRPO step, docs/design.md's data flow in numbered pieces:
     1. draw the step's prompts (a function of seed and step: a resumed run draws the same ones)
     2. rollout phase: sync the sampler's weights from the trainer, sample G completions per prompt
     3. decode the completions and score them with the task's reward functions
-    4. group advantages over the whole generation batch (every data-parallel rank's rewards)
+    4. group advantages over every dp rank's rewards; --dynamic_sampling repeats 1-4 (DAPO)
     5. old logprobs (mu > 1, or a sampler in another dtype) and reference logprobs (beta > 0)
     6. train phase: mu optimizer steps over the generation batch, micro-batch by micro-batch
     7. the step's metrics, token-weighted over ranks and aggregated over the mu iterations
@@ -400,10 +400,9 @@ def gather_dp(t: torch.Tensor, run: Run) -> torch.Tensor:
 
 
 def sample_round(run: Run, step: int, round: int) -> tuple[grpo.GRPOBatch, torch.Tensor, dict]:
-    """Pieces 1-4 once: this rank's batch with its advantages, every rank's rewards (dp * N,) and
-    the rollout's counts. Round r > 0 (dynamic sampling) draws other prompts and samples."""
-    cfgs = run.cfgs
-    G = cfgs.rollout.num_samples
+    """Pieces 1-4 once (round > 0: dynamic sampling's other prompts): this rank's batch with its
+    advantages, every rank's rewards (dp * N,) and the rollout's counts."""
+    cfgs, G = run.cfgs, run.cfgs.rollout.num_samples
     t0 = time.perf_counter()
     # 1. The step's prompts.
     prompts, references, truncated = draw_prompts(run, step, round)
@@ -430,11 +429,7 @@ def sample_round(run: Run, step: int, round: int) -> tuple[grpo.GRPOBatch, torch
     g = cfgs.grpo
     advantages = grpo.group_advantages(all_rewards, G, g.scale, g.std_eps, g.std_correction)
     rows = slice(run.groups.dp_rank * len(rewards), (run.groups.dp_rank + 1) * len(rewards))
-    prompt_ids, prompt_lens = grpo.pad_right(prompts, run.device)
-    # The sampler's tensors as they are; the batch carries the temperature they were sampled at.
-    batch = grpo.GRPOBatch(prompt_ids, prompt_lens, out.tokens, out.mask, out.temperature,
-                           cfgs.rollout.max_new_tokens, advantages[rows],
-                           sampler_logp=out.logprobs, stopped=out.stopped)
+    batch = grpo.GRPOBatch.from_rollout(prompts, out, cfgs.rollout.max_new_tokens, advantages[rows])
     return batch, all_rewards, counts
 
 
@@ -507,9 +502,8 @@ def train_phase(run: Run, batch: grpo.GRPOBatch) -> list[dict]:
 
 
 def reduce_iteration(run: Run, m: dict, tokens: float) -> dict:
-    """One iteration's metrics over the dp ranks: the global loss (each rank's is already
-    normalised by the global counts: they sum), the min of *_min and max of *_max, token-weighted
-    means of the rest."""
+    """One iteration's metrics over the dp ranks: the loss summed (each is normalised by global
+    counts), the min of *_min and max of *_max, token-weighted means of the rest."""
     extremes = {k: -1 if k.endswith("_min") else 1 for k in sorted(m) if k[-4:] in ("_min", "_max")}
     keys = sorted(k for k in m if k not in ("loss", "tokens", "grad_norm", "updated", *extremes))
     sums = all_reduce_dp([m["loss"], tokens] + [m[k] * tokens for k in keys], run)

@@ -656,9 +656,7 @@ def test_sampler_logp_is_the_sampled_distributions_and_the_correction_is_trainer
     prompts = [[100, 101, 102], [110, 111]]
     cfg = RolloutConfig(num_samples=G, max_new_tokens=budget, temperature=T, top_p=top_p)
     out = rollout.generate(m, prompts, cfg, stop_ids=(4, 7, 72), seed=3)
-    prompt_ids, prompt_lens = grpo.pad_right(prompts, torch.device("cpu"))
-    batch = GRPOBatch(prompt_ids, prompt_lens, out.tokens, out.mask, out.temperature, budget,
-                      sampler_logp=out.logprobs, stopped=out.stopped)
+    batch = GRPOBatch.from_rollout(prompts, out, budget, torch.zeros(len(prompts) * G))
     batch.check()
     trainer = grpo.batch_logprobs(m, batch, GRPOConfig())  # (N, Tr) at the batch's temperature
     kept_mass = torch.ones_like(trainer)
