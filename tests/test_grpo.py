@@ -556,7 +556,7 @@ def slow_family_loss(logp, old, ref, adv, mask, cfg: GRPOConfig, entropy, sample
         weights = [correct(math.exp(g)) for g in gaps]
         if cfg.sampler_correction_mode.startswith("sequence"):
             weights = [correct(math.exp(sum(gaps)))] * L
-        drift = sum(float(sampler[i, t] - logp[i, t]) for t in range(L)) / max(L, 1)
+        drift = sum(float(sampler[i, t] - logp[i, t].detach()) for t in range(L)) / max(L, 1)
         keep = float(adv[i] >= 0 or drift <= cfg.off_policy_mask_threshold)
         for t in range(L):
             r = torch.exp(log_ratios[t])
