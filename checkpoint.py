@@ -2,8 +2,11 @@
 Checkpoints that a crash cannot corrupt and a resume continues from exactly.
 
 A checkpoint is a directory `OUT/step-000123/` holding:
-- the policy as a Hugging Face directory: config.json, model.safetensors, tokenizer.json, and the
-  source's generation_config.json when it had one (any HF tool, and `--model`, loads it);
+- the policy as a Hugging Face directory: config.json, model.safetensors (in the run's --dtype),
+  tokenizer.json with the source's tokenizer_config.json, chat_template.jinja and
+  special_tokens_map.json, and its generation_config.json (any HF tool, and `--model`, loads it);
+- `master/` under bf16 mixed precision: the fp32 master weights, a Hugging Face directory of their
+  own, from which a resume continues exactly;
 - `optimizer-tp{r}.safetensors` + `optimizer-tp{r}.json`: the AdamW state of tensor-parallel rank
   r (tensors in safetensors, the rest in JSON: nothing is ever unpickled);
 - `trainer_state.json`: step, every config section, the tp size, torch's RNG state.
@@ -15,15 +18,21 @@ writes (a tied lm_head once, as the embedding); loading checks every tensor's na
 (hf.py), and the optimizer state is loaded only if it covers every parameter with its shape.
 
 The output directory holds one run: a new run into an --out that holds one is refused, unless it
-is resumed or explicitly overwritten, and nothing of the old run is touched before the new one is
-set up.
+is resumed or explicitly overwritten, and nothing of the old run is touched (nor anything written
+but the lock) before the new run's first step has finished. One process writes there at a time:
+OUT/.lock names its pid and host; a second run is refused, a crashed run's lock is taken over. A
+resumed run keeps what the checkpoint fixes (the model's shape, the task, the group size).
 
 Leaves out: keeping only the last K checkpoints, asynchronous saving, sharded model files under TP.
 """
 
+import atexit
 import json
 import os
 import shutil
+import signal
+import socket
+import sys
 
 import torch
 import torch.distributed as dist
@@ -33,6 +42,8 @@ from torch import Tensor
 
 from hf import write_pretrained
 from model import ModelConfig
+
+MASTER = "master"  # the fp32 master weights' subdirectory of a bf16 run's checkpoint
 
 # -----------------------------------------------------------------------------
 # Save
@@ -61,10 +72,12 @@ def _optimizer_to_files(optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
 def save_checkpoint(out: str, step: int, model_config: ModelConfig, tensors: dict[str, Tensor],
                     tokenizer, optimizer: torch.optim.Optimizer, config: dict, *, tp_rank: int = 0,
                     tp_size: int = 1, dp_rank: int = 0,
-                    generation_config: dict | None = None) -> str:
+                    generation_config: dict | None = None,
+                    master: dict[str, Tensor] | None = None) -> str:
     """Collective under torchrun (every rank calls it). `tensors`: the model's full tensors as a
-    one-process model names them (train.py gathers a sharded model's: tp.full_state_dict); rank 0
-    writes them. Returns the final directory."""
+    one-process model names them (train.py gathers a sharded model's: tp.full_state_dict), and
+    `master` the fp32 master weights when they differ; rank 0 writes them. Returns the final
+    directory."""
     final = os.path.join(out, f"step-{step:06d}")
     tmp = final + ".tmp"
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -74,7 +87,9 @@ def save_checkpoint(out: str, step: int, model_config: ModelConfig, tensors: dic
     _barrier()
     if rank == 0:
         write_pretrained(tmp, model_config, tensors, generation_config=generation_config)
-        tokenizer.save(os.path.join(tmp, "tokenizer.json"))
+        tokenizer.save_pretrained(tmp)
+        if master is not None:
+            write_pretrained(os.path.join(tmp, MASTER), model_config, master)
         world = dist.get_world_size() if dist.is_initialized() else 1
         state = {"step": step, "config": config, "world_size": world, "tp_size": tp_size,
                  "torch_rng_state": torch.get_rng_state().tolist()}
@@ -98,6 +113,12 @@ def save_checkpoint(out: str, step: int, model_config: ModelConfig, tensors: dic
 
 # -----------------------------------------------------------------------------
 # Load
+
+
+def master_dir(path: str) -> str:
+    """A checkpoint's fp32 master weights directory, or "" when it has none."""
+    master = os.path.join(path, MASTER)
+    return master if os.path.isfile(os.path.join(master, "config.json")) else ""
 
 
 def resolve(resume: str, out: str) -> str:
@@ -124,6 +145,29 @@ def saved_config(resume: str, out: str) -> dict[str, dict]:
     except (OSError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"{path}: corrupt or missing trainer state ({e!r}); pick another "
                          "checkpoint") from None
+
+
+# What a checkpoint fixes: its weights' shape, the task and group size its optimizer state learned.
+FIXED_ON_RESUME = ("model", "dim", "layers", "heads", "kv_heads", "task", "task_data",
+                   "num_samples")
+
+
+def resume_values(values: dict[str, object], owners: dict[str, str],
+                  out_default: str) -> tuple[dict[str, object], list[str]]:
+    """The checkpoint's flags with this command line's on top, and what changes ("lr 0.0001, was
+    0.0005"). A flag the checkpoint fixes is refused when it differs: never half-applied."""
+    saved = saved_config(str(values["resume"]), str(values.get("out", out_default)))
+    flat = {name: value for section, fields in saved.items() for name, value in fields.items()
+            if owners.get(name) == section}
+    changes = []
+    for name, value in values.items():
+        if name in ("resume", "overwrite") or name not in flat or flat[name] == value:
+            continue
+        if name in FIXED_ON_RESUME:
+            raise ValueError(f"--{name} {value!r}: the checkpoint being resumed fixes it to "
+                             f"{flat[name]!r}; leave --{name} out, or start a new run")
+        changes.append(f"{name} {value}, was {flat[name]}")
+    return {**flat, **values}, changes
 
 
 def _optimizer_state(path: str, tp_rank: int) -> dict:
@@ -198,9 +242,89 @@ def check_out_dir(out: str, resume: str, overwrite: bool) -> None:
                          f"or choose another --out")
 
 
+_held: list[tuple[str, bool]] = []  # (lock file, whether this process made its --out)
+
+
+def _lock_holder(path: str) -> tuple[int, str] | None:
+    """The (pid, host) a lock file names; None when it is stale (that pid is gone on this host)."""
+    try:
+        with open(path) as f:
+            pid, host = f.read().split()
+        pid = int(pid)
+    except (OSError, ValueError):
+        return 0, "an unknown host"  # being written right now, or not ours to judge
+    if host == socket.gethostname():
+        try:
+            os.kill(pid, 0)  # signal 0: only asks whether the process exists
+        except ProcessLookupError:
+            return None
+        except PermissionError:  # another user's process
+            pass
+    return pid, host
+
+
+def lock_out_dir(out: str) -> None:
+    """Collective under torchrun: rank 0 takes the lock, every rank raises its refusal (main
+    prints it once, from rank 0)."""
+    error = ""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            _take_lock(out)
+        except ValueError as e:
+            error = str(e)
+    if dist.is_initialized():
+        verdict = [error]
+        dist.broadcast_object_list(verdict, src=0)  # rank 0's verdict to every rank
+        error = verdict[0]
+    if error:
+        raise ValueError(error)
+
+
+def _take_lock(out: str) -> None:
+    """One run per output directory: OUT/.lock ("pid host"), made with O_EXCL, so of two runs
+    started at once one gets it. A lock whose process is gone on this host (a crash) is stale and
+    taken over. Also finds a read-only --out before any work. Released by release_out_dir."""
+    made = not os.path.isdir(out)
+    path = os.path.join(out, ".lock")
+    for _ in range(3):
+        try:
+            os.makedirs(out, exist_ok=True)
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            holder = _lock_holder(path)
+            if holder is not None:
+                raise ValueError(f"--out {out} is in use by the run of pid {holder[0]} on "
+                                 f"{holder[1]} ({path}); wait for it, stop it, or choose another "
+                                 "--out (delete the lock only if that run is gone)") from None
+            os.remove(path)  # a crashed run's
+            continue
+        except OSError as e:
+            raise ValueError(f"--out {out}: cannot write there ({e.strerror}); choose another "
+                             "--out") from None
+        with os.fdopen(fd, "w") as f:
+            f.write(f"{os.getpid()} {socket.gethostname()}\n")
+        if not _held:
+            atexit.register(release_out_dir)
+        _held.append((path, made))
+        return
+    raise ValueError(f"--out {out}: another run keeps taking {path}; choose another --out")
+
+
+def release_out_dir() -> None:
+    """Drop this process's locks; an --out it made and left empty (a refused start) goes too."""
+    while _held:
+        path, made = _held.pop()
+        try:
+            os.remove(path)
+            if made:
+                os.rmdir(os.path.dirname(path))  # fails, as it should, unless it is empty
+        except OSError:
+            pass
+
+
 def start_out_dir(out: str, resume: str, overwrite: bool, start: int) -> str:
-    """Once the new run is set up (rank 0 only): clear an overwritten run, and drop the metrics
-    records a resume will recompute. Returns the metrics file."""
+    """After the new run's first step (rank 0 only): clear an overwritten run, and drop the
+    metrics records a resume will recompute. Returns the metrics file."""
     metrics_file = os.path.join(out, "metrics.jsonl")
     os.makedirs(out, exist_ok=True)
     if overwrite and not resume:
@@ -217,3 +341,52 @@ def start_out_dir(out: str, resume: str, overwrite: bool, start: int) -> str:
             f.writelines(kept)
         os.replace(metrics_file + ".tmp", metrics_file)  # atomic, like the checkpoints
     return metrics_file
+
+class Metrics:
+    """OUT/metrics.jsonl (rank 0), one JSON record per step. The first append, once the new
+    run's first step has finished, makes --out the new run's (start_out_dir)."""
+
+    def __init__(self, out: str, resume: str, overwrite: bool, start: int):
+        self.args = (out, resume, overwrite, start)
+        self.path = ""
+
+    def append(self, record: dict) -> None:
+        self.path = self.path or start_out_dir(*self.args)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record, allow_nan=False) + "\n")
+
+# -----------------------------------------------------------------------------
+# Stop signals: an interrupt loses nothing
+
+
+class StopSignals:
+    """Ctrl-C (SIGINT) or preemption (SIGTERM from torchrun, Slurm, Kubernetes), while installed:
+    the first is noted (the loop finishes its step, checkpoints, exits 0); a second exits at once,
+    without a checkpoint (e.g. a reward function that never returns). A context manager: the
+    previous handlers come back on exit."""
+
+    def __init__(self, rank: int = 0):
+        self.rank = rank
+        self.seen: list[int] = []
+
+    def __enter__(self):
+        self.previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        for s in self.previous:
+            signal.signal(s, self.handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+    def handle(self, signum: int, frame) -> None:
+        if self.seen:
+            release_out_dir()
+            print("second stop signal: exiting now, without a checkpoint", file=sys.stderr,
+                  flush=True)
+            os._exit(128 + signum)
+        self.seen.append(signum)
+        if self.rank == 0:
+            print(f"{signal.Signals(signum).name}: the step finishes, then a checkpoint is "
+                  "written (send it again to exit at once, without one)", file=sys.stderr,
+                  flush=True)

@@ -16,7 +16,10 @@ import dataclasses
 import inspect
 import math
 import os
+import resource
 import sys
+
+import torch
 
 # -----------------------------------------------------------------------------
 # Flags and help
@@ -111,20 +114,35 @@ def check_config(cfgs) -> None:
     Configs)."""
     cfg = cfgs.train
     positive = ("prompts_per_step", "max_prompt_len", "steps", "max_bad_steps",
-                "max_unscored_steps", "eval_prompts")
+                "max_unscored_steps", "eval_prompts", "dim", "layers", "heads", "kv_heads")
     for name in positive:
         if getattr(cfg, name) < 1:
             raise ValueError(f"--{name} must be >= 1, got {getattr(cfg, name)}")
-    for name in ("lr", "weight_decay", "grad_clip", "save_every", "warmup_steps", "eval_every"):
+    for name in ("lr", "weight_decay", "grad_clip", "save_every", "warmup_steps", "eval_every",
+                 "threads"):
         if getattr(cfg, name) < 0:
             raise ValueError(f"--{name} must be >= 0, got {getattr(cfg, name)}")
+    if cfg.dtype == "float16":
+        raise ValueError("--dtype float16 is not supported: without loss scaling its gradients "
+                         "underflow and its weights overflow to NaN; use --dtype bfloat16 (fp32 "
+                         "master weights) or float32")
+    if not cfg.out:
+        raise ValueError("--out is empty: name the directory for metrics and checkpoints")
+    if not cfg.model:  # a fresh model's shape (a checkpoint's is checked by hf.py)
+        if cfg.heads % cfg.kv_heads:
+            raise ValueError(f"--heads {cfg.heads} must be a multiple of --kv_heads "
+                             f"{cfg.kv_heads} (each key/value head serves a group of heads)")
+        if cfg.dim % (2 * cfg.heads):
+            raise ValueError(f"--dim {cfg.dim} must be a multiple of 2 x --heads {cfg.heads} "
+                             "(an even head width for rotary embeddings)")
     dtypes = ("float32", "bfloat16", "float16")
-    for name, allowed in (("dtype", dtypes), ("sampler_dtype", ("", *dtypes))):
+    for name, allowed in (("dtype", dtypes[:2]), ("sampler_dtype", ("", *dtypes))):
         if getattr(cfg, name) not in allowed:
             raise ValueError(f"--{name} must be one of {allowed}, got {getattr(cfg, name)!r}")
-    if cfg.prompt_template and "{prompt}" not in cfg.prompt_template:
-        raise ValueError(f"--prompt_template {cfg.prompt_template!r} has no {{prompt}} to replace")
     r = cfgs.rollout
+    if r.num_samples < 2:
+        raise ValueError(f"--num_samples {r.num_samples}: GRPO compares the samples of a prompt "
+                         "with each other (one alone has advantage 0); use at least 2")
     if r.temperature == 0:
         raise ValueError("--temperature 0 (greedy) samples every completion of a group alike: "
                          "every advantage would be 0; GRPO needs a temperature > 0")
@@ -133,8 +151,40 @@ def check_config(cfgs) -> None:
                          "logprobs do not (the GRPO ratio would not be 1 on-policy); leave them "
                          "off for training (they are for evaluation with rollout.generate)")
 
+
+PRETRAINED_LR = 1e-6  # TRL's default: the fresh model's 5e-4 wrecks a pretrained one in a few steps
+
+
+def pretrained_defaults(cfgs, explicit: set[str]) -> str:
+    """--model without --lr (and not a resume, which keeps its own): TRL's learning rate. Returns
+    the line that says so ("" when nothing changed)."""
+    cfg = cfgs.train
+    if not cfg.model or cfg.resume or "lr" in explicit:
+        return ""
+    cfgs.train = dataclasses.replace(cfg, lr=PRETRAINED_LR)
+    return (f"lr {PRETRAINED_LR:g}: the default for a pretrained --model (TRL's; the fresh "
+            f"model's {cfg.lr:g} would wreck it); pass --lr to choose")
+
+
+def check_budget(max_new_tokens: int, context: int) -> None:
+    """Before any weight or KV cache is allocated: a completion budget that leaves no room for a
+    prompt in the model's context (max_position_embeddings) would fail at the first step."""
+    if max_new_tokens >= context:
+        raise ValueError(f"--max_new_tokens {max_new_tokens} leaves no room for a prompt in the "
+                         f"model's context of {context} tokens (max_position_embeddings); lower it")
+
 # -----------------------------------------------------------------------------
 # The step line
+
+
+def memory_figures(device: torch.device, mem) -> dict[str, float]:
+    """On a GPU, the max of max_memory_allocated over all phases (mem: memory.PhaseManager); on a
+    CPU, the process's max RSS (what the OS holds for it, not the memory table's tagged tensors).
+    In GB, each named for what it measures."""
+    if device.type == "cuda":
+        peak = max(mem.peak_bytes(), torch.cuda.max_memory_allocated(device))
+        return dict(max_allocated_gb=peak / 1e9)
+    return dict(max_rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6)  # KiB
 
 
 def jsonable(record: dict) -> dict:
@@ -162,7 +212,11 @@ def step_line(record: dict, steps: int, beta: float) -> str:
               f"|dlogp| {num('sampler_logp_diff', '.1e')}",
               f"len {record['completion_len']:.1f}", f"{record['tokens_per_s']:.0f} tok/s",
               f"roll {record['t_rollout']:.2f}s lp {record['t_logprobs']:.2f}s "
-              f"train {record['t_train']:.2f}s", f"peak {record['peak_gb']:.2f} GB"]
+              f"train {record['t_train']:.2f}s"]
+    if "max_rss_gb" in record:  # the process's, not the memory table's tagged tensors
+        parts.append(f"max RSS {record['max_rss_gb']:.2f} GB")
+    else:
+        parts.append(f"max allocated {record['max_allocated_gb']:.2f} GB")
     if record.get("eval_reward") is not None:
         right = record["eval_correct"]
         parts.append(f"eval {record['eval_reward']:.3f}"
@@ -175,4 +229,6 @@ def step_line(record: dict, steps: int, beta: float) -> str:
         parts.append(f"{record['truncated_prompts']} prompts truncated")
     if record["skipped_updates"]:
         parts.append(f"{record['skipped_updates']} updates skipped (non-finite loss or grads)")
+    if record.get("zero_grad"):
+        parts.append(f"{record['zero_grad']} steps with a zero gradient (every advantage 0: AdamW's momentum only)")
     return " | ".join(parts)

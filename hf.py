@@ -1,5 +1,5 @@
 """
-The Hugging Face format: checkpoint directories in and out, and tokenizers.
+The Hugging Face format: checkpoint directories in and out (tokenizers: tokenizer.py).
 
 Checkpoints in: config.json in the transformers 4 layout (top-level rope_theta / rope_scaling) or
 the 5 layout (rope_parameters). Every field that changes the math is read; anything model.py would
@@ -10,8 +10,7 @@ lists), never unpickled. Checkpoints out: a config.json both versions read alike
 generation_config.json when given one. stop_token_ids: config.json's and generation_config.json's
 eos ids together.
 
-Leaves out: other architectures, quantized or pickled checkpoints, tokenizers other than the
-`tokenizers` library's tokenizer.json.
+Leaves out: other architectures, quantized or pickled checkpoints.
 Tested by tests/test_model.py.
 """
 
@@ -55,13 +54,16 @@ def load_model(path: str, device: str | torch.device = "cpu",
 
 
 def save_model(model: Llama, path: str, max_shard_bytes: int | None = None,
-               generation_config: dict | None = None) -> None:
-    """Write config.json and model.safetensors (or shards + model.safetensors.index.json), and
-    generation_config.json when given one (the source's, from load_generation_config)."""
+               generation_config: dict | None = None, tokenizer=None) -> None:
+    """Write config.json and model.safetensors (or shards + model.safetensors.index.json),
+    generation_config.json when given one (the source's, from load_generation_config), and the
+    tokenizer's files when given one (tokenizer.PromptTokenizer: the source's, verbatim)."""
     # A tied lm_head appears once, as the embedding: not written, as HF does (and safetensors
     # refuses shared storage anyway).
     tensors = {n: p.detach() for n, p in model.named_parameters()}
     write_pretrained(path, model.config, tensors, max_shard_bytes, generation_config)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
 
 
 def allocate(model: nn.Module, device: str | torch.device, dtype: torch.dtype) -> nn.Module:
@@ -436,30 +438,3 @@ def check_checkpoint(path: str, expected: dict[str, tuple[int, ...]]) -> dict[st
             raise ValueError(f"{file}: tensor '{name}' has shape {found}, "
                              f"config.json implies {shape}")
     return {name: tensors[name][0] for name in expected}
-
-# -----------------------------------------------------------------------------
-# Tokenizers (the `tokenizers` library; tokenizer.json is the HF format)
-
-
-def load_tokenizer(path: str):
-    from tokenizers import Tokenizer
-    file = os.path.join(path, "tokenizer.json")
-    if not os.path.isfile(file):
-        raise FileNotFoundError(f"{file}: not found; the checkpoint directory needs a "
-                                "tokenizer.json")
-    return Tokenizer.from_file(file)
-
-
-def build_char_tokenizer(chars: str, specials: tuple[str, ...] = ("<pad>", "<bos>", "<eos>")):
-    """A character-level tokenizer (one id per character, specials first) for synthetic tasks and
-    tests, saved and loaded as a standard tokenizer.json."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    chars = "".join(dict.fromkeys(chars))  # unique, order kept
-    vocab = {tok: i for i, tok in enumerate(list(specials) + list(chars))}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=None))
-    # every character is a token
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()  # join tokens without spaces
-    tok.add_special_tokens(list(specials))
-    return tok
-

@@ -195,6 +195,9 @@ def main(argv: list[str]) -> int:
     usage = "usage: python plot.py RUN_DIR [RUN_DIR ...] -o PICTURE.svg [--title TEXT]"
     options = {"-o": "", "--title": ""}
     run_dirs = []
+    if "-h" in argv or "--help" in argv:
+        print(f"{usage}\n  the curves of each run's metrics.jsonl, one picture (SVG)")
+        return 0
     i = 0
     while i < len(argv):
         if argv[i] in options:

@@ -20,20 +20,30 @@ Built in:
   letters: an aggregate, credit by distance), `tasks:increment` (each of 4 digits + 1 mod 10), and
   `tasks:add` (two 2-digit numbers), which the default model does not learn (README: the recipe).
 - `tasks:jsonl_math` with `--task_data FILE`: one {"prompt": ..., "answer": ...} per line
-  (GSM8K-style answers such as "... #### 42" are accepted); the last number in the completion is
-  compared.
+  (GSM8K's "question" for "prompt" and answers such as "... #### 42" are accepted); a prompt is a
+  string or a conversation (a list of {"role", "content"} messages, rendered with the checkpoint's
+  chat template); the last number in the completion is compared.
+
+The evaluation's prompts (eval_split): a finite dataset's own test split (`--eval_data FILE`, read
+by the same task factory), else distinct prompts held out of the training stream, at most half of a
+finite dataset, with a line that says how many were held out and how many remain.
 """
 
 import importlib
 import json
 import math
 import numbers
+import os
 import random
 import re
+import sys
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy
 import torch
+
+from grpo import combine_rewards
 
 Reward = Callable[[str, str], "float | None"]
 
@@ -41,11 +51,12 @@ Reward = Callable[[str, str], "float | None"]
 @dataclass
 class Task:
     name: str
-    sample: Callable[[random.Random], tuple[str, str]]     # rng -> (prompt text, reference)
+    sample: Callable[[random.Random], tuple]  # rng -> (prompt: text or conversation, reference)
     rewards: list[tuple[Reward, float]] = field(default_factory=list)  # (reward fn, weight)
     alphabet: str = ""         # the characters a fresh character-level tokenizer needs
     max_new_tokens: int = 0    # the task's completion budget (0: train.py's setting decides)
     correct: Callable[[str, str], bool] | None = None  # a fully correct answer (the eval's share)
+    examples: list[tuple] | None = None  # a finite dataset's (prompt, reference) pairs, else None
 
 
 
@@ -56,6 +67,8 @@ class RewardError(ValueError):
 def load_task(spec: str, data: str) -> Task:
     """`package.module:attr`: a Task, or a function (data: str) -> Task called with --task_data."""
     module_name, _, attr = spec.partition(":")
+    if os.getcwd() not in sys.path:  # a task module in the current directory, as `python -m` finds
+        sys.path.append(os.getcwd())  # after the engine's own modules: they keep their names
     try:
         obj = getattr(importlib.import_module(module_name), attr or "task")
     except (ImportError, AttributeError) as e:
@@ -68,17 +81,49 @@ def load_task(spec: str, data: str) -> Task:
     return task
 
 
+def short(value, limit: int = 60) -> str:
+    """repr, cut: a reward of 10**400 would print 401 digits."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def check_reward(value, fn: Reward, text: str, ref: str, task: Task) -> float:
-    """A reward function's output as a float: None (or NaN) means "cannot score"."""
+    """A reward function's output as a float: None (or NaN) means "cannot score". A bool is a
+    number, Python's or numpy's alike."""
     if value is None:
         return math.nan
-    number = isinstance(value, numbers.Real) or (torch.is_tensor(value) and value.numel() == 1)
-    if number and not math.isinf(float(value)):
-        return float(value)
+    number = (isinstance(value, (numbers.Real, numpy.bool_))
+              or (torch.is_tensor(value) and value.numel() == 1))
+    try:
+        if number and not math.isinf(float(value)):
+            return float(value)
+    except OverflowError:  # an int beyond float64 (10**400)
+        pass
     name = getattr(fn, "__name__", repr(fn))
-    raise RewardError(f"task {task.name}: reward function {name} returned {value!r} on completion "
-                      f"{text!r} (reference {ref!r}); a reward is a finite number, or None when "
-                      "the completion cannot be scored")
+    raise RewardError(f"task {task.name}: reward function {name} returned {short(value)} on "
+                      f"completion {text!r} (reference {ref!r}); a reward is a finite number, or "
+                      "None when the completion cannot be scored")
+
+
+def check_statistics(task: Task, rewards: torch.Tensor) -> None:
+    """Finite rewards whose sum or squares overflow float64 (1e300) would make the group std inf
+    and every advantage 0: the run would train nothing, silently. rewards (N,), NaN: missing."""
+    scored = rewards[~rewards.isnan()]
+    if torch.isfinite(scored.sum()) and torch.isfinite((scored * scored).sum()):
+        return
+    big = scored[scored.abs().argmax()].item()
+    raise RewardError(f"task {task.name}: the rewards' mean or spread overflows (a reward of "
+                      f"{big:.3g}); keep rewards within about +-1e150, e.g. 0 to 1")
+
+
+def call(task: Task, fn: Callable, text: str, ref: str):
+    """fn(text, ref), a user's function: what it raises is reported with the input that broke it."""
+    try:
+        return fn(text, ref)
+    except Exception as e:
+        name = getattr(fn, "__name__", repr(fn))
+        raise RewardError(f"task {task.name}: reward function {name} raised {type(e).__name__}: "
+                          f"{e} on completion {text!r} (reference {ref!r})") from None
 
 
 def score(task: Task, texts: list[str], references: list[str]) -> torch.Tensor:
@@ -87,15 +132,22 @@ def score(task: Task, texts: list[str], references: list[str]) -> torch.Tensor:
     per_function = torch.full((len(texts), len(task.rewards)), math.nan, dtype=torch.float64)
     for j, (fn, _) in enumerate(task.rewards):
         for i, (text, ref) in enumerate(zip(texts, references)):
-            try:
-                value = fn(text, ref)
-            except Exception as e:  # a user's function: report it with the input that broke it
-                name = getattr(fn, "__name__", repr(fn))
-                raise RewardError(f"task {task.name}: reward function {name} raised "
-                                  f"{type(e).__name__}: {e} on completion {text!r} "
-                                  f"(reference {ref!r})") from None
-            per_function[i, j] = check_reward(value, fn, text, ref, task)
+            per_function[i, j] = check_reward(call(task, fn, text, ref), fn, text, ref, task)
     return per_function
+
+
+def total_rewards(task: Task, texts: list[str], references: list[str]) -> torch.Tensor:
+    """(N,) float64: each completion's rewards summed as TRL sums them (grpo.combine_rewards),
+    NaN where no function scored it; statistics that overflow stop the run."""
+    total = combine_rewards(score(task, texts, references), [w for _, w in task.rewards])
+    check_statistics(task, total)
+    return total
+
+
+def count_correct(task: Task, texts: list[str], references: list[str]) -> int:
+    """How many completions task.correct calls fully correct (0 without a predicate)."""
+    return sum(bool(call(task, task.correct, t, r)) for t, r in zip(texts, references)
+               if task.correct is not None)
 
 
 REVERSE_LEN = 3
@@ -213,29 +265,111 @@ def has_number(completion: str, reference: str) -> float:
     return float(parse_number(completion) is not None)
 
 
+def jsonl_prompt(row: dict, where: str):
+    """A row's prompt: a string, or a conversation (a list of {"role", "content"} messages)."""
+    prompt = row["prompt"] if "prompt" in row else row["question"]  # GSM8K names it question
+    if type(row["answer"]) not in (str, int, float) or not isinstance(prompt, (str, list)):
+        raise ValueError(f"{where}: 'prompt' must be a string (or a conversation) and 'answer' a "
+                         f"string or a number, got {type(prompt).__name__} and "
+                         f"{type(row['answer']).__name__}")
+    if isinstance(prompt, list):
+        if not prompt or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                 and isinstance(m.get("content"), str) for m in prompt):
+            raise TypeError("a conversation is a non-empty list of {\"role\", \"content\"} "
+                            "strings")
+        return [{"role": m["role"], "content": m["content"]} for m in prompt]
+    return str(prompt)
+
+
 def jsonl_math(data: str) -> Task:
     if not data:
         raise ValueError("task jsonl_math needs --task_data FILE (one {\"prompt\", \"answer\"} "
                          "object per line)")
     examples = []
+    i = 0
     try:
         with open(data) as f:
             for i, line in enumerate(f, 1):
                 if not line.strip():
                     continue
                 row = json.loads(line)
+                prompt = jsonl_prompt(row, f"{data}:{i}")
                 # GSM8K puts the number after ####
                 answer = str(row["answer"]).split("####")[-1].strip()
                 if parse_number(answer) is None:
                     raise ValueError(f"{data}:{i}: answer {row['answer']!r} holds no number")
-                examples.append((str(row["prompt"]), str(parse_number(answer))))
+                examples.append((prompt, str(parse_number(answer))))
     except FileNotFoundError:
-        raise ValueError(f"--task_data {data}: file not found") from None
+        raise ValueError(f"{data}: file not found") from None
+    except (OSError, UnicodeDecodeError) as e:  # a folder, a binary file, no permission
+        raise ValueError(f"{data}: cannot read it as a JSONL text file "
+                         f"({type(e).__name__}: {e})") from None
     except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise ValueError(f"{data}:{i}: expected a JSON object with 'prompt' and 'answer' "
-                         f"({e!r})") from None
+        raise ValueError(f"{data}:{i}: expected a JSON object with 'prompt' and 'answer' (a prompt "
+                         f"is a string or a conversation; {e!r})") from None
     if not examples:
         raise ValueError(f"{data}: no examples")
     rewards = [(answer_correct, 1.0), (has_number, 0.1)]
     return Task("jsonl_math", lambda rng: rng.choice(examples), rewards,
-                correct=lambda c, r: answer_correct(c, r) == 1.0)
+                correct=lambda c, r: answer_correct(c, r) == 1.0, examples=examples)
+
+# -----------------------------------------------------------------------------
+# The evaluation's prompts, which training never draws
+
+
+def prompt_key(prompt) -> str:
+    """A prompt's identity (a conversation is a list: its JSON)."""
+    return prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True)
+
+
+def distinct(examples) -> list[tuple]:
+    """The examples with distinct prompts, first occurrence kept, in order."""
+    return list({prompt_key(p): (p, r) for p, r in reversed(list(examples))}.values())[::-1]
+
+
+@dataclass
+class EvalSplit:
+    examples: list[tuple]                            # the evaluation's (prompt, reference) pairs
+    held_out: set[str] = field(default_factory=set)  # prompt_key of what training never draws
+    note: str = ""                                   # what was held out, said at the first step
+
+
+def eval_split(task: Task, eval_task: Task | None, count: int, seed: int) -> EvalSplit:
+    """Up to `count` distinct evaluation prompts: the first of eval_task's dataset (--eval_data: the
+    training data stays whole), else held out of the task's own, from their own RNG stream. A
+    finite dataset gives at most half of its distinct prompts, and says so."""
+    if eval_task is not None:
+        if eval_task.examples is None:
+            raise ValueError(f"--eval_data: task {eval_task.name} has no finite dataset to "
+                             "evaluate on (it is for jsonl tasks)")
+        examples = distinct(eval_task.examples)[:count]
+        return EvalSplit(examples, note=f"eval: {len(examples)} prompts of --eval_data; "
+                                        "training keeps every prompt of its own data")
+    rng = random.Random(f"eval:{seed}")
+    if task.examples is not None:
+        pool = distinct(task.examples)
+        rng.shuffle(pool)
+        examples = pool[:min(count, len(pool) // 2)]
+        note = (f"eval: {len(examples)} of the {len(pool)} distinct prompts held out of training "
+                f"(--eval_prompts {count}, at most half), {len(pool) - len(examples)} remain for "
+                "training; --eval_data FILE evaluates on a test split instead")
+        return EvalSplit(examples, {prompt_key(p) for p, _ in examples}, note)
+    found: dict[str, tuple] = {}
+    for _ in range(100 * count):
+        if len(found) == count:
+            break
+        prompt, reference = task.sample(rng)
+        found.setdefault(prompt_key(prompt), (prompt, reference))
+    if len(found) < count:  # the stream ran dry: fewer distinct prompts; training keeps half
+        found = dict(list(found.items())[:len(found) // 2])
+    return EvalSplit(list(found.values()), set(found))
+
+
+def draw_training_example(task: Task, split: EvalSplit, rng: random.Random) -> tuple:
+    """A (prompt, reference) the evaluation does not hold out."""
+    for _ in range(1000):
+        example = task.sample(rng)
+        if prompt_key(example[0]) not in split.held_out:
+            return example
+    raise ValueError(f"task {task.name}: 1000 draws in a row were held out for the evaluation; "
+                     "lower --eval_prompts (or --eval_every 0)")

@@ -25,8 +25,8 @@ on how the batch is split.
 
 Each knob lives in the dataclass of the file that uses it (TrainConfig here, RolloutConfig,
 GRPOConfig, MemoryConfig); `--field value` is routed to its owner. `python train.py --help` lists
-them all. Leaves out: pipeline parallelism, multi-node launch details, chat templates (see
---prompt_template), wandb.
+them all. --dtype bfloat16: fp32 master weights and AdamW state, bf16 autocast, a bf16 sampler copy.
+Leaves out: pipeline parallelism, multi-node launch details, wandb.
 Shapes: Bp prompts, G samples per prompt, N = Bp*G completions, Tr completion length.
 Tested by tests/test_train.py.
 """
@@ -34,12 +34,9 @@ Tested by tests/test_train.py.
 import contextlib
 import copy
 import dataclasses
-import json
 import math
 import os
 import random
-import resource
-import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -57,10 +54,10 @@ import plan
 import plot
 import rollout
 import tp
-from hf import (build_char_tokenizer, load_config, load_generation_config, load_model,
-                load_tokenizer, stop_token_ids)
-from model import Llama, ModelConfig
 import tasks
+import tokenizer as tk
+from hf import load_config, load_generation_config, load_model, stop_token_ids
+from model import Llama, ModelConfig
 from tasks import Task
 
 # -----------------------------------------------------------------------------
@@ -75,17 +72,17 @@ class TrainConfig:
     layers: int = 2                  # fresh model: transformer blocks
     heads: int = 4                   # fresh model: attention heads
     kv_heads: int = 2                # fresh model: key/value heads (GQA)
-    dtype: str = "float32"           # trainer weights: float32 or bfloat16
-    sampler_dtype: str = ""          # sampler weights; "" = the trainer's own tensors (no copy)
+    dtype: str = "float32"           # compute: float32, or bfloat16 (fp32 master weights, autocast)
+    sampler_dtype: str = ""          # sampler weights; "" = --dtype (bf16: a copy of the master)
     # task
     task: str = "tasks:reverse"      # package.module:attr, a Task or a function (task_data) -> Task
     task_data: str = ""              # passed to a task factory, e.g. tasks:jsonl_math's JSONL file
-    prompt_template: str = ""        # text around "{prompt}", e.g. a chat turn; "" = the prompt
+    eval_data: str = ""              # the eval's test split, task_data's format; "" = held out
     prompts_per_step: int = 16       # Bp prompts per generation batch (over all dp ranks)
     max_prompt_len: int = 256        # longer prompts are truncated on the left (counted in the log)
     # optimisation
     steps: int = 800                 # generation batches to train on
-    lr: float = 5e-4                 # peak learning rate (tiny fresh model; ~1e-6 for a real one)
+    lr: float = 5e-4                 # peak learning rate (fresh model; 1e-6 with --model)
     min_lr_ratio: float = 0.1        # cosine decay floor, as a fraction of lr
     warmup_steps: int = 10           # linear warmup, in optimizer steps
     weight_decay: float = 0.0        # AdamW weight decay
@@ -107,13 +104,14 @@ class TrainConfig:
 
 
 # Every knob has one home: the dataclass of the file that uses it. The CLI routes --name to it.
-SECTIONS = {"train": TrainConfig, "rollout": rollout.RolloutConfig, "grpo": grpo.GRPOConfig,
-            "memory": memory.MemoryConfig, "parallel": tp.ParallelConfig}
+SECTIONS = {"train": TrainConfig, "prompt": tk.PromptConfig, "rollout": rollout.RolloutConfig,
+            "grpo": grpo.GRPOConfig, "memory": memory.MemoryConfig, "parallel": tp.ParallelConfig}
 
 
 @dataclass
 class Configs:
     train: TrainConfig
+    prompt: tk.PromptConfig
     rollout: rollout.RolloutConfig
     grpo: grpo.GRPOConfig
     memory: memory.MemoryConfig
@@ -138,30 +136,71 @@ class StopTraining(Exception):
     clear line, after a checkpoint of the last good state."""
 
 
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """Whether any rank (dp and tp) raised the flag: a stop or continue decided together."""
+    t = torch.tensor([float(flag)], device=device)
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # over every rank of the world
+    return bool(t.item())
+
+
+def together(run, fn, *args):
+    """fn(*args), which may fail on one rank alone (a reward function, a prompt too long): all stop
+    here, at the same step. A lone rank that raised would leave the others in a collective."""
+    error = None
+    try:
+        result = fn(*args)
+    except (StopTraining, tasks.RewardError) as e:
+        error = e
+    if any_rank(error is not None, run.device):
+        if error and run.rank != 0:  # rank 0 prints its own at exit; another rank's, here
+            print(f"error: {error}", file=sys.stderr, flush=True)
+        raise StopTraining(str(error or "") if run.rank == 0 else "")
+    return result
+
+
 def build_model(cfg: TrainConfig, task: Task, source: str, device: torch.device,
-                groups: tp.ParallelGroups) -> tuple[Llama, object]:
-    """From a HF directory (--model, or a checkpoint being resumed), or fresh: a char tokenizer for
-    the task's alphabet and a tiny Llama initialised from the seed (the same on every rank)."""
-    dtype = getattr(torch, cfg.dtype)
+                groups: tp.ParallelGroups) -> tuple[Llama, tk.PromptTokenizer]:
+    """From a HF directory (--model, or a checkpoint being resumed: its fp32 master/ when it has
+    one), or fresh: a char tokenizer for the task's alphabet and a tiny Llama initialised from the
+    seed (the same on every rank). In the trainer's dtype: float32 under bf16 mixed precision."""
+    dtype = master_dtype(cfg)
     if source:
+        weights = checkpoint.master_dir(source) or source
         if groups.tp_size > 1:
-            model = tp.load_sharded(source, groups, device, dtype)  # each rank reads its slice
+            model = tp.load_sharded(weights, groups, device, dtype)  # each rank reads its slice
         else:
-            model = load_model(source, device=device, dtype=dtype)
-        return model, load_tokenizer(source)
+            model = load_model(weights, device=device, dtype=dtype)
+        return model, tk.load_tokenizer(source, model.config.vocab_size)
     if not task.alphabet:
         raise ValueError(f"task {task.name} has no alphabet for a fresh tokenizer: pass --model "
                          "DIR")
-    tokenizer = build_char_tokenizer(task.alphabet)
-    mcfg = ModelConfig(vocab_size=tokenizer.get_vocab_size(), hidden_size=cfg.dim,
+    tokenizer = tk.PromptTokenizer(tk.build_char_tokenizer(task.alphabet))
+    mcfg = ModelConfig(vocab_size=tokenizer.num_ids, hidden_size=cfg.dim,
                        intermediate_size=cfg.dim * 11 // 4, num_hidden_layers=cfg.layers,
                        num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
-                       max_position_embeddings=1024, bos_token_id=tokenizer.token_to_id("<bos>"),
-                       eos_token_id=tokenizer.token_to_id("<eos>"))
+                       max_position_embeddings=1024,
+                       bos_token_id=tokenizer.tok.token_to_id("<bos>"),
+                       eos_token_id=tokenizer.tok.token_to_id("<eos>"))
     model = Llama(mcfg).init_weights(cfg.seed).to(device=device, dtype=dtype)  # same on every rank
     if groups.tp_size > 1:
         tp.shard_model(model, groups)
     return model, tokenizer
+
+
+def master_dtype(cfg: TrainConfig) -> torch.dtype:
+    """The trainer's weights and AdamW state: float32 under bf16 (an AdamW step of 1e-6 on a weight
+    of 0.02 is below bf16's resolution: bf16 weights would round most updates away)."""
+    return torch.float32 if cfg.dtype == "bfloat16" else getattr(torch, cfg.dtype)
+
+
+def autocast(run: "Run"):
+    """bf16 forward and backward from the fp32 master (FSDP's and Megatron's mixed precision).
+    Autocast, not a bf16 working copy refreshed after each step: tests/bench_bf16.py measures both
+    (docs/measurements.md); autocast keeps the gradients fp32 across micro-batches and ranks."""
+    if run.cfgs.train.dtype != "bfloat16":
+        return contextlib.nullcontext()
+    return torch.autocast(run.device.type, dtype=torch.bfloat16)
 
 
 def learning_rate(cfg: TrainConfig, opt_step: int, total: int) -> float:
@@ -177,12 +216,11 @@ def learning_rate(cfg: TrainConfig, opt_step: int, total: int) -> float:
 class Run:
     """Everything setup() builds once and step() uses."""
     cfgs: Configs
-    explicit: set[str]               # options given on the command line (they beat a resume's)
     rank: int
     groups: tp.ParallelGroups
     device: torch.device
     task: Task
-    tokenizer: object
+    tokenizer: tk.PromptTokenizer
     stop_ids: tuple[int, ...]        # config.json's and generation_config.json's eos ids
     generation_config: dict | None   # the source's, copied into every checkpoint
     model: Llama
@@ -195,10 +233,11 @@ class Run:
     opt_step: int = 0
     bad_in_a_row: int = 0            # steps whose every update was skipped (non-finite)
     unscored_in_a_row: int = 0       # steps with no reward scored at all
-    held_out: dict[str, str] = field(default_factory=dict)  # the eval's prompt -> reference
+    eval: tasks.EvalSplit = field(default_factory=lambda: tasks.EvalSplit([]))  # the eval's prompts
     logits_fn: object = None         # TP: all-gather the vocab shards before sampling
     logprob_fn: object = None        # TP: vocab-parallel logprobs
-    stop_signals: list = field(default_factory=list)
+    signals: checkpoint.StopSignals = field(default_factory=checkpoint.StopSignals)
+    notes: list[str] = field(default_factory=list)  # lines printed at the first step
 
     @property
     def local_prompts(self) -> int:  # this dp rank's share of the generation batch
@@ -206,21 +245,6 @@ class Run:
 
     def phase(self, name: str):
         return self.mem.phase(name) if self.cfgs.train.phases else contextlib.nullcontext()
-
-
-def resolve_configs(values: dict[str, object]) -> tuple[Configs, set[str]]:
-    """The command line's configs, or a resumed run's saved ones with this command line's options
-    on top."""
-    explicit = set(values)
-    resume = values.get("resume", "")
-    if resume:
-        out = values.get("out", TrainConfig.out)
-        saved = checkpoint.saved_config(resume, out)
-        owners = cli.field_owners(SECTIONS)
-        flat = {name: value for section, fields in saved.items() for name, value in fields.items()
-                if owners.get(name) == section}
-        values = {**flat, **values}
-    return build_configs(values), explicit
 
 
 def memory_phases(device: torch.device | str, cfg: memory.MemoryConfig, model: Llama,
@@ -241,25 +265,33 @@ def memory_phases(device: torch.device | str, cfg: memory.MemoryConfig, model: L
 
 def setup(values: dict[str, object]) -> Run:
     rank, world, device = tp.init_distributed()
-    cfgs, explicit = resolve_configs(values)
-    cfg = cfgs.train
+    changes, explicit = [], set(values)  # a resumed run: the checkpoint's flags, these on top
+    if values.get("resume"):
+        owners = cli.field_owners(SECTIONS)
+        values, changes = checkpoint.resume_values(values, owners, TrainConfig.out)
+    cfgs = build_configs(values)
     cli.check_config(cfgs)
+    notes = [cli.pretrained_defaults(cfgs, explicit)]
+    cfg = cfgs.train
     groups = tp.make_groups(cfgs.parallel.tp)
     if cfg.prompts_per_step % groups.dp_size:
         raise ValueError(f"--prompts_per_step {cfg.prompts_per_step} must be divisible by "
                          f"dp = world / tp = {groups.dp_size}")
     checkpoint.check_out_dir(cfg.out, cfg.resume, cfg.overwrite)
+    checkpoint.lock_out_dir(cfg.out)  # one run per --out, before anything is written there
+    if rank == 0 and changes:
+        print(f"resuming {cfg.resume} with: {'; '.join(changes)}")
     if device.type == "cpu":
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # no oversubscription
         torch.set_num_threads(cfg.threads or max(1, torch.get_num_threads() // local))
     task = tasks.load_task(cfg.task, cfg.task_data)
     resume_dir = checkpoint.resolve(cfg.resume, cfg.out) if cfg.resume else ""
     source = resume_dir or cfg.model
+    budget = cfgs.rollout.max_new_tokens or task.max_new_tokens or 256  # 0: the task's own
+    cfgs.rollout = dataclasses.replace(cfgs.rollout, max_new_tokens=budget)
+    cli.check_budget(budget, load_config(source).max_position_embeddings if source else 1024)
     model, tokenizer = build_model(cfg, task, source, device, groups)
     generation_config = load_generation_config(source) if source else None
-    if cfgs.rollout.max_new_tokens == 0:  # the task's own budget
-        budget = task.max_new_tokens or 256
-        cfgs.rollout = dataclasses.replace(cfgs.rollout, max_new_tokens=budget)
     # The reference is the initial policy (built before any checkpoint is loaded).
     reference = None
     if cfgs.grpo.beta > 0:
@@ -268,9 +300,7 @@ def setup(values: dict[str, object]) -> Run:
         else:
             reference = copy.deepcopy(model)
         reference.requires_grad_(False)
-    sampler = model
-    if cfg.sampler_dtype and cfg.sampler_dtype != cfg.dtype:
-        sampler = copy.deepcopy(model).to(getattr(torch, cfg.sampler_dtype)).requires_grad_(False)
+    sampler = build_sampler(cfg, model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.99),
                                   weight_decay=cfg.weight_decay)
     start = 0
@@ -284,15 +314,27 @@ def setup(values: dict[str, object]) -> Run:
     memory.checkpoint_blocks(model.model.layers, cfgs.memory.activation_checkpoint)
     mem = memory_phases(device, cfgs.memory, model, sampler, cache, optimizer, reference)
     stop_ids = stop_token_ids(model.config, generation_config)
-    run = Run(cfgs, explicit, rank, groups, device, task, tokenizer, stop_ids, generation_config,
+    run = Run(cfgs, rank, groups, device, task, tokenizer, stop_ids, generation_config,
               model, sampler, reference, optimizer, mem, cache, start=start,
               opt_step=start * cfgs.grpo.mu)
-    if cfg.eval_every:
-        run.held_out = held_out_prompts(task, cfg)  # may be empty: then there is no evaluation
+    if cfg.eval_every:  # the split may be empty: then there is no evaluation
+        eval_task = tasks.load_task(cfg.task, cfg.eval_data) if cfg.eval_data else None
+        run.eval = tasks.eval_split(task, eval_task, cfg.eval_prompts, cfg.seed)
+        notes.append(run.eval.note)
+    run.notes = [note for note in notes if note]
     if groups.tp_size > 1:
         run.logits_fn = partial(tp.gather_vocab, groups=groups)
         run.logprob_fn = partial(tp.vocab_parallel_logprobs, groups=groups)
     return run
+
+
+def build_sampler(cfg: TrainConfig, model: Llama) -> Llama:
+    """The trainer itself, or a copy in --sampler_dtype (by default --dtype: a bf16 copy of an fp32
+    master), synced from the trainer before each rollout."""
+    dtype = getattr(torch, cfg.sampler_dtype or cfg.dtype)
+    if dtype == next(model.parameters()).dtype:
+        return model
+    return copy.deepcopy(model).to(dtype).requires_grad_(False)
 
 # -----------------------------------------------------------------------------
 # Prompts and rewards
@@ -303,76 +345,33 @@ def draw_prompts(run: Run, step: int, round: int = 0) -> tuple[list[list[int]], 
     batch is a function of (seed, step, round) alone, so a resumed run draws the same one."""
     cfg = run.cfgs.train
     rng = random.Random(cfg.seed * 1_000_003 + step if not round else f"{cfg.seed}:{step}:{round}")
-    examples = [draw_training_example(run, rng) for _ in range(cfg.prompts_per_step)]
+    try:
+        examples = [tasks.draw_training_example(run.task, run.eval, rng)
+                    for _ in range(cfg.prompts_per_step)]
+    except ValueError as e:
+        raise StopTraining(str(e)) from None
     lo = run.groups.dp_rank * run.local_prompts
     examples = examples[lo:lo + run.local_prompts]
-    ids, truncated = tokenize_prompts(run, [text for text, _ in examples])
+    ids, truncated = encode_prompts(run, [prompt for prompt, _ in examples])
     return ids, [ref for _, ref in examples], truncated
 
 
-def draw_training_example(run: Run, rng: random.Random) -> tuple[str, str]:
-    """A (prompt, reference) the evaluation does not hold out."""
-    for _ in range(1000):
-        example = run.task.sample(rng)
-        if example[0] not in run.held_out:
-            return example
-    raise StopTraining(f"task {run.task.name}: 1000 draws in a row were held out for the "
-                       f"evaluation; lower --eval_prompts (or --eval_every 0)")
-
-
-def held_out_prompts(task: Task, cfg: TrainConfig) -> dict[str, str]:
-    """The evaluation's distinct prompts and their references, from their own RNG stream. A task
-    with fewer distinct prompts than --eval_prompts (the stream runs dry) holds out half of them,
-    so that training keeps the other half."""
-    rng = random.Random(f"eval:{cfg.seed}")
-    examples: dict[str, str] = {}
-    for _ in range(100 * cfg.eval_prompts):
-        if len(examples) == cfg.eval_prompts:
-            return examples
-        prompt, reference = task.sample(rng)
-        examples.setdefault(prompt, reference)
-    return dict(list(examples.items())[:len(examples) // 2])
-
-
-def tokenize_prompts(run: Run, texts: list[str]) -> tuple[list[list[int]], int]:
-    """Token ids of each prompt (template applied, bos first), left-truncated to max_prompt_len;
-    and how many were truncated."""
-    cfg = run.cfgs.train
-    bos = run.model.config.bos_token_id
-    ids = []
-    truncated = 0
-    for text in texts:
-        if cfg.prompt_template:
-            text = cfg.prompt_template.replace("{prompt}", text)
-        tokens = encode(run, text)
-        if bos is not None and (not tokens or tokens[0] != bos):
-            tokens = [bos] + tokens
-        if len(tokens) > cfg.max_prompt_len:  # keep the end: the question sits at the end
-            tokens = tokens[-cfg.max_prompt_len:]
-            truncated += 1
-        ids.append(tokens)
-    return ids, truncated
-
-
-def encode(run: Run, text: str) -> list[int]:
+def encode_prompts(run: Run, prompts: list) -> tuple[list[list[int]], int]:
+    """Token ids as transformers/TRL would encode them (tokenizer.py), left-truncated, and checked
+    against the model's context."""
     try:
-        return run.tokenizer.encode(text, add_special_tokens=False).ids
-    except Exception:  # the tokenizers library raises plain Exceptions (e.g. no [UNK] token)
-        unknown = [c for c in text if run.tokenizer.token_to_id(c) is None]
-        what = f"the character {unknown[0]!r}" if unknown else "a character"
-        raise StopTraining(f"task {run.task.name}: prompt {text!r} has {what} that the tokenizer "
-                           f"cannot encode; a fresh model's vocabulary is the task's alphabet "
-                           f"{run.task.alphabet!r}") from None
-
-
-def completion_texts(run: Run, out: rollout.Rollout) -> list[str]:
-    """What a reward function sees: every token the model wrote, special ones included (a <pad>
-    inside an answer is the policy's doing), except the stop token that ended the row."""
-    texts = []
-    for tokens, stopped in zip(out.completions(), out.stopped.tolist()):
-        texts.append(run.tokenizer.decode(tokens[:-1] if stopped else tokens,
-                                          skip_special_tokens=False))
-    return texts
+        ids, truncated = run.tokenizer.encode_prompts(prompts, run.cfgs.prompt,
+                                                      run.cfgs.train.max_prompt_len)
+    except ValueError as e:
+        raise StopTraining(f"task {run.task.name}: {e}") from None
+    try:
+        if ids:
+            rollout.check_prompts(ids, run.stop_ids, run.cfgs.rollout.max_new_tokens,
+                                  run.model.config)
+    except ValueError as e:
+        raise StopTraining(f"task {run.task.name}: {e} (lower --max_prompt_len or "
+                           "--max_new_tokens)") from None
+    return ids, truncated
 
 
 # -----------------------------------------------------------------------------
@@ -404,13 +403,8 @@ def sample_round(run: Run, step: int, round: int) -> tuple[grpo.GRPOBatch, torch
     advantages, every rank's rewards (dp * N,) and the rollout's counts."""
     cfgs, G = run.cfgs, run.cfgs.rollout.num_samples
     t0 = time.perf_counter()
-    # 1. The step's prompts.
-    prompts, references, truncated = draw_prompts(run, step, round)
-    try:
-        rollout.check_prompts(prompts, run.stop_ids, cfgs.rollout.max_new_tokens, run.model.config)
-    except ValueError as e:
-        raise StopTraining(f"task {run.task.name}: {e} (lower --max_prompt_len or "
-                           "--max_new_tokens)") from None
+    # 1. The step's prompts (each dp rank checks its own: they stop together).
+    prompts, references, truncated = together(run, draw_prompts, run, step, round)
     # 2. Rollout: the sampler gets the trainer's weights, then samples G completions per prompt.
     with run.phase("rollout"):
         rollout.sync_weights(run.sampler, run.model)
@@ -420,11 +414,10 @@ def sample_round(run: Run, step: int, round: int) -> tuple[grpo.GRPOBatch, torch
     counts = dict(rollout=time.perf_counter() - t0, truncated=truncated,
                   lengths=float(out.mask.sum()), new_tokens=float(out.stats["new_tokens"]))
     # 3. Rewards: each reward function's score, summed as TRL sums them (None leaves one out).
-    texts = completion_texts(run, out)
-    per_function = tasks.score(run.task, texts, [ref for ref in references for _ in range(G)])
-    weights = [weight for _, weight in run.task.rewards]
-    rewards = grpo.combine_rewards(per_function, weights).to(run.device)  # (N,), NaN: missing
-    all_rewards = gather_dp(rewards, run)  # (dp * N,)
+    texts = run.tokenizer.decode_completions(out.completions(), out.stopped.tolist())
+    references = [ref for ref in references for _ in range(G)]  # (N,)
+    rewards = together(run, tasks.total_rewards, run.task, texts, references)
+    all_rewards = gather_dp(rewards.to(run.device), run)  # (dp * N,)
     # 4. Group advantages over the whole generation batch; this rank keeps its rows.
     g = cfgs.grpo
     advantages = grpo.group_advantages(all_rewards, G, g.scale, g.std_eps, g.std_correction)
@@ -452,9 +445,10 @@ def step(run: Run, step: int) -> dict:
     # 5. Old and reference logprobs, without grad.
     t0 = time.perf_counter()
     if g.mu > 1 or run.sampler is not run.model:
-        batch.old_logp = grpo.batch_logprobs(run.model, batch, g, logprob_fn=run.logprob_fn)
+        with autocast(run):
+            batch.old_logp = grpo.batch_logprobs(run.model, batch, g, logprob_fn=run.logprob_fn)
     if run.reference is not None:
-        with run.phase("reference"):
+        with run.phase("reference"), autocast(run):
             batch.ref_logp = grpo.batch_logprobs(run.reference, batch, g,
                                                  logprob_fn=run.logprob_fn)
     times = {"rollout": counts.pop("rollout"), "logprobs": time.perf_counter() - t0}
@@ -483,19 +477,24 @@ def train_phase(run: Run, batch: grpo.GRPOBatch) -> list[dict]:
             sp = contextlib.nullcontext()
             if run.groups.tp_size > 1:
                 sp = tp.sequence_parallel(run.model, cfgs.parallel.sequence_parallel)
-            with sp, run.mem.activations(run.model):
+            with sp, run.mem.activations(run.model), autocast(run):
                 m = grpo.accumulate(run.model, batch, cfgs.grpo, logprob_fn=run.logprob_fn,
                                     num_seqs=int(num_seqs), num_tokens=max(1, int(num_tokens)))
             tp.DataParallelGrads(run.model, run.groups).all_reduce()
             m["grad_norm"] = tp.clip_grad_norm(run.model, cfgs.train.grad_clip or math.inf,
                                                run.groups)
-            # A non-finite loss or gradient anywhere: skip this update on every rank.
+            # A non-finite loss or gradient anywhere: skip this update on every rank. A gradient
+            # of exactly 0 (every advantage 0) still steps AdamW, as TRL does (its momentum
+            # moves the weights), but is counted apart from the updates that learned something.
+            # The schedule advances on every step, as torch's schedulers do: the lr is a
+            # function of the step, and a resumed run rebuilds it from the step.
             finite = math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])
             (all_finite,) = all_reduce_dp([float(finite)], run, dist.ReduceOp.MIN)
-            m["updated"] = bool(all_finite)
-            if m["updated"]:
+            m["finite"] = bool(all_finite)
+            m["updated"] = m["finite"] and m["grad_norm"] > 0
+            if m["finite"]:
                 run.optimizer.step()
-                run.opt_step += 1
+            run.opt_step += 1
             run.optimizer.zero_grad(set_to_none=True)
             iterations.append(reduce_iteration(run, m, m["tokens"]))
     return iterations
@@ -508,7 +507,7 @@ def reduce_iteration(run: Run, m: dict, tokens: float) -> dict:
     keys = sorted(k for k in m if k not in ("loss", "tokens", "grad_norm", "updated", *extremes))
     sums = all_reduce_dp([m["loss"], tokens] + [m[k] * tokens for k in keys], run)
     peaks = all_reduce_dp([s * m[k] for k, s in extremes.items()], run, dist.ReduceOp.MAX)
-    return dict(loss=sums[0], grad_norm=m["grad_norm"], updated=m["updated"],
+    return dict(loss=sums[0], grad_norm=m["grad_norm"], updated=m["updated"], finite=m["finite"],
                 **{k: s / max(sums[1], 1.0) for k, s in zip(keys, sums[2:])},
                 **{k: s * p for (k, s), p in zip(extremes.items(), peaks)})
 
@@ -527,18 +526,20 @@ def step_record(run: Run, step: int, rewards: torch.Tensor, counts: dict,
                   tokens_per_s=tokens / max(times["rollout"], 1e-9), kept_groups=int(kept),
                   zero_std=float((~grpo.informative_groups(
                       rewards, run.cfgs.rollout.num_samples)).double().mean()),
-                  extra_rollouts=counts["extra_rollouts"], updates=len(updated),
-                  skipped_updates=len(iterations) - len(updated))
+                  extra_rollouts=counts["extra_rollouts"], updates=len(updated),  # with a gradient
+                  skipped_updates=sum(not it["finite"] for it in iterations))
+    record["zero_grad"] = len(iterations) - len(updated) - record["skipped_updates"]
     metrics = ["loss", "clip_low", "clip_high", "ratio_mean", "kl", "entropy"]
     metrics += [k for k in (iterations[0] if iterations else {})
-                if k not in (*metrics, "grad_norm", "updated")]
+                if k not in (*metrics, "grad_norm", "updated", "finite")]
     for key in metrics:  # over the mu iterations
         values = [it[key] for it in iterations if key in it]
         pick = min if key.endswith("_min") else max if key.endswith("_max") else None
         record[key] = (pick(values) if pick else sum(values) / len(values)) if values else None
     norms = [it["grad_norm"] for it in updated]
     # sampler_logp_diff before any update of this step: the sampler's logprobs up to numerics
-    record.update({f"t_{k}": v for k, v in times.items()}, peak_gb=peak_memory(run),
+    record.update({f"t_{k}": v for k, v in times.items()}, **cli.memory_figures(run.device,
+                                                                                  run.mem),
                   sampler_logp_diff=iterations[0].get("sampler_logp_diff") if iterations else None,
                   grad_norm=sum(norms) / len(norms) if norms else None,
                   lr=run.optimizer.param_groups[0]["lr"])
@@ -549,37 +550,26 @@ def evaluate(run: Run) -> dict:
     """Greedy completions of the held-out prompts (each dp rank a share), scored by the task's own
     reward functions: the mean reward and, where the task defines one, the share fully correct."""
     t0 = time.perf_counter()
-    items = list(run.held_out.items())[run.groups.dp_rank::run.groups.dp_size]
+    items = run.eval.examples[run.groups.dp_rank::run.groups.dp_size]
     greedy = dataclasses.replace(run.cfgs.rollout, num_samples=1, temperature=0.0)
-    rewards = []
-    correct = 0
+    prompts = together(run, encode_prompts, run, [prompt for prompt, _ in items])[0]
+    texts = []
     for first in range(0, len(items), run.local_prompts):  # batches the KV cache was sized for
-        part = items[first:first + run.local_prompts]
-        prompts, _ = tokenize_prompts(run, [prompt for prompt, _ in part])
         with run.phase("rollout"):
             rollout.sync_weights(run.sampler, run.model)
-            out = rollout.generate(run.sampler, prompts, greedy, stop_ids=run.stop_ids,
-                                   cache=run.cache, logits_fn=run.logits_fn)
-        texts = completion_texts(run, out)
-        references = [ref for _, ref in part]
-        weights = [weight for _, weight in run.task.rewards]
-        rewards.append(grpo.combine_rewards(tasks.score(run.task, texts, references), weights))
-        if run.task.correct is not None:
-            correct += sum(bool(run.task.correct(t, r)) for t, r in zip(texts, references))
-    scores = torch.cat(rewards) if rewards else torch.zeros(0, dtype=torch.float64)
+            out = rollout.generate(run.sampler, prompts[first:first + run.local_prompts], greedy,
+                                   stop_ids=run.stop_ids, cache=run.cache, logits_fn=run.logits_fn)
+        texts += run.tokenizer.decode_completions(out.completions(), out.stopped.tolist())
+    references = [ref for _, ref in items]
+
+    scores = together(run, tasks.total_rewards, run.task, texts, references)
+    correct = together(run, tasks.count_correct, run.task, texts, references)
     scored = scores[~scores.isnan()]
     total, count, right, prompts = all_reduce_dp(
         [scored.sum().item(), len(scored), correct, len(items)], run)
     return dict(eval_reward=total / count if count else None,
                 eval_correct=right / prompts if run.task.correct is not None else None,
                 t_eval=time.perf_counter() - t0)
-
-
-def peak_memory(run: Run) -> float:
-    """GB: the peak of max_memory_allocated over all phases on a GPU, peak RSS on a CPU."""
-    if run.device.type == "cuda":
-        return max(run.mem.peak_bytes(), torch.cuda.max_memory_allocated(run.device)) / 1e9
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # Linux reports KiB
 
 
 def print_plan(argv: list[str]) -> int:
@@ -593,15 +583,13 @@ def print_plan(argv: list[str]) -> int:
     world = int(os.environ.get("WORLD_SIZE", 1))
     groups = tp.ParallelGroups(None, None, tp_size=cfgs.parallel.tp,
                                dp_size=max(1, world // cfgs.parallel.tp))
-    dtype = getattr(torch, cfg.dtype)
+    dtype = getattr(torch, cfg.dtype)  # activations; the weights are master_dtype's
     with torch.device("meta"):  # shapes only
         if cfg.model:
-            model = tp.shard_model(Llama(load_config(cfg.model)).to(dtype), groups)
+            model = tp.shard_model(Llama(load_config(cfg.model)).to(master_dtype(cfg)), groups)
         else:
             model = build_model(cfg, task, "", torch.device("meta"), groups)[0]
-    sampler = model
-    if cfg.sampler_dtype and cfg.sampler_dtype != cfg.dtype:
-        sampler = copy.deepcopy(model).to(getattr(torch, cfg.sampler_dtype))
+    sampler = build_sampler(cfg, model)
     sampler_dtype = next(sampler.parameters()).dtype
     budget = cfgs.rollout.max_new_tokens or task.max_new_tokens or 256  # as setup()
     r = dataclasses.replace(cfgs.rollout, max_new_tokens=budget)
@@ -637,10 +625,13 @@ def save(run: Run, step: int) -> str:
         tensors = tp.full_state_dict(run.model, g)  # collective over the tp ranks
     else:
         tensors = {name: p.detach() for name, p in run.model.named_parameters()}
+    master = None
+    if run.cfgs.train.dtype == "bfloat16":  # model.safetensors in bf16; master/ in fp32
+        master, tensors = tensors, {n: t.to(torch.bfloat16) for n, t in tensors.items()}
     return checkpoint.save_checkpoint(run.cfgs.train.out, step, run.model.config, tensors,
                                       run.tokenizer, run.optimizer, dataclasses.asdict(run.cfgs),
                                       tp_rank=g.tp_rank, tp_size=g.tp_size, dp_rank=g.dp_rank,
-                                      generation_config=run.generation_config)
+                                      generation_config=run.generation_config, master=master)
 
 
 def check_health(run: Run, record: dict) -> None:
@@ -649,45 +640,47 @@ def check_health(run: Run, record: dict) -> None:
     no_update = record["skipped_updates"] > 0 and record["updates"] == 0
     run.bad_in_a_row = run.bad_in_a_row + 1 if no_update else 0
     run.unscored_in_a_row = run.unscored_in_a_row + 1 if record["reward"] is None else 0
+    why = ""
     if run.bad_in_a_row >= cfg.max_bad_steps:
-        path = save(run, record["step"])
-        raise StopTraining(f"{run.bad_in_a_row} steps in a row had no finite update (non-finite "
-                           f"loss or gradients); stopped, last good state at {path}")
-    if run.unscored_in_a_row >= cfg.max_unscored_steps:
-        path = save(run, record["step"])
-        raise StopTraining(f"{run.unscored_in_a_row} steps in a row had no reward scored (every "
-                           f"reward function returned None); stopped, checkpoint at {path}")
+        why = (f"{run.bad_in_a_row} steps in a row had no finite update (non-finite loss or "
+               "gradients)")
+    elif run.unscored_in_a_row >= cfg.max_unscored_steps:
+        why = (f"{run.unscored_in_a_row} steps in a row had no reward scored (every reward "
+               "function returned None)")
+    if why:
+        raise StopTraining(f"{why}; stopped, last good state at {save(run, record['step'])}")
 
 
 def train(run: Run) -> None:
     cfg = run.cfgs.train
-    metrics_file = ""
-    if run.rank == 0:
-        metrics_file = checkpoint.start_out_dir(cfg.out, cfg.resume, cfg.overwrite, run.start)
+    metrics = checkpoint.Metrics(cfg.out, cfg.resume, cfg.overwrite, run.start)
     bar = tqdm(range(run.start, cfg.steps), initial=run.start, total=cfg.steps,
                disable=run.rank != 0, dynamic_ncols=True)
     for i in bar:
         try:
             record = step(run, i)
-            due = i == 0 or (i + 1) % max(cfg.eval_every, 1) == 0 or i + 1 == cfg.steps
-            if run.held_out and due:
-                record.update(evaluate(run))
-        except (StopTraining, tasks.RewardError):
-            save(run, i)  # nothing lost: the state after the last finished step
+        except StopTraining:
+            if i > run.start:  # nothing lost: the state after the last finished step (at the
+                save(run, i)   # first, --out holds it already, or nothing: never rewrite it)
             raise
+        failed = None
+        try:
+            if run.eval.examples and (i == 0 or (i + 1) % max(cfg.eval_every, 1) == 0
+                                 or i + 1 == cfg.steps):
+                record.update(evaluate(run))
+        except StopTraining as e:  # after step i's update: the checkpoint below holds i + 1
+            failed = e
         if run.rank == 0:
-            with open(metrics_file, "a") as f:
-                f.write(json.dumps(cli.jsonable(record), allow_nan=False) + "\n")
+            metrics.append(cli.jsonable(record))  # the first: now --out is the new run's
             bar.write(cli.step_line(record, cfg.steps, run.cfgs.grpo.beta))
-            if i == run.start and cfg.phases:
-                bar.write(run.mem.report())
+            for line in run.notes + ([run.mem.report()] if cfg.phases else []):
+                if i == run.start:
+                    bar.write(line)
+        if failed:
+            save(run, i + 1)
+            raise failed
         check_health(run, record)
-        # A signal seen by any rank stops every rank after this same step.
-        (stop,) = all_reduce_dp([float(bool(run.stop_signals))], run, dist.ReduceOp.MAX)
-        if run.groups.tp_group is not None:
-            stop_t = torch.tensor([stop], device=run.device)
-            dist.all_reduce(stop_t, op=dist.ReduceOp.MAX, group=run.groups.tp_group)  # over tp
-            stop = stop_t.item()
+        stop = any_rank(bool(run.signals.seen), run.device)  # every rank stops after this step
         last = i + 1 == cfg.steps
         if last or stop or (cfg.save_every and (i + 1) % cfg.save_every == 0):
             path = save(run, i + 1)
@@ -700,37 +693,29 @@ def train(run: Run) -> None:
     bar.close()
 
 
-def on_stop_signal(run: Run, signum: int, frame) -> None:
-    """Ctrl-C (SIGINT) or preemption (SIGTERM from torchrun, Slurm, Kubernetes): finish the step,
-    checkpoint, exit 0. A second Ctrl-C interrupts at once."""
-    run.stop_signals.append(signum)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-
-
 def main(argv: list[str]) -> int:
     if "-h" in argv or "--help" in argv:
         cli.print_help(SECTIONS)
         return 0
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     finished = False  # every rank got through: the groups can meet at a last barrier
     try:
         if "--plan" in argv:
             return print_plan(argv)
         run = setup(parse_args(argv))
-        for s in handlers:
-            signal.signal(s, partial(on_stop_signal, run))
-        train(run)
+        run.signals.rank = run.rank
+        with run.signals:  # Ctrl-C, SIGTERM: finish the step, checkpoint, exit 0
+            train(run)
         finished = True
     except (ValueError, FileNotFoundError, StopTraining) as e:  # one line; else: a traceback
-        print(f"error: {e}", file=sys.stderr)
+        # Under torchrun every rank finds a config error: rank 0 says it, the others exit quietly.
+        if str(e) and int(os.environ.get("RANK", 0)) == 0:
+            print(f"error: {e}", file=sys.stderr)
         return 2
     finally:
-        for s, handler in handlers.items():
-            signal.signal(s, handler)
+        checkpoint.release_out_dir()
         if dist.is_initialized():
             tp.destroy_groups(barrier=finished)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

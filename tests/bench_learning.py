@@ -205,7 +205,7 @@ def supervised(name: str, steps: int, seed: int = 0) -> tuple[float, float]:
     rng = random.Random(seed)
 
     def encode(text: str) -> list[int]:
-        return tokenizer.encode(text, add_special_tokens=False).ids
+        return tokenizer.encode_text(text, add_special_tokens=False)
     for _ in range(steps):
         pairs = [task.sample(rng) for _ in range(64)]
         prompts = [[bos] + encode(prompt) for prompt, _ in pairs]

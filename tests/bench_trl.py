@@ -52,7 +52,7 @@ TESTS = os.path.join(ROOT, "tests")
 sys.path.insert(0, ROOT)
 
 import hf  # noqa: E402
-from hf import build_char_tokenizer  # noqa: E402
+from tokenizer import build_char_tokenizer  # noqa: E402
 from model import Llama, ModelConfig  # noqa: E402
 from tasks import Task  # noqa: E402
 

@@ -488,19 +488,6 @@ def test_generation_config_round_trip_and_stop_token_ids(tmp_path):
         hf.load_generation_config(str(tmp_path))
 
 # -----------------------------------------------------------------------------
-# Tokenizer
-
-
-def test_char_tokenizer_round_trips_through_tokenizer_json(tmp_path):
-    tok = hf.build_char_tokenizer("0123456789+= abc")
-    tok.save(str(tmp_path / "tokenizer.json"))
-    tok2 = hf.load_tokenizer(str(tmp_path))
-    text = "12+ab= 3"
-    ids = tok2.encode(text).ids
-    assert len(ids) == len(text) and tok2.decode(ids) == text
-    assert tok2.token_to_id("<eos>") == 2 and tok2.encode("<bos>1").ids == [1, tok2.token_to_id("1")]
-
-# -----------------------------------------------------------------------------
 # Parity with transformers itself (skipped when it is not importable)
 
 HF_BASE = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,

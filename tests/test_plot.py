@@ -97,3 +97,8 @@ def test_command_line_writes_the_picture_and_refuses_bad_arguments(tmp_path, cap
     assert plot.main([run, "-o"]) == 2
     assert "-o needs a value" in capsys.readouterr().err
     assert plot.main([run, "--colour", "red", "-o", str(out)]) == 2
+
+
+def test_help_prints_the_usage_and_exits_0(capsys):
+    assert plot.main(["--help"]) == 0
+    assert capsys.readouterr().out.startswith("usage: python plot.py")

@@ -121,6 +121,9 @@ def test_jsonl_math_loads_gsm8k_style_answers_and_scores(tmp_path):
     ("not json\n", "expected a JSON object"),
     ('{"prompt": "a", "answer": "none"}\n', "holds no number"),
     ("", "no examples"),
+    ('{"prompt": "a", "answer": [1, 2]}\n', "'answer' a string or a number, got str and list"),
+    ('{"prompt": "a", "answer": true}\n', "'answer' a string or a number, got str and bool"),
+    ('{"prompt": 7, "answer": "7"}\n', "'prompt' must be a string"),
 ])
 def test_jsonl_math_errors_name_the_line(tmp_path, content, message):
     f = tmp_path / "bad.jsonl"
@@ -171,3 +174,58 @@ def test_a_reward_function_that_raises_is_named_with_its_input():
     with pytest.raises(tasks.RewardError, match="reward function judge raised KeyError: 'abc' on "
                                                 "completion 'abc' \\(reference 'ref'\\)"):
         tasks.score(task, ["abc"], ["ref"])
+
+
+def test_jsonl_math_reads_conversations_and_gsm8k_questions(tmp_path):
+    f = tmp_path / "chat.jsonl"
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
+    f.write_text(json.dumps({"prompt": chat, "answer": "4"}) + "\n"
+                 + json.dumps({"question": "3*3?", "answer": "... #### 9"}) + "\n")
+    task = tasks.jsonl_math(str(f))
+    assert task.examples == [(chat, "4.0"), ("3*3?", "9.0")]
+    split = tasks.eval_split(task, None, 64, 0)  # 2 distinct prompts: 1 held out, 1 trains
+    assert len(split.examples) == 1 and "1 remain for training" in split.note
+    f.write_text(json.dumps({"prompt": [{"content": "x"}], "answer": "4"}) + "\n")
+    with pytest.raises(ValueError, match="a prompt is a string or a conversation"):
+        tasks.jsonl_math(str(f))
+
+
+def test_a_finite_dataset_holds_out_at_most_half_and_training_never_draws_it():
+    examples = [(f"{i}=", str(i)) for i in range(65)] + [("0=", "0")]  # a duplicate counts once
+    task = tasks.Task("t", lambda rng: rng.choice(examples), examples=examples)
+    split = tasks.eval_split(task, None, 64, seed=3)
+    assert len(split.examples) == 32 and len(split.held_out) == 32
+    assert "32 of the 65 distinct prompts" in split.note and "33 remain" in split.note
+    rng = random.Random(0)
+    drawn = {tasks.draw_training_example(task, split, rng)[0] for _ in range(2000)}
+    assert len(drawn) == 33 and not drawn & split.held_out
+    assert tasks.eval_split(task, None, 64, seed=3).examples == split.examples  # seeded
+
+
+def test_task_data_that_is_no_jsonl_text_is_one_clear_line(tmp_path):
+    """Regression: a folder was an IsADirectoryError traceback, a binary file a
+    UnicodeDecodeError one."""
+    binary = tmp_path / "weights.bin"
+    binary.write_bytes(bytes(range(256)))
+    for path in (tmp_path, binary):
+        with pytest.raises(ValueError, match=f"{path}: cannot read it as a JSONL text"):
+            tasks.jsonl_math(str(path))
+
+
+def test_nan_counts_as_missing_and_numpy_bools_as_numbers():
+    """A NaN reward is "cannot score", like None; numpy's bool was refused while Python's was a
+    number."""
+    task = tasks.Task("t", tasks.sample_reverse, [(lambda c, r: math.nan if c == "x" else
+                                                   np.bool_(c == "y"), 1.0)])
+    got = tasks.score(task, ["x", "y", "z"], ["", "", ""])
+    assert got[0, 0].isnan() and got[1:, 0].tolist() == [1.0, 0.0]
+
+
+@pytest.mark.parametrize("reward", [1e300, -1e200])
+def test_rewards_whose_statistics_overflow_are_refused(reward):
+    """Finite rewards whose squares overflow would make the group std inf: every advantage 0."""
+    task = tasks.Task("big", tasks.sample_reverse, [(lambda c, r: reward if c == "a" else 0.0,
+                                                     1.0)])
+    with pytest.raises(tasks.RewardError, match="task big: the rewards' mean or spread overflows"):
+        tasks.total_rewards(task, ["a", "b"], ["", ""])
+    assert tasks.total_rewards(task, ["b", "b"], ["", ""]).tolist() == [0.0, 0.0]

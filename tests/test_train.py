@@ -16,6 +16,7 @@ from memtrace import allocator_peak
 
 import cli
 import hf
+import tokenizer as tk
 import train
 from model import Llama
 
@@ -81,7 +82,7 @@ def test_ctrl_c_writes_a_checkpoint(tmp_path):
 def tied_checkpoint(tmp_path, generation_eos: list[int]) -> str:
     """A fresh tied-embedding model directory whose generation_config.json adds stop ids."""
     from model import ModelConfig
-    tok = hf.build_char_tokenizer("0123456789=")
+    tok = tk.build_char_tokenizer("0123456789=")
     cfg = ModelConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64,
                       num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
                       bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
@@ -143,6 +144,9 @@ def test_tp2_gloo_matches_tp1_and_writes_the_same_tensors(tmp_path):
     (["--phases", "maybe"], "--phases expects true or false"),
     (["--steps", "0"], "--steps must be >= 1"),
     (["--dtype", "float64"], "--dtype must be one of"),
+    (["--dtype", "float16"], "--dtype float16 is not supported: without loss scaling"),
+    (["--eval_data", "test.jsonl"], "--eval_data: task reverse has no finite dataset"),
+    (["--task", "tasks:jsonl_math", "--task_data", "/no/file.jsonl"], "/no/file.jsonl: file not found"),
     (["--model", "/does/not/exist"], "/does/not/exist: not a directory"),
     (["--task", "tasks:nothing"], "--task tasks:nothing: cannot load it"),
     (["--task", "no_such_module:x"], "--task no_such_module:x: cannot load it"),
@@ -153,6 +157,14 @@ def test_tp2_gloo_matches_tp1_and_writes_the_same_tensors(tmp_path):
     (["--top_p", "0.9"], "--top_k/--top_p truncate the sampling distribution"),
     (["--top_k", "5"], "--top_k/--top_p truncate the sampling distribution"),
     (["--prompt_template", "Q: {question}"], "has no {prompt} to replace"),
+    (["--num_samples", "1"], "--num_samples 1: GRPO compares the samples of a prompt"),
+    (["--threads", "-1"], "--threads must be >= 0, got -1"),
+    (["--heads", "3"], "--heads 3 must be a multiple of --kv_heads 2"),
+    (["--kv_heads", "0"], "--kv_heads must be >= 1"),
+    (["--dim", "36"], "--dim 36 must be a multiple of 2 x --heads 4"),
+    (["--out", ""], "--out is empty"),
+    (["--max_new_tokens", "2000"], "--max_new_tokens 2000 leaves no room for a prompt in the "
+                                   "model's context of 1024 tokens"),
     (["--task", "tasks:REVERSE_LEN"], "--task tasks:REVERSE_LEN: is a int, not a tasks.Task"),
     (["--task", "tasks:parse_number"], "--task tasks:parse_number: is a NoneType, not a tasks.Task"),
 ])
@@ -249,13 +261,16 @@ def write_task(tmp_path, body: str) -> str:
     return "mytask:task"
 
 
-def test_reward_that_raises_names_the_task_and_completion_and_keeps_a_checkpoint(tmp_path, capsys):
+def test_reward_that_raises_names_the_task_and_completion_and_writes_nothing(tmp_path, capsys):
+    """At the first step nothing is lost by stopping, and --out stays as it was (absent): the
+    corrected command starts without --overwrite."""
     spec = write_task(tmp_path, "def reward(c, r):\n    raise KeyError('boom')\n")
     sys.modules.pop("mytask", None)
     code, out = run(tmp_path, "--task", spec, "--steps", "2")
     err = capsys.readouterr().err
     assert code == 2 and "task mytask: reward function reward raised KeyError" in err and "on completion '" in err
-    assert os.path.isdir(os.path.join(out, "step-000000"))
+    assert not os.path.exists(out)
+    assert run(tmp_path, "--steps", "1")[0] == 0
 
 
 def strict_records(out) -> list[dict]:
@@ -361,14 +376,14 @@ def test_mu_iterations_are_aggregated_and_a_skipped_one_does_not_hide_the_others
                                            rel=1e-9)
 
 
-def test_reward_that_returns_a_string_names_the_function_and_keeps_a_checkpoint(tmp_path, capsys):
+def test_reward_that_returns_a_string_names_the_function(tmp_path, capsys):
     """Regression: float(r) sat outside the try: the run stopped without naming the function."""
     spec = write_task(tmp_path, "def reward(c, r):\n    return 'good'\n")
     sys.modules.pop("mytask", None)
     code, out = run(tmp_path, "--task", spec, "--steps", "2")
     err = capsys.readouterr().err
     assert code == 2 and "task mytask: reward function reward returned 'good' on completion" in err
-    assert "Traceback" not in err and os.path.isdir(os.path.join(out, "step-000000"))
+    assert "Traceback" not in err and not os.path.exists(out)
 
 
 def test_prompt_outside_the_alphabet_names_the_character(tmp_path, capsys):
@@ -382,7 +397,7 @@ def test_prompt_outside_the_alphabet_names_the_character(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2 and "task abc: prompt '12x=' has the character 'x'" in err
     assert "Traceback" not in err and err.count("error:") == 1
-    assert os.path.isdir(os.path.join(out, "step-000000"))
+    assert not os.path.exists(out)
 
 
 def test_a_prompt_too_long_for_the_model_found_mid_run_stops_with_a_checkpoint(tmp_path, capsys):
@@ -458,32 +473,29 @@ def test_a_sampler_in_another_dtype_follows_the_trainer_with_phases_off(tmp_path
 def test_completion_text_keeps_special_tokens_but_not_the_stop(tmp_path, capsys):
     """The reward sees every token the model wrote except the stop token: a <pad> inside an answer
     is the policy's doing and must cost reward (it was silently dropped)."""
-    import train as T
-    tok = hf.build_char_tokenizer("0123456789=")
-
-    class Fake:
-        tokenizer = tok
+    tok = tk.PromptTokenizer(tk.build_char_tokenizer("0123456789="))
     out = train.rollout.Rollout(
         tokens=torch.tensor([[3, 0, 4, 2], [5, 6, 0, 0]]),
         mask=torch.tensor([[True, True, True, True], [True, True, False, False]]),
         logprobs=torch.zeros(2, 4), stopped=torch.tensor([True, False]), temperature=1.0)
-    assert T.completion_texts(Fake, out) == ["0<pad>1", "23"]
+    assert tok.decode_completions(out.completions(), out.stopped.tolist()) == ["0<pad>1", "23"]
+    assert tok.decode_completions([[3, 99, 4]], [False]) == ["01"]  # beyond the tokenizer: ""
 
 
 def test_eval_scores_greedy_completions_of_prompts_training_never_draws(tmp_path, monkeypatch):
     drawn, held = [], []
-    draw, hold = train.draw_training_example, train.held_out_prompts
+    draw, split = train.tasks.draw_training_example, train.tasks.eval_split
 
-    def spy_draw(run, rng):
-        example = draw(run, rng)
+    def spy_draw(task, eval_split, rng):
+        example = draw(task, eval_split, rng)
         drawn.append(example[0])
         return example
 
-    def spy_hold(task, cfg):
-        held.append(hold(task, cfg))
-        return held[-1]
-    monkeypatch.setattr(train, "draw_training_example", spy_draw)
-    monkeypatch.setattr(train, "held_out_prompts", spy_hold)
+    def spy_split(*args):
+        held.append([prompt for prompt, _ in split(*args).examples])
+        return split(*args)
+    monkeypatch.setattr(train.tasks, "draw_training_example", spy_draw)
+    monkeypatch.setattr(train.tasks, "eval_split", spy_split)
     code, out = run(tmp_path, "--steps", "5", "--eval_every", "2", "--eval_prompts", "40")
     recs = strict_records(out)
     assert code == 0 and len(held[0]) == 40 and len(drawn) == 5 * 4
@@ -538,7 +550,7 @@ def test_optimizer_state_that_misses_a_parameter_is_refused_not_reinitialised(tm
 
 def test_jsonl_math_task_runs_on_a_model_directory(tmp_path):
     from model import ModelConfig
-    tok = hf.build_char_tokenizer("0123456789+*= ")
+    tok = tk.build_char_tokenizer("0123456789+*= ")
     cfg = ModelConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2)
     ckpt = tmp_path / "ckpt"
@@ -574,9 +586,9 @@ def _dp_metrics_worker(rank: int, tmp: str) -> None:
         run_ = types.SimpleNamespace(groups=groups, device=torch.device("cpu"))
         # Rank 0 has 30 completion tokens of entropy 1.0, rank 1 has 10 of entropy 3.0.
         m = [dict(loss=0.25, entropy=1.0, clip_low=0.1, clip_high=0.0, ratio_mean=1.0,
-                  ratio_min=0.9, ratio_max=1.2, grad_norm=2.0, updated=True),
+                  ratio_min=0.9, ratio_max=1.2, grad_norm=2.0, updated=True, finite=True),
              dict(loss=0.5, entropy=3.0, clip_low=0.5, clip_high=0.2, ratio_mean=1.0,
-                  ratio_min=0.7, ratio_max=1.1, grad_norm=2.0, updated=True)][rank]
+                  ratio_min=0.7, ratio_max=1.1, grad_norm=2.0, updated=True, finite=True)][rank]
         got = train.reduce_iteration(run_, m, [30.0, 10.0][rank])
         assert got["entropy"] == pytest.approx((30 * 1.0 + 10 * 3.0) / 40)  # not (1 + 3) / 2
         assert got["clip_low"] == pytest.approx((30 * 0.1 + 10 * 0.5) / 40)
@@ -612,7 +624,7 @@ def plan_checkpoint(path: str) -> None:
                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
                       bos_token_id=None, eos_token_id=None)
     hf.save_model(Llama(cfg).init_weights(0), path)
-    hf.build_char_tokenizer(bench_trl.ALPHABET).save(os.path.join(path, "tokenizer.json"))
+    tk.build_char_tokenizer(bench_trl.ALPHABET).save(os.path.join(path, "tokenizer.json"))
 
 
 def plan_args(tmp_path, model: str) -> list[str]:
@@ -663,3 +675,329 @@ def test_plan_reads_config_json_and_no_weight(tmp_path, capsys):
         f.write(b"not a safetensors file")
     assert planned_peak_mb(capsys, argv) == good > 0
     assert not os.path.exists(tmp_path / "out")  # nothing written either
+
+
+# -----------------------------------------------------------------------------
+# bf16 mixed precision: fp32 master weights and AdamW state
+
+
+def initial_weights() -> dict[str, torch.Tensor]:
+    """The fresh model a FAST run starts from (seeded: the same in every run)."""
+    cfgs = train.build_configs(train.parse_args(FAST))
+    model, _ = train.build_model(cfgs.train, train.tasks.reverse, "", torch.device("cpu"),
+                                 train.tp.make_groups(1))
+    return {name: p.detach() for name, p in model.named_parameters()}
+
+
+def changed_share(path: str, initial: dict[str, torch.Tensor]) -> float:
+    from safetensors.torch import load_file
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    changed = sum(int((t != initial[n].to(t.dtype)).sum()) for n, t in tensors.items())
+    return changed / sum(t.numel() for t in tensors.values())
+
+
+def test_bf16_keeps_updates_below_its_resolution_in_fp32_master_weights(tmp_path):
+    """lr 1e-6 on weights of ~0.02 is below bf16's resolution (~1e-4 there): bf16 weights kept
+    0.6% of the updates in 10 steps; the fp32 master keeps them all, as float32 does."""
+    args = ["--steps", "10", "--lr", "1e-6", "--eval_every", "0"]
+    code, full = run(tmp_path, *args, out="fp32")
+    code2, mixed = run(tmp_path, *args, "--dtype", "bfloat16", out="bf16")
+    assert code == code2 == 0
+    initial = initial_weights()
+    fp32 = changed_share(os.path.join(full, "step-000010"), initial)
+    master = changed_share(os.path.join(mixed, "step-000010", "master"), initial)
+    assert fp32 >= 0.99 and master >= 0.99, (fp32, master)
+    # model.safetensors is what Hugging Face users load: bf16, the master rounded
+    from safetensors import safe_open
+    with safe_open(os.path.join(mixed, "step-000010", "model.safetensors"), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+    assert json.load(open(os.path.join(mixed, "step-000010", "config.json")))["dtype"] == "bfloat16"
+    rec = records(mixed)[0]
+    assert rec["sampler_logp_diff"] is not None  # the bf16 sampler is a copy of the master
+
+
+def test_bf16_resume_continues_exactly(tmp_path):
+    args = ["--dtype", "bfloat16", "--mu", "2", "--eval_every", "0"]
+    code, full = run(tmp_path, "--steps", "4", "--save_every", "2", *args, out="full")
+    assert code == 0
+    code, resumed = run(tmp_path, "--resume", os.path.join(full, "step-000002"), out="resumed")
+    assert code == 0
+    for ra, rb in zip(records(full)[2:], records(resumed)):
+        assert (ra["reward"], ra["loss"], ra["entropy"]) == (rb["reward"], rb["loss"], rb["entropy"])
+
+
+def test_tp2_bf16_saves_the_master_and_resumes_from_it(tmp_path):
+    """Each tp rank loads its slice of the fp32 master (tp.load_sharded) on resume."""
+    from safetensors.torch import load_file
+    args = [*FAST, "--model", tied_checkpoint(tmp_path, [2]), "--dtype", "bfloat16", "--tp", "2",
+            "--eval_every", "0", "--out", str(tmp_path / "tp2")]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+              "train.py"]
+    for more in (["--steps", "2", "--save_every", "1"], ["--steps", "3", "--resume", "latest"]):
+        done = subprocess.run(launch + args + more, cwd=ROOT, capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    step = tmp_path / "tp2" / "step-000002"
+    master = load_file(str(step / "master" / "model.safetensors"))
+    model = load_file(str(step / "model.safetensors"))
+    assert all(t.dtype == torch.float32 for t in master.values())
+    assert all(torch.equal(model[n], t.to(torch.bfloat16)) for n, t in master.items())
+    assert [r["step"] for r in records(tmp_path / "tp2")] == [1, 2, 3]
+
+
+def test_plan_counts_the_fp32_master_and_the_bf16_sampler(capsys):
+    assert train.main(["--plan", "--dim", "64", "--layers", "2"]) == 0
+    fp32 = capsys.readouterr().out
+    assert train.main(["--plan", "--dim", "64", "--layers", "2", "--dtype", "bfloat16"]) == 0
+    bf16 = capsys.readouterr().out
+
+    def mb(text: str, phase: str, tag: str) -> float:
+        rows = [line.split() for line in text.splitlines()]
+        header = next(r for r in rows if r[:1] == ["phase"])
+        return float(next(r for r in rows if r[:1] == [phase])[header.index(tag)])
+    assert mb(bf16, "train", "trainer") == mb(fp32, "train", "trainer") > 0  # the fp32 master
+    assert mb(bf16, "train", "optimizer") == mb(fp32, "train", "optimizer")  # fp32 AdamW state
+    assert mb(bf16, "rollout", "weights") == pytest.approx(mb(fp32, "train", "trainer") / 2,
+                                                           abs=0.1)  # the bf16 sampler
+
+
+def test_a_pretrained_model_defaults_to_trls_lr_and_says_so(tmp_path, capsys):
+    source = tied_checkpoint(tmp_path, [2])
+    code, out = run(tmp_path, "--model", source, "--steps", "2", "--warmup_steps", "0",
+                    "--eval_every", "0")
+    assert code == 0 and "lr 1e-06: the default for a pretrained --model" in capsys.readouterr().out
+    assert records(out)[0]["lr"] == 1e-6
+    code, out = run(tmp_path, "--model", source, "--steps", "1", "--lr", "1e-5", "--warmup_steps",
+                    "0", "--eval_every", "0", out="explicit")
+    assert code == 0 and "default for a pretrained" not in capsys.readouterr().out
+    assert records(out)[0]["lr"] == 1e-5
+
+
+# -----------------------------------------------------------------------------
+# Real datasets: a test split of their own, never a silently shrunk training set
+
+
+def jsonl(path, first: int, count: int) -> str:
+    with open(path, "w") as f:
+        for i in range(first, first + count):
+            f.write(json.dumps({"prompt": f"{i}=", "answer": str(i)}) + "\n")
+    return str(path)
+
+
+def test_a_65_prompt_file_trains_on_what_the_eval_leaves_and_says_so(tmp_path, capsys,
+                                                                      monkeypatch):
+    """--eval_prompts 64 used to hold out 64 of 65 prompts silently: training saw one."""
+    drawn = []
+    draw = train.tasks.draw_training_example
+
+    def spy(*args):
+        example = draw(*args)
+        drawn.append(example[0])
+        return example
+    monkeypatch.setattr(train.tasks, "draw_training_example", spy)
+    data = jsonl(tmp_path / "train.jsonl", 0, 65)
+    code, _ = run(tmp_path, "--model", tied_checkpoint(tmp_path, [2]), "--task", "tasks:jsonl_math",
+                  "--task_data", data, "--steps", "3", "--max_new_tokens", "3", "--eval_every", "3")
+    out = capsys.readouterr().out
+    assert code == 0 and out.count("eval: 32 of the 65 distinct prompts held out of training") == 1
+    assert "33 remain for training" in out
+    held = {p for p, _ in train.tasks.eval_split(train.tasks.jsonl_math(data), None, 64, 0).examples}
+    assert len(set(drawn)) > 1 and not set(drawn) & held
+
+
+def test_eval_data_is_the_evaluations_own_split(tmp_path, capsys, monkeypatch):
+    data, test = jsonl(tmp_path / "train.jsonl", 0, 65), jsonl(tmp_path / "test.jsonl", 100, 10)
+    evaluated = []
+    original = train.encode_prompts
+    monkeypatch.setattr(train, "encode_prompts",
+                        lambda run, prompts: evaluated.append(prompts) or original(run, prompts))
+    code, out = run(tmp_path, "--model", tied_checkpoint(tmp_path, [2]), "--task", "tasks:jsonl_math",
+                    "--task_data", data, "--eval_data", test, "--steps", "1", "--max_new_tokens", "3")
+    assert code == 0 and "eval: 10 prompts of --eval_data" in capsys.readouterr().out
+    assert records(out)[0]["eval_reward"] is not None
+    train_prompts, *eval_batches = evaluated
+    assert sorted(sum(eval_batches, [])) == sorted(f"{i}=" for i in range(100, 110))
+    assert all(int(p[:-1]) < 65 for p in train_prompts)
+
+
+# -----------------------------------------------------------------------------
+# Exact resume on every path, counted updates, overflowing rewards, signals
+
+
+def test_resume_after_a_skipped_update_continues_exactly(tmp_path, monkeypatch):
+    """Regression: the lr schedule counted applied updates only and a resume rebuilt it from the
+    step: after one skipped update, the resumed run's lr (and so its losses) differed."""
+    original = train.grpo.accumulate
+    calls = []
+
+    def poisoned(model, *args, **kwargs):
+        metrics = original(model, *args, **kwargs)
+        calls.append(1)
+        if len(calls) == 1:  # the first step's update is skipped (a NaN gradient)
+            next(model.parameters()).grad.view(-1)[0] = float("nan")
+        return metrics
+    monkeypatch.setattr(train.grpo, "accumulate", poisoned)
+    code, full = run(tmp_path, "--steps", "3", "--save_every", "1", out="full")
+    monkeypatch.undo()
+    assert code == 0 and records(full)[0]["skipped_updates"] == 1
+    code, resumed = run(tmp_path, "--resume", os.path.join(full, "step-000001"), out="resumed")
+    assert code == 0 and [r["step"] for r in records(resumed)] == [2, 3]
+    for ra, rb in zip(records(full)[1:], records(resumed)):
+        assert (ra["lr"], ra["loss"], ra["reward"]) == (rb["lr"], rb["loss"], rb["reward"])
+
+
+def write_module(path, name: str, body: str) -> str:
+    (path / f"{name}.py").write_text("import os\nimport tasks\n" + body)
+    sys.path.insert(0, str(path))
+    sys.modules.pop(name, None)
+    return f"{name}:task"
+
+
+def test_an_eval_error_after_step_i_is_saved_as_the_updates_held(tmp_path, capsys):
+    """Regression: an evaluation fault after step 1's update was saved as step-000000: a resume
+    applied step 1 a second time."""
+    spec = write_module(tmp_path, "evaltask", "def boom(c, r):\n    raise KeyError('eval')\n"
+                        "task = tasks.Task('e', tasks.sample_reverse, [(tasks.digits_correct, 1)],"
+                        " alphabet='0123456789=', max_new_tokens=4, correct=boom)\n")
+    code, out = run(tmp_path, "--task", spec, "--steps", "3", "--eval_every", "2")
+    err = capsys.readouterr().err
+    assert code == 2 and "task e: reward function boom raised KeyError" in err
+    assert open(os.path.join(out, "latest")).read().strip() == "step-000001"
+    assert [r["step"] for r in records(out)] == [1]
+    assert not os.path.exists(os.path.join(out, "step-000000"))
+
+
+def test_a_zero_gradient_is_not_counted_as_an_update_and_memory_is_named_for_what_it_measures(tmp_path, capsys):
+    """Regression: a step whose advantages were all 0 counted an update; the step line's process
+    RSS was called "peak", as the memory table's sum of tagged tensors is."""
+    spec = write_module(tmp_path, "flat", "def same(c, r):\n    return 0.5\n"
+                        "task = tasks.Task('flat', tasks.sample_reverse, [(same, 1.0)],"
+                        " alphabet='0123456789=', max_new_tokens=4)\n")
+    code, out = run(tmp_path, "--task", spec, "--steps", "2", "--mu", "2")
+    text = capsys.readouterr().out
+    recs = strict_records(out)
+    assert code == 0 and [(r["updates"], r["zero_grad"]) for r in recs] == [(0, 2), (0, 2)]
+    assert "2 steps with a zero gradient (every advantage 0" in text
+    assert "max RSS" in text and all(r["max_rss_gb"] > 0 for r in recs)
+
+
+@pytest.mark.parametrize("value,message", [
+    ("1e300", "the rewards' mean or spread overflows (a reward of 1e+300)"),
+    ("10 ** 400", "returned 100000"),
+])
+def test_rewards_whose_statistics_overflow_stop_the_run_in_one_line(tmp_path, capsys, value,
+                                                                    message):
+    """Regression: 1e300 made the group std inf: every advantage 0, silently; 10**400 was an
+    OverflowError traceback."""
+    spec = write_module(tmp_path, "huge", f"def big(c, r):\n    return {value} if c[:1] == '1' "
+                        "else 0.0\ntask = tasks.Task('huge', tasks.sample_reverse, [(big, 1.0)],"
+                        " alphabet='0123456789=', max_new_tokens=4)\n")
+    code, out = run(tmp_path, "--task", spec, "--steps", "3", "--eval_every", "0")
+    err = capsys.readouterr().err
+    assert code == 2 and f"task huge: " in err and message in err and "Traceback" not in err
+    assert len(err.strip().splitlines()[-1]) < 400 and err.count("error:") == 1
+
+
+def test_a_custom_task_loads_from_the_current_directory(tmp_path):
+    """Regression: only the repository's folder was importable (python -m puts the current
+    directory on the path; python train.py did not)."""
+    write_module(tmp_path, "here", "task = tasks.Task('here', tasks.sample_reverse, "
+                 "[(tasks.digits_correct, 1.0)], alphabet='0123456789=', max_new_tokens=4)\n")
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *FAST, "--steps", "1",
+                           "--task", "here:task", "--out", "run"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert len(records(tmp_path / "run")) == 1
+
+
+def test_a_second_stop_signal_exits_at_once(tmp_path):
+    """Regression: a reward function that never returns kept the run alive through any number
+    of SIGTERMs."""
+    write_module(tmp_path, "stuck", "import time\n"
+                 "def hang(c, r):\n    open('in_reward', 'w').close()\n"
+                 "    while True:\n        time.sleep(0.05)\n"
+                 "task = tasks.Task('stuck', tasks.sample_reverse, [(hang, 1.0)],"
+                 " alphabet='0123456789=', max_new_tokens=4)\n")
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), *FAST, "--task",
+                             "stuck:task", "--out", "run"], cwd=tmp_path, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not (tmp_path / "in_reward").exists():
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(1)
+        assert proc.poll() is None  # the first: the step is to finish
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=30)
+    finally:
+        proc.kill()  # this test's own process, if it is still there
+    assert proc.returncode == 128 + signal.SIGTERM, output
+    assert "SIGTERM: the step finishes, then a checkpoint is written" in output
+    assert "second stop signal: exiting now, without a checkpoint" in output
+    assert not (tmp_path / "run").exists()  # nothing was written before the first step ended
+
+# -----------------------------------------------------------------------------
+# Under data parallelism (2 gloo processes): a fault on one rank stops every rank together
+
+
+def torchrun(cwd, *args: str, timeout: int = 240) -> tuple[int, str]:
+    """train.py on 2 processes (dp 2); a hang fails the test. The output goes to a file: the
+    workers, each in a session of its own, would hold a pipe open after a kill."""
+    with open(os.path.join(cwd, "torchrun.log"), "w+") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                 "--nproc_per_node=2", os.path.join(ROOT, "train.py"), *FAST,
+                                 *args], cwd=cwd, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.terminate()  # torchrun stops its workers (SIGTERM, then SIGKILL)
+            proc.wait(120)
+            log.seek(0)
+            pytest.fail(f"hang: no exit in {timeout} s\n{log.read()[-3000:]}")
+        log.seek(0)
+        return proc.returncode, log.read()
+
+
+LONG = "'1' * 2000 + '='"
+# Each rank draws the whole batch (4 prompts) and keeps its half: calls 7 and 8 are rank 1's.
+ONE_RANK = {
+    "reward": ("def reward(c, r):\n    calls.append(1)\n"
+               "    if os.environ['RANK'] == '1' and len(calls) > 8:\n"
+               "        raise KeyError('rank 1')\n    return tasks.digits_correct(c, r)\n"
+               "def sample(rng):\n    return tasks.sample_reverse(rng)\n",
+               "reward function reward raised KeyError: 'rank 1'", 1),
+    "prompt": ("reward = tasks.digits_correct\n"
+               f"def sample(rng):\n    calls.append(1)\n    p = tasks.sample_reverse(rng)\n"
+               f"    return ({LONG}, '1') if len(calls) == 7 else p\n",
+               "prompts[0] has 2002 tokens", 1),
+    # the held-out prompts are drawn first; rank 1 evaluates the 2nd and 4th
+    "eval prompt": ("reward = tasks.digits_correct\n"
+                    f"def sample(rng):\n    calls.append(1)\n    p = tasks.sample_reverse(rng)\n"
+                    f"    return ({LONG}, '1') if len(calls) == 2 else p\n",
+                    "prompts[0] has 2002 tokens", 1),
+}
+
+
+@pytest.mark.parametrize("fault", list(ONE_RANK))
+def test_a_fault_on_one_data_parallel_rank_stops_every_rank_with_one_checkpoint(tmp_path, fault):
+    """Regression: the rank that failed went to the checkpoint's collectives while the others
+    waited in the rewards' all-gather: a hang (an eval prompt too long exited without one)."""
+    body, message, saved = ONE_RANK[fault]
+    write_module(tmp_path, "onerank", "calls = []\n" + body +
+                 "task = tasks.Task('one', sample, [(reward, 1.0)], alphabet='0123456789=',"
+                 " max_new_tokens=4)\n")
+    evals = ["--eval_every", "1", "--eval_prompts", "4"] if fault == "eval prompt" else \
+        ["--eval_every", "0"]
+    code, output = torchrun(tmp_path, "--task", "onerank:task", "--steps", "4", "--out", "run",
+                            "--max_prompt_len", "4000", *evals)
+    assert code != 0 and output.count(message) == 1, output[-3000:]
+    out = tmp_path / "run"
+    assert sorted(d for d in os.listdir(out) if d.startswith("step-")) == [f"step-{saved:06d}"]
+    assert [r["step"] for r in records(out)] == list(range(1, saved + 1))
+
+
+def test_a_config_error_under_torchrun_is_printed_once(tmp_path):
+    """Regression: every rank printed it, under torchrun's failure dump."""
+    code, output = torchrun(tmp_path, "--steps", "0", "--out", "run")
+    assert code != 0 and output.count("error: --steps must be >= 1, got 0") == 1, output[-3000:]
