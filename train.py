@@ -504,7 +504,8 @@ def reduce_iteration(run: Run, m: dict, tokens: float) -> dict:
     """One iteration's metrics over the dp ranks: the loss summed (each is normalised by global
     counts), the min of *_min and max of *_max, token-weighted means of the rest."""
     extremes = {k: -1 if k.endswith("_min") else 1 for k in sorted(m) if k[-4:] in ("_min", "_max")}
-    keys = sorted(k for k in m if k not in ("loss", "tokens", "grad_norm", "updated", *extremes))
+    keys = sorted(k for k in m if k not in ("loss", "tokens", "grad_norm", "updated", "finite",
+                                            *extremes))
     sums = all_reduce_dp([m["loss"], tokens] + [m[k] * tokens for k in keys], run)
     peaks = all_reduce_dp([s * m[k] for k, s in extremes.items()], run, dist.ReduceOp.MAX)
     return dict(loss=sums[0], grad_norm=m["grad_norm"], updated=m["updated"], finite=m["finite"],
