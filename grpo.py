@@ -19,64 +19,75 @@ Two memory tricks, each tested against its obvious slow twin in tests/test_grpo.
    alternate block by block (model.hidden_steps), so backward does too and a weight's prompt and
    completion gradients meet one block apart (the whole prompt first held a second copy of every
    block's weight gradients at the peak).
-2. Chunked logprobs: final norm + lm_head + softmax + gather run a chunk of tokens at a time and
-   each chunk's logits are rebuilt in backward, so the (tokens x V) logits never exist at once,
-   forward or backward (Liger's fused loss makes the same trade). The default path is a custom
-   autograd Function that keeps one log-sum-exp per token; a caller's logprob_fn (tp.py's
-   vocab-parallel one) is wrapped in activation checkpointing instead. A chunk is sized in bytes
-   of logits (chunk_rows): a token count fit for V = 16 is 200 MB at V = 49,152.
-
-One contract for the three logprob routes (the plain logprobs_from_logits, the chunked
-ChunkedSoftmaxLogprobs, tp.vocab_parallel_logprobs): each returns logp and the entropy
-H = -sum p log p per token, BOTH differentiable (dH/dz = -p (log p + H)), so an entropy term in a
-loss trains the same at any tensor-parallel size. The chunked Function does no entropy work in
-backward when no loss uses it. completion_logprobs returns the entropy in the graph; accumulate
-logs it and, with entropy_coef > 0, passes it to the loss as a bonus.
+2. Chunked logprobs (logprobs.py): the (tokens x V) logits never exist at once, forward or
+   backward; logp and the entropy come back differentiable. A chunk is sized in bytes of logits
+   (chunk_rows): a token count fit for V = 16 is 200 MB at V = 49,152.
 
 By default the math is TRL 1.16's GRPOTrainer (tests/test_grpo.py runs TRL's own code against
 it): rewards summed over reward functions skipping None, (r - group mean) / (n-1 std + 1e-4),
 k3 KL weighted by the ratio, TRL's loss normalisers (Dr. GRPO's constant is the sampler's
-budget). One default differs on purpose: eps_high 0.28 (DAPO's clip-higher; TRL 0.2).
+budget). One default differs on purpose: eps_high 0.28 (DAPO's clip-higher; TRL 0.2). The GRPO
+family a researcher reaches for is a GRPOConfig field each, TRL's name and semantics (grpo_loss's
+numbered choices): GSPO, CISPO, two-sided clipping, off-policy masking, high-entropy tokens,
+overlong filtering, the sampler-mismatch correction; and, beyond TRL, dynamic sampling
+(keep_informative, with train.py's extra rounds).
 
 Leaves out: sampling (rollout.py), calling the reward functions (train.py), the optimizer step,
 value models, packing.
 
 Shapes: Bp prompts, G samples per prompt, N = Bp*G rows, P prompt length, Tr completion length,
 n selected (valid) completion tokens, C width, V vocab (V/tp under tensor parallelism).
-Papers: GRPO arXiv:2402.03300, DAPO arXiv:2503.14476, Dr. GRPO arXiv:2503.20783, Hydragen
-arXiv:2402.05099, k3 KL estimator: http://joschu.net/blog/kl-approx.html.
+Papers: GRPO arXiv:2402.03300, DAPO arXiv:2503.14476, Dr. GRPO arXiv:2503.20783, GSPO
+arXiv:2507.18071, CISPO (MiniMax-M1) arXiv:2506.13585, INTELLECT-2 arXiv:2505.07291,
+DeepSeek-V3.2 arXiv:2512.02556, 80/20 entropy arXiv:2506.01939, Hydragen arXiv:2402.05099,
+k3 KL estimator: http://joschu.net/blog/kl-approx.html.
 Tested by tests/test_grpo.py; benchmarked by tests/bench_grpo.py.
 """
 
+import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
 
+from logprobs import chunk_rows, chunked_logprobs
 from model import (CPU_FLASH, ModelConfig, SharedPrefixAttention, causal_attention,
                    repeated_prefix_attention)
 
 # -----------------------------------------------------------------------------
 # Config
 
-LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
+LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "cispo")
 SCALES = ("group", "batch", "none")
+LEVELS = ("token", "sequence")
+CORRECTION_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
 @dataclass
 class GRPOConfig:
-    """The loss and its optimisation knobs. The group size, the sampling temperature and the
-    completion budget are not here: they are the rollout's (RolloutConfig), and the batch carries
-    what the sampler did (GRPOBatch), so the trainer cannot score another distribution."""
-    loss_type: str = "dapo"           # token mean over the generation batch: micro-batch invariant
+    """The loss and its optimisation knobs; the group size, temperature and budget are the
+    rollout's (RolloutConfig), carried by the batch. TRL's None (off) is inf here (delta,
+    off_policy_mask_threshold, sampler_correction_max) or 0 (sampler_correction_min)."""
+    loss_type: str = "dapo"           # token mean over the generation batch; cispo: MiniMax-M1
     scale: str = "group"              # advantage std: "group" (GRPO), "batch", "none" (Dr. GRPO)
     eps_low: float = 0.2              # ratio clipped below at 1 - eps_low
-    eps_high: float = 0.28            # clip-higher (DAPO): more room for unlikely tokens to grow
+    eps_high: float = 0.28            # clip-higher (DAPO); cispo: the weight's cap (ScaleRL: 5)
+    delta: float = math.inf           # two-sided clip (INTELLECT-2): ratio capped at delta; inf off
+    importance_sampling_level: str = "token"  # "sequence": GSPO's one ratio per completion
     beta: float = 0.0                 # k3 KL weight; 0 means no reference model is needed
     use_bias_correction_kl: bool = True  # k3 KL times the ratio pi/pi_old, as TRL's default
     entropy_coef: float = 0.0         # entropy bonus: -coef * H per completion token (verl's)
+    top_entropy_quantile: float = 1.0  # 80/20 rule (arXiv:2506.01939): top-q entropy tokens train
+    mask_truncated_completions: bool = False  # DAPO overlong filtering: no loss without a stop id
+    off_policy_mask_threshold: float = math.inf  # DeepSeek-V3.2 off-policy masking: KL bound
+    sampler_correction: bool = True   # TRL's vLLM IS correction: weigh by trainer/sampler prob
+    sampler_correction_mode: str = "sequence_mask"  # {token,sequence}_{truncate,mask} (TRL's)
+    sampler_correction_max: float = 3.0  # correction ratio upper bound C_max (TRL's)
+    sampler_correction_min: float = 0.0  # correction ratio lower bound C_min; 0 = none (TRL's)
+    dynamic_sampling: int = 0         # DAPO: up to N extra rollouts replace all-equal groups
     std_eps: float = 1e-4             # advantage = (r - mean) / (std + std_eps), TRL's 1e-4
     std_correction: int = 1           # 1: the n-1 (Bessel) std of TRL and verl; 0: population std
     mu: int = 1                       # optimizer steps per generation batch
@@ -84,15 +95,24 @@ class GRPOConfig:
     chunk_bytes: int = 64 * 2**20     # logits bytes per logprob chunk (chunk_rows); 0 = unchunked
 
     def __post_init__(self):
-        checks = [
-            ("loss_type", self.loss_type in LOSS_TYPES, f"must be one of {LOSS_TYPES}"),
-            ("scale", self.scale in SCALES, f"must be one of {SCALES}"),
+        choices = dict(loss_type=LOSS_TYPES, scale=SCALES, importance_sampling_level=LEVELS,
+                       sampler_correction_mode=CORRECTION_MODES)
+        checks = [(name, getattr(self, name) in allowed, f"must be one of {allowed}")
+                  for name, allowed in choices.items()]
+        checks += [
             ("eps_low", 0 <= self.eps_low < 1, "must be in [0, 1): the lower clip 1 - eps_low > 0"),
+            ("eps_high", self.loss_type != "cispo" or self.eps_high >= 1,
+             "caps cispo's importance weight (TRL's epsilon_high): below 1 it caps every "
+             "on-policy weight; MiniMax-M1 and ScaleRL use 5 (pass --eps_high 5)"),
             ("std_correction", self.std_correction in (0, 1), "must be 0 or 1"),
+            ("top_entropy_quantile", 0 <= self.top_entropy_quantile <= 1, "must be in [0, 1]"),
+            ("sampler_correction_max", self.sampler_correction_max > self.sampler_correction_min,
+             f"must be > sampler_correction_min = {self.sampler_correction_min}"),
         ]
         for field in ("micro_batch_groups", "mu"):
             checks.append((field, getattr(self, field) >= 1, "must be >= 1"))
-        for field in ("eps_high", "beta", "chunk_bytes", "std_eps", "entropy_coef"):
+        for field in ("eps_high", "beta", "chunk_bytes", "std_eps", "entropy_coef", "delta",
+                      "sampler_correction_min", "dynamic_sampling"):
             checks.append((field, getattr(self, field) >= 0, "must be >= 0"))
         for field, ok, why in checks:
             if not ok:
@@ -158,6 +178,13 @@ def group_advantages(rewards: Tensor, num_samples: int, scale: str = "group",
         centred = centred / (std + std_eps)
     return centred.view(-1).to(rewards.dtype)
 
+def informative_groups(rewards: Tensor, num_samples: int) -> Tensor:
+    """(N,) rewards, NaN where unscored -> (Bp,) bool: the groups whose scored rewards differ, the
+    only ones with a gradient (DAPO's dynamic sampling keeps these)."""
+    groups = rewards.view(-1, num_samples)  # (Bp, G)
+    high = torch.where(groups.isnan(), -torch.inf, groups).amax(1)
+    return high > torch.where(groups.isnan(), torch.inf, groups).amin(1)
+
 # -----------------------------------------------------------------------------
 # The generation batch, as the sampler returned it
 
@@ -182,7 +209,8 @@ class GRPOBatch:
     temperature: float                # the sampler's: the trainer scores the same distribution
     max_new_tokens: int               # the completion budget: Dr. GRPO's constant normaliser
     advantages: Tensor | None = None  # (N,)
-    sampler_logp: Tensor | None = None  # (N, Tr) the sampler's logprobs: the mismatch metric
+    sampler_logp: Tensor | None = None  # (N, Tr) the sampler's logprobs, of what it sampled from
+    stopped: Tensor | None = None     # (N,) bool: the row ended with a stop id (else truncated)
     old_logp: Tensor | None = None    # (N, Tr) when mu > 1 (or another sampler); None: current
     ref_logp: Tensor | None = None    # (N, Tr) from the reference model when beta > 0
 
@@ -201,6 +229,15 @@ class GRPOBatch:
         budget = max_new_tokens or max((len(c) for c in completions), default=1)
         return cls(prompt_ids, prompt_lens, tokens, mask, temperature, budget, **tensors)
 
+    @classmethod
+    def from_rollout(cls, prompts: list[list[int]], out, max_new_tokens: int,
+                     advantages: Tensor) -> "GRPOBatch":
+        """rollout.Rollout's tensors as they are: tokens, mask, the sampler's logprobs, the stop
+        flags and the temperature they were sampled at (the trainer scores the same)."""
+        prompt_ids, prompt_lens = pad_right(prompts, out.tokens.device)
+        return cls(prompt_ids, prompt_lens, out.tokens, out.mask, out.temperature, max_new_tokens,
+                   advantages, sampler_logp=out.logprobs, stopped=out.stopped)
+
     def lists(self) -> tuple[list[list[int]], list[list[int]]]:
         """The prompts and completions as ragged Python lists (one host copy)."""
         prompts = [p[:n] for p, n in zip(self.prompt_ids.tolist(), self.prompt_lens.tolist())]
@@ -215,11 +252,19 @@ class GRPOBatch:
         Tp = int(self.prompt_lens[first:stop].max())
 
         def cut(t: Tensor | None) -> Tensor | None:
-            return None if t is None else t[rows, :Tr]
-        return GRPOBatch(self.prompt_ids[first:stop, :Tp], self.prompt_lens[first:stop],
-                         cut(self.tokens), cut(self.mask), self.temperature, self.max_new_tokens,
-                         None if self.advantages is None else self.advantages[rows],
-                         cut(self.sampler_logp), cut(self.old_logp), cut(self.ref_logp))
+            return None if t is None else t[rows, :Tr] if t.dim() == 2 else t[rows]
+        return dataclasses.replace(
+            self, prompt_ids=self.prompt_ids[first:stop, :Tp],
+            prompt_lens=self.prompt_lens[first:stop],
+            **{name: cut(getattr(self, name)) for name in ROW_TENSORS})
+
+    def loss_mask(self, cfg: "GRPOConfig") -> Tensor:
+        """(N, Tr) the tokens the loss counts: with cfg.mask_truncated_completions (DAPO's
+        overlong filtering) not those of rows that ended without a stop id."""
+        if cfg.mask_truncated_completions and self.stopped is None:
+            raise ValueError("mask_truncated_completions needs batch.stopped, each row's stop flag "
+                             "(rollout.Rollout.stopped)")
+        return self.mask & self.stopped[:, None] if cfg.mask_truncated_completions else self.mask
 
     def check(self) -> None:
         """One clear error for a batch whose rows, advantages or logprobs do not line up."""
@@ -237,142 +282,47 @@ class GRPOBatch:
         if not self.temperature > 0:
             raise ValueError(f"batch.temperature = {self.temperature}: logprobs need a sampling "
                              f"temperature > 0")
-        if self.advantages is not None and self.advantages.shape != (N,):
-            raise ValueError(f"batch.advantages has shape {tuple(self.advantages.shape)}, "
-                             f"expected ({N},)")
-        for name in ("sampler_logp", "old_logp", "ref_logp"):
+        for name in ROW_TENSORS[2:]:
             t = getattr(self, name)
-            if t is not None and t.shape != (N, Tr):
-                raise ValueError(f"batch.{name} has shape {tuple(t.shape)}, expected ({N}, {Tr})")
-
-# -----------------------------------------------------------------------------
-# Chunked logprobs
+            shape = (N, Tr) if name.endswith("logp") else (N,)
+            if t is not None and t.shape != shape:
+                raise ValueError(f"batch.{name} has shape {tuple(t.shape)}, expected {shape}")
 
 
-def head_logits(model, h: Tensor, temperature: float) -> Tensor:
-    """Final norm + lm_head, (n, C) -> (n, V) in float32 (or float64), divided by the temperature
-    the way the sampler does, logits.float() / temperature: a mismatch gives ratio != 1 at mu = 1
-    (trl#4159)."""
-    logits = model.head(h).to(torch.promote_types(h.dtype, torch.float32))
-    return logits if temperature == 1.0 else logits / temperature
+# The batch's per-row tensors, (N, ...): what groups() and cat_groups() cut and join.
+ROW_TENSORS = ("tokens", "mask", "advantages", "sampler_logp", "stopped", "old_logp", "ref_logp")
 
 
-def logprobs_from_logits(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
-    """The plain twin: log_softmax + gather, and the entropy -sum(p log p), both differentiable.
-    (n, V), (n,) -> (n,), (n,). tp.py's vocab-parallel function has the same signature, with
-    logits (n, V/tp)."""
-    logp_all = logits.log_softmax(-1)  # (n, V)
-    entropy = -(logp_all.exp() * logp_all).sum(-1)  # (n,)
-    return logp_all.gather(-1, targets[:, None]).squeeze(-1), entropy
+def cat_groups(parts: list[tuple[GRPOBatch, Tensor]]) -> GRPOBatch:
+    """The groups picked from each batch ((k,) long group indices each), in order, as one batch,
+    padded with zeros to the longest prompt and completion (dynamic sampling's join)."""
+    G = parts[0][0].num_samples
+    joined = {}
+    for name in ("prompt_ids", "prompt_lens", *ROW_TENSORS):
+        if getattr(parts[0][0], name) is None:
+            continue  # None in the join too
+        picked = [getattr(batch, name)[groups if name.startswith("prompt") else (
+            groups[:, None] * G + torch.arange(G, device=groups.device)).flatten()]
+            for batch, groups in parts]  # (k,) or (k*G,) rows each
+        width = max(t.shape[-1] for t in picked)
+        joined[name] = torch.cat([F.pad(t, (0, width - t.shape[1])) if t.dim() == 2 else t
+                                  for t in picked])
+    return dataclasses.replace(parts[0][0], **joined)
 
 
-def softmax_grads(z: Tensor, targets: Tensor, lse: Tensor, entropy: Tensor,
-                  grad_logp: Tensor | None, grad_entropy: Tensor | None) -> Tensor:
-    """d(loss)/dz (n, V) for logits z (n, V) from the grads of logp and entropy (n,) (None: no
-    loss uses it): g (onehot - p) - gH p (log p + H). Two (n, V) buffers without an entropy grad,
-    three with one."""
-    g = z.new_zeros(z.shape[0], 1) if grad_logp is None else grad_logp[:, None].to(z.dtype)
-    log_p = torch.sub(z, lse[:, None])  # (n, V)
-    if grad_entropy is None:
-        grad_z = log_p.exp_().mul_(-g)  # -g p, in place
-    else:
-        p = log_p.exp()  # (n, V)
-        g_entropy = grad_entropy[:, None].to(z.dtype)  # (n, 1)
-        # -p (g + gH (log p + H)), in place on log p
-        grad_z = log_p.add_(entropy[:, None]).mul_(g_entropy).add_(g).mul_(p).neg_()
-    return grad_z.scatter_add_(1, targets[:, None], g)  # + g onehot
-
-
-class ChunkedSoftmaxLogprobs(torch.autograd.Function):
-    """The default chunked path: h (n, C), targets (n,) -> logp (n,), entropy (n,). Forward keeps
-    one log-sum-exp and one entropy per token; backward rebuilds each chunk's logits and applies
-    d logp / dz = onehot - p and dH / dz = -p (log p + H) by hand: one lm_head matmul more than
-    an unchunked pass, but fewer (n, V) passes than log_softmax + gather, and no rerun of the
-    softmax as checkpoint would do."""
-
-    @staticmethod
-    def forward(ctx, h: Tensor, targets: Tensor, model, temperature: float, chunk_size: int,
-                *params: Tensor):
-        dtype = torch.promote_types(h.dtype, torch.float32)
-        logp = torch.empty(h.shape[0], device=h.device, dtype=dtype)
-        entropy = torch.empty_like(logp)
-        lse = torch.empty_like(logp)
-        for start in range(0, h.shape[0], chunk_size):
-            rows = slice(start, start + chunk_size)
-            z = head_logits(model, h[rows], temperature)  # (n_chunk, V), no graph inside forward
-            row_max = z.amax(-1, keepdim=True)  # (n_chunk, 1)
-            e = torch.sub(z, row_max).exp_()  # (n_chunk, V) unnormalised softmax, exp in place
-            total = e.sum(-1)  # (n_chunk,)
-            lse[rows] = row_max.squeeze(-1) + total.log()
-            # H = lse - E_p[z]
-            entropy[rows] = lse[rows] - (e[:, None] @ z[:, :, None]).view(-1) / total
-            logp[rows] = z.gather(-1, targets[rows, None]).squeeze(-1) - lse[rows]
-        ctx.model = model
-        ctx.temperature = temperature
-        ctx.chunk_size = chunk_size
-        ctx.save_for_backward(h, targets, lse, entropy, *params)
-        # An output no loss uses gets None in backward, not zeros: no entropy work then.
-        ctx.set_materialize_grads(False)
-        return logp, entropy
-
-    @staticmethod
-    def backward(ctx, grad_logp: Tensor | None, grad_entropy: Tensor | None):
-        h, targets, lse, entropy, *params = ctx.saved_tensors
-        grad_h = torch.empty_like(h)
-        grad_params = [None] * len(params)
-        for start in range(0, h.shape[0], ctx.chunk_size):
-            rows = slice(start, start + ctx.chunk_size)
-            with torch.enable_grad():
-                h_chunk = h[rows].detach().requires_grad_()
-                z = head_logits(ctx.model, h_chunk, ctx.temperature)  # (n_chunk, V) rebuilt
-            grad_z = softmax_grads(z.detach(), targets[rows], lse[rows], entropy[rows],
-                                   None if grad_logp is None else grad_logp[rows],
-                                   None if grad_entropy is None else grad_entropy[rows])
-            grads = torch.autograd.grad(z, [h_chunk, *params], grad_z, allow_unused=True)
-            grad_h[rows] = grads[0]
-            # None: a parameter the head does not use
-            grad_params = [new if acc is None else acc if new is None else acc.add_(new)
-                           for acc, new in zip(grad_params, grads[1:])]
-        return grad_h, None, None, None, None, *grad_params
-
-
-def chunk_rows(chunk_bytes: int, vocab_size: int, dtype: torch.dtype) -> int:
-    """Tokens per logprob chunk: as many rows of logits (V of them, in float32, or float64 for a
-    float64 model: head_logits) as chunk_bytes holds, at least one; 0 stays 0 (unchunked). V is
-    the full vocabulary: the same chunks on every tensor-parallel rank (chunked_logprobs' NOTE)."""
-    row = vocab_size * torch.promote_types(dtype, torch.float32).itemsize
-    return max(1, chunk_bytes // row) if chunk_bytes else 0
-
-
-def chunked_logprobs(model, h: Tensor, targets: Tensor, *, temperature: float = 1.0,
-                     chunk_size: int = 512,
-                     logprob_fn: Callable | None = None) -> tuple[Tensor, Tensor]:
-    """logp and entropy (n,) of targets (n,) under softmax(model.head(h) / temperature), h (n, C),
-    chunk_size rows at a time: at most one chunk of (chunk_size, V) logits is alive, forward or
-    backward. chunk_size = 0 is the unchunked twin. logprob_fn (e.g. tp.py's) is checkpointed
-    chunk by chunk."""
-    if chunk_size == 0 or h.shape[0] == 0:
-        return (logprob_fn or logprobs_from_logits)(head_logits(model, h, temperature), targets)
-    if logprob_fn is None:
-        # those the head uses get grads
-        params = [p for p in model.parameters() if p.requires_grad]
-        return ChunkedSoftmaxLogprobs.apply(h, targets, model, temperature, chunk_size, *params)
-
-    def one_chunk(h_chunk: Tensor, t_chunk: Tensor) -> tuple[Tensor, Tensor]:
-        return logprob_fn(head_logits(model, h_chunk, temperature), t_chunk)
-
-    # NOTE: chunks depend only on n, the same on all tensor-parallel ranks (same batch): a
-    # vocab-parallel logprob_fn runs collectives, so all ranks must run the same chunks in the same
-    # order, backward too.
+def keep_informative(rounds: list[tuple[GRPOBatch, Tensor]], target: int, first: int
+                     ) -> GRPOBatch:
+    """DAPO's dynamic sampling: the first `target` informative groups of the rounds, in order;
+    each round is this rank's batch and every rank's flags (informative_groups), this rank's from
+    `first` on. A rank left with none keeps one group (advantages 0: no gradient) to train."""
     parts = []
-    for s in range(0, h.shape[0], chunk_size):
-        h_chunk = h[s:s + chunk_size]
-        t_chunk = targets[s:s + chunk_size]
-        if torch.is_grad_enabled():
-            parts.append(checkpoint(one_chunk, h_chunk, t_chunk, use_reentrant=False))
-        else:
-            parts.append(one_chunk(h_chunk, t_chunk))
-    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])  # (n,), (n,)
+    for batch, flags in rounds:
+        flags = flags & (torch.cumsum(flags, 0) <= target)  # (dp * Bp,)
+        target -= int(flags.sum())
+        parts.append((batch, flags[first:first + batch.prompt_ids.shape[0]].nonzero()[:, 0]))
+    if not sum(len(groups) for _, groups in parts):
+        parts = [(rounds[0][0], torch.zeros(1, dtype=torch.long, device=rounds[0][1].device))]
+    return cat_groups(parts)
 
 # -----------------------------------------------------------------------------
 # Completion logprobs: shared prompt (exact) and its naive twin
@@ -488,94 +438,146 @@ def completion_logprobs(model, batch: "GRPOBatch", *, chunk_size: int = 1024,
 # The loss
 
 
-def grpo_loss(logp: Tensor, old_logp: Tensor | None, ref_logp: Tensor | None, advantages: Tensor,
-              mask: Tensor, cfg: GRPOConfig, *, num_seqs: int, num_tokens: int,
-              max_completion_len: int, entropy: Tensor | None = None
-              ) -> tuple[Tensor, dict[str, float]]:
-    """Clipped policy-gradient loss of a micro-batch, logp/old_logp/ref_logp/mask (N, Tr),
-    advantages (N,). num_seqs and num_tokens count the WHOLE generation batch (all micro-batches,
-    all data-parallel ranks), so the micro-batch losses sum to the big-batch loss;
-    max_completion_len is the sampler's budget (Dr. GRPO's constant). Pure: never modifies its
-    inputs.
-
-    Algorithmic choices:
-    1. Per-token ratio exp(logp - old_logp); old_logp None means logp.detach() (mu = 1).
-    2. PPO clip with clip-higher: -min(ratio * A, clamp(ratio, 1 - eps_low, 1 + eps_high) * A).
-    3. KL to the reference (beta > 0) with the k3 estimator exp(ref - logp) - (ref - logp) - 1,
-       per token, added to the loss (not folded into the reward). With use_bias_correction_kl
-       (TRL's default, DeepSeek-V3.2) k3 is multiplied by the ratio, gradient included: the tokens
-       were sampled from pi_old, and ratio * k3 estimates KL(pi || ref) under pi. It differs even
-       at mu = 1, where the ratio's value is 1 but its gradient adds k3 * d logp.
-    4. Aggregation: "grpo" mean over each sequence's tokens, then sum / num_seqs; "dapo" sum over
-       tokens / num_tokens; "dr_grpo" sum over tokens / (num_seqs * max_completion_len). TRL's
-       normalisers for grpo and dr_grpo are per micro-batch (its rows, divided again by the
-       gradient accumulation steps): equal to these when micro-batches have the same number of
-       rows. Where they do not (an uneven last micro-batch, uneven data-parallel ranks) ours stay
-       the big batch's, by design; TRL's would weigh the rows of a smaller micro-batch more. dapo
-       divides by the generation batch's tokens in both.
-    5. Metrics over the micro-batch's valid tokens: clip_low (ratio < 1 - eps_low, A < 0) and
-       clip_high (ratio > 1 + eps_high, A > 0), whose gradient the clip zeroes;
-       ratio_mean/min/max; kl (the per-token term the loss adds, as TRL logs it) if ref_logp is
-       given.
-    6. Entropy bonus (entropy_coef > 0; verl's entropy_coeff, not in TRL): -coef * H per token,
-       H (N, Tr) the policy's differentiable entropy (completion_logprobs), aggregated as the rest.
-       It pays the policy to keep spreading its mass, against a collapse onto one answer before
-       the reward has told the answers apart.
-    """
-    for name, t in (("old_logp", old_logp), ("ref_logp", ref_logp), ("mask", mask)):
+def check_loss_inputs(logp: Tensor, advantages: Tensor, cfg: GRPOConfig, counts: dict[str, int],
+                      **tensors: Tensor | None) -> None:
+    """One clear error for inputs grpo_loss cannot use."""
+    for name, t in tensors.items():
         if t is not None and t.shape != logp.shape:
             raise ValueError(f"{name} has shape {tuple(t.shape)}, logp has {tuple(logp.shape)}")
     if advantages.shape != logp.shape[:1]:
         raise ValueError(f"advantages has shape {tuple(advantages.shape)}, expected "
                          f"({logp.shape[0]},)")
-    if cfg.beta > 0 and ref_logp is None:
-        raise ValueError(f"ref_logp is None but beta = {cfg.beta} > 0 needs reference logprobs")
-    if cfg.entropy_coef > 0 and (entropy is None or entropy.shape != logp.shape):
-        got = None if entropy is None else tuple(entropy.shape)
-        raise ValueError(f"entropy_coef = {cfg.entropy_coef} > 0 needs the entropy (N, Tr) of "
-                         f"the policy, shape {tuple(logp.shape)}; got {got}")
-    if num_seqs < 1 or num_tokens < 1 or max_completion_len < 1:
-        raise ValueError(f"num_seqs = {num_seqs}, num_tokens = {num_tokens} and "
-                         f"max_completion_len = {max_completion_len} must be >= 1")
-    # With mu = 1 and old_logp = logp.detach() the ratio is exactly 1, so the loss VALUE is ~0
-    # (-mean A), which is expected; its GRADIENT is still the policy gradient:
-    # d exp(logp - logp.detach()) = d logp.
-    old_logp = logp.detach() if old_logp is None else old_logp
-    zero = torch.zeros_like(logp)
+    needs = dict(ref_logp=("beta", cfg.beta > 0), entropy=("entropy_coef", cfg.entropy_coef > 0))
+    if cfg.top_entropy_quantile < 1:
+        needs["entropy"] = ("top_entropy_quantile", True)
+    for name, (knob, needed) in needs.items():
+        if needed and tensors[name] is None:
+            raise ValueError(f"{name} is None but {knob} = {getattr(cfg, knob)} needs it")
+    if min(counts.values()) < 1:
+        raise ValueError(", ".join(f"{k} = {v}" for k, v in counts.items()) + " must be >= 1")
+
+
+def ratio_stats(name: str, ratio: Tensor, units: Tensor, **flags: Tensor) -> dict[str, Tensor]:
+    """{name}_mean/_min/_max of ratio and the share of each flag over units (bool, broadcast)."""
+    n = units.sum().clamp_min(1)
+    stats = {f"{name}_mean": torch.where(units, ratio, 0.0).sum() / n,
+             f"{name}_min": torch.where(units, ratio, torch.inf).amin(),
+             f"{name}_max": torch.where(units, ratio, -torch.inf).amax()}
+    return stats | {key: (flag & units).sum() / n for key, flag in flags.items()}
+
+
+def sampler_weights(old_logp: Tensor, sampler_logp: Tensor, mask: Tensor, cfg: GRPOConfig
+                    ) -> tuple[Tensor, dict[str, Tensor]]:
+    """Choice 3's correction weight pi_old / pi_sampler, (N, Tr) or (N, 1), a constant; and the
+    ratio's stats BEFORE its clamp or mask, with the share outside [min, max]."""
+    # NaN (a token the sampler could not score) and the padding: log-ratio 0, weight 1 (TRL's).
+    diff = torch.where(mask, old_logp.detach() - sampler_logp, 0.0).nan_to_num(0.0)  # (N, Tr)
+    units = mask
+    if cfg.sampler_correction_mode.startswith("sequence"):  # the product of its token ratios
+        diff = diff.sum(1, keepdim=True)  # (N, 1)
+        units = torch.ones_like(diff, dtype=torch.bool)  # every row, as TRL averages them
+    ratio = diff.exp()
+    low, high = cfg.sampler_correction_min, cfg.sampler_correction_max
+    outside = (ratio < low) | (ratio > high)
+    truncate = cfg.sampler_correction_mode.endswith("truncate")
+    weights = ratio.clamp(low, high) if truncate else ratio.masked_fill(outside, 0.0)
+    return weights, ratio_stats("sampler_ratio", ratio, units, sampler_corrected=outside)
+
+
+def policy_term(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, cfg: GRPOConfig
+                ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    """Choices 1-2: the policy loss per token (N, Tr) or per sequence (N, 1), adv (N, 1); and its
+    metrics: the ratio's mean/min/max and the shares the clip holds (TRL's clip_ratio low/high
+    after delta's cap, or cispo_clip_ratio), over the valid tokens or every row (sequence)."""
     # Zero the padding BEFORE exp: garbage there would give inf, and inf * 0 = NaN in backward.
-    ratio = torch.exp(torch.where(mask, logp - old_logp, zero))  # (N, Tr)
-    adv = advantages[:, None].to(logp.dtype)  # (N, 1)
+    log_ratio = torch.where(mask, logp - old_logp, 0.0)  # (N, Tr)
+    units = mask
+    if cfg.importance_sampling_level == "sequence":  # GSPO: the gradient flows through the mean
+        log_ratio = log_ratio.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp_min(1)
+        units = torch.ones_like(log_ratio, dtype=torch.bool)  # (N, 1): every row
+    ratio = torch.exp(log_ratio)  # (N, Tr) or (N, 1)
+    if cfg.loss_type == "cispo":  # a constant weight: the gradient -w A d logp is never zeroed
+        stats = ratio_stats("ratio", ratio, units, clip_low=torch.zeros_like(units),
+                            clip_high=(ratio > cfg.eps_high) & (adv > 0))
+        return -ratio.clamp(max=cfg.eps_high).detach() * adv * logp, ratio, stats
     clipped = ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high)
-    per_token = -torch.min(ratio * adv, clipped * adv)  # (N, Tr)
-    kl = None
+    capped = ratio.clamp(max=cfg.delta)  # two-sided: for A < 0 the unclipped term stops at delta
+    stats = ratio_stats("ratio", ratio, units, clip_low=(capped < 1 - cfg.eps_low) & (adv < 0),
+                        clip_high=(capped > 1 + cfg.eps_high) & (adv > 0))
+    return -torch.min(capped * adv, clipped * adv), ratio, stats
+
+
+def grpo_loss(logp: Tensor, old_logp: Tensor | None, ref_logp: Tensor | None, advantages: Tensor,
+              mask: Tensor, cfg: GRPOConfig, *, num_seqs: int, num_tokens: int,
+              max_completion_len: int, entropy: Tensor | None = None,
+              sampler_logp: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
+    """The loss of a micro-batch: logp, old_logp, ref_logp, mask, entropy, sampler_logp (N, Tr),
+    advantages (N,). num_seqs and num_tokens count the WHOLE generation batch (all micro-batches
+    and dp ranks), so micro-batch losses sum to the big-batch loss; max_completion_len is the
+    sampler's budget. Pure. Each choice is TRL 1.16's (tests/test_grpo.py runs TRL's code) but 6:
+    1. Ratio r = exp(logp - old_logp) per token, or per sequence (importance_sampling_level,
+       GSPO): exp of the mean log-ratio, the gradient through the mean. old_logp None means
+       logp.detach() (mu = 1): value 1, gradient d logp.
+    2. Policy term: PPO's clip with clip-higher, -min(r A, clamp(r, 1 - eps_low, 1 + eps_high) A),
+       the unclipped r capped at delta (INTELLECT-2); or "cispo" (MiniMax-M1):
+       -sg(min(r, eps_high)) A logp, a clipped constant weight that zeroes no token's gradient.
+    3. Masks times the policy term, in TRL's order: off-policy rows (DeepSeek-V3.2: A < 0 and mean
+       log(pi_sampler / pi) > off_policy_mask_threshold; old_logp without sampler_logp), tokens
+       below this call's top_entropy_quantile (arXiv:2506.01939, in float32 as TRL), and the
+       sampler correction (TRL's vllm_importance_sampling_*). Truncated completions
+       (mask_truncated_completions, DAPO) are off the mask the caller passes.
+    4. KL to the reference (beta > 0): k3 = exp(ref - logp) - (ref - logp) - 1 per token, times r
+       with use_bias_correction_kl (TRL's default, DeepSeek-V3.2), gradient included: the tokens
+       are pi_old's, and r k3 estimates KL(pi || ref) under pi.
+    5. Aggregation: "grpo" each sequence's token mean, summed / num_seqs; "dapo" and "cispo" sum
+       / num_tokens; "dr_grpo" sum / (num_seqs * max_completion_len). TRL's grpo and dr_grpo
+       normalisers are per micro-batch: the same for equal micro-batches (ours weigh the rows
+       of an uneven one like the others).
+    6. Entropy bonus (entropy_coef > 0; verl's): -coef * H per token of choice 3's entropy mask.
+    7. Metrics: policy_term's, sampler_weights' (before its clamp), off_policy_masked, kl."""
+    counts = dict(num_seqs=num_seqs, num_tokens=num_tokens, max_completion_len=max_completion_len)
+    check_loss_inputs(logp, advantages, cfg, counts, old_logp=old_logp, ref_logp=ref_logp,
+                      mask=mask, entropy=entropy, sampler_logp=sampler_logp)
+    old_logp = logp.detach() if old_logp is None else old_logp
+    adv = advantages[:, None].to(logp.dtype)  # (N, 1)
+    per_token, ratio, stats = policy_term(logp, old_logp, adv, mask, cfg)
+    if math.isfinite(cfg.off_policy_mask_threshold):
+        behaviour = old_logp if sampler_logp is None else sampler_logp
+        kl = torch.where(mask, behaviour - logp.detach(), 0.0).nan_to_num(0.0)  # (N, Tr)
+        mean_kl = kl.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp_min(1)  # (N, 1)
+        keep = (adv >= 0) | (mean_kl <= cfg.off_policy_mask_threshold)  # (N, 1)
+        per_token = per_token * keep
+        stats["off_policy_masked"] = 1 - keep.double().mean()
+    high = None
+    if cfg.top_entropy_quantile < 1:
+        values = entropy.detach()[mask].float()  # (n,)
+        threshold = torch.quantile(values, 1 - cfg.top_entropy_quantile) if len(values) else 0
+        high = (entropy.detach() * mask >= threshold) & mask  # (N, Tr)
+        per_token = per_token * high
+    if sampler_logp is not None:  # the mismatch's stats are logged with the correction off too
+        weights, correction = sampler_weights(old_logp, sampler_logp, mask, cfg)
+        per_token = per_token * weights if cfg.sampler_correction else per_token
+        stats.update(correction)
+    zero = torch.zeros_like(logp)
     if ref_logp is not None:
         delta = torch.where(mask, ref_logp - logp, zero)
-        # k3 (N, Tr) >= 0: unbiased for KL(pi || ref) on tokens sampled from pi
-        kl = torch.exp(delta) - delta - 1
+        kl = torch.exp(delta) - delta - 1  # (N, Tr) >= 0: unbiased for KL(pi || ref) under pi
         if cfg.use_bias_correction_kl:  # the tokens are pi_old's: reweight them to pi, with grad
             kl = kl * ratio
-    if cfg.beta > 0:  # ref_logp is not None: checked above
-        per_token = per_token + cfg.beta * kl
+        stats["kl"] = torch.where(mask, kl, zero).sum() / mask.sum().clamp_min(1)
+        if cfg.beta > 0:
+            per_token = per_token + cfg.beta * kl
     if cfg.entropy_coef > 0:
-        per_token = per_token - cfg.entropy_coef * entropy
-    per_token = torch.where(mask, per_token, zero)
+        per_token = per_token - cfg.entropy_coef * (entropy if high is None else entropy * high)
+    per_token = torch.where(mask, per_token, zero)  # (N, Tr): a sequence's term on its tokens
     if cfg.loss_type == "grpo":  # each sequence's token mean first: long completions weigh less
         per_token = per_token / mask.sum(1, keepdim=True).clamp_min(1)
-    normaliser = {"grpo": num_seqs, "dapo": num_tokens,
+    normaliser = {"grpo": num_seqs, "dapo": num_tokens, "cispo": num_tokens,
                   "dr_grpo": num_seqs * max_completion_len}[cfg.loss_type]
     loss = per_token.sum() / normaliser
     with torch.no_grad():
-        n = mask.sum().clamp_min(1)
-        stats = {"loss": loss,
-                 "clip_low": ((ratio < 1 - cfg.eps_low) & (adv < 0) & mask).sum() / n,
-                 "clip_high": ((ratio > 1 + cfg.eps_high) & (adv > 0) & mask).sum() / n,
-                 "ratio_mean": torch.where(mask, ratio, zero).sum() / n,
-                 "ratio_min": torch.where(mask, ratio, torch.inf).amin(),
-                 "ratio_max": torch.where(mask, ratio, -torch.inf).amax()}
-        if kl is not None:
-            stats["kl"] = torch.where(mask, kl, zero).sum() / n
-        # one host sync for all metrics
-        values = torch.stack([v.float() for v in stats.values()]).tolist()
+        stats = {"loss": loss, **stats}
+        values = torch.stack([v.detach().float() for v in stats.values()]).tolist()  # one sync
     return loss, dict(zip(stats, values))
 
 # -----------------------------------------------------------------------------
@@ -612,44 +614,46 @@ def accumulate(model, batch: GRPOBatch, cfg: GRPOConfig, *, logprob_fn: Callable
                num_seqs: int | None = None, num_tokens: int | None = None) -> dict[str, float]:
     """Forward, loss and backward over the generation batch in micro-batches of whole groups;
     grads accumulate into .grad (no zero_grad, no step). num_seqs/num_tokens default to this
-    batch's counts; pass global counts under data parallelism. Returns "loss" (the summed, i.e.
-    big-batch, loss), token-weighted means of the other metrics (with "entropy", and
-    "sampler_logp_diff" = mean |logp - sampler_logp| when the batch has the sampler's logprobs),
-    the min/max of ratio_min/ratio_max, and "tokens" (this batch's valid tokens)."""
+    batch's rows and loss tokens; pass global counts under data parallelism. Returns "loss" (the
+    big-batch loss), the other metrics weighted by the micro-batches' tokens (rows for those
+    grpo_loss takes per sequence), "entropy", "sampler_logp_diff" = mean |logp - sampler_logp|,
+    the min of *_min and max of *_max, and "tokens" (this batch's loss tokens)."""
     batch.check()
     if batch.advantages is None:
         raise ValueError("batch.advantages is None: accumulate needs one advantage per row")
     num_seqs = batch.tokens.shape[0] if num_seqs is None else num_seqs
-    num_tokens = int(batch.mask.sum()) if num_tokens is None else num_tokens
+    num_tokens = int(batch.loss_mask(cfg).sum()) if num_tokens is None else num_tokens
+    per_row = {"off_policy_masked"}  # TRL's sequence-level metrics average over rows
+    if cfg.importance_sampling_level == "sequence":
+        per_row |= {"clip_low", "clip_high", "ratio_mean"}
+    if cfg.sampler_correction_mode.startswith("sequence"):
+        per_row |= {"sampler_ratio_mean", "sampler_corrected"}
     totals: dict[str, float] = {}
-    tokens_seen = 0.0  # valid completion tokens of the micro-batches so far: the metrics' weights
+    seen = {"tokens": 0.0, "rows": 0.0}  # of the micro-batches so far: the metrics' weights
     chunk = chunk_rows(cfg.chunk_bytes, model.config.vocab_size, next(model.parameters()).dtype)
     for _, micro in micro_batches(batch, cfg):
         logp, entropy = completion_logprobs(model, micro, chunk_size=chunk,
                                             logprob_fn=logprob_fn)  # (n_rows, Tr_micro)
-        mask = micro.mask
+        mask = micro.loss_mask(cfg)
         loss, metrics = grpo_loss(logp, micro.old_logp, micro.ref_logp, micro.advantages, mask,
                                   cfg, num_seqs=num_seqs, num_tokens=max(num_tokens, 1),
-                                  max_completion_len=batch.max_new_tokens, entropy=entropy)
+                                  max_completion_len=batch.max_new_tokens, entropy=entropy,
+                                  sampler_logp=micro.sampler_logp)
         loss.backward()
-        tokens = float(mask.sum())
+        weight = {"tokens": float(mask.sum()), "rows": float(mask.shape[0])}
         with torch.no_grad():
-            metrics["entropy"] = float((entropy * mask).sum()) / max(tokens, 1.0)
+            metrics["entropy"] = float((entropy * mask).sum()) / max(weight["tokens"], 1.0)
             if micro.sampler_logp is not None:  # the health check of the whole engine
                 diff = (logp - micro.sampler_logp).abs() * mask
-                metrics["sampler_logp_diff"] = float(diff.sum()) / max(tokens, 1.0)
+                metrics["sampler_logp_diff"] = float(diff.sum()) / max(weight["tokens"], 1.0)
         for key, value in metrics.items():
-            prev = totals.get(key)
-            if key == "ratio_min":
-                totals[key] = value if prev is None else min(prev, value)
-            elif key == "ratio_max":
-                totals[key] = value if prev is None else max(prev, value)
-            elif key == "loss":  # a plain sum: already normalised by the batch counts
-                totals[key] = (prev or 0.0) + value
-            else:  # token-weighted sums
-                totals[key] = (prev or 0.0) + value * tokens
-        tokens_seen += tokens
-    out = {k: v if k in ("loss", "ratio_min", "ratio_max") else v / max(tokens_seen, 1.0)
-           for k, v in totals.items()}
-    out["tokens"] = tokens_seen
+            if key.endswith(("_min", "_max")):  # extremes over the micro-batches
+                totals[key] = (min if key.endswith("_min") else max)(totals.get(key, value), value)
+            else:  # the loss: a plain sum (normalised by the batch counts); the rest weighted
+                w = 1.0 if key == "loss" else weight["rows" if key in per_row else "tokens"]
+                totals[key] = totals.get(key, 0.0) + value * w
+        seen = {unit: seen[unit] + weight[unit] for unit in seen}
+    out = {k: v if k == "loss" or k.endswith(("_min", "_max")) else
+           v / max(seen["rows" if k in per_row else "tokens"], 1.0) for k, v in totals.items()}
+    out["tokens"] = seen["tokens"]
     return out

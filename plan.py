@@ -19,7 +19,8 @@ from functools import partial
 
 import torch
 
-from grpo import GRPOConfig, chunk_rows
+from grpo import GRPOConfig
+from logprobs import chunk_rows
 from memory import PhaseManager
 from model import ModelConfig
 from rollout import RolloutConfig

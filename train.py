@@ -9,7 +9,7 @@ one GRPO step, docs/design.md's data flow in numbered pieces:
     1. draw the step's prompts (a function of seed and step: a resumed run draws the same ones)
     2. rollout phase: sync the sampler's weights from the trainer, sample G completions per prompt
     3. decode the completions and score them with the task's reward functions
-    4. group advantages over the whole generation batch (every data-parallel rank's rewards)
+    4. group advantages over every dp rank's rewards; --dynamic_sampling repeats 1-4 (DAPO)
     5. old logprobs (mu > 1, or a sampler in another dtype) and reference logprobs (beta > 0)
     6. train phase: mu optimizer steps over the generation batch, micro-batch by micro-batch
     7. the step's metrics, token-weighted over ranks and aggregated over the mu iterations
@@ -342,11 +342,11 @@ def build_sampler(cfg: TrainConfig, model: Llama) -> Llama:
 # Prompts and rewards
 
 
-def draw_prompts(run: Run, step: int) -> tuple[list[list[int]], list[str], int]:
+def draw_prompts(run: Run, step: int, round: int = 0) -> tuple[list[list[int]], list[str], int]:
     """This rank's prompts (token ids) and references, and how many were truncated. The whole
-    batch is a function of (seed, step) alone, so a resumed run draws the same one."""
+    batch is a function of (seed, step, round) alone, so a resumed run draws the same one."""
     cfg = run.cfgs.train
-    rng = random.Random(cfg.seed * 1_000_003 + step)
+    rng = random.Random(cfg.seed * 1_000_003 + step if not round else f"{cfg.seed}:{step}:{round}")
     try:
         examples = [tasks.draw_training_example(run.task, run.eval, rng)
                     for _ in range(cfg.prompts_per_step)]
@@ -400,21 +400,21 @@ def gather_dp(t: torch.Tensor, run: Run) -> torch.Tensor:
 # One step
 
 
-def step(run: Run, step: int) -> dict:
-    """One GRPO step (the numbered pieces of the module docstring); returns its metrics record."""
-    cfgs = run.cfgs
-    G = cfgs.rollout.num_samples
-    times = {}
+def sample_round(run: Run, step: int, round: int) -> tuple[grpo.GRPOBatch, torch.Tensor, dict]:
+    """Pieces 1-4 once (round > 0: dynamic sampling's other prompts): this rank's batch with its
+    advantages, every rank's rewards (dp * N,) and the rollout's counts."""
+    cfgs, G = run.cfgs, run.cfgs.rollout.num_samples
     t0 = time.perf_counter()
     # 1. The step's prompts (each dp rank checks its own: they stop together).
-    prompts, references, truncated = together(run, draw_prompts, run, step)
+    prompts, references, truncated = together(run, draw_prompts, run, step, round)
     # 2. Rollout: the sampler gets the trainer's weights, then samples G completions per prompt.
     with run.phase("rollout"):
         rollout.sync_weights(run.sampler, run.model)
-        seed = cfgs.train.seed * 1_000_003 + step * 7919 + run.groups.dp_rank
+        seed = cfgs.train.seed * 1_000_003 + step * 7919 + run.groups.dp_rank + (round << 40)
         out = rollout.generate(run.sampler, prompts, cfgs.rollout, stop_ids=run.stop_ids,
                                seed=seed, cache=run.cache, logits_fn=run.logits_fn)
-    times["rollout"] = time.perf_counter() - t0
+    counts = dict(rollout=time.perf_counter() - t0, truncated=truncated,
+                  lengths=float(out.mask.sum()), new_tokens=float(out.stats["new_tokens"]))
     # 3. Rewards: each reward function's score, summed as TRL sums them (None leaves one out).
     texts = run.tokenizer.decode_completions(out.completions(), out.stopped.tolist())
     references = [ref for ref in references for _ in range(G)]  # (N,)
@@ -424,11 +424,26 @@ def step(run: Run, step: int) -> dict:
     g = cfgs.grpo
     advantages = grpo.group_advantages(all_rewards, G, g.scale, g.std_eps, g.std_correction)
     rows = slice(run.groups.dp_rank * len(rewards), (run.groups.dp_rank + 1) * len(rewards))
-    prompt_ids, prompt_lens = grpo.pad_right(prompts, run.device)
-    # The sampler's tensors as they are; the batch carries the temperature they were sampled at.
-    batch = grpo.GRPOBatch(prompt_ids, prompt_lens, out.tokens, out.mask, out.temperature,
-                           cfgs.rollout.max_new_tokens, advantages[rows],
-                           sampler_logp=out.logprobs)
+    batch = grpo.GRPOBatch.from_rollout(prompts, out, cfgs.rollout.max_new_tokens, advantages[rows])
+    return batch, all_rewards, counts
+
+
+def step(run: Run, step: int) -> dict:
+    """One GRPO step (the numbered pieces of the module docstring); returns its metrics record."""
+    g, G = run.cfgs.grpo, run.cfgs.rollout.num_samples
+    # 1-4. Prompts, rollout, rewards, advantages; with --dynamic_sampling N (DAPO) up to N more
+    # rounds, until they hold prompts_per_step informative groups: only those are trained.
+    rounds = [sample_round(run, step, 0)]
+    while len(rounds) <= g.dynamic_sampling and run.cfgs.train.prompts_per_step > sum(
+            int(grpo.informative_groups(rewards, G).sum()) for _, rewards, _ in rounds):
+        rounds.append(sample_round(run, step, len(rounds)))
+    batch, all_rewards = rounds[0][0], torch.cat([rewards for _, rewards, _ in rounds])
+    if g.dynamic_sampling:  # from every rank's flags: the same choice on every rank
+        batch = grpo.keep_informative([(b, grpo.informative_groups(r, G)) for b, r, _ in rounds],
+                                      run.cfgs.train.prompts_per_step,
+                                      run.groups.dp_rank * run.local_prompts)
+    counts = {k: sum(c[k] for _, _, c in rounds) for k in rounds[0][2]}
+    counts.update(extra_rollouts=len(rounds) - 1, kept_groups=batch.prompt_ids.shape[0])
     # 5. Old and reference logprobs, without grad.
     t0 = time.perf_counter()
     if g.mu > 1 or run.sampler is not run.model:
@@ -438,21 +453,22 @@ def step(run: Run, step: int) -> dict:
         with run.phase("reference"), autocast(run):
             batch.ref_logp = grpo.batch_logprobs(run.reference, batch, g,
                                                  logprob_fn=run.logprob_fn)
-    times["logprobs"] = time.perf_counter() - t0
+    times = {"rollout": counts.pop("rollout"), "logprobs": time.perf_counter() - t0}
     # 6. Train: mu optimizer steps over the generation batch (none when nothing was scored).
     t0 = time.perf_counter()
     scored = int((~all_rewards.isnan()).sum())
     iterations = train_phase(run, batch) if scored else []
     times["train"] = time.perf_counter() - t0
     # 7. Metrics.
-    return step_record(run, step, all_rewards, out, iterations, times, truncated)
+    return step_record(run, step, all_rewards, counts, iterations, times)
 
 
 def train_phase(run: Run, batch: grpo.GRPOBatch) -> list[dict]:
     """mu optimizer steps over the one generation batch; each iteration's metrics, summed over
     the dp ranks (token-weighted sums with their token count), and whether its update ran."""
     cfgs = run.cfgs
-    num_seqs, num_tokens = all_reduce_dp([batch.mask.shape[0], float(batch.mask.sum())], run)
+    counts = [batch.mask.shape[0], float(batch.loss_mask(cfgs.grpo).sum())]  # rows, loss tokens
+    num_seqs, num_tokens = all_reduce_dp(counts, run)
     iterations = []
     with run.phase("train"):
         for _ in range(cfgs.grpo.mu):
@@ -486,59 +502,50 @@ def train_phase(run: Run, batch: grpo.GRPOBatch) -> list[dict]:
     return iterations
 
 
-WEIGHTED = ("clip_low", "clip_high", "ratio_mean", "kl", "entropy", "sampler_logp_diff")
-
-
 def reduce_iteration(run: Run, m: dict, tokens: float) -> dict:
-    """One iteration's metrics over the dp ranks: token-weighted means, the global loss (each
-    rank's is already normalised by the global counts: they sum), the ratio's min and max."""
-    keys = [k for k in WEIGHTED if k in m]
+    """One iteration's metrics over the dp ranks: the loss summed (each is normalised by global
+    counts), the min of *_min and max of *_max, token-weighted means of the rest."""
+    extremes = {k: -1 if k.endswith("_min") else 1 for k in sorted(m) if k[-4:] in ("_min", "_max")}
+    keys = sorted(k for k in m if k not in ("loss", "tokens", "grad_norm", "updated", "finite",
+                                            *extremes))
     sums = all_reduce_dp([m["loss"], tokens] + [m[k] * tokens for k in keys], run)
-    extremes = all_reduce_dp([-m["ratio_min"], m["ratio_max"]], run, dist.ReduceOp.MAX)
-    out = dict(loss=sums[0], grad_norm=m["grad_norm"], updated=m["updated"], finite=m["finite"])
-    out.update({k: s / max(sums[1], 1.0) for k, s in zip(keys, sums[2:])})
-    out.update(ratio_min=-extremes[0], ratio_max=extremes[1])
-    return out
+    peaks = all_reduce_dp([s * m[k] for k, s in extremes.items()], run, dist.ReduceOp.MAX)
+    return dict(loss=sums[0], grad_norm=m["grad_norm"], updated=m["updated"], finite=m["finite"],
+                **{k: s / max(sums[1], 1.0) for k, s in zip(keys, sums[2:])},
+                **{k: s * p for (k, s), p in zip(extremes.items(), peaks)})
 
 
-def zero_std_share(rewards: torch.Tensor, G: int) -> float:
-    """The share of groups whose scored rewards are all equal: their advantages are 0, so they
-    give no gradient (DAPO's dynamic sampling drops them). rewards (N,) NaN where unscored."""
-    groups = rewards.view(-1, G)  # (Bp, G)
-    high = torch.where(groups.isnan(), -torch.inf, groups).amax(1)
-    low = torch.where(groups.isnan(), torch.inf, groups).amin(1)
-    return float((~(high > low)).double().mean())
-
-
-def step_record(run: Run, step: int, rewards: torch.Tensor, out: rollout.Rollout,
-                iterations: list[dict], times: dict, truncated: int) -> dict:
-    """The step as one JSON-able dict (null for what did not happen)."""
+def step_record(run: Run, step: int, rewards: torch.Tensor, counts: dict,
+                iterations: list[dict], times: dict) -> dict:
+    """The step as one JSON-able dict (null for what did not happen). rewards: every round's."""
     scored = rewards[~rewards.isnan()]
-    lengths, tokens, truncated = all_reduce_dp(
-        [float(out.mask.sum()), float(out.stats["new_tokens"]), truncated], run)
+    keys = ("lengths", "new_tokens", "truncated", "kept_groups")
+    lengths, tokens, truncated, kept = all_reduce_dp([counts[k] for k in keys], run)
+    updated = [it for it in iterations if it["updated"]]
     record = dict(step=step + 1, reward=scored.mean().item() if len(scored) else None,
                   reward_std=scored.std().item() if len(scored) > 1 else None,
                   missing_rewards=len(rewards) - len(scored), truncated_prompts=int(truncated),
                   completion_len=lengths / len(rewards),
-                  tokens_per_s=tokens / max(times["rollout"], 1e-9))
-    record["zero_std"] = zero_std_share(rewards, run.cfgs.rollout.num_samples)
-    updated = [it for it in iterations if it["updated"]]
-    record["updates"] = len(updated)  # applied, with a gradient
-    record["skipped_updates"] = sum(not it["finite"] for it in iterations)
+                  tokens_per_s=tokens / max(times["rollout"], 1e-9), kept_groups=int(kept),
+                  zero_std=float((~grpo.informative_groups(
+                      rewards, run.cfgs.rollout.num_samples)).double().mean()),
+                  extra_rollouts=counts["extra_rollouts"], updates=len(updated),  # with a gradient
+                  skipped_updates=sum(not it["finite"] for it in iterations))
     record["zero_grad"] = len(iterations) - len(updated) - record["skipped_updates"]
-    for key in ("loss", *WEIGHTED):
+    metrics = ["loss", "clip_low", "clip_high", "ratio_mean", "kl", "entropy"]
+    metrics += [k for k in (iterations[0] if iterations else {})
+                if k not in (*metrics, "grad_norm", "updated", "finite")]
+    for key in metrics:  # over the mu iterations
         values = [it[key] for it in iterations if key in it]
-        record[key] = sum(values) / len(values) if values else None
-    # Before any update of this step, the trainer's logprobs are the sampler's up to numerics.
-    first = iterations[0] if iterations else {}
-    record["sampler_logp_diff"] = first.get("sampler_logp_diff")
-    record["ratio_min"] = min((it["ratio_min"] for it in iterations), default=None)
-    record["ratio_max"] = max((it["ratio_max"] for it in iterations), default=None)
+        pick = min if key.endswith("_min") else max if key.endswith("_max") else None
+        record[key] = (pick(values) if pick else sum(values) / len(values)) if values else None
     norms = [it["grad_norm"] for it in updated]
-    record["grad_norm"] = sum(norms) / len(norms) if norms else None
-    record["lr"] = run.optimizer.param_groups[0]["lr"]
-    record.update({f"t_{k}": v for k, v in times.items()})
-    record.update(cli.memory_figures(run.device, run.mem))
+    # sampler_logp_diff before any update of this step: the sampler's logprobs up to numerics
+    record.update({f"t_{k}": v for k, v in times.items()}, **cli.memory_figures(run.device,
+                                                                                  run.mem),
+                  sampler_logp_diff=iterations[0].get("sampler_logp_diff") if iterations else None,
+                  grad_norm=sum(norms) / len(norms) if norms else None,
+                  lr=run.optimizer.param_groups[0]["lr"])
     return record
 
 

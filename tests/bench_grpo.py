@@ -32,6 +32,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import grpo  # noqa: E402
+import logprobs  # noqa: E402
 import model as M  # noqa: E402
 
 STEP_VARIANTS = {  # name: (shared_prompt, chunked); "seed" is TRL before PR #2669, written out below
@@ -86,9 +87,9 @@ def make_step(device: str, chunk_size: int):
                                      max_completion_len=C)
             loss.backward()
             return logp.detach().double().sum().item()
-        fn = grpo.logprobs_from_logits if variant.startswith("chunked_ckpt") else None  # tp.py's route
+        fn = logprobs.logprobs_from_logits if variant.startswith("chunked_ckpt") else None  # tp.py's route
         with torch.set_grad_enabled(variant.endswith("_grad")):
-            logp, _ = grpo.chunked_logprobs(model, h, targets, logprob_fn=fn,
+            logp, _ = logprobs.chunked_logprobs(model, h, targets, logprob_fn=fn,
                                             chunk_size=chunk_size if variant.startswith("chunked") else 0)
             if logp.requires_grad:
                 logp.sum().backward()
@@ -179,13 +180,13 @@ def chunk_sweep(n: int, rounds: int, vocabs: list[int], mibs: list[int]) -> None
         targets = torch.randint(0, V, (n,))
 
         def run(rows: int) -> None:
-            logp, entropy = grpo.chunked_logprobs(head, h, targets, chunk_size=rows)
+            logp, entropy = logprobs.chunked_logprobs(head, h, targets, chunk_size=rows)
             (logp.sum() + entropy.sum()).backward()
             h.grad = head.lm_head.weight.grad = head.norm.weight.grad = None
 
         base = None
         for name, mib in [("1,024 tokens", None), *[(f"{m} MiB", m) for m in mibs]]:
-            rows = 1024 if mib is None else grpo.chunk_rows(mib * 2**20, V, torch.float32)
+            rows = 1024 if mib is None else logprobs.chunk_rows(mib * 2**20, V, torch.float32)
             peak = allocator_peak(lambda: run(rows)) / 2**20  # also the warm-up
             best, spent, done = float("inf"), 0.0, 0
             while done < rounds or spent < 1.0:  # milliseconds at V = 16: repeat for a second

@@ -20,8 +20,18 @@ one row per task x seed:
 
 and <out>/<task>.svg with the task's seeds (plot.py). Tables are Markdown, to paste as they are.
 
+Variants side by side: each `--variant NAME="FLAGS"` runs every task x seed again with FLAGS added
+(in <out>/NAME/...), and one more table compares them per task: last 10% reward per seed and its
+mean, to_0.9 per seed, zero_std, extra rollouts per step (dynamic sampling), wall clock. E.g. the
+GRPO family against the default:
+
+    python tests/bench_learning.py --tasks reverse,sort,increment --seeds 0,1,2 \
+        --variant default= --variant gspo="--importance_sampling_level sequence --loss_type grpo" \
+        --variant cispo="--loss_type cispo --eps_high 5" --variant dynamic="--dynamic_sampling 4"
+
 Run: python tests/bench_learning.py --tasks reverse,double,sort,count,increment,add --seeds 0,1,2
      [--flags "--lr 5e-4"] [--steps N] [--jobs 2] [--out runs/learning/NAME] [--force] [--report]
+     [--variant NAME="FLAGS" ...]
      python tests/bench_learning.py --supervised 1000   (can the fresh model hold each task at all?)
 """
 
@@ -118,7 +128,8 @@ def summary(out: str, task: str) -> dict:
                eval=evals[-1]["eval_reward"] if evals else None,
                correct=evals[-1].get("eval_correct") if evals else None,
                to_target=to_target, frozen=frozen, frozen_reward=frozen_reward, wall=wall,
-               steps=len(records))
+               steps=len(records),
+               extra=mean([r["extra_rollouts"] for r in records if "extra_rollouts" in r]))
     if task == "reverse":
         row["target"] = to_target is not None and wall < 600
     else:
@@ -149,6 +160,25 @@ def print_table(rows: list[tuple[str, int, dict]]) -> None:
         passed = sum(r["target"] for r in runs)
         print(f"{task}: target met on {passed}/{len(runs)} seeds; last 10% mean reward "
               f"{cell(mean([r['last'] for r in runs if r['last'] is not None]), '.3f')}")
+
+def print_variants(rows: list[tuple[str, str, int, dict]], variants: list[str]) -> None:
+    """One row per task x variant, side by side."""
+    print("| task | variant | last 10% reward per seed | mean | to_0.9 per seed | zero_std | "
+          "extra rollouts / step | wall_s (mean) |")
+    print("|" + "---|" * 8)
+    tasks = list(dict.fromkeys(task for task, *_ in rows))
+    for task in tasks:
+        for name in variants:
+            runs = [r for t, v, _, r in rows if t == task and v == name]
+            if not runs:
+                continue
+            lasts = [r["last"] for r in runs]
+            print(f"| {task} | {name} | {' '.join(cell(x, '.3f') for x in lasts)} | "
+                  f"{cell(mean([x for x in lasts if x is not None]), '.3f')} | "
+                  f"{' '.join(cell(r['to_target'], 'd') for r in runs)} | "
+                  f"{cell(mean([r['zero_std'] for r in runs if r['zero_std'] is not None]), '.2f')}"
+                  f" | {cell(mean([r['extra'] for r in runs if r['extra'] is not None]), '.2f')} | "
+                  f"{mean([r['wall'] for r in runs]):.0f} |")
 
 # -----------------------------------------------------------------------------
 # Capacity: can the default fresh model hold the task at all? (teacher forcing, no RL)
@@ -214,6 +244,8 @@ def main() -> None:
     parser.add_argument("--out", default="runs/learning/default")
     parser.add_argument("--force", action="store_true", help="repeat runs that already finished")
     parser.add_argument("--report", action="store_true", help="only tabulate what is there")
+    parser.add_argument("--variant", action="append", default=[], metavar='NAME="FLAGS"',
+                        help="run every task x seed with these extra flags too, side by side")
     parser.add_argument("--supervised", type=int, default=0, metavar="STEPS",
                         help="instead: the capacity check, STEPS of teacher forcing per task")
     args = parser.parse_args()
@@ -227,6 +259,21 @@ def main() -> None:
     seeds = [int(s) for s in args.seeds.split(",") if s]
     flags = shlex.split(args.flags) + (["--steps", str(args.steps)] if args.steps else [])
     out = os.path.abspath(args.out)
+    if args.variant:
+        variants = dict(v.partition("=")[::2] for v in args.variant)  # NAME -> FLAGS
+        # seed-major: a run cut short still has every task x variant for its first seeds
+        jobs = [(task, name, seed, os.path.join(out, name, task.replace(":", "."), f"seed{seed}"))
+                for seed in seeds for task in names for name in variants]
+        if not args.report:
+            with ThreadPoolExecutor(args.jobs) as pool:
+                futures = [pool.submit(run_one, task, seed, d, flags + shlex.split(variants[name]),
+                                       args.force) for task, name, seed, d in jobs]
+                for f in futures:
+                    print(f.result(), flush=True)
+        print(f"\nflags: {args.flags or '(none)'}; out: {args.out}; variants: {variants}\n")
+        print_variants([(task, name, seed, summary(d, task)) for task, name, seed, d in jobs
+                        if os.path.exists(os.path.join(d, "run.json"))], list(variants))
+        return
     jobs = [(task, seed, os.path.join(out, task.replace(":", "."), f"seed{seed}"))
             for task in names for seed in seeds]
     if not args.report:

@@ -12,8 +12,10 @@ import torch
 from memtrace import allocator_peak
 
 import grpo
+import logprobs
 import hf
 import model as M
+import rollout
 from grpo import GRPOBatch, GRPOConfig
 from rollout import RolloutConfig
 
@@ -269,7 +271,7 @@ def test_chunked_equals_unchunked_and_never_holds_more_than_a_chunk(path, chunk_
     m.zero_grad()
     rows_seen = m.rows_seen
     rows_seen.clear()  # the unchunked twin's rows
-    fn = grpo.logprobs_from_logits if path == "checkpoint" else None
+    fn = logprobs.logprobs_from_logits if path == "checkpoint" else None
     logp_c, ent_c, _ = completion_logprobs(m, prompts, completions, num_samples=G,
                                                 chunk_size=chunk_size, logprob_fn=fn)
     chunks = math.ceil(n / chunk_size)
@@ -300,13 +302,13 @@ def test_a_logprob_chunk_holds_at_most_chunk_bytes_of_logits(vocab, dtype, rows)
     m = HeadSpy(cfg).init_weights(0, std=0.2).to(dtype)
     batch, grpo_cfg = training_batch(tiny_model())  # token ids < V <= vocab
     grpo_cfg.chunk_bytes = 2048
-    assert grpo.chunk_rows(2048, vocab, dtype) == rows
+    assert logprobs.chunk_rows(2048, vocab, dtype) == rows
     m.rows_seen.clear()
     grpo.batch_logprobs(m, batch, grpo_cfg)
     grpo.accumulate(m, batch, grpo_cfg)
     itemsize = torch.promote_types(dtype, torch.float32).itemsize
     assert max(m.rows_seen) == rows and rows * vocab * itemsize <= 2048 or rows == 1
-    assert grpo.chunk_rows(0, vocab, dtype) == 0  # the unchunked twin stays reachable
+    assert logprobs.chunk_rows(0, vocab, dtype) == 0  # the unchunked twin stays reachable
 
 
 class TinyHead(torch.nn.Module):
@@ -325,13 +327,14 @@ def test_chunked_softmax_logprobs_gradients_float64():
     m = TinyHead()
     h = torch.randn(7, 8, dtype=torch.float64, requires_grad=True)
     targets = torch.randint(0, 11, (7,))
-    f = lambda x: grpo.chunked_logprobs(m, x, targets, temperature=0.7, chunk_size=3)[0]
+    f = lambda x: logprobs.chunked_logprobs(m, x, targets, temperature=0.7, chunk_size=3)[0]
     assert torch.autograd.gradcheck(f, (h,))
     w = torch.randn(7, dtype=torch.float64)
     out = []
     for chunk_size in (3, 0):  # 0: the plain log_softmax twin
         m.zero_grad()
-        logp, entropy = grpo.chunked_logprobs(m, h, targets, temperature=0.7, chunk_size=chunk_size)
+        logp, entropy = logprobs.chunked_logprobs(m, h, targets, temperature=0.7,
+                                                  chunk_size=chunk_size)
         (w * logp).sum().backward()
         out.append((logp, entropy, m.lm_head.weight.grad.clone(), m.lm_head.bias.grad.clone()))
     for got, want in zip(*out):
@@ -360,8 +363,8 @@ def test_entropy_is_differentiable_on_every_logprob_route(route):
     w1 = torch.randn(7, dtype=torch.float64)
     w2 = torch.randn(7, dtype=torch.float64)
     kw = dict(temperature=0.7, chunk_size=0 if route == "plain" else 3,
-              logprob_fn=grpo.logprobs_from_logits if route == "checkpoint" else None)
-    logp, entropy = grpo.chunked_logprobs(m, h, targets, **kw)
+              logprob_fn=logprobs.logprobs_from_logits if route == "checkpoint" else None)
+    logp, entropy = logprobs.chunked_logprobs(m, h, targets, **kw)
     assert entropy.requires_grad
     (w1 * logp + w2 * entropy).sum().backward()
     got = [h.grad.clone(), m.lm_head.weight.grad.clone(), m.lm_head.bias.grad.clone()]
@@ -375,7 +378,7 @@ def test_entropy_is_differentiable_on_every_logprob_route(route):
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
     # The entropy alone, and finite differences through the hand-written backward.
-    entropy_only = lambda x: grpo.chunked_logprobs(m, x, targets, **kw)[1]
+    entropy_only = lambda x: logprobs.chunked_logprobs(m, x, targets, **kw)[1]
     assert torch.autograd.gradcheck(entropy_only, (h.detach().requires_grad_(),))
 
 
@@ -398,7 +401,7 @@ def test_entropy_bonus_adds_minus_coef_times_the_aggregated_entropy(loss_type):
     want = torch.where(mask, -0.01 / normaliser * torch.ones_like(grad), 0.0)  # float64
     torch.testing.assert_close(grad, want, atol=1e-15, rtol=0)  # float64: one division
     torch.testing.assert_close(got, base + (want * entropy).sum(), atol=1e-15, rtol=0)
-    with pytest.raises(ValueError, match="entropy_coef = 0.01 > 0 needs the entropy"):
+    with pytest.raises(ValueError, match="entropy is None but entropy_coef = 0.01 needs it"):
         grpo.grpo_loss(logp, old, ref, adv, mask, bonus, **counts)
 
 
@@ -586,6 +589,215 @@ def test_loss_and_gradient_equal_the_token_by_token_twin(loss_type, beta, bias_c
         assert metrics["clip_low"] + metrics["clip_high"] > 0  # the clip is exercised
 
 
+def slow_family_loss(logp, old, ref, adv, mask, cfg: GRPOConfig, entropy, sampler,
+                     num_seqs: int, num_tokens: int):
+    """The GRPO family written out row by row and token by token on 0-d tensors (autograd through
+    the loops is the twin's gradient): GSPO's exp(mean log-ratio), cispo's detached capped
+    weight, delta's cap, the off-policy row mask, the entropy quantile (numpy's linear rule by
+    hand), the sampler weight per token or per row, truncated or masked; then the KL and the
+    bonus, and the aggregation of slow_loss."""
+    valid = sorted(entropy[mask].float().double().tolist())
+    pos = (len(valid) - 1) * (1 - cfg.top_entropy_quantile)
+    lo = math.floor(pos)
+    threshold = valid[lo] + (valid[min(lo + 1, len(valid) - 1)] - valid[lo]) * (pos - lo)
+    low, high = cfg.sampler_correction_min, cfg.sampler_correction_max
+
+    def correct(ratio: float) -> float:
+        if cfg.sampler_correction_mode.endswith("truncate"):
+            return min(max(ratio, low), high)
+        return ratio if low <= ratio <= high else 0.0
+    total = logp.new_zeros(())
+    for i in range(logp.shape[0]):
+        L = int(mask[i].sum())
+        behaviour = [float((old if old is not None else logp.detach())[i, t]) for t in range(L)]
+        log_ratios = [logp[i, t] - (logp[i, t].detach() if old is None else old[i, t])
+                      for t in range(L)]
+        if cfg.importance_sampling_level == "sequence":
+            log_ratios = [sum(log_ratios) / L] * L
+        gaps = [behaviour[t] - float(sampler[i, t]) for t in range(L)]
+        weights = [correct(math.exp(g)) for g in gaps]
+        if cfg.sampler_correction_mode.startswith("sequence"):
+            weights = [correct(math.exp(sum(gaps)))] * L
+        drift = sum(float(sampler[i, t] - logp[i, t].detach()) for t in range(L)) / max(L, 1)
+        keep = float(adv[i] >= 0 or drift <= cfg.off_policy_mask_threshold)
+        for t in range(L):
+            r = torch.exp(log_ratios[t])
+            if cfg.loss_type == "cispo":
+                term = -torch.clamp(r, max=cfg.eps_high).detach() * adv[i] * logp[i, t]
+            else:
+                clipped = r.clamp(1 - cfg.eps_low, 1 + cfg.eps_high)
+                term = -torch.minimum(torch.clamp(r, max=cfg.delta) * adv[i], clipped * adv[i])
+            top = float(float(entropy[i, t].detach()) >= threshold)
+            term = term * keep * top * (weights[t] if cfg.sampler_correction else 1.0)
+            d = ref[i, t] - logp[i, t]
+            k3 = torch.exp(d) - d - 1
+            term = term + cfg.beta * (k3 * r if cfg.use_bias_correction_kl else k3)
+            term = term - cfg.entropy_coef * entropy[i, t] * top
+            total = total + (term / L if cfg.loss_type == "grpo" else term)
+    normaliser = {"grpo": num_seqs, "dapo": num_tokens, "cispo": num_tokens,
+                  "dr_grpo": num_seqs * 8}[cfg.loss_type]  # the tests' budget: 8
+    return total / normaliser
+
+
+FAMILY = [dict(importance_sampling_level="sequence", loss_type="grpo"),
+          dict(importance_sampling_level="sequence"),
+          dict(loss_type="cispo", eps_high=1.2), dict(delta=1.1),
+          dict(top_entropy_quantile=0.4, entropy_coef=0.01),
+          dict(off_policy_mask_threshold=0.05),
+          *[dict(sampler_correction_mode=mode, sampler_correction_min=0.8,
+                 sampler_correction_max=1.25) for mode in grpo.CORRECTION_MODES],
+          dict(importance_sampling_level="sequence", loss_type="cispo", eps_high=1.1,
+               top_entropy_quantile=0.5, off_policy_mask_threshold=0.0,
+               sampler_correction_mode="token_truncate", sampler_correction_max=1.1)]
+
+
+@pytest.mark.parametrize("mu", [1, 2])
+@pytest.mark.parametrize("knobs", FAMILY, ids=lambda k: ",".join(f"{a}={b}" for a, b in k.items()))
+def test_family_loss_and_gradient_equal_the_token_by_token_twin(knobs, mu):
+    """float64, no TRL needed: every knob (and all at once) against slow_family_loss, loss to
+    1e-12 and d loss / d logp and d loss / d entropy to 1e-12 (float64 sums of ~20 terms)."""
+    logp, old, ref, adv, mask = loss_inputs()
+    old = None if mu == 1 else old
+    gen = torch.Generator().manual_seed(5)
+    entropy = 3 * torch.rand(logp.shape, generator=gen, dtype=torch.float64)
+    sampler = logp + 0.2 * torch.randn(logp.shape, generator=gen, dtype=torch.float64)
+    cfg = GRPOConfig(beta=0.1, **knobs)
+    counts = dict(num_seqs=4, num_tokens=12)
+    got_lp, got_h = logp.clone().requires_grad_(), entropy.clone().requires_grad_()
+    loss, metrics = grpo.grpo_loss(got_lp, old, ref, adv, mask, cfg, **counts,
+                                   max_completion_len=8, entropy=got_h, sampler_logp=sampler)
+    (loss * 3).backward()  # not 1: a gradient scaled twice would show
+    want_lp, want_h = logp.clone().requires_grad_(), entropy.clone().requires_grad_()
+    want = slow_family_loss(want_lp, old, ref, adv, mask, cfg, want_h, sampler, **counts)
+    (want * 3).backward()
+    assert_rel(loss.item(), want.item(), 1e-12, floor=1.0, what="loss")
+    torch.testing.assert_close(got_lp.grad, want_lp.grad, rtol=1e-12, atol=1e-15)
+    zeros = torch.zeros_like(entropy)  # no entropy_coef: ours never reads the entropy's grad
+    torch.testing.assert_close(zeros if got_h.grad is None else got_h.grad, want_h.grad,
+                               rtol=1e-12, atol=1e-15)
+    assert metrics["sampler_ratio_min"] <= metrics["sampler_ratio_mean"]
+    assert metrics["sampler_ratio_mean"] <= metrics["sampler_ratio_max"]
+
+
+def test_cispo_weight_is_a_detached_capped_constant_and_gspo_one_ratio_per_row():
+    """Hand-built: cispo's gradient is -min(r, eps_high) A / n per token even where PPO's clip
+    would zero it; GSPO's ratio is exp(mean log-ratio) of the row, the same on all its tokens,
+    and its gradient spreads r A / (n L) over the row's L tokens."""
+    old = torch.tensor([[-1.0, -2.0]], dtype=torch.float64)
+    logp = (old + torch.tensor([[math.log(2.0), 0.0]], dtype=torch.float64)).requires_grad_()
+    one = dict(num_seqs=1, num_tokens=2, max_completion_len=2)
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    adv = torch.tensor([1.0], dtype=torch.float64)
+    cfg = GRPOConfig(loss_type="cispo", eps_high=1.5, sampler_correction=False)
+    loss, metrics = grpo.grpo_loss(logp, old, None, adv, mask, cfg, **one)
+    loss.backward()
+    # weights min(2, 1.5) = 1.5 and 1; gradient -w A / 2 (dapo's token mean), value -w A logp / 2
+    torch.testing.assert_close(logp.grad, torch.tensor([[-0.75, -0.5]], dtype=torch.float64))
+    assert_rel(loss.item(), -(1.5 * logp[0, 0] + logp[0, 1]).item() / 2, 1e-12, what="loss")
+    assert metrics["clip_high"] == 0.5  # one token of two held by the cap
+    logp.grad = None
+    cfg = GRPOConfig(loss_type="grpo", importance_sampling_level="sequence", eps_high=1.0)
+    loss, metrics = grpo.grpo_loss(logp, old, None, adv, mask, cfg, **one)
+    loss.backward()
+    r = math.sqrt(2.0)  # exp(mean(log 2, 0))
+    assert_rel(metrics["ratio_mean"], r, 1e-6, what="ratio")  # metrics are float32
+    assert metrics["clip_high"] == 0.0  # eps_high 1: 1 + 1 = 2 > sqrt(2)
+    torch.testing.assert_close(logp.grad, torch.full((1, 2), -r / 2, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+def test_sampler_logp_is_the_sampled_distributions_and_the_correction_is_trainer_over_it(top_p):
+    """rollout.generate records each token's logprob under the distribution it drew from: the
+    logits / temperature, then top-p. Oracle: one full forward per row, filter_logits by hand.
+    At top_p = 1 that is the trainer's logprob at the same temperature (weight 1 up to float32);
+    under top-p the sampler's is higher by -log(kept mass), and the token-level correction weight
+    pi_trainer / pi_sampler is exactly that mass: the importance weight for a trainer scoring the
+    untruncated policy (trl#4159, trl#6789). The batch carries rollout.Rollout.stopped."""
+    m = tiny_model()
+    G, T, budget = 3, 0.7, 6
+    prompts = [[100, 101, 102], [110, 111]]
+    cfg = RolloutConfig(num_samples=G, max_new_tokens=budget, temperature=T, top_p=top_p)
+    out = rollout.generate(m, prompts, cfg, stop_ids=(4, 7, 72), seed=3)
+    batch = GRPOBatch.from_rollout(prompts, out, budget, torch.zeros(len(prompts) * G))
+    batch.check()
+    trainer = grpo.batch_logprobs(m, batch, GRPOConfig())  # (N, Tr) at the batch's temperature
+    kept_mass = torch.ones_like(trainer)
+    with torch.no_grad():
+        for i, row in enumerate(batch.lists()[1]):
+            p = prompts[i // G]
+            logits = m(torch.tensor([p + row]))[0, len(p) - 1:len(p) - 1 + len(row)]  # (L, V)
+            sampled = rollout.filter_logits(logits, T, 0, top_p).log_softmax(-1)
+            want = sampled.gather(-1, torch.tensor(row)[:, None])[:, 0]
+            torch.testing.assert_close(out.logprobs[i, :len(row)], want, **LOGP_TOL)
+            kept = sampled.isfinite()
+            kept_mass[i, :len(row)] = ((logits / T).softmax(-1) * kept).sum(-1)
+        ends = [r[-1] in (4, 7, 72) for r in batch.lists()[1]]
+        assert torch.equal(out.stopped, torch.tensor(ends))
+    assert out.stopped.any() and not out.stopped.all()  # both kinds of row
+    if top_p == 1.0:  # the same distribution: the sampler's logprob is the trainer's
+        torch.testing.assert_close(out.logprobs, trainer.float(), **LOGP_TOL)
+        torch.testing.assert_close(kept_mass, torch.ones_like(kept_mass))
+    else:
+        assert (kept_mass[batch.mask] < 1).any()
+    weights, stats = grpo.sampler_weights(trainer, out.logprobs, batch.mask, GRPOConfig(
+        sampler_correction_mode="token_truncate", sampler_correction_max=math.inf))
+    torch.testing.assert_close(weights[batch.mask], kept_mass[batch.mask], **LOGP_TOL)
+
+
+def test_mask_truncated_completions_drops_rows_without_a_stop_id_from_loss_and_counts():
+    """DAPO's overlong filtering through accumulate: the loss and gradient equal those of a batch
+    whose truncated rows carry advantage 0 and are left out of the token count; without
+    batch.stopped it is one clear error."""
+    G = 3
+    prompts, completions = ragged_batch(G)
+    adv = grpo.group_advantages(torch.tensor([1.0, 0, 0, 2, 1, 1, 0, 0, 3]), G)
+    stopped = torch.tensor([True, False, True, True, True, False, False, True, True])
+    m = tiny_model()
+    cfg = GRPOConfig(mask_truncated_completions=True, micro_batch_groups=2)
+    batch = GRPOBatch.from_lists(prompts, completions, advantages=adv, stopped=stopped)
+    got = grpo.accumulate(m, batch, cfg)
+    got_grads = grads(m)
+    m.zero_grad()
+    kept_tokens = int((batch.mask & stopped[:, None]).sum())
+    twin = GRPOBatch.from_lists(prompts, completions, advantages=adv * stopped)
+    want = grpo.accumulate(m, twin, GRPOConfig(micro_batch_groups=2), num_tokens=kept_tokens)
+    assert_rel(got["loss"], want["loss"], 1e-6, floor=1.0, what="loss")
+    assert_grads_close(got_grads, grads(m), rel=1e-6)
+    assert got["tokens"] == kept_tokens
+    with pytest.raises(ValueError, match="mask_truncated_completions needs batch.stopped"):
+        grpo.accumulate(m, dataclasses.replace(batch, stopped=None), cfg)
+
+
+def test_cat_groups_equals_the_batch_built_from_the_same_lists():
+    """Dynamic sampling's join: groups picked from two batches of different widths equal one
+    batch built from those groups' token lists, every per-row tensor cut alike."""
+    G = 3
+    prompts, completions = ragged_batch(G)
+    gen = torch.Generator().manual_seed(2)
+
+    def with_tensors(p, c):
+        b = GRPOBatch.from_lists(p, c)
+        extra = dict(advantages=torch.randn(b.mask.shape[0], generator=gen),
+                     sampler_logp=torch.randn(b.mask.shape, generator=gen) * b.mask,
+                     stopped=torch.rand(b.mask.shape[0], generator=gen) > 0.5)
+        return dataclasses.replace(b, **extra)
+    first = with_tensors(prompts, completions)
+    second = with_tensors(prompts[::-1], completions[::-1])
+    picked = grpo.cat_groups([(first, torch.tensor([2])), (second, torch.tensor([0, 1]))])
+    rows = [6, 7, 8]
+    want = GRPOBatch.from_lists([prompts[2], prompts[2], prompts[1]],
+                                [completions[i] for i in rows + rows[::-1] + [5, 4, 3]])
+    assert picked.lists() == want.lists()
+    assert torch.equal(picked.mask, want.mask)
+    for name, source in (("advantages", None), ("stopped", None), ("sampler_logp", None)):
+        got = getattr(picked, name)
+        parts = [getattr(first, name)[6:9], getattr(second, name)[0:6]]
+        if got.dim() == 2:
+            width = got.shape[1]
+            parts = [torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts]
+        assert torch.equal(got, torch.cat(parts)), name
+
+
 def test_bias_corrected_kl_gradient_at_mu_1_is_hand_derived():
     """Regression: grpo.py had only the plain k3 term. TRL's default multiplies it by the ratio,
     which is 1 at mu = 1 but whose gradient adds beta * k3 per token: with d = ref - logp,
@@ -729,6 +941,20 @@ def test_combine_rewards_skips_missing_functions_like_trl():
     assert torch.isnan(got).tolist() == [False, False, True, False, False]
 
 
+def test_informative_groups_are_those_group_advantages_does_not_zero():
+    """Groups whose scored rewards are all equal (one scored, or none, included) get advantage 0:
+    dynamic sampling drops exactly those."""
+    nan = math.nan
+    rewards = torch.tensor([0.5, 0.5, 0.5, 0.5,   # equal: no gradient
+                            0.0, 1.0, 0.0, 1.0,   # varied
+                            nan, 0.2, 0.2, nan,   # equal among the scored
+                            nan, nan, nan, nan],  # nothing scored
+                           dtype=torch.float64)
+    assert grpo.informative_groups(rewards, 4).tolist() == [False, True, False, False]
+    zero_groups = (grpo.group_advantages(rewards, 4).view(-1, 4) == 0).all(1)
+    assert torch.equal(zero_groups, ~grpo.informative_groups(rewards, 4))
+
+
 def test_group_advantages_with_every_reward_missing_are_zero():
     for scale in ("group", "batch", "none"):
         a = grpo.group_advantages(torch.full((6,), NAN), 3, scale)
@@ -842,9 +1068,11 @@ def trl_batch(G: int, seed: int = 3) -> tuple[list[list[int]], list[list[int]]]:
 
 
 def trl_trainer(hf_checkpoint, tmp_path, prompts: list[list[int]], completions: list[list[int]],
-                **trl_config):
+                sampler_logp: list[list[float]] | None = None, vllm: bool = False, **trl_config):
     """A real trl.GRPOTrainer on the CPU in float64. Its rollout_func hook returns our prompts and
-    completions and the reward columns; the two reward functions return those columns."""
+    completions, the sampler's logprobs (or None) and the reward columns; the two reward
+    functions return those columns. vllm: TRL takes the rollout for vLLM's (use_vllm, set after
+    construction: vLLM is not installed), so its vllm_importance_sampling_* code runs."""
     trl = pytest.importorskip("trl")
     import datasets
     import transformers
@@ -855,7 +1083,7 @@ def trl_trainer(hf_checkpoint, tmp_path, prompts: list[list[int]], completions: 
 
     def rollout_func(prompt_texts: list[str], trainer) -> dict:
         return {"prompt_ids": [prompts[i // G] for i in range(N)], "completion_ids": completions,
-                "logprobs": None, "reward_a": [r[0] for r in TRL_REWARDS],
+                "logprobs": sampler_logp, "reward_a": [r[0] for r in TRL_REWARDS],
                 "reward_b": [r[1] for r in TRL_REWARDS]}
 
     def reward_a(completions, reward_a, **kwargs):
@@ -878,6 +1106,9 @@ def trl_trainer(hf_checkpoint, tmp_path, prompts: list[list[int]], completions: 
                                   train_dataset=dataset, processing_class=tokenizer,
                                   rollout_func=rollout_func)
     trainer.model.train()
+    if vllm:
+        trainer.use_vllm = True
+        trainer._last_loaded_step = trainer.state.global_step  # no weight sync to a vLLM engine
     return trainer
 
 
@@ -924,6 +1155,9 @@ def trl_micro_batches(scored: dict, old: torch.Tensor | None, ref: torch.Tensor 
             inputs["old_per_token_logps"] = old[rows]
         if ref is not None:
             inputs["ref_per_token_logps"] = ref[rows]
+        for key in ("sampling_per_token_logps", "importance_sampling_ratio"):
+            if key in scored:
+                inputs[key] = scored[key][rows]
         yield inputs
 
 
@@ -949,10 +1183,16 @@ def check_against_trl(trainer, scored: dict, ours: M.Llama, batch: GRPOBatch, cf
     logged = trainer._metrics["train"]  # one value per micro-batch: weigh by its tokens
     names = {"entropy": "entropy", "clip_low": "clip_ratio/low_mean",
              "clip_high": "clip_ratio/high_mean"}
+    if cfg.loss_type == "cispo":
+        names = {"entropy": "entropy", "clip_high": "cispo_clip_ratio"}
     if cfg.beta > 0:
         names["kl"] = "kl"
     for our_name, trl_name in names.items():
-        want = sum(v * t for v, t in zip(logged[trl_name], tokens)) / sum(tokens)
+        # TRL's sequence-level clip shares are over rows; equal rows per micro-batch: a plain mean
+        weights = tokens
+        if cfg.importance_sampling_level == "sequence" and our_name.startswith("clip"):
+            weights = [1.0] * len(tokens)
+        want = sum(v * t for v, t in zip(logged[trl_name], weights)) / sum(weights)
         assert_rel(got[our_name], want, 1e-5, floor=1e-3, what=our_name)
     theirs = dict(trainer.model.named_parameters())
     assert set(theirs) == {name for name, _ in ours.named_parameters()}
@@ -1014,6 +1254,21 @@ def test_defaults_are_trls_except_the_documented_differences():
             "use_bias_correction_kl": "use_bias_correction_kl"}
     for our_name, trl_name in same.items():
         assert getattr(ours, our_name) == theirs[trl_name], (our_name, trl_name)
+    # The GRPO family: TRL's None (off, or no bound) is inf or 0 here, the same loss.
+    family = {"importance_sampling_level": "importance_sampling_level",
+              "mask_truncated_completions": "mask_truncated_completions",
+              "top_entropy_quantile": "top_entropy_quantile",
+              "sampler_correction": "vllm_importance_sampling_correction",
+              "sampler_correction_mode": "vllm_importance_sampling_mode",
+              "sampler_correction_max": "vllm_importance_sampling_clip_max"}
+    for our_name, trl_name in family.items():
+        assert getattr(ours, our_name) == theirs[trl_name], (our_name, trl_name)
+    for our_name, off in (("delta", math.inf), ("off_policy_mask_threshold", math.inf),
+                          ("sampler_correction_min", 0.0)):
+        trl_name = {"sampler_correction_min": "vllm_importance_sampling_clip_min"}.get(our_name,
+                                                                                 our_name)
+        assert (getattr(ours, our_name), theirs[trl_name]) == (off, None), our_name
+    assert ours.dynamic_sampling == 0  # not in TRL: off
     assert RolloutConfig().temperature == theirs["temperature"]
     # Clip-higher (DAPO) 0.28; TRL's epsilon_high None means epsilon, 0.2.
     assert (ours.eps_high, theirs["epsilon_high"]) == (0.28, None)
@@ -1021,3 +1276,107 @@ def test_defaults_are_trls_except_the_documented_differences():
     assert (RolloutConfig().num_samples, theirs["num_generations"]) == (16, 8)
     # The completion budget (also Dr. GRPO's constant): the task's own (0); TRL 512.
     assert (RolloutConfig().max_new_tokens, theirs["max_completion_length"]) == (0, 512)
+
+
+# Each knob of the GRPO family on TRL's own code: (ours, TRL's config, the sampler's logprobs given,
+# TRL's vLLM importance-sampling path on). The sampler's logprobs are the policy's plus noise (a
+# bf16 sampler, say); the correction's bounds are tight so that its truncation or mask acts.
+BOUNDS = dict(sampler_correction_min=0.9, sampler_correction_max=1.1)
+TRL_BOUNDS = dict(vllm_importance_sampling_clip_min=0.9, vllm_importance_sampling_clip_max=1.1)
+VARIANTS = {
+    "gspo": (dict(importance_sampling_level="sequence", loss_type="grpo"),
+             dict(importance_sampling_level="sequence", loss_type="grpo"), False, False),
+    "gspo_dapo": (dict(importance_sampling_level="sequence"),
+                  dict(importance_sampling_level="sequence"), False, False),
+    "cispo": (dict(loss_type="cispo", eps_high=5.0), dict(loss_type="cispo", epsilon_high=5.0),
+              False, False),
+    "cispo_cap_acts": (dict(loss_type="cispo", eps_high=1.1),
+                       dict(loss_type="cispo", epsilon_high=1.1), False, False),
+    "delta": (dict(delta=1.1), dict(delta=1.1), False, False),
+    "top_entropy": (dict(top_entropy_quantile=0.3), dict(top_entropy_quantile=0.3), False, False),
+    "mask_truncated": (dict(mask_truncated_completions=True),
+                       dict(mask_truncated_completions=True), False, False),
+    "off_policy": (dict(off_policy_mask_threshold=0.05, sampler_correction=False),
+                   dict(off_policy_mask_threshold=0.05), True, False),
+    **{mode: (dict(sampler_correction_mode=mode, **BOUNDS),
+              dict(vllm_importance_sampling_mode=mode, **TRL_BOUNDS), True, True)
+       for mode in grpo.CORRECTION_MODES},
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_each_knob_equals_trls_loss_metrics_and_grads(hf_checkpoint, tmp_path, variant):
+    """Each knob against TRL's _compute_loss (and, for the correction, the weights its
+    _generate_and_score_completions makes), beta 0.1 with the bias-corrected KL, at mu = 1 and,
+    where TRL's weights do not depend on it, mu = 2 (old_logp given, off the policy, so clips and
+    masks act). Rows 0, 3, 6, 9 end with the eos id (stopped); the others are truncated."""
+    ours_cfg, trl_cfg, with_sampler, vllm = VARIANTS[variant]
+    G = 2
+    prompts, completions = trl_batch(G)
+    N = len(completions)
+    completions = [c[:-1] + [1] if i % 3 == 0 else c for i, c in enumerate(completions)]
+    stopped = torch.tensor([i % 3 == 0 for i in range(N)])
+    ours = hf.load_model(hf_checkpoint[0], dtype=torch.float64)
+    cfg = GRPOConfig(beta=0.1, chunk_bytes=5 * ours.config.vocab_size * 8,  # 5 float64 rows
+                     micro_batch_groups=N // G // TRL_MICRO_BATCHES, **ours_cfg)
+    advantages = our_advantages(G, "group")
+
+    def batch(**tensors) -> GRPOBatch:
+        return GRPOBatch.from_lists(prompts, completions, temperature=TRL_TEMPERATURE,
+                                    max_new_tokens=8, advantages=advantages, stopped=stopped,
+                                    **tensors)
+    current = grpo.batch_logprobs(ours, batch(), cfg)  # (N, Tr)
+    mask = batch().mask
+    gen = torch.Generator().manual_seed(11)
+    sampler = lists = None
+    if with_sampler:  # float32, as TRL tensors the rollout's lists
+        noise = 0.3 * torch.randn(current.shape, generator=gen, dtype=current.dtype)
+        # off-policy masking: a sampler 0.1 nat above the policy on average, so that rows go
+        offset = 0.1 if "off_policy_mask_threshold" in ours_cfg else 0.0
+        sampler = ((current + noise + offset) * mask).float()
+        lists = [row[:int(n)] for row, n in zip(sampler.tolist(), mask.sum(1))]
+        sampler = sampler.double()
+    trl_cfg = dict(beta=0.1, num_iterations=2, epsilon=0.2, epsilon_high=0.28,
+                   max_completion_length=8) | trl_cfg
+    trainer = trl_trainer(hf_checkpoint, tmp_path, prompts, completions, sampler_logp=lists,
+                          vllm=vllm, **trl_cfg)
+    scored = trl_scored(trainer, N)
+    if ours_cfg.get("mask_truncated_completions"):  # TRL's rule: the last id is not eos or pad
+        assert torch.equal(scored["completion_mask"].bool(), mask & stopped[:, None])
+    ref = current + 0.5 * torch.randn(current.shape, generator=gen, dtype=current.dtype) * mask
+    logged = trainer._metrics["train"]  # what TRL logged at generation time
+    if vllm:  # TRL's weights come from its own old logprobs: ours read the same ones
+        old = scored["old_per_token_logps"] * mask
+        weights, stats = grpo.sampler_weights(old, sampler, mask, cfg)
+        # TRL's weights are float32 (its logprobs are): ours from the same values, in float64
+        want = scored["importance_sampling_ratio"]
+        torch.testing.assert_close(weights.expand_as(want).to(want.dtype), want, rtol=1e-6,
+                                   atol=0)
+        # TRL logs the weights' stats (after the clamp or mask)
+        units = mask if cfg.sampler_correction_mode.startswith("token") else torch.ones_like(
+            weights, dtype=torch.bool)
+        for name, value in grpo.ratio_stats("w", weights, units).items():
+            want = logged[f"sampling/importance_sampling_ratio/{name[2:]}"][-1]
+            assert_rel(value.item(), want, 1e-6, what=name)
+        assert 0 < stats["sampler_corrected"] < 1  # the bounds act, not on everything
+        logp_diff = logged["sampling/sampling_logp_difference/mean"][-1]
+    else:  # mu = 1 (old_logp None: TRL's own detached logp), then mu = 2 below
+        check_against_trl(trainer, scored, ours, batch(ref_logp=ref, sampler_logp=sampler), cfg)
+        # mu = 2: old_logp off the policy, pushed out of the clip range (the sign of A),
+        # against it for delta (whose cap acts where A < 0 and the ratio is high)
+        push = (-1.0 if "delta" in ours_cfg else 1.0) * advantages.sign()[:, None]
+        old = current - (0.5 * push + 0.3 * torch.randn(current.shape, generator=gen,
+                                                        dtype=current.dtype)) * mask
+    final = batch(old_logp=old, ref_logp=ref, sampler_logp=sampler)
+    got = check_against_trl(trainer, scored, ours, final, cfg)
+    if vllm:
+        assert_rel(got["sampler_logp_diff"], logp_diff, 1e-5, what="sampler_logp_diff")
+    elif variant not in ("cispo", "delta"):  # cispo's cap at 5 holds nothing; delta: pushed up
+        assert got["clip_low"] + got["clip_high"] > 0  # the clip (or cispo's cap) acts
+    if "off_policy_mask_threshold" in ours_cfg:
+        assert 0 < got["off_policy_masked"] < 1  # some rows dropped, not all
+    # Each knob acts: the loss differs from the one with the knob at its default.
+    defaults = {k: getattr(GRPOConfig(), k) for k in ours_cfg}
+    plain = dataclasses.replace(cfg, **(defaults | dict(sampler_correction=False)))
+    ours.zero_grad()
+    assert abs(grpo.accumulate(ours, final, plain)["loss"] - got["loss"]) > 1e-4

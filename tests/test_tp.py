@@ -23,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 from hf_reference import save_random_hf_model
 
 import grpo
+import logprobs
 import hf
 import memory
 import model as M
@@ -162,7 +163,7 @@ def check_vocab_parallel_logprobs(groups: tp.ParallelGroups) -> None:
 def check_entropy_gradient(groups: tp.ParallelGroups) -> None:
     """grpo.py's contract for its three logprob routes: the entropy is differentiable. The
     vocab-parallel route against autograd of the float64 definitions, then inside
-    grpo.chunked_logprobs on a sharded head (checkpointed chunks) against TP = 1's chunked
+    logprobs.chunked_logprobs on a sharded head (checkpointed chunks) against TP = 1's chunked
     Function, with an entropy term in the loss: every parameter's gradient."""
     rank, n = groups.tp_rank, 9
     gen = torch.Generator().manual_seed(6)
@@ -190,7 +191,7 @@ def check_entropy_gradient(groups: tp.ParallelGroups) -> None:
     grad_h = []
     for model, fn in ((m, logprob_fn), (one, None)):
         x = h.clone().requires_grad_()
-        logp, entropy = grpo.chunked_logprobs(model, x, targets, temperature=0.7, chunk_size=4,
+        logp, entropy = logprobs.chunked_logprobs(model, x, targets, temperature=0.7, chunk_size=4,
                                               logprob_fn=fn)
         (w1.float() * logp + w2.float() * entropy).sum().backward()
         grad_h.append(x.grad)

@@ -202,6 +202,57 @@ def test_every_knob_has_one_home():
     assert cfgs.rollout.temperature == 0.7 and cfgs.grpo.beta == 0.1
 
 
+def test_the_grpo_family_is_routed_from_the_command_line_with_its_paper_in_help(capsys):
+    """Every knob of the GRPO family is a GRPOConfig field: --field value reaches it (inf for
+    TRL's None), and --help names its paper or project on the field's line."""
+    argv = ["--importance_sampling_level", "sequence", "--loss_type", "cispo", "--eps_high", "5",
+            "--delta", "inf", "--top_entropy_quantile", "0.2", "--mask_truncated_completions",
+            "true", "--off_policy_mask_threshold", "0.5", "--sampler_correction", "false",
+            "--sampler_correction_mode", "token_truncate", "--sampler_correction_max", "2",
+            "--sampler_correction_min", "0.5", "--dynamic_sampling", "3"]
+    g = train.build_configs(train.parse_args(argv)).grpo
+    assert (g.importance_sampling_level, g.loss_type, g.eps_high, g.delta) == (
+        "sequence", "cispo", 5.0, math.inf)
+    assert (g.top_entropy_quantile, g.mask_truncated_completions, g.off_policy_mask_threshold,
+            g.sampler_correction) == (0.2, True, 0.5, False)
+    assert (g.sampler_correction_mode, g.sampler_correction_max, g.sampler_correction_min,
+            g.dynamic_sampling) == ("token_truncate", 2.0, 0.5, 3)
+    assert train.main(["--help"]) == 0
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()
+             if line.startswith("  --")}
+    for name, source in [("importance_sampling_level", "GSPO"), ("loss_type", "MiniMax-M1"),
+                         ("delta", "INTELLECT-2"), ("top_entropy_quantile", "2506.01939"),
+                         ("mask_truncated_completions", "DAPO"),
+                         ("off_policy_mask_threshold", "DeepSeek-V3.2"),
+                         ("sampler_correction", "vLLM"), ("dynamic_sampling", "DAPO")]:
+        assert source in lines[f"--{name}"], name
+    with pytest.raises(ValueError, match="GRPOConfig.eps_high = 0.28: caps cispo"):
+        train.build_configs(train.parse_args(["--loss_type", "cispo"]))
+
+
+def test_dynamic_sampling_trains_only_informative_groups_and_counts_its_rollouts(tmp_path,
+                                                                                monkeypatch):
+    """--dynamic_sampling 3: each step's trained batch holds only groups whose rewards differ (no
+    all-zero advantages), at most prompts_per_step of them, the normalisers count those rows,
+    and the record says how many extra rollouts ran and how many groups were kept."""
+    seen = []
+    original = train.grpo.accumulate
+
+    def spy(model, batch, cfg, **counts):
+        seen.append((batch.advantages.view(-1, 4), counts["num_seqs"]))
+        return original(model, batch, cfg, **counts)
+    monkeypatch.setattr(train.grpo, "accumulate", spy)
+    code, out = run(tmp_path, "--steps", "4", "--dynamic_sampling", "3", "--eval_every", "0")
+    assert code == 0
+    recs = records(out)
+    assert len(seen) == 4
+    for (advantages, num_seqs), record in zip(seen, recs):
+        assert (advantages != 0).any(1).all()  # every trained group has a gradient
+        assert num_seqs == advantages.numel() == 4 * record["kept_groups"]
+        assert record["kept_groups"] <= 4 and 0 <= record["extra_rollouts"] <= 3
+    assert sum(r["extra_rollouts"] for r in recs) > 0  # zero-variance groups were replaced
+
+
 def write_task(tmp_path, body: str) -> str:
     (tmp_path / "mytask.py").write_text(
         "import tasks\n" + body + "\ntask = tasks.Task('mytask', tasks.sample_reverse, [(reward, 1.0)], "
@@ -559,21 +610,6 @@ def test_metrics_are_token_weighted_over_data_parallel_ranks(tmp_path):
     weighs micro-batches by tokens."""
     import torch.multiprocessing as mp
     mp.start_processes(_dp_metrics_worker, args=(str(tmp_path),), nprocs=2, start_method="spawn")
-
-
-def test_zero_std_share_counts_groups_without_a_gradient():
-    """Groups whose scored rewards are all equal (one scored, or none, included) get advantage 0."""
-    nan = math.nan
-    rewards = torch.tensor([0.5, 0.5, 0.5, 0.5,   # equal: no gradient
-                            0.0, 1.0, 0.0, 1.0,   # varied
-                            nan, 0.2, 0.2, nan,   # equal among the scored
-                            nan, nan, nan, nan],  # nothing scored
-                           dtype=torch.float64)
-    assert train.zero_std_share(rewards, 4) == 0.75
-    assert train.zero_std_share(rewards[4:8], 4) == 0.0
-    # It is exactly the share of groups group_advantages gives all-zero advantages.
-    zero_groups = (train.grpo.group_advantages(rewards, 4).view(-1, 4) == 0).all(1)
-    assert zero_groups.double().mean().item() == 0.75
 
 # -----------------------------------------------------------------------------
 # --plan: the memory plan before launch

@@ -1,0 +1,151 @@
+"""
+Chunked logprobs: per-token logprobs and entropies of targets under softmax(lm_head(h) / T), with
+the (tokens x V) logits never alive at once, forward or backward (Liger's fused loss makes the same
+trade). Final norm + lm_head + softmax + gather run chunk_size tokens at a time and each chunk's
+logits are rebuilt in backward. The default path is a custom autograd Function that keeps one
+log-sum-exp and one entropy per token; a caller's logprob_fn (tp.py's vocab-parallel one) is
+wrapped in activation checkpointing instead.
+
+One contract for the three logprob routes (the plain logprobs_from_logits, the chunked
+ChunkedSoftmaxLogprobs, tp.vocab_parallel_logprobs): each returns logp and the entropy
+H = -sum p log p per token, BOTH differentiable (dH/dz = -p (log p + H)), so an entropy term in a
+loss trains the same at any tensor-parallel size. The chunked Function does no entropy work in
+backward when no loss uses it.
+
+Leaves out: the hidden states (grpo.completion_logprobs computes them), the loss.
+Shapes: n tokens, C width, V vocab (V/tp under tensor parallelism).
+Tested by tests/test_grpo.py (chunked == unchunked, gradients in float64); benchmarked by
+tests/bench_grpo.py.
+"""
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+
+def head_logits(model, h: Tensor, temperature: float) -> Tensor:
+    """Final norm + lm_head, (n, C) -> (n, V) in float32 (or float64), divided by the temperature
+    the way the sampler does, logits.float() / temperature: a mismatch gives ratio != 1 at mu = 1
+    (trl#4159)."""
+    logits = model.head(h).to(torch.promote_types(h.dtype, torch.float32))
+    return logits if temperature == 1.0 else logits / temperature
+
+
+def logprobs_from_logits(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+    """The plain twin: log_softmax + gather, and the entropy -sum(p log p), both differentiable.
+    (n, V), (n,) -> (n,), (n,). tp.py's vocab-parallel function has the same signature, with
+    logits (n, V/tp)."""
+    logp_all = logits.log_softmax(-1)  # (n, V)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)  # (n,)
+    return logp_all.gather(-1, targets[:, None]).squeeze(-1), entropy
+
+
+def softmax_grads(z: Tensor, targets: Tensor, lse: Tensor, entropy: Tensor,
+                  grad_logp: Tensor | None, grad_entropy: Tensor | None) -> Tensor:
+    """d(loss)/dz (n, V) for logits z (n, V) from the grads of logp and entropy (n,) (None: no
+    loss uses it): g (onehot - p) - gH p (log p + H). Two (n, V) buffers without an entropy grad,
+    three with one."""
+    g = z.new_zeros(z.shape[0], 1) if grad_logp is None else grad_logp[:, None].to(z.dtype)
+    log_p = torch.sub(z, lse[:, None])  # (n, V)
+    if grad_entropy is None:
+        grad_z = log_p.exp_().mul_(-g)  # -g p, in place
+    else:
+        p = log_p.exp()  # (n, V)
+        g_entropy = grad_entropy[:, None].to(z.dtype)  # (n, 1)
+        # -p (g + gH (log p + H)), in place on log p
+        grad_z = log_p.add_(entropy[:, None]).mul_(g_entropy).add_(g).mul_(p).neg_()
+    return grad_z.scatter_add_(1, targets[:, None], g)  # + g onehot
+
+
+class ChunkedSoftmaxLogprobs(torch.autograd.Function):
+    """The default chunked path: h (n, C), targets (n,) -> logp (n,), entropy (n,). Forward keeps
+    one log-sum-exp and one entropy per token; backward rebuilds each chunk's logits and applies
+    d logp / dz = onehot - p and dH / dz = -p (log p + H) by hand: one lm_head matmul more than
+    an unchunked pass, but fewer (n, V) passes than log_softmax + gather, and no rerun of the
+    softmax as checkpoint would do."""
+
+    @staticmethod
+    def forward(ctx, h: Tensor, targets: Tensor, model, temperature: float, chunk_size: int,
+                *params: Tensor):
+        dtype = torch.promote_types(h.dtype, torch.float32)
+        logp = torch.empty(h.shape[0], device=h.device, dtype=dtype)
+        entropy = torch.empty_like(logp)
+        lse = torch.empty_like(logp)
+        for start in range(0, h.shape[0], chunk_size):
+            rows = slice(start, start + chunk_size)
+            z = head_logits(model, h[rows], temperature)  # (n_chunk, V), no graph inside forward
+            row_max = z.amax(-1, keepdim=True)  # (n_chunk, 1)
+            e = torch.sub(z, row_max).exp_()  # (n_chunk, V) unnormalised softmax, exp in place
+            total = e.sum(-1)  # (n_chunk,)
+            lse[rows] = row_max.squeeze(-1) + total.log()
+            # H = lse - E_p[z]
+            entropy[rows] = lse[rows] - (e[:, None] @ z[:, :, None]).view(-1) / total
+            logp[rows] = z.gather(-1, targets[rows, None]).squeeze(-1) - lse[rows]
+        ctx.model = model
+        ctx.temperature = temperature
+        ctx.chunk_size = chunk_size
+        ctx.save_for_backward(h, targets, lse, entropy, *params)
+        # An output no loss uses gets None in backward, not zeros: no entropy work then.
+        ctx.set_materialize_grads(False)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp: Tensor | None, grad_entropy: Tensor | None):
+        h, targets, lse, entropy, *params = ctx.saved_tensors
+        grad_h = torch.empty_like(h)
+        grad_params = [None] * len(params)
+        for start in range(0, h.shape[0], ctx.chunk_size):
+            rows = slice(start, start + ctx.chunk_size)
+            with torch.enable_grad():
+                h_chunk = h[rows].detach().requires_grad_()
+                z = head_logits(ctx.model, h_chunk, ctx.temperature)  # (n_chunk, V) rebuilt
+            grad_z = softmax_grads(z.detach(), targets[rows], lse[rows], entropy[rows],
+                                   None if grad_logp is None else grad_logp[rows],
+                                   None if grad_entropy is None else grad_entropy[rows])
+            grads = torch.autograd.grad(z, [h_chunk, *params], grad_z, allow_unused=True)
+            grad_h[rows] = grads[0]
+            # None: a parameter the head does not use
+            grad_params = [new if acc is None else acc if new is None else acc.add_(new)
+                           for acc, new in zip(grad_params, grads[1:])]
+        return grad_h, None, None, None, None, *grad_params
+
+
+def chunk_rows(chunk_bytes: int, vocab_size: int, dtype: torch.dtype) -> int:
+    """Tokens per logprob chunk: as many rows of logits (V of them, in float32, or float64 for a
+    float64 model: head_logits) as chunk_bytes holds, at least one; 0 stays 0 (unchunked). V is
+    the full vocabulary: the same chunks on every tensor-parallel rank (chunked_logprobs' NOTE)."""
+    row = vocab_size * torch.promote_types(dtype, torch.float32).itemsize
+    return max(1, chunk_bytes // row) if chunk_bytes else 0
+
+
+def chunked_logprobs(model, h: Tensor, targets: Tensor, *, temperature: float = 1.0,
+                     chunk_size: int = 512,
+                     logprob_fn: Callable | None = None) -> tuple[Tensor, Tensor]:
+    """logp and entropy (n,) of targets (n,) under softmax(model.head(h) / temperature), h (n, C),
+    chunk_size rows at a time: at most one chunk of (chunk_size, V) logits is alive, forward or
+    backward. chunk_size = 0 is the unchunked twin. logprob_fn (e.g. tp.py's) is checkpointed
+    chunk by chunk."""
+    if chunk_size == 0 or h.shape[0] == 0:
+        return (logprob_fn or logprobs_from_logits)(head_logits(model, h, temperature), targets)
+    if logprob_fn is None:
+        # those the head uses get grads
+        params = [p for p in model.parameters() if p.requires_grad]
+        return ChunkedSoftmaxLogprobs.apply(h, targets, model, temperature, chunk_size, *params)
+
+    def one_chunk(h_chunk: Tensor, t_chunk: Tensor) -> tuple[Tensor, Tensor]:
+        return logprob_fn(head_logits(model, h_chunk, temperature), t_chunk)
+
+    # NOTE: chunks depend only on n, the same on all tensor-parallel ranks (same batch): a
+    # vocab-parallel logprob_fn runs collectives, so all ranks must run the same chunks in the same
+    # order, backward too.
+    parts = []
+    for s in range(0, h.shape[0], chunk_size):
+        h_chunk = h[s:s + chunk_size]
+        t_chunk = targets[s:s + chunk_size]
+        if torch.is_grad_enabled():
+            parts.append(checkpoint(one_chunk, h_chunk, t_chunk, use_reentrant=False))
+        else:
+            parts.append(one_chunk(h_chunk, t_chunk))
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])  # (n,), (n,)
