@@ -12,7 +12,7 @@ mu times per generation batch (generate once per effective batch, TRL PR #3283).
 Two memory tricks, each tested against its obvious slow twin in tests/test_grpo.py:
 1. Shared prompt (TRL PR #2669, done exactly): each prompt is forwarded once, WITH grad, and its
    per-layer keys/values are recorded; each completion then attends to [its prompt's keys; its own
-   keys] (model.SharedPrefixAttention: the G completions of a group folded into the query length
+   keys] (attention.SharedPrefixAttention: the G completions of a group folded into the query length
    against the one prompt K/V, never copied, no mask). Tokens forwarded: Bp*(P + G*Tr) instead of
    Bp*G*(P + Tr). The prompt stays in the graph, so the gradients of all G completions sum into
    it; a no-grad prompt (what #2669 first did) gives a truncated gradient. The two forwards
@@ -53,9 +53,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from attention import CPU_FLASH, SharedPrefixAttention, repeated_prefix_attention
 from logprobs import chunk_rows, chunked_logprobs
-from model import (CPU_FLASH, ModelConfig, SharedPrefixAttention, causal_attention,
-                   repeated_prefix_attention)
+from model import ModelConfig, causal_attention
 
 # -----------------------------------------------------------------------------
 # Config
@@ -330,7 +330,7 @@ def keep_informative(rounds: list[tuple[GRPOBatch, Tensor]], target: int, first:
 
 def shared_prompt_attention(prompt_lens: Tensor, P: int, T: int, rep: int):
     """attention(q, k, v, prompt_k, prompt_v) -> (N, H, T, D) of the completions on their group's
-    prompt K/V: model.SharedPrefixAttention on the CPU, its repeated-prompt twin elsewhere (a GPU
+    prompt K/V: attention.SharedPrefixAttention on the CPU, its repeated-prompt twin elsewhere (a GPU
     route reading the prompt once per group is not written yet). Its masks are built once for all
     layers (in v's dtype: bf16 under autocast over fp32 weights): rep*T*T and Bp*P entries."""
     device = prompt_lens.device

@@ -8,7 +8,7 @@ per prompt decoded on top of that one shared prompt KV, finished rows dropped as
 2. Fan-out: each prompt's last-position logits are repeated G times and every row draws its own
    first token (nanochat once broadcast one first token to all G rows).
 3. Decode: the attention hook writes each row's key/value into its own completion KV and runs
-   model.prefix_attention: the G rows of a group are folded into the query dimension against the
+   attention.prefix_attention: the G rows of a group are folded into the query dimension against the
    one prompt KV (Hydragen) and merged with the row's own keys by log-sum-exp. Prompt KV memory and
    reads / G.
 4. Every `check_every` steps (the only host sync in the loop) rows that sampled a stop id are
@@ -41,7 +41,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from model import ModelConfig, causal_attention, prefix_attention
+from attention import prefix_attention
+from model import ModelConfig, causal_attention
 
 # -----------------------------------------------------------------------------
 # Config and result

@@ -23,7 +23,7 @@ phase is also a torch.profiler.record_function range.
 Below the table: train.py --plan with the same flags, and its peak against the measured one.
 
 Below the table: the bytes the completions' attention over the shared prompt saves for backward
-as K/V copied per row and as masks (0 with model.SharedPrefixAttention; --repeated_prompt runs
+as K/V copied per row and as masks (0 with attention.SharedPrefixAttention; --repeated_prompt runs
 its repeated-prompt twin instead, the baseline of that row).
 
 Run: python tests/bench_plan.py [--P 64,512] [--steps 2] [--repeated_prompt] [--model DIR]
@@ -188,8 +188,8 @@ class AttentionSaves:
     """Bytes the completions' prompt attention saves for backward, summed over the layers of a
     micro-batch (the largest micro-batch kept): keys and values longer than the row's own tokens
     (the prompt's K/V copied per row) and masks (bool or additive, one head wide). `repeated`
-    runs the repeated-prompt twin (model.repeated_prefix_attention) in place of
-    model.SharedPrefixAttention."""
+    runs the repeated-prompt twin (attention.repeated_prefix_attention) in place of
+    attention.SharedPrefixAttention."""
 
     def __init__(self, repeated: bool):
         import grpo

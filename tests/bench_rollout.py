@@ -193,7 +193,7 @@ def breakdown(model: Llama, P: int, rounds: int = 3) -> None:
 
 def fused_vs_generic(model: Llama, P: int, rounds: int) -> None:
     """Decode tokens/s of the CPU's fused prompt attention (rollout._fused_prefix_attention) next to
-    the generic path (model.prefix_attention with a mask, what CUDA runs), interleaved rounds."""
+    the generic path (attention.prefix_attention with a mask, what CUDA runs), interleaved rounds."""
     import rollout
     prompts = torch.randint(model.config.vocab_size, (NUM_PROMPTS, P), generator=torch.Generator().manual_seed(0)).tolist()
     fused = rollout._CPU_FLASH

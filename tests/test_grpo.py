@@ -11,6 +11,7 @@ import torch
 
 from memtrace import allocator_peak
 
+import attention
 import grpo
 import logprobs
 import hf
@@ -140,7 +141,7 @@ def truncated_prompt_logprobs(m: M.Llama, prompts, completions,
     valid = torch.arange(ids.shape[1]) < lens[:, None]
     own = torch.ones(T, T, dtype=torch.bool).tril()[None]
     h = m.hidden(comp[:, :-1], positions,
-                 lambda l, q, k, v: M.prefix_attention(q, k, v, own, *kv[l], valid))
+                 lambda l, q, k, v: attention.prefix_attention(q, k, v, own, *kv[l], valid))
     h = torch.cat([last.repeat_interleave(G, 0)[:, None], h], 1)
     logp = m.head(h).log_softmax(-1).gather(-1, comp[..., None]).squeeze(-1)
     return logp, torch.arange(T + 1) < comp_lens[:, None]

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+import attention
 import memory
 import model as M
 import tp
@@ -581,7 +582,7 @@ def shared_prompt_loss(model: M.Llama, prompt: torch.Tensor, completion: torch.T
         calls.append(layer)
         T, P = q.shape[2], kv[layer][0].shape[2]
         own = torch.ones(T, T, dtype=torch.bool).tril()[None]
-        return M.prefix_attention(q, k, v, own, *kv[layer], torch.ones(1, P, dtype=torch.bool))
+        return attention.prefix_attention(q, k, v, own, *kv[layer], torch.ones(1, P, dtype=torch.bool))
 
     model.hidden(prompt, None, record)
     start = prompt.shape[1]

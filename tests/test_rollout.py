@@ -14,7 +14,8 @@ import torch
 from memtrace import allocator_peak
 
 import rollout
-from model import Llama, ModelConfig, prefix_attention
+from attention import prefix_attention
+from model import Llama, ModelConfig
 from rollout import KVCache, Rollout, RolloutConfig, filter_logits, sample
 
 CFG = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=176, num_hidden_layers=2,

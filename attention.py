@@ -1,0 +1,159 @@
+"""
+Attention over a prompt shared by a group of rows: the prompt's keys and values exist once per
+group and are never copied G times (Hydragen, arXiv:2402.05099).
+
+Every row of a group attends to [the group's prompt keys; its own keys]. The G rows of a group
+(and the rep query heads of a kv head) are folded into the query length against the one prompt
+K/V, and the two partial softmaxes (prompt part, own part) are merged by their log-sum-exp:
+softmax over both = each part weighed by exp(lse_part - lse_all).
+- prefix_attention: the merge in plain tensor ops, any device, no gradient kernel of its own
+  (rollout.py's decode and prefill).
+- SharedPrefixAttention: the same in two fused CPU flash kernels, forward and backward (grpo.py's
+  training forward on a CPU); repeated_prefix_attention is its slow twin and the path elsewhere
+  (the prompt repeated per row, one SDPA call under an (N, 1, T, P + T) mask).
+
+Leaves out: the KV cache (rollout.py), the model (model.py calls whichever hook it is given).
+Shapes: Bp prompts, G rows per prompt, N = Bp*G, H/Hkv heads (rep = H/Hkv), T query tokens,
+S own keys, P prompt length, D head dim.
+Tested by tests/test_attention.py; benchmarked by tests/bench_shared_prompt.py.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def attention_with_lse(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor) -> tuple[Tensor, Tensor]:
+    """Softmax attention that also returns its log-sum-exp, so partial results can be merged.
+    q (B, Hkv, M, D), k/v (B, Hkv, S, D), allowed broadcastable to (B, Hkv, M, S) bool.
+    Returns out (B, Hkv, M, D) and lse (B, Hkv, M) in float32 (or float64); a query with no allowed
+    key gets out 0 and lse -inf (it then contributes nothing to a merge)."""
+    dt = torch.promote_types(q.dtype, torch.float32)  # bf16 accumulates in float32, float64 stays
+    scores = (q.to(dt) @ k.to(dt).transpose(-1, -2)) / math.sqrt(q.shape[-1])  # (B, Hkv, M, S)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # (B, Hkv, M)
+    probs = torch.exp(scores - lse.clamp_min(-1e30)[..., None])  # all-masked rows: 0, not NaN
+    return probs @ v.to(dt), lse
+
+
+def prefix_attention(q: Tensor, k: Tensor, v: Tensor, own_allowed: Tensor,
+                     prefix_k: Tensor, prefix_v: Tensor, prefix_valid: Tensor) -> Tensor:
+    """Exact attention of Bp*G rows to one shared prefix per group plus their own keys (Hydragen).
+
+    q (Bp*G, H, T, D); k/v (Bp*G, Hkv, S, D) each row's own keys; own_allowed (Bp*G or 1, T, S)
+    bool. prefix_k/v (Bp, Hkv, P, D) computed once per group; prefix_valid (Bp, P) bool (False =
+    padding). The G rows are folded into the query dimension, so the prefix KV is read once per
+    group and never copied G times; the two partial softmaxes are merged by their log-sum-exp.
+    Returns (Bp*G, H, T, D).
+    """
+    N, H, T, D = q.shape
+    Bp, Hkv, P, _ = prefix_k.shape
+    G = N // Bp
+    rep = H // Hkv
+    assert N == Bp * G and k.shape[0] == N and prefix_valid.shape == (Bp, P), "shapes do not match"
+    # Part 1: all G rows of a group (and the rep query heads of a kv head) against the prefix.
+    qp = q.view(Bp, G, Hkv, rep, T, D).transpose(1, 2).reshape(Bp, Hkv, G * rep * T, D)
+    out_p, lse_p = attention_with_lse(qp, prefix_k, prefix_v, prefix_valid[:, None, None, :])
+    out_p = out_p.view(Bp, Hkv, G, rep, T, D).transpose(1, 2).reshape(N, H, T, D)  # (Bp*G, H, T, D)
+    lse_p = lse_p.view(Bp, Hkv, G, rep, T).transpose(1, 2).reshape(N, H, T)  # (Bp*G, H, T)
+    # Part 2: each row against its own keys (GQA by folding the rep heads into the query dimension).
+    qs = q.reshape(N, Hkv, rep * T, D)  # (Bp*G, Hkv, rep*T, D)
+    allowed = own_allowed[:, None, None].expand(-1, Hkv, rep, -1, -1)
+    allowed = allowed.reshape(-1, Hkv, rep * T, k.shape[2])  # (Bp*G or 1, Hkv, rep*T, S)
+    out_s, lse_s = attention_with_lse(qs, k, v, allowed)
+    out_s = out_s.view(N, H, T, D)
+    lse_s = lse_s.view(N, H, T)
+    # Merge: softmax over [prefix keys, own keys] = each part weighed by exp(lse_part - lse_all).
+    lse = torch.logaddexp(lse_p, lse_s)  # (Bp*G, H, T)
+    out = out_p * torch.exp(lse_p - lse)[..., None] + out_s * torch.exp(lse_s - lse)[..., None]
+    return out.to(q.dtype)
+
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_CPU_FLASH_BACKWARD = getattr(torch.ops.aten,
+                              "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+CPU_FLASH = _CPU_FLASH is not None and _CPU_FLASH_BACKWARD is not None  # SharedPrefixAttention runs
+
+
+def _by_group(x: Tensor, Bp: int, Hkv: int) -> Tensor:
+    """(N, H, T, ...) -> (Bp, Hkv, G*rep*T, ...): a group's G rows and a kv head's rep query heads
+    folded into the query length, so that they all read the group's one prompt K/V."""
+    N, H, T = x.shape[:3]
+    x = x.reshape(Bp, N // Bp, Hkv, H // Hkv, T, *x.shape[3:]).transpose(1, 2)
+    return x.reshape(Bp, Hkv, -1, *x.shape[5:])
+
+
+def _by_row(x: Tensor, N: int, H: int) -> Tensor:
+    """_by_group's inverse: (Bp, Hkv, G*rep*T, ...) -> (N, H, T, ...)."""
+    Bp, Hkv = x.shape[:2]
+    x = x.reshape(Bp, Hkv, N // Bp, H // Hkv, -1, *x.shape[3:]).transpose(1, 2)
+    return x.reshape(N, H, *x.shape[4:])
+
+
+class SharedPrefixAttention(torch.autograd.Function):
+    """Each completion row attends to [its group's prompt keys; its own keys, causally], with the
+    prompt's K/V read once per group: no G-fold copy, no (N, T, P + T) mask. Two fused CPU flash
+    calls: the G rows of a group (and the rep query heads of a kv head) folded into the query
+    length against the prompt's (Bp, Hkv, P, D), non-causal; each row against its own keys, the rep
+    heads folded too. Their outputs merge by log-sum-exp (model.prefix_attention's merge). Backward
+    runs the flash backward on each part with the MERGED output and log-sum-exp: it rebuilds the
+    probabilities as exp(scores - lse) and uses rowsum(dout * out), so with the joint lse and out
+    these are the joint softmax's, restricted to that part's keys: each part's share of the exact
+    gradient (the two dq add up). Saves q, k, v, out and the lse, not the
+    (N, Hkv, P, D) copy. q (N, H, T, D), k/v (N, Hkv, T, D), prompt_k/v (Bp, Hkv, P, D); the
+    biases are additive 0 / -inf: prompt_bias (Bp, 1, 1, P) its padding, own_bias
+    (1, 1, rep*T, T) causal per folded head."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, prompt_k, prompt_v, prompt_bias, own_bias):
+        N, H, T, D = q.shape
+        Bp, Hkv = prompt_k.shape[:2]
+        out_p, lse_p = _CPU_FLASH(_by_group(q, Bp, Hkv), prompt_k, prompt_v, attn_mask=prompt_bias)
+        out_p, lse_p = _by_row(out_p, N, H), _by_row(lse_p, N, H)  # (N, H, T, D), (N, H, T)
+        out_s, lse_s = _CPU_FLASH(q.reshape(N, Hkv, -1, D), k, v, attn_mask=own_bias)
+        out_s, lse_s = out_s.reshape(N, H, T, D), lse_s.reshape(N, H, T)
+        lse = torch.logaddexp(lse_p, lse_s)  # (N, H, T) float32 (float64 for float64)
+        out = (out_p * (lse_p - lse).exp()[..., None]
+               + out_s * (lse_s - lse).exp()[..., None]).to(q.dtype)  # (N, H, T, D)
+        ctx.save_for_backward(q, k, v, prompt_k, prompt_v, prompt_bias, own_bias, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, prompt_k, prompt_v, prompt_bias, own_bias, out, lse = ctx.saved_tensors
+        N, H, T, D = q.shape
+        Bp, Hkv = prompt_k.shape[:2]
+
+        def by_group(x: Tensor) -> Tensor:  # (Bp, Hkv, G*rep*T, ...)
+            return _by_group(x, Bp, Hkv)
+
+        def heads_folded(x: Tensor) -> Tensor:  # (N, Hkv, rep*T, ...)
+            return x.reshape(N, Hkv, -1, *x.shape[3:])
+        grad = grad.contiguous()
+        dq_p, dprompt_k, dprompt_v = _CPU_FLASH_BACKWARD(
+            by_group(grad), by_group(q), prompt_k, prompt_v, by_group(out), by_group(lse),
+            0.0, False, attn_mask=prompt_bias)
+        dq_s, dk, dv = _CPU_FLASH_BACKWARD(
+            heads_folded(grad), heads_folded(q), k, v, heads_folded(out), heads_folded(lse),
+            0.0, False, attn_mask=own_bias)
+        dq = dq_s.reshape(N, H, T, D) + _by_row(dq_p, N, H)
+        return dq, dk, dv, dprompt_k, dprompt_v, None, None
+
+
+def repeated_prefix_attention(q: Tensor, k: Tensor, v: Tensor, prompt_k: Tensor,
+                              prompt_v: Tensor, prompt_valid: Tensor) -> Tensor:
+    """SharedPrefixAttention's slow twin, and the path off the CPU: the prompt's K/V repeated for
+    each of the G rows of its group and one SDPA call under an (N, 1, T, P + T) bool mask.
+    prompt_valid (Bp, P) bool. Returns (N, H, T, D)."""
+    N, _, T, _ = q.shape
+    Bp, _, P, _ = prompt_k.shape
+    G = N // Bp
+    arange = torch.arange(T, device=q.device)
+    own_causal = arange[:, None] >= arange[None, :]  # (T, T)
+    allowed = torch.cat([prompt_valid.repeat_interleave(G, 0)[:, None, :].expand(N, T, P),
+                         own_causal.expand(N, T, T)], dim=-1)[:, None]  # (N, 1, T, P + T)
+    keys = torch.cat([prompt_k.repeat_interleave(G, 0), k], dim=2)  # (N, Hkv, P + T, D)
+    values = torch.cat([prompt_v.repeat_interleave(G, 0), v], dim=2)  # (N, Hkv, P + T, D)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed,
+                                          enable_gqa=q.shape[1] != k.shape[1])  # (N, H, T, D)

@@ -1,0 +1,65 @@
+"""attention.py: the attention over a prompt shared by a group of rows against its slow twin,
+the prompt copied per row and one masked softmax (values and gradients)."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import attention
+
+
+def test_prefix_attention_equals_concatenated_keys_values_and_grads():
+    torch.manual_seed(0)
+    Bp, G, H, Hkv, P, T, D = 2, 3, 4, 2, 5, 4, 8
+    q = torch.randn(Bp * G, H, T, D, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(Bp * G, Hkv, T, D, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(Bp * G, Hkv, T, D, dtype=torch.float64, requires_grad=True)
+    pk = torch.randn(Bp, Hkv, P, D, dtype=torch.float64, requires_grad=True)
+    pv = torch.randn(Bp, Hkv, P, D, dtype=torch.float64, requires_grad=True)
+    valid = torch.ones(Bp, P, dtype=torch.bool)
+    valid[1, 3:] = False  # right padding of the second prompt
+    own = torch.ones(T, T, dtype=torch.bool).tril()[None]
+    out = attention.prefix_attention(q, k, v, own, pk, pv, valid)
+    # Slow twin: copy the prefix G times, concatenate, one masked softmax.
+    K = torch.cat([pk.repeat_interleave(G, 0), k], 2)
+    V = torch.cat([pv.repeat_interleave(G, 0), v], 2)
+    mask = torch.cat([valid.repeat_interleave(G, 0)[:, None, :].expand(-1, T, -1), own.expand(Bp * G, -1, -1)], 2)
+    ref = F.scaled_dot_product_attention(q, K, V, attn_mask=mask[:, None], enable_gqa=True)
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-12)  # float64: only summation order differs
+    w = torch.randn_like(ref)
+    grads = torch.autograd.grad((out * w).sum(), [q, k, v, pk, pv])
+    grads_ref = torch.autograd.grad((ref * w).sum(), [q, k, v, pk, pv])
+    for g, gr in zip(grads, grads_ref):
+        torch.testing.assert_close(g, gr, atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.skipif(not attention.CPU_FLASH, reason="this torch has no CPU flash attention kernels")
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-6)])
+def test_shared_prefix_attention_equals_repeated_prefix_values_and_grads(dtype, tol):
+    """The training path (two flash kernels, merged by log-sum-exp, flash backward with the merged
+    output) against its slow twin (the prefix copied per row, one masked SDPA), ragged prefixes,
+    GQA (rep 2). Tolerances: float64, only the summation order differs; float32, a few ulps of
+    values O(1) accumulated over P + T keys."""
+    torch.manual_seed(0)
+    Bp, G, H, Hkv, P, T, D = 3, 4, 4, 2, 9, 6, 8
+
+    def leaf(*shape):
+        return torch.randn(*shape, dtype=dtype, requires_grad=True)
+    q, k, v = leaf(Bp * G, H, T, D), leaf(Bp * G, Hkv, T, D), leaf(Bp * G, Hkv, T, D)
+    pk, pv = leaf(Bp, Hkv, P, D), leaf(Bp, Hkv, P, D)
+    valid = torch.arange(P) < torch.tensor([9, 4, 1])[:, None]  # right padding, one 1-token prompt
+    prompt_bias = torch.zeros(Bp, 1, 1, P, dtype=dtype)
+    prompt_bias = prompt_bias.masked_fill(~valid[:, None, None], -math.inf)
+    future = torch.ones(T, T, dtype=torch.bool).triu(1)
+    own_bias = torch.zeros(T, T, dtype=dtype).masked_fill(future, -math.inf).repeat(H // Hkv, 1)
+    out = attention.SharedPrefixAttention.apply(q, k, v, pk, pv, prompt_bias, own_bias[None, None])
+    ref = attention.repeated_prefix_attention(q, k, v, pk, pv, valid)
+    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+    w = torch.randn_like(ref)
+    got = torch.autograd.grad((out * w).sum(), [q, k, v, pk, pv])
+    want = torch.autograd.grad((ref * w).sum(), [q, k, v, pk, pv])
+    for name, a, b in zip("q k v prefix_k prefix_v".split(), got, want):
+        torch.testing.assert_close(a, b, atol=tol, rtol=tol, msg=name)
+    assert got[3][1, :, 4:].abs().max() == 0  # the padding of prefix 1 gets no gradient
