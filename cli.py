@@ -190,6 +190,45 @@ def memory_figures(device: torch.device, mem) -> dict[str, float]:
     return dict(max_rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6)  # KiB
 
 
+def check_dp(prompts_per_step: int, dp_size: int) -> None:
+    """The generation batch splits evenly over the data-parallel ranks (dp = world / tp)."""
+    if prompts_per_step % dp_size:
+        raise ValueError(f"--prompts_per_step {prompts_per_step} must be divisible by "
+                         f"dp = world / tp = {dp_size}")
+
+
+def step_record(step: int, rewards: torch.Tensor, counts: dict, iterations: list[dict],
+                times: dict, zero_std: float, **extra) -> dict:
+    """The step as one JSON-able dict (null for what did not happen): rewards (every rank's,
+    every round's), counts summed over ranks, each iteration's metrics (already over ranks)
+    aggregated over the mu iterations: min of *_min, max of *_max, mean of the rest."""
+    scored = rewards[~rewards.isnan()]
+    updated = [it for it in iterations if it["updated"]]
+    record = dict(step=step + 1, reward=scored.mean().item() if len(scored) else None,
+                  reward_std=scored.std().item() if len(scored) > 1 else None,
+                  missing_rewards=len(rewards) - len(scored),
+                  truncated_prompts=int(counts["truncated"]),
+                  completion_len=counts["lengths"] / len(rewards),
+                  tokens_per_s=counts["new_tokens"] / max(times["rollout"], 1e-9),
+                  kept_groups=int(counts["kept_groups"]), zero_std=zero_std,
+                  extra_rollouts=counts["extra_rollouts"], updates=len(updated),  # with a gradient
+                  skipped_updates=sum(not it["finite"] for it in iterations))
+    record["zero_grad"] = len(iterations) - len(updated) - record["skipped_updates"]
+    metrics = ["loss", "clip_low", "clip_high", "ratio_mean", "kl", "entropy"]
+    metrics += [k for k in (iterations[0] if iterations else {})
+                if k not in (*metrics, "grad_norm", "updated", "finite")]
+    for key in metrics:  # over the mu iterations
+        values = [it[key] for it in iterations if key in it]
+        pick = min if key.endswith("_min") else max if key.endswith("_max") else None
+        record[key] = (pick(values) if pick else sum(values) / len(values)) if values else None
+    norms = [it["grad_norm"] for it in updated]
+    # sampler_logp_diff before any update of this step: the sampler's logprobs up to numerics
+    record.update({f"t_{k}": v for k, v in times.items()}, **extra,
+                  sampler_logp_diff=iterations[0].get("sampler_logp_diff") if iterations else None,
+                  grad_norm=sum(norms) / len(norms) if norms else None)
+    return record
+
+
 def jsonable(record: dict) -> dict:
     """NaN and inf are not JSON (strict readers refuse a bare NaN): they become null."""
     def clean(v):

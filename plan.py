@@ -1,6 +1,7 @@
 """
 The memory plan: what a run will hold per rank in each phase, from shapes alone, before any weight
-is read (`train.py --plan`).
+is read (`train.py --plan`), and the micro-batch that fits `--memory_budget`. memory_phases is the
+one list of memory tags: setup() registers them on the real tensors, --plan on the meta device.
 
 Each phase's peak = the tagged tensors awake in it (memory.PhaseManager.plan_step: weights, KV
 cache, grads, optimizer state, reference; on a CPU the last two stay in place) + its largest
@@ -14,16 +15,18 @@ Leaves out: tp's sequence-parallel gather buffers, --activation_offload, the opt
 temporaries, allocator fragmentation and the CUDA context (~1 GB on a GPU).
 """
 
+import copy
 import dataclasses
 from functools import partial
 
 import torch
+import torch.nn as nn
 
 from grpo import GRPOConfig
 from logprobs import chunk_rows
-from memory import PhaseManager
+from memory import MemoryConfig, PhaseManager
 from model import ModelConfig
-from rollout import RolloutConfig
+from rollout import KVCache, RolloutConfig
 
 # -----------------------------------------------------------------------------
 # Rollout: what generate() allocates besides the weights and the KV cache
@@ -186,6 +189,22 @@ def step_transients(config: ModelConfig, prompts: int, prompt_len: int, r: Rollo
             "train": kept + max(micro["forward"], micro["backward"])}
 
 
+def memory_phases(device: torch.device | str, cfg: MemoryConfig, model: nn.Module,
+                  sampler: nn.Module, cache: KVCache, optimizer: torch.optim.Optimizer,
+                  reference: nn.Module | None) -> PhaseManager:
+    """The one list of memory tags, for setup() and for --plan (on the meta device)."""
+    mem = PhaseManager(device, cfg)
+    mem.add_weights(model, sampler)
+    mem.add_kv_cache(cache.buffer)
+    mem.add_grads(model)
+    mem.add_optimizer(optimizer)
+    if reference is not None:
+        mem.add_reference(reference)
+    if getattr(model, "tp_state", None) is not None:  # sequence parallelism's gathered activations
+        mem.add_scratch(model.tp_state.buffer.tensors)
+    return mem
+
+
 def step_plan(mem: PhaseManager, cfgs, model, sampler, reference, prompts: int, tp_size: int,
               target: str, g: GRPOConfig) -> dict[str, dict[str, int]]:
     """mem.plan_step for one step of train.py's configs `cfgs` (rollout.max_new_tokens resolved)
@@ -254,3 +273,22 @@ def print_plan(plan: dict[str, dict[str, int]], target: str, title: str) -> None
         print(f"{phase:<10}" + "".join(f"{row[c] / 1e6:>11,.1f}" for c in columns))
     print(f"peak {peak(plan) / 1e9:.3f} GB (max_memory_allocated); a GPU needs about that plus its "
           "CUDA context and allocator slack (~1 GB)")
+
+
+def print_run_plan(cfgs, model: nn.Module, sampler: nn.Module, tp_size: int, dp_size: int) -> None:
+    """--plan for a run's configs and its model and sampler on the meta device: the KV cache,
+    AdamW and a reference built as setup() builds them, the tags from memory_phases, the
+    micro-batch --memory_budget picks, and the table."""
+    r, Bp, P = cfgs.rollout, cfgs.train.prompts_per_step // dp_size, cfgs.train.max_prompt_len
+    cache = KVCache.for_batch(model.config, Bp, r.num_samples, P, r.max_new_tokens,
+                              next(sampler.parameters()).dtype, "meta", tp_size=tp_size)
+    reference = None
+    if cfgs.grpo.beta > 0:
+        reference = copy.deepcopy(model).requires_grad_(False)
+    mem = memory_phases("meta", cfgs.memory, model, sampler, cache,
+                        torch.optim.AdamW(model.parameters()), reference)
+    target = "cuda" if torch.cuda.is_available() else "cpu"
+    plan_of = fit(mem, cfgs, model, sampler, reference, Bp, tp_size, target)
+    title = (f"tp {tp_size} x dp {dp_size}; {Bp} prompts x {P} + {r.max_new_tokens} tokens x "
+             f"G {r.num_samples}")
+    print_plan(plan_of(cfgs.grpo), target, title)

@@ -31,6 +31,7 @@ the lm_head is split by tensor parallelism), L layers.
 Tested by tests/test_rollout.py; benchmarked by tests/bench_rollout.py.
 """
 
+import copy
 import itertools
 import math
 import time
@@ -574,6 +575,15 @@ def _decode(decoder: _Decoder, out_tokens: Tensor, out_logprobs: Tensor,
 
 # -----------------------------------------------------------------------------
 # Weight sync: the sampler receives the trainer's weights
+
+
+def sampler_for(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """The trainer itself when it is in the sampler's dtype, else a frozen copy in that dtype (a
+    bf16 sampler of an fp32 master: --dtype bfloat16, or --sampler_dtype), synced before each
+    rollout."""
+    if dtype == next(model.parameters()).dtype:
+        return model
+    return copy.deepcopy(model).to(dtype).requires_grad_(False)
 
 
 @torch.no_grad()

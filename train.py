@@ -23,9 +23,8 @@ same prompts and tokens; each dp group takes its own slice of the prompts; gradi
 dp. Loss normalisers count the whole generation batch on all ranks, so the update does not depend
 on how the batch is split.
 
-Each knob lives in the dataclass of the file that uses it (TrainConfig here, RolloutConfig,
-GRPOConfig, MemoryConfig); `--field value` is routed to its owner. `python train.py --help` lists
-them all. --dtype bfloat16: fp32 master weights and AdamW state, bf16 autocast, a bf16 sampler copy.
+Each knob lives in the dataclass of the file that uses it; `--field value` is routed to its owner
+(cli.py). --dtype bfloat16: fp32 master weights and AdamW state, bf16 autocast, a bf16 sampler.
 Leaves out: pipeline parallelism, multi-node launch details, wandb.
 Shapes: Bp prompts, G samples per prompt, N = Bp*G completions, Tr completion length.
 Tested by tests/test_train.py.
@@ -247,22 +246,6 @@ class Run:
         return self.mem.phase(name) if self.cfgs.train.phases else contextlib.nullcontext()
 
 
-def memory_phases(device: torch.device | str, cfg: memory.MemoryConfig, model: Llama,
-                  sampler: Llama, cache: rollout.KVCache, optimizer: torch.optim.Optimizer,
-                  reference: Llama | None) -> memory.PhaseManager:
-    """The one list of memory tags, for setup() and for --plan (on the meta device)."""
-    mem = memory.PhaseManager(device, cfg)
-    mem.add_weights(model, sampler)
-    mem.add_kv_cache(cache.buffer)
-    mem.add_grads(model)
-    mem.add_optimizer(optimizer)
-    if reference is not None:
-        mem.add_reference(reference)
-    if getattr(model, "tp_state", None) is not None:  # sequence parallelism's gathered activations
-        mem.add_scratch(model.tp_state.buffer.tensors)
-    return mem
-
-
 def setup(values: dict[str, object]) -> Run:
     rank, world, device = tp.init_distributed()
     changes, explicit = [], set(values)  # a resumed run: the checkpoint's flags, these on top
@@ -274,9 +257,7 @@ def setup(values: dict[str, object]) -> Run:
     notes = [cli.pretrained_defaults(cfgs, explicit)]
     cfg = cfgs.train
     groups = tp.make_groups(cfgs.parallel.tp)
-    if cfg.prompts_per_step % groups.dp_size:
-        raise ValueError(f"--prompts_per_step {cfg.prompts_per_step} must be divisible by "
-                         f"dp = world / tp = {groups.dp_size}")
+    cli.check_dp(cfg.prompts_per_step, groups.dp_size)
     checkpoint.check_out_dir(cfg.out, cfg.resume, cfg.overwrite)
     checkpoint.lock_out_dir(cfg.out)  # one run per --out, before anything is written there
     if rank == 0 and changes:
@@ -294,13 +275,10 @@ def setup(values: dict[str, object]) -> Run:
     generation_config = load_generation_config(source) if source else None
     # The reference is the initial policy (built before any checkpoint is loaded).
     reference = None
-    if cfgs.grpo.beta > 0:
-        if resume_dir:
-            reference = build_model(cfg, task, cfg.model, device, groups)[0]
-        else:
-            reference = copy.deepcopy(model)
-        reference.requires_grad_(False)
-    sampler = build_sampler(cfg, model)
+    if cfgs.grpo.beta > 0:  # on resume, rebuilt from --model (or the seed): the initial policy
+        reference = (build_model(cfg, task, cfg.model, device, groups)[0] if resume_dir
+                     else copy.deepcopy(model)).requires_grad_(False)
+    sampler = rollout.sampler_for(model, getattr(torch, cfg.sampler_dtype or cfg.dtype))
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.99),
                                   weight_decay=cfg.weight_decay)
     start = 0
@@ -312,7 +290,7 @@ def setup(values: dict[str, object]) -> Run:
                                       next(sampler.parameters()).dtype, device,
                                       tp_size=groups.tp_size)
     memory.checkpoint_blocks(model.model.layers, cfgs.memory.activation_checkpoint)
-    mem = memory_phases(device, cfgs.memory, model, sampler, cache, optimizer, reference)
+    mem = plan.memory_phases(device, cfgs.memory, model, sampler, cache, optimizer, reference)
     # --memory_budget: the largest micro-batch whose planned peak fits
     plan.fit(mem, cfgs, model, sampler, reference, local_prompts, groups.tp_size, device.type)
     stop_ids = stop_token_ids(model.config, generation_config)
@@ -329,14 +307,6 @@ def setup(values: dict[str, object]) -> Run:
         run.logprob_fn = partial(tp.vocab_parallel_logprobs, groups=groups)
     return run
 
-
-def build_sampler(cfg: TrainConfig, model: Llama) -> Llama:
-    """The trainer itself, or a copy in --sampler_dtype (by default --dtype: a bf16 copy of an fp32
-    master), synced from the trainer before each rollout."""
-    dtype = getattr(torch, cfg.sampler_dtype or cfg.dtype)
-    if dtype == next(model.parameters()).dtype:
-        return model
-    return copy.deepcopy(model).to(dtype).requires_grad_(False)
 
 # -----------------------------------------------------------------------------
 # Prompts and rewards
@@ -361,18 +331,16 @@ def draw_prompts(run: Run, step: int, round: int = 0) -> tuple[list[list[int]], 
 def encode_prompts(run: Run, prompts: list) -> tuple[list[list[int]], int]:
     """Token ids as transformers/TRL would encode them (tokenizer.py), left-truncated, and checked
     against the model's context."""
+    hint = ""
     try:
         ids, truncated = run.tokenizer.encode_prompts(prompts, run.cfgs.prompt,
                                                       run.cfgs.train.max_prompt_len)
-    except ValueError as e:
-        raise StopTraining(f"task {run.task.name}: {e}") from None
-    try:
+        hint = " (lower --max_prompt_len or --max_new_tokens)"
         if ids:
             rollout.check_prompts(ids, run.stop_ids, run.cfgs.rollout.max_new_tokens,
                                   run.model.config)
     except ValueError as e:
-        raise StopTraining(f"task {run.task.name}: {e} (lower --max_prompt_len or "
-                           "--max_new_tokens)") from None
+        raise StopTraining(f"task {run.task.name}: {e}{hint}") from None
     return ids, truncated
 
 
@@ -517,36 +485,13 @@ def reduce_iteration(run: Run, m: dict, tokens: float) -> dict:
 
 def step_record(run: Run, step: int, rewards: torch.Tensor, counts: dict,
                 iterations: list[dict], times: dict) -> dict:
-    """The step as one JSON-able dict (null for what did not happen). rewards: every round's."""
-    scored = rewards[~rewards.isnan()]
+    """The step as one JSON-able dict (cli.step_record); rewards: every round's, every rank's."""
     keys = ("lengths", "new_tokens", "truncated", "kept_groups")
-    lengths, tokens, truncated, kept = all_reduce_dp([counts[k] for k in keys], run)
-    updated = [it for it in iterations if it["updated"]]
-    record = dict(step=step + 1, reward=scored.mean().item() if len(scored) else None,
-                  reward_std=scored.std().item() if len(scored) > 1 else None,
-                  missing_rewards=len(rewards) - len(scored), truncated_prompts=int(truncated),
-                  completion_len=lengths / len(rewards),
-                  tokens_per_s=tokens / max(times["rollout"], 1e-9), kept_groups=int(kept),
-                  zero_std=float((~grpo.informative_groups(
-                      rewards, run.cfgs.rollout.num_samples)).double().mean()),
-                  extra_rollouts=counts["extra_rollouts"], updates=len(updated),  # with a gradient
-                  skipped_updates=sum(not it["finite"] for it in iterations))
-    record["zero_grad"] = len(iterations) - len(updated) - record["skipped_updates"]
-    metrics = ["loss", "clip_low", "clip_high", "ratio_mean", "kl", "entropy"]
-    metrics += [k for k in (iterations[0] if iterations else {})
-                if k not in (*metrics, "grad_norm", "updated", "finite")]
-    for key in metrics:  # over the mu iterations
-        values = [it[key] for it in iterations if key in it]
-        pick = min if key.endswith("_min") else max if key.endswith("_max") else None
-        record[key] = (pick(values) if pick else sum(values) / len(values)) if values else None
-    norms = [it["grad_norm"] for it in updated]
-    # sampler_logp_diff before any update of this step: the sampler's logprobs up to numerics
-    record.update({f"t_{k}": v for k, v in times.items()}, **cli.memory_figures(run.device,
-                                                                                  run.mem),
-                  sampler_logp_diff=iterations[0].get("sampler_logp_diff") if iterations else None,
-                  grad_norm=sum(norms) / len(norms) if norms else None,
-                  lr=run.optimizer.param_groups[0]["lr"])
-    return record
+    counts.update(zip(keys, all_reduce_dp([counts[k] for k in keys], run)))  # summed over dp
+    zero_std = (~grpo.informative_groups(rewards, run.cfgs.rollout.num_samples)).double().mean()
+    return cli.step_record(step, rewards, counts, iterations, times, float(zero_std),
+                           lr=run.optimizer.param_groups[0]["lr"],
+                           **cli.memory_figures(run.device, run.mem))
 
 
 def evaluate(run: Run) -> dict:
@@ -586,30 +531,15 @@ def print_plan(argv: list[str]) -> int:
     world = int(os.environ.get("WORLD_SIZE", 1))
     groups = tp.ParallelGroups(None, None, tp_size=cfgs.parallel.tp,
                                dp_size=max(1, world // cfgs.parallel.tp))
-    dtype = getattr(torch, cfg.dtype)  # activations; the weights are master_dtype's
     with torch.device("meta"):  # shapes only
         if cfg.model:
             model = tp.shard_model(Llama(load_config(cfg.model)).to(master_dtype(cfg)), groups)
         else:
             model = build_model(cfg, task, "", torch.device("meta"), groups)[0]
-    sampler = build_sampler(cfg, model)
     budget = cfgs.rollout.max_new_tokens or task.max_new_tokens or 256  # as setup()
-    r = cfgs.rollout = dataclasses.replace(cfgs.rollout, max_new_tokens=budget)
-    Bp = cfg.prompts_per_step // groups.dp_size
-    P = cfg.max_prompt_len  # the longest prompt
-    cache = rollout.KVCache.for_batch(model.config, Bp, r.num_samples, P, r.max_new_tokens,
-                                      next(sampler.parameters()).dtype, "meta",
-                                      tp_size=groups.tp_size)
-    reference = None
-    if cfgs.grpo.beta > 0:
-        reference = copy.deepcopy(model).requires_grad_(False)
-    mem = memory_phases("meta", cfgs.memory, model, sampler, cache,
-                        torch.optim.AdamW(model.parameters()), reference)
-    target = "cuda" if torch.cuda.is_available() else "cpu"
-    plan_of = plan.fit(mem, cfgs, model, sampler, reference, Bp, groups.tp_size, target)
-    title = (f"tp {groups.tp_size} x dp {groups.dp_size}; {Bp} prompts x {P} + "
-             f"{r.max_new_tokens} tokens x G {r.num_samples}")
-    plan.print_plan(plan_of(cfgs.grpo), target, title)
+    cfgs.rollout = dataclasses.replace(cfgs.rollout, max_new_tokens=budget)
+    sampler = rollout.sampler_for(model, getattr(torch, cfg.sampler_dtype or cfg.dtype))
+    plan.print_run_plan(cfgs, model, sampler, groups.tp_size, groups.dp_size)
     return 0
 
 # -----------------------------------------------------------------------------
