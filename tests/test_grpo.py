@@ -211,13 +211,14 @@ def test_shared_prompt_forward_saves_no_repeated_prompt():
     prompt_ids = torch.randint(0, 16, (Bp, P), generator=torch.Generator().manual_seed(0))
     inputs = torch.randint(0, 16, (Bp * G, T), generator=torch.Generator().manual_seed(1))
     saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t,
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t,
                                                   lambda t: t):
         grpo.shared_prompt_hidden(m, prompt_ids, torch.tensor([P, 31]), inputs, G)
-    repeated_keys = Bp * G * 2 * P * 16  # (N, Hkv, P, D)
-    # the largest saved tensors are the prompt's MLP activations, (Bp, P, 96): 7,680 entries
-    assert max(saved) < repeated_keys / 2, (max(saved), repeated_keys)
-    assert all(n != Bp * G * T * (P + T) for n in saved)  # no (N, 1, T, P + T) mask
+    # A per-row copy has N rows and the prompt's P (or P + T) keys: (N, Hkv, P + T, D) K/V, or
+    # the (N, 1, T, P + T) mask. The prompt's own tensors have Bp rows (torch 2.5's SDPA saves
+    # the prompt's (Bp, H, P, P) probabilities under GQA: once per group, not per row).
+    per_row = [s for s in saved if s[0] == Bp * G and (P in s[1:] or P + T in s[1:])]
+    assert not per_row, per_row
 
 def test_shared_prompt_attention_under_bf16_autocast_equals_its_twin(monkeypatch):
     """bf16 autocast over fp32 weights (train.py --dtype bfloat16) hands the attention q, k in
