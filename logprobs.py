@@ -18,6 +18,7 @@ Tested by tests/test_grpo.py (chunked == unchunked, gradients in float64); bench
 tests/bench_grpo.py.
 """
 
+import contextlib
 from typing import Callable
 
 import torch
@@ -59,6 +60,16 @@ def softmax_grads(z: Tensor, targets: Tensor, lse: Tensor, entropy: Tensor,
     return grad_z.scatter_add_(1, targets[:, None], g)  # + g onehot
 
 
+def uncached_autocast(device_type: str):
+    """The caller's autocast, without its cast-weight cache. NOTE a footgun: forward runs with grad
+    off, so a cached bf16 copy of lm_head's weight made there has no graph, and torch 2.5 hands
+    that copy to the backward's rebuild: the weight then gets no gradient at all."""
+    if not torch.is_autocast_enabled(device_type):
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=torch.get_autocast_dtype(device_type),
+                          cache_enabled=False)
+
+
 class ChunkedSoftmaxLogprobs(torch.autograd.Function):
     """The default chunked path: h (n, C), targets (n,) -> logp (n,), entropy (n,). Forward keeps
     one log-sum-exp and one entropy per token; backward rebuilds each chunk's logits and applies
@@ -75,7 +86,8 @@ class ChunkedSoftmaxLogprobs(torch.autograd.Function):
         lse = torch.empty_like(logp)
         for start in range(0, h.shape[0], chunk_size):
             rows = slice(start, start + chunk_size)
-            z = head_logits(model, h[rows], temperature)  # (n_chunk, V), no graph inside forward
+            with uncached_autocast(h.device.type):
+                z = head_logits(model, h[rows], temperature)  # (n_chunk, V), no graph in forward
             row_max = z.amax(-1, keepdim=True)  # (n_chunk, 1)
             e = torch.sub(z, row_max).exp_()  # (n_chunk, V) unnormalised softmax, exp in place
             total = e.sum(-1)  # (n_chunk,)
@@ -98,7 +110,7 @@ class ChunkedSoftmaxLogprobs(torch.autograd.Function):
         grad_params = [None] * len(params)
         for start in range(0, h.shape[0], ctx.chunk_size):
             rows = slice(start, start + ctx.chunk_size)
-            with torch.enable_grad():
+            with torch.enable_grad(), uncached_autocast(h.device.type):
                 h_chunk = h[rows].detach().requires_grad_()
                 z = head_logits(ctx.model, h_chunk, ctx.temperature)  # (n_chunk, V) rebuilt
             grad_z = softmax_grads(z.detach(), targets[rows], lse[rows], entropy[rows],

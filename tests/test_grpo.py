@@ -257,6 +257,28 @@ class HeadSpy(M.Llama):
         return super().head(h)
 
 
+def test_chunked_logprobs_under_bf16_autocast_give_the_head_its_gradient():
+    """Regression (torch 2.5): autocast cached a graph-less bf16 copy of lm_head's weight inside
+    the chunked Function's forward (grad off) and reused it in the backward's rebuild: lm_head got
+    no gradient, so bf16 training never moved it. The chunked path against the plain one, both
+    under autocast: the same gradients (bf16 logits, fp32 accumulation: 2e-2 relative)."""
+    torch.manual_seed(0)
+    m = M.Llama(M.ModelConfig(vocab_size=32, hidden_size=32, intermediate_size=64,
+                              num_hidden_layers=1, num_attention_heads=2,
+                              num_key_value_heads=1)).init_weights(0)
+    h, targets = torch.randn(10, 32), torch.randint(0, 32, (10,))
+    grads = []
+    for chunk_size in (3, 0):  # 0: the plain log_softmax twin
+        m.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logp, _ = logprobs.chunked_logprobs(m, h, targets, chunk_size=chunk_size)
+            logp.sum().backward()
+        grads.append([p.grad for p in (m.lm_head.weight, m.model.norm.weight)])
+    for got, want in zip(*grads):
+        assert got is not None
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+
 @pytest.mark.parametrize("chunk_size", [1, 7, 1000])
 @pytest.mark.parametrize("path", ["softmax", "checkpoint"])
 def test_chunked_equals_unchunked_and_never_holds_more_than_a_chunk(path, chunk_size):
