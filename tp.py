@@ -29,6 +29,7 @@ Tested by tests/test_tp.py (gloo, 2 and 4 CPU processes); tests/bench_tp.py coun
 import contextlib
 import math
 import os
+import time
 from dataclasses import dataclass
 from math import prod
 from typing import Callable, Iterator
@@ -96,11 +97,13 @@ class ParallelGroups:
 def destroy_groups(barrier: bool = True) -> None:
     """Tear down every process group. The barrier first lets each group's worker threads finish
     freeing their last collectives: the main thread waits in it without the GIL, which those threads
-    may need to free a tensor Python has already dropped. Under torch 2.5, destroying a gloo group
-    while one of them still held its lock waiting for the GIL deadlocked the process. barrier=False
-    for a rank that is failing alone (the others would never reach the barrier)."""
+    may need to free a tensor Python has already dropped (one may still be at it after the barrier:
+    hence the sleep). Under torch 2.5, destroying a gloo group while one of them held its lock
+    waiting for the GIL deadlocked the process. barrier=False for a rank that is failing alone (the
+    others would never reach the barrier)."""
     if barrier:
         dist.barrier()
+    time.sleep(0.05)  # the GIL dropped a moment: a worker thread still freeing a tensor gets it
     dist.destroy_process_group()
 
 
