@@ -982,7 +982,7 @@ def test_a_second_stop_signal_exits_at_once(tmp_path):
 
 def torchrun(cwd, *args: str, timeout: int = 240) -> tuple[int, str]:
     """train.py on 2 processes (dp 2); a hang fails the test. The output goes to a file: the
-    workers, each in a session of its own, would hold a pipe open after a kill."""
+    workers, each in a process group of its own, would hold a pipe open after a kill."""
     with open(os.path.join(cwd, "torchrun.log"), "w+") as log:
         proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
                                  "--nproc_per_node=2", os.path.join(ROOT, "train.py"), *FAST,
