@@ -4,7 +4,7 @@
     python tests/bench_grpo.py --device cuda   # GPU, bf16
     python tests/bench_grpo.py --part chunk    # logprob chunk sizes at V = 16, 49,152, 151,936
 
-Setup (issue 4): dim 256, 4 layers, 8/4 heads, ffn 704, vocab 32000; 4 prompts x P=512 tokens, G=8
+Setup: dim 256, 4 layers, 8/4 heads, ffn 704, vocab 32000; 4 prompts x P=512 tokens, G=8
 completions x C=64 tokens; the loss is grpo_loss (dapo, mu = 1) and one backward. Then logprobs
 alone: 16,384 hidden states through final norm + lm_head + softmax, full vs chunked.
 
