@@ -211,7 +211,7 @@ class GRPOBatch:
     advantages: Tensor | None = None  # (N,)
     sampler_logp: Tensor | None = None  # (N, Tr) the sampler's logprobs, of what it sampled from
     stopped: Tensor | None = None     # (N,) bool: the row ended with a stop id (else truncated)
-    old_logp: Tensor | None = None    # (N, Tr) when mu > 1 (or another sampler); None: current
+    old_logp: Tensor | None = None    # (N, Tr) when mu > 1; None: the current policy's
     ref_logp: Tensor | None = None    # (N, Tr) from the reference model when beta > 0
 
     @property

@@ -214,7 +214,7 @@ def step_plan(mem: PhaseManager, cfgs, model, sampler, reference, prompts: int, 
         model.config, prompts, cfgs.train.max_prompt_len, cfgs.rollout, g,
         getattr(torch, cfgs.train.dtype), next(sampler.parameters()).dtype,  # activations' dtype
         checkpoint=cfgs.memory.activation_checkpoint, tp_size=tp_size,
-        sequence_parallel=cfgs.parallel.sequence_parallel, old=g.mu > 1 or sampler is not model,
+        sequence_parallel=cfgs.parallel.sequence_parallel, old=g.mu > 1,
         repeated_prompt=torch.device(target).type != "cpu")  # grpo.shared_prompt_attention's
     plan = mem.plan_step(transients, target, cfgs.train.phases)
     if reference is None:

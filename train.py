@@ -10,7 +10,7 @@ one GRPO step, docs/design.md's data flow in numbered pieces:
     2. rollout phase: sync the sampler's weights from the trainer, sample G completions per prompt
     3. decode the completions and score them with the task's reward functions
     4. group advantages over every dp rank's rewards; --dynamic_sampling repeats 1-4 (DAPO)
-    5. old logprobs (mu > 1, or a sampler in another dtype) and reference logprobs (beta > 0)
+    5. old logprobs (mu > 1; at mu = 1 they are the loss's logp.detach()), reference (beta > 0)
     6. train phase: mu optimizer steps over the generation batch, micro-batch by micro-batch
     7. the step's metrics, token-weighted over ranks and aggregated over the mu iterations
 
@@ -414,7 +414,7 @@ def step(run: Run, step: int) -> dict:
     counts.update(extra_rollouts=len(rounds) - 1, kept_groups=batch.prompt_ids.shape[0])
     # 5. Old and reference logprobs, without grad.
     t0 = time.perf_counter()
-    if g.mu > 1 or run.sampler is not run.model:
+    if g.mu > 1:  # at mu = 1 the ratio is to the current policy: logp.detach() in the loss
         with autocast(run):
             batch.old_logp = grpo.batch_logprobs(run.model, batch, g, logprob_fn=run.logprob_fn)
     if run.reference is not None:

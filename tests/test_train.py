@@ -755,6 +755,31 @@ def test_bf16_keeps_updates_below_its_resolution_in_fp32_master_weights(tmp_path
     assert rec["sampler_logp_diff"] is not None  # the bf16 sampler is a copy of the master
 
 
+def test_bf16_at_mu_1_scores_no_old_logprobs_and_trains_as_if_it_did(tmp_path, monkeypatch):
+    """At mu = 1 the old logprobs are the loss's own logp.detach(): a separate no-grad forward for
+    them (once run whenever the sampler was a bf16 copy) cost a third of the training time and
+    changed nothing. Its slow twin: the same run with that forward forced, record for record."""
+    calls = []
+    real = train.grpo.batch_logprobs
+    monkeypatch.setattr(train.grpo, "batch_logprobs", lambda *a, **k: calls.append(1) or real(*a, **k))
+    args = ["--dtype", "bfloat16", "--steps", "3", "--eval_every", "0"]
+    code, fast = run(tmp_path, *args, out="fast")
+    assert code == 0 and calls == []
+    real_round = train.sample_round
+
+    def with_old_logp(r, step, round):  # the old path: the old logprobs by their own forward
+        batch, rewards, counts = real_round(r, step, round)
+        with train.autocast(r):
+            batch.old_logp = train.grpo.batch_logprobs(r.model, batch, r.cfgs.grpo)
+        return batch, rewards, counts
+    monkeypatch.setattr(train, "sample_round", with_old_logp)
+    code, slow = run(tmp_path, *args, out="slow")
+    assert code == 0 and len(calls) == 3
+    keys = ("reward", "loss", "entropy", "sampler_ratio_mean", "grad_norm")
+    assert [[r[k] for k in keys] for r in records(fast)] == [[r[k] for k in keys]
+                                                             for r in records(slow)]
+
+
 def test_bf16_resume_continues_exactly(tmp_path):
     args = ["--dtype", "bfloat16", "--mu", "2", "--eval_every", "0"]
     code, full = run(tmp_path, "--steps", "4", "--save_every", "2", *args, out="full")
