@@ -23,6 +23,9 @@ Built in:
   (GSM8K's "question" for "prompt" and answers such as "... #### 42" are accepted); a prompt is a
   string or a conversation (a list of {"role", "content"} messages, rendered with the checkpoint's
   chat template); the last number in the completion is compared.
+- `tasks:chat_add`: "What is 47 + 85?" as a chat message, for a pretrained chat checkpoint
+  (--model); generated here, no data file. Correct when the last number of the completion is the
+  sum; the reward is 1 for correct, else 0, so eval_reward is the share correct.
 
 The evaluation's prompts (eval_split): a finite dataset's own test split (`--eval_data FILE`, read
 by the same task factory), else distinct prompts held out of the training stream, at most half of a
@@ -312,6 +315,24 @@ def jsonl_math(data: str) -> Task:
     rewards = [(answer_correct, 1.0), (has_number, 0.1)]
     return Task("jsonl_math", lambda rng: rng.choice(examples), rewards,
                 correct=lambda c, r: answer_correct(c, r) == 1.0, examples=examples)
+
+# -----------------------------------------------------------------------------
+# A chat question for a pretrained chat checkpoint, generated here (no data file)
+
+
+def sample_chat_add(rng: random.Random) -> tuple[list[dict], str]:
+    """"What is 47 + 85?" as the user's message of a conversation (rendered with the checkpoint's
+    chat template), the sum as the reference: 8,100 distinct questions."""
+    a = rng.randrange(10, 100)
+    b = rng.randrange(10, 100)
+    return [{"role": "user", "content": f"What is {a} + {b}?"}], str(a + b)
+
+
+# Correct (reward 1, else 0): the completion's last number is the sum, so "47 + 85 = 132" and
+# "132" both are, and one cut off by the budget before the sum is not. 12 tokens hold "47 + 85 =
+# 132" and the stop token in SmolLM2's tokenizer (one token per digit).
+chat_add = Task("chat_add", sample_chat_add, [(answer_correct, 1.0)], max_new_tokens=12,
+                correct=lambda c, r: answer_correct(c, r) == 1.0)
 
 # -----------------------------------------------------------------------------
 # The evaluation's prompts, which training never draws

@@ -3,6 +3,7 @@
 import json
 import math
 import random
+import re
 
 import numpy as np
 import pytest
@@ -229,3 +230,42 @@ def test_rewards_whose_statistics_overflow_are_refused(reward):
     with pytest.raises(tasks.RewardError, match="task big: the rewards' mean or spread overflows"):
         tasks.total_rewards(task, ["a", "b"], ["", ""])
     assert tasks.total_rewards(task, ["b", "b"], ["", ""]).tolist() == [0.0, 0.0]
+
+
+# -----------------------------------------------------------------------------
+# chat_add: a chat question for a pretrained checkpoint, generated here
+
+
+def test_chat_add_is_a_function_of_the_rng_and_its_references_are_sums():
+    draws = [tasks.chat_add.sample(random.Random(7)) for _ in range(2)]
+    assert draws[0] == draws[1]  # the same seed, the same question
+    rng = random.Random(0)
+    pairs = [tasks.chat_add.sample(rng) for _ in range(300)]
+    assert len({tasks.prompt_key(p) for p, _ in pairs}) > 250  # 8,100 questions, few repeats
+    for prompt, ref in pairs:
+        (message,) = prompt  # one user message: the checkpoint's chat template renders it
+        assert message["role"] == "user"
+        a, b = re.fullmatch(r"What is (\d\d) \+ (\d\d)\?", message["content"]).groups()
+        assert ref == str(int(a) + int(b))
+
+
+@pytest.mark.parametrize("completion,right", [
+    ("132", True), ("47 + 85 = 132", True), (" 132.", True), ("The sum is 132", True),
+    ("131", False), ("47 + 85 = 1", False), ("132 + 1 = 133", False), ("1320", False),
+    ("", False), ("To add 47 and 85, we need to", False), ("one hundred thirty-two", False),
+])
+def test_chat_add_counts_the_last_number_and_nothing_else(completion, right):
+    """Right when the completion's last number is the sum; a completion cut off before it, a
+    wrong sum, words, and no text at all are wrong, with reward 0, not "cannot score"."""
+    got = total(tasks.chat_add, [completion], ["132"]).item()
+    assert got == float(right) and tasks.chat_add.correct(completion, "132") is right
+
+
+def test_chat_add_held_out_questions_are_never_trained_on():
+    split = tasks.eval_split(tasks.chat_add, None, 64, seed=1)
+    assert len(split.examples) == 64 and len(split.held_out) == 64
+    assert split.examples == tasks.eval_split(tasks.chat_add, None, 64, seed=1).examples
+    rng = random.Random(1)
+    trained = {tasks.prompt_key(tasks.draw_training_example(tasks.chat_add, split, rng)[0])
+               for _ in range(5000)}
+    assert not trained & split.held_out and len(trained) > 3000
