@@ -6,10 +6,10 @@ run: by rollout.generate (greedy, the checkpoint's stop ids, prompts through tok
 transformers' AutoModelForCausalLM.generate (do_sample=False, one prompt at a time: no padding),
 its prompts from AutoTokenizer.apply_chat_template. Both score with the task's own `correct`; the
 table counts the rows where the two sides wrote the same text. Weights in the dtype they are stored
-in (a bf16 run's model.safetensors is bf16, as the run's sampler was).
+in (a bf16 run's model.safetensors is bf16, as the run's sampler was), or --dtype.
 
     python tests/bench_eval.py --model DIR [--task tasks:chat_add] [--seed 0] [--eval_prompts 64]
-        [--max_new_tokens 12] [--threads 2]
+        [--max_new_tokens 12] [--threads 2] [--dtype float32]
 
 DIR is a Hugging Face directory: the source checkpoint (accuracy before training) or a run's
 step-NNNNNN directory (after). Needs transformers (not a requirement of the engine).
@@ -71,13 +71,14 @@ def main() -> None:
     p.add_argument("--eval_prompts", type=int, default=64)
     p.add_argument("--max_new_tokens", type=int, default=12)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--dtype", default="", help="float32 or bfloat16; default: as stored")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     task = tasks.load_task(a.task, "")
     split = tasks.eval_split(task, None, a.eval_prompts, a.seed)
     prompts = [prompt for prompt, _ in split.examples]
     refs = [ref for _, ref in split.examples]
-    dtype = stored_dtype(a.model)
+    dtype = getattr(torch, a.dtype) if a.dtype else stored_dtype(a.model)
     rows = {}
     for name, fn in (("engine", engine_texts), ("transformers", transformers_texts)):
         t0 = time.perf_counter()
