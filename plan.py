@@ -11,8 +11,13 @@ checkpointing), batch_bytes (the generation batch's tensors kept through the ste
 sits in a docstring next to its terms; tests/test_train.py checks the plan against the allocator
 peak it predicts, tests/bench_plan.py measures it phase by phase.
 
-Leaves out: tp's sequence-parallel gather buffers, --activation_offload, the optimizer step's own
-temporaries, allocator fragmentation and the CUDA context (~1 GB on a GPU).
+NOTE AdamW runs fused (train.py): one kernel per parameter, no temporaries, so the state is all the
+step holds. torch's default elsewhere, foreach, keeps sqrt(exp_avg_sq) of every weight at once
+during the step (the weights' bytes: 538 MB on SmolLM2-135M, whose step it ran 4.4x slower on
+the CPU; tests/bench_memory.py --adamw).
+
+Leaves out: tp's sequence-parallel gather buffers, --activation_offload, allocator fragmentation
+and the CUDA context (~1 GB on a GPU).
 """
 
 import copy

@@ -280,7 +280,7 @@ def setup(values: dict[str, object]) -> Run:
                      else copy.deepcopy(model)).requires_grad_(False)
     sampler = rollout.sampler_for(model, getattr(torch, cfg.sampler_dtype or cfg.dtype))
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.99),
-                                  weight_decay=cfg.weight_decay)
+                                  weight_decay=cfg.weight_decay, fused=True)  # plan.py's NOTE
     start = 0
     if resume_dir:
         start = checkpoint.load_checkpoint(resume_dir, optimizer, groups.tp_rank, groups.tp_size)

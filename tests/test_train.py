@@ -63,6 +63,35 @@ def test_resume_continues_exactly(tmp_path):
         assert (ra["reward"], ra["loss"], ra["entropy"]) == (rb["reward"], rb["loss"], rb["entropy"])
 
 
+def test_adamw_is_fused_and_steps_as_its_foreach_twin(tmp_path):
+    """The run's AdamW is fused (no sqrt(exp_avg_sq) copy of every weight during the step; plan.py's
+    NOTE), and 5 steps of it from the run's own weights and hyperparameters equal those of torch's
+    foreach AdamW (the CPU default) within 1e-6: the same update, only its float32 operations
+    ordered differently (lr 1e-2 so that the weights really move)."""
+    out = str(tmp_path / "run")
+    try:
+        run = train.setup(train.parse_args(FAST + ["--out", out, "--weight_decay", "0.1"]))
+    finally:
+        train.checkpoint.release_out_dir()
+    assert run.optimizer.defaults["fused"] is True
+    torch.manual_seed(0)
+    grads = [[torch.randn_like(p) for p in run.model.parameters()] for _ in range(5)]
+    weights = []
+    for twin in (dict(fused=True), dict(fused=None, foreach=True)):
+        params = [p.detach().clone().requires_grad_() for p in run.model.parameters()]
+        hyper = {k: run.optimizer.defaults[k] for k in ("betas", "eps", "weight_decay", "amsgrad")}
+        opt = torch.optim.AdamW(params, lr=1e-2, **hyper, **twin)
+        for step_grads in grads:
+            for p, g in zip(params, step_grads):
+                p.grad = g.clone()
+            opt.step()
+        weights.append(params)
+    start = torch.cat([p.detach().flatten() for p in run.model.parameters()])
+    fused, foreach = (torch.cat([p.detach().flatten() for p in w]) for w in weights)
+    assert (foreach - start).abs().max() > 1e-2  # it moved
+    assert torch.allclose(fused, foreach, rtol=0, atol=1e-6), (fused - foreach).abs().max()
+
+
 def test_ctrl_c_writes_a_checkpoint(tmp_path):
     out = str(tmp_path / "run")
     proc = subprocess.Popen([sys.executable, "train.py", *FAST, "--steps", "10000", "--out", out], cwd=ROOT,
