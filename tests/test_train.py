@@ -693,6 +693,41 @@ def test_plan_is_within_15_percent_of_the_measured_allocator_peak(tmp_path, caps
     assert abs(planned - measured) <= 0.15 * measured, (planned, measured)
 
 
+def test_default_micro_batch_is_bounded_by_the_weights_bytes(tmp_path, capsys):
+    """Left to its default (4 groups), the micro-batch is lowered until its planned training
+    transient fits the trainer's weights' bytes: on SmolLM2-135M's shapes (config.json alone, V =
+    49,152) at 8 prompts x 8 x 16 tokens that is one group, which --plan and a run use alike; an
+    explicit --micro_batch_groups is kept, and a tiny model's transients (under 256 MiB) keep 4."""
+    from model import ModelConfig
+    smol = str(tmp_path / "smol")
+    os.makedirs(smol)
+    cfg = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                      num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                      tie_word_embeddings=True, bos_token_id=None, eos_token_id=None)
+    with open(os.path.join(smol, "config.json"), "w") as f:
+        json.dump(hf.config_to_hf(cfg, torch.float32), f)
+    argv = plan_args(tmp_path, smol)
+    at = argv.index("--micro_batch_groups")
+    del argv[at:at + 2]  # the default
+    argv += ["--prompts_per_step", "8", "--num_samples", "8", "--activation_checkpoint", "false"]
+    assert train.main(argv + ["--plan"]) == 0
+    out = capsys.readouterr().out
+    lowered = max(float(line.split()[-1].replace(",", "")) for line in out.splitlines()
+                  if line.split()[0] in ("idle", "rollout", "train"))
+    assert "--micro_batch_groups 1 (the default 4 lowered)" in out, out
+    train_row = next(line.split() for line in out.splitlines() if line.startswith("train "))
+    trainer, transient = (float(train_row[i].replace(",", "")) for i in (1, -2))
+    assert transient <= trainer, train_row
+    assert planned_peak_mb(capsys, argv + ["--micro_batch_groups", "1"]) == lowered
+    kept = planned_peak_mb(capsys, argv + ["--micro_batch_groups", "4"])
+    assert "lowered" not in capsys.readouterr().out and kept > lowered + 500
+    tiny = str(tmp_path / "tiny")
+    plan_checkpoint(tiny)
+    argv[argv.index(smol)] = tiny
+    assert train.main(argv + ["--plan"]) == 0
+    assert "lowered" not in capsys.readouterr().out
+
+
 def test_plan_reads_config_json_and_no_weight(tmp_path, capsys):
     """A checkpoint directory whose model.safetensors is garbage plans the same bytes: the model
     is built on the meta device from config.json alone."""
