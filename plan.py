@@ -268,9 +268,11 @@ def bound_micro_batch(plan_of, g: GRPOConfig) -> GRPOConfig:
         if transient <= limit or groups == 1:
             break
     if groups < g.micro_batch_groups:
+        fits = "within" if transient <= limit else "the least; over"
         print(f"--micro_batch_groups {groups} (the default {g.micro_batch_groups} lowered): its "
-              f"planned training transient {transient / 1e6:,.0f} MB is within the weights' "
-              f"{limit / 1e6:,.0f} MB; pass --micro_batch_groups to choose")
+              f"planned training transient {transient / 1e6:,.0f} MB is {fits} the bound of "
+              f"{limit / 1e6:,.0f} MB ({'the weights' if limit > SMALL_TRANSIENT else 'the floor'}"
+              f"); pass --micro_batch_groups to choose")
     return fit
 
 
