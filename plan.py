@@ -239,13 +239,14 @@ def step_plan(mem: PhaseManager, cfgs, model, sampler, reference, prompts: int, 
 def fit(mem: PhaseManager, cfgs, model, sampler, reference, prompts: int, tp_size: int,
         target: str, explicit=()):
     """plan_of(g) -> step_plan of this run; cfgs.grpo becomes the fitted one first: with
-    cfgs.memory.memory_budget, fit_memory_budget's; else, unless micro_batch_groups is among the
-    explicit flags, bound_micro_batch's."""
+    cfgs.memory.memory_budget, fit_memory_budget's; else on a CPU, unless micro_batch_groups is
+    among the explicit flags, bound_micro_batch's (on a GPU, where larger matmuls run faster,
+    --memory_budget is the bound)."""
     plan_of = partial(step_plan, mem, cfgs, model, sampler, reference, prompts, tp_size, target)
     if cfgs.memory.memory_budget:
         cfgs.grpo = fit_memory_budget(cfgs.memory.memory_budget, plan_of, cfgs.grpo, prompts)
-    elif "micro_batch_groups" not in explicit:
-        cfgs.grpo = bound_micro_batch(plan_of, cfgs.grpo)
+    elif "micro_batch_groups" not in explicit and torch.device(target).type == "cpu":
+        cfgs.grpo = bound_micro_batch(plan_of, cfgs.grpo)  # a GPU's matmuls want the rows
     return plan_of
 
 
