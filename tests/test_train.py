@@ -1166,3 +1166,12 @@ def test_a_config_error_under_torchrun_is_printed_once(tmp_path):
     """Regression: every rank printed it, under torchrun's failure dump."""
     code, output = torchrun(tmp_path, "--steps", "0", "--out", "run")
     assert code != 0 and output.count("error: --steps must be >= 1, got 0") == 1, output[-3000:]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads Linux's /proc")
+def test_the_step_lines_max_rss_is_in_gb_not_kib_over_a_million():
+    """Regression: ru_maxrss (KiB) / 1e6 read 2.4% low; the kernel's VmHWM is the same counter."""
+    got = cli.memory_figures(torch.device("cpu"), None)["max_rss_gb"]
+    with open("/proc/self/status") as f:
+        kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    assert got == pytest.approx(kib * 1024 / 1e9, rel=0.005)
