@@ -187,7 +187,7 @@ def memory_figures(device: torch.device, mem) -> dict[str, float]:
     if device.type == "cuda":
         peak = max(mem.peak_bytes(), torch.cuda.max_memory_allocated(device))
         return dict(max_allocated_gb=peak / 1e9)
-    return dict(max_rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6)  # KiB
+    return dict(max_rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9)  # KiB
 
 
 def check_dp(prompts_per_step: int, dp_size: int) -> None:

@@ -11,8 +11,13 @@ checkpointing), batch_bytes (the generation batch's tensors kept through the ste
 sits in a docstring next to its terms; tests/test_train.py checks the plan against the allocator
 peak it predicts, tests/bench_plan.py measures it phase by phase.
 
-Leaves out: tp's sequence-parallel gather buffers, --activation_offload, the optimizer step's own
-temporaries, allocator fragmentation and the CUDA context (~1 GB on a GPU).
+NOTE AdamW runs fused (train.py): one kernel per parameter, no temporaries, so the state is all the
+step holds. torch's default elsewhere, foreach, keeps sqrt(exp_avg_sq) of every weight at once
+during the step (the weights' bytes: 538 MB on SmolLM2-135M, whose step it ran 4.4x slower on
+the CPU; tests/bench_memory.py --adamw).
+
+Leaves out: tp's sequence-parallel gather buffers, --activation_offload, allocator fragmentation
+and the CUDA context (~1 GB on a GPU).
 """
 
 import copy
@@ -232,13 +237,44 @@ def step_plan(mem: PhaseManager, cfgs, model, sampler, reference, prompts: int, 
 
 
 def fit(mem: PhaseManager, cfgs, model, sampler, reference, prompts: int, tp_size: int,
-        target: str):
-    """plan_of(g) -> step_plan of this run; with cfgs.memory.memory_budget, cfgs.grpo becomes the
-    fitted one first (fit_memory_budget)."""
+        target: str, explicit=()):
+    """plan_of(g) -> step_plan of this run; cfgs.grpo becomes the fitted one first: with
+    cfgs.memory.memory_budget, fit_memory_budget's; else on a CPU, unless micro_batch_groups is
+    among the explicit flags, bound_micro_batch's (on a GPU, where larger matmuls run faster,
+    --memory_budget is the bound)."""
     plan_of = partial(step_plan, mem, cfgs, model, sampler, reference, prompts, tp_size, target)
     if cfgs.memory.memory_budget:
         cfgs.grpo = fit_memory_budget(cfgs.memory.memory_budget, plan_of, cfgs.grpo, prompts)
+    elif "micro_batch_groups" not in explicit and torch.device(target).type == "cpu":
+        cfgs.grpo = bound_micro_batch(plan_of, cfgs.grpo)  # a GPU's matmuls want the rows
     return plan_of
+
+
+# Training transients under this many bytes are never traded for speed (bound_micro_batch).
+SMALL_TRANSIENT = 256 * 2**20
+
+
+def bound_micro_batch(plan_of, g: GRPOConfig) -> GRPOConfig:
+    """The default micro-batch: g.micro_batch_groups (4), lowered to the largest count whose
+    planned training transient holds at most the trainer's weights' bytes (or SMALL_TRANSIENT).
+    A real model's fp32 state is 4x its weights (weights, grads, AdamW's two moments), so this
+    keeps the step's peak near 1.25x that floor; beyond 2-4 groups a micro-batch buys a few
+    percent of speed for hundreds of MB at a real vocabulary (SmolLM2-135M, 8 prompts x 8 x 16
+    tokens: 4 groups plan 1,302 MB, one group 452 MB, beside 538 MB of weights). Prints the
+    choice when it lowers it."""
+    limit = max(plan_of(g)["train"]["trainer"], SMALL_TRANSIENT)
+    for groups in range(g.micro_batch_groups, 0, -1):
+        fit = dataclasses.replace(g, micro_batch_groups=groups)
+        transient = plan_of(fit)["train"]["transient"]
+        if transient <= limit or groups == 1:
+            break
+    if groups < g.micro_batch_groups:
+        fits = "within" if transient <= limit else "the least; over"
+        print(f"--micro_batch_groups {groups} (the default {g.micro_batch_groups} lowered): its "
+              f"planned training transient {transient / 1e6:,.0f} MB is {fits} the bound of "
+              f"{limit / 1e6:,.0f} MB ({'the weights' if limit > SMALL_TRANSIENT else 'the floor'}"
+              f"); pass --micro_batch_groups to choose")
+    return fit
 
 
 def peak(plan: dict[str, dict[str, int]]) -> int:
@@ -284,7 +320,8 @@ def print_plan(plan: dict[str, dict[str, int]], target: str, title: str) -> None
           "CUDA context and allocator slack (~1 GB)")
 
 
-def print_run_plan(cfgs, model: nn.Module, sampler: nn.Module, tp_size: int, dp_size: int) -> None:
+def print_run_plan(cfgs, model: nn.Module, sampler: nn.Module, tp_size: int, dp_size: int,
+                   explicit=()) -> None:
     """--plan for a run's configs and its model and sampler on the meta device: the KV cache,
     AdamW and a reference built as setup() builds them, the tags from memory_phases, the
     micro-batch --memory_budget picks, and the table."""
@@ -297,7 +334,7 @@ def print_run_plan(cfgs, model: nn.Module, sampler: nn.Module, tp_size: int, dp_
     mem = memory_phases("meta", cfgs.memory, model, sampler, cache,
                         torch.optim.AdamW(model.parameters()), reference)
     target = "cuda" if torch.cuda.is_available() else "cpu"
-    plan_of = fit(mem, cfgs, model, sampler, reference, Bp, tp_size, target)
+    plan_of = fit(mem, cfgs, model, sampler, reference, Bp, tp_size, target, explicit)
     title = (f"tp {tp_size} x dp {dp_size}; {Bp} prompts x {P} + {r.max_new_tokens} tokens x "
              f"G {r.num_samples}")
     print_plan(plan_of(cfgs.grpo), target, title)

@@ -280,7 +280,7 @@ def setup(values: dict[str, object]) -> Run:
                      else copy.deepcopy(model)).requires_grad_(False)
     sampler = rollout.sampler_for(model, getattr(torch, cfg.sampler_dtype or cfg.dtype))
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.99),
-                                  weight_decay=cfg.weight_decay)
+                                  weight_decay=cfg.weight_decay, fused=True)  # plan.py's NOTE
     start = 0
     if resume_dir:
         start = checkpoint.load_checkpoint(resume_dir, optimizer, groups.tp_rank, groups.tp_size)
@@ -291,8 +291,8 @@ def setup(values: dict[str, object]) -> Run:
                                       tp_size=groups.tp_size)
     memory.checkpoint_blocks(model.model.layers, cfgs.memory.activation_checkpoint)
     mem = plan.memory_phases(device, cfgs.memory, model, sampler, cache, optimizer, reference)
-    # --memory_budget: the largest micro-batch whose planned peak fits
-    plan.fit(mem, cfgs, model, sampler, reference, local_prompts, groups.tp_size, device.type)
+    plan.fit(mem, cfgs, model, sampler, reference, local_prompts, groups.tp_size, device.type,
+             explicit)  # --memory_budget's micro-batch and chunk, or the default's bound
     stop_ids = stop_token_ids(model.config, generation_config)
     run = Run(cfgs, rank, groups, device, task, tokenizer, stop_ids, generation_config,
               model, sampler, reference, optimizer, mem, cache, start=start,
@@ -524,7 +524,7 @@ def print_plan(argv: list[str]) -> int:
     """--plan: each rank's bytes per tag and phase, the transients and the peak, from config.json
     (or the fresh model's flags) and the run's flags, on the meta device: no weight is read.
     WORLD_SIZE (as torchrun sets it) gives dp = world / tp."""
-    cfgs = build_configs(parse_args([a for a in argv if a != "--plan"]))
+    cfgs = build_configs(values := parse_args([a for a in argv if a != "--plan"]))
     cli.check_config(cfgs)
     cfg = cfgs.train
     task = tasks.load_task(cfg.task, cfg.task_data)
@@ -539,7 +539,7 @@ def print_plan(argv: list[str]) -> int:
     budget = cfgs.rollout.max_new_tokens or task.max_new_tokens or 256  # as setup()
     cfgs.rollout = dataclasses.replace(cfgs.rollout, max_new_tokens=budget)
     sampler = rollout.sampler_for(model, getattr(torch, cfg.sampler_dtype or cfg.dtype))
-    plan.print_run_plan(cfgs, model, sampler, groups.tp_size, groups.dp_size)
+    plan.print_run_plan(cfgs, model, sampler, groups.tp_size, groups.dp_size, values)
     return 0
 
 # -----------------------------------------------------------------------------

@@ -13,6 +13,12 @@
    memory events (every CPU allocation and free, in order); "held" = that sum at the end of the
    forward (what autograd keeps for backward). On a CPU host and device are the same memory, so
    offloading cannot lower these.
+6. `--adamw [--model DIR]`: AdamW's step on the CPU as torch runs it, foreach (torch's default
+   there), a per-parameter loop (foreach=False) and fused=True (the engine's choice), each in a
+   fresh process on fp32 weights of the given checkpoint's shapes (SmolLM2-135M's by default; random
+   values: no weights read) with random grads: seconds per step (median of steps 2..N) and the peak
+   RSS over the process before its first step (= the two state tensors + the step's temporaries;
+   weights and grads are already resident), and the largest parameter difference from foreach.
 On a CUDA GPU it also prints offload/reload GB/s next to a plain pinned copy and the peak of one
 step with phases vs without (torch.cuda.max_memory_allocated).
 """
@@ -32,6 +38,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
+import hf  # noqa: E402
 import model as M  # noqa: E402
 from memory import PHASE_TAGS, PhaseManager, checkpoint_blocks, offload_activations  # noqa: E402
 from rollout import KVCache, RolloutConfig, generate, sync_weights  # noqa: E402
@@ -271,7 +278,72 @@ def cuda_step_peak() -> None:
           f"ratio {peaks[True] / peaks[False]:.2f}")
 
 
-if __name__ == "__main__":
+SMOLLM2 = M.ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                        num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                        tie_word_embeddings=True)
+ADAMW = {"foreach": dict(foreach=True), "loop": dict(foreach=False), "fused": dict(fused=True)}
+
+
+def _rss_kib() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
+
+
+def adamw_child(variant: str, model_dir: str, steps: int, threads: int) -> None:
+    """One variant's steps, in this fresh process; prints one JSON line."""
+    import resource
+    torch.set_num_threads(threads)
+    cfg = hf.load_config(model_dir) if model_dir else SMOLLM2
+    torch.manual_seed(0)
+    params = [p.detach().requires_grad_() for p in M.Llama(cfg).init_weights(0).parameters()]
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.99), **ADAMW[variant])
+    before = _rss_kib()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        optimizer.step()
+        times.append(time.perf_counter() - t0)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    state = sum(p.numel() * p.element_size() for p in params) * 2
+    checksum = torch.cat([p.detach().flatten()[:: 997] for p in params])  # a sample of the weights
+    torch.save(checksum, os.path.join(tempfile.gettempdir(), f"bench_adamw_{variant}.pt"))
+    print(json.dumps(dict(variant=variant, s=statistics.median(times[1:]), first=times[0],
+                          over_kib=peak - before, state=state)))
+
+
+def adamw_variants(model_dir: str, steps: int = 4, threads: int = 2) -> None:
+    """--adamw: each variant in a fresh process (its own peak RSS), the table side by side."""
+    import subprocess
+    rows = []
+    for variant in ADAMW:
+        out = subprocess.run([sys.executable, __file__, "--adamw-child", variant, model_dir,
+                              str(steps), str(threads)], capture_output=True, text=True, check=True)
+        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    base = torch.load(os.path.join(tempfile.gettempdir(), "bench_adamw_foreach.pt"))
+    print(f"AdamW step on the CPU, {model_dir or 'SmolLM2-135M shapes'}, fp32, {threads} threads, "
+          f"{steps} steps (median of 2..{steps}); state (exp_avg + exp_avg_sq) "
+          f"{rows[0]['state'] / 2**20:,.0f} MiB; load average {os.getloadavg()[0]:.1f}")
+    print("| variant | s/step | vs foreach | first step s | peak RSS over start MiB | over the "
+          "state MiB | max abs diff vs foreach |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        diff = (torch.load(os.path.join(tempfile.gettempdir(), f"bench_adamw_{r['variant']}.pt"))
+                - base).abs().max().item()
+        print(f"| {r['variant']} | {r['s']:.3f} | {rows[0]['s'] / r['s']:.2f}x | {r['first']:.3f} | "
+              f"{r['over_kib'] / 1024:,.0f} | {r['over_kib'] / 1024 - r['state'] / 2**20:,.0f} | "
+              f"{diff:.1e} |")
+
+
+if __name__ == "__main__" and len(sys.argv) > 1:
+    if sys.argv[1] == "--adamw-child":
+        adamw_child(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
+    elif sys.argv[1] == "--adamw":
+        adamw_variants(sys.argv[3] if sys.argv[2:3] == ["--model"] else "")
+    else:
+        sys.exit("usage: python tests/bench_memory.py [--adamw [--model DIR]]")
+elif __name__ == "__main__":
     torch.manual_seed(0)
     # One thread: these copies are memory-bound, and on a shared 2-core machine OpenMP's spinning
     # barriers made the same 32 MB copy take 10 to 190 ms from one cycle to the next (1 thread: 9

@@ -32,7 +32,9 @@ token each), --num_prompts N (16) a smaller generation batch for a larger model.
 Needs trl (and transformers, datasets); without them it prints one line and exits 0.
 Run: python tests/bench_trl.py [--P 64,512] [--steps 4] [--checkpoint true,false]
          [--micro_groups 1,16] [--keep] [--quick] [--model DIR] [--num_prompts 16]
-         (--quick: P 64, 3 steps, checkpointing on)
+         [--defaults | --only_defaults]
+         (--quick: P 64, 3 steps, checkpointing on; --defaults: one more pair, each side at its
+         defaults: the engine without checkpointing, TRL with it)
 Each (P, checkpoint, micro_groups) pair takes about 2 minutes at P = 64 and 7 at P = 512 (TRL
 ~60 CPU s/step there) on the shared 2-core CPU.
 """
@@ -103,7 +105,9 @@ def trl_reward(prompts: list, completions: list, **kwargs) -> list[float]:
 def write_checkpoint(path: str) -> None:
     """Random tiny Llama, HF format, with a character tokenizer. No bos (TRL's tokenizer would not
     add one: both sides see exactly P prompt tokens) and no eos (the engine never stops a row)."""
+    from tokenizers import processors
     tokenizer = build_char_tokenizer(ALPHABET, SPECIALS)
+    tokenizer.post_processor = processors.TemplateProcessing(single="$A", pair="$A $B")  # no <bos>
     assert tokenizer.get_vocab_size() == 16, tokenizer.get_vocab_size()
     cfg = ModelConfig(vocab_size=16, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
                       num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=True,
@@ -223,12 +227,16 @@ def import_baseline_kib(side: str, log: str) -> int:
 # The engine side: train.py as anyone would run it
 
 
-def engine_command(model_dir: str, prompts: str, P: int, steps: int, checkpoint: bool,
-                   micro_groups: int, out: str) -> list[str]:
+def engine_command(model_dir: str, prompts: str, P: int, steps: int, checkpoint: bool | None,
+                   micro_groups: int | None, out: str) -> list[str]:
+    """None: the flag is left out (train.py's default)."""
     flags = dict(model=model_dir, task="bench_trl:bench_task", task_data=prompts,
                  prompts_per_step=PROMPTS, num_samples=G, max_new_tokens=C, max_prompt_len=P,
-                 steps=steps, lr=LR, threads=1, activation_checkpoint=str(checkpoint).lower(),
-                 micro_batch_groups=micro_groups, out=out, overwrite="true", save_every=0)
+                 steps=steps, lr=LR, threads=1, out=out, overwrite="true", save_every=0)
+    if checkpoint is not None:
+        flags["activation_checkpoint"] = str(checkpoint).lower()
+    if micro_groups is not None:
+        flags["micro_batch_groups"] = micro_groups
     cmd = [sys.executable, os.path.join(ROOT, "train.py")]
     for name, value in flags.items():
         cmd += [f"--{name}", str(value)]
@@ -326,21 +334,25 @@ def trl_lengths(log: str) -> set[float]:
 @dataclass
 class Pair:
     P: int
-    checkpoint: bool
-    micro_groups: int
+    checkpoint: bool | None  # None: each side's default (--defaults)
+    micro_groups: int | None
     engine: ChildRun
     trl: ChildRun
     engine_split: tuple[float, float]  # median t_rollout, t_train of steps 2..N (engine's own log)
 
 
-def measure_pair(work: str, model_dir: str, P: int, checkpoint: bool, micro_groups: int,
-                 args: argparse.Namespace) -> Pair:
-    """The engine, then TRL, each in a fresh process, on the same checkpoint and prompts."""
+def measure_pair(work: str, model_dir: str, P: int, checkpoint: bool | None,
+                 micro_groups: int | None, args: argparse.Namespace) -> Pair:
+    """The engine, then TRL, each in a fresh process, on the same checkpoint and prompts.
+    checkpoint = micro_groups = None: each side at its defaults (the engine's flags left out; TRL's
+    gradient_checkpointing on and per_device_train_batch_size 8, one group)."""
     prompts = os.path.join(work, f"prompts_{P}.json")
     if not os.path.exists(prompts):
         write_prompts(prompts, P)
     tag = f"P{P}_{'ckpt' if checkpoint else 'nockpt'}_m{micro_groups}"
     what = f"P={P} checkpoint={str(checkpoint).lower()} micro_groups={micro_groups}"
+    if checkpoint is None:
+        tag, what = f"P{P}_defaults", f"P={P} each side's defaults"
     out = os.path.join(work, f"engine_{tag}")
     cmd = engine_command(model_dir, prompts, P, args.steps, checkpoint, micro_groups, out)
     engine = run_child(cmd, ENGINE_LINE, os.path.join(work, f"engine_{tag}.log"))
@@ -352,8 +364,8 @@ def measure_pair(work: str, model_dir: str, P: int, checkpoint: bool, micro_grou
     split = (statistics.median(r["t_rollout"] for r in records[1:]),
              statistics.median(r["t_train"] for r in records[1:]))
     print(f"  engine {what}: {progress(engine)}", flush=True)
-    cmd = trl_command(model_dir, prompts, args.steps, checkpoint, micro_groups,
-                      os.path.join(work, f"trl_{tag}"))
+    cmd = trl_command(model_dir, prompts, args.steps, True if checkpoint is None else checkpoint,
+                      micro_groups or 1, os.path.join(work, f"trl_{tag}"))
     trl = run_child(cmd, TRL_LINE, os.path.join(work, f"trl_{tag}.log"))
     check_child(trl, f"TRL ({what})", args.steps)
     if trl_lengths(trl.log) != {float(C)}:
@@ -373,6 +385,12 @@ def mib(kib: float) -> str:
     return f"{kib / 1024:,.0f}"
 
 
+def setting(p: Pair) -> str:
+    if p.checkpoint is None:
+        return f"{'defaults':>11}"
+    return f"{str(p.checkpoint).lower():>5} {p.micro_groups:>5}"
+
+
 def print_times(pairs: list[Pair]) -> None:
     print("\nseconds per step, median of steps 2..N: wall clock, and CPU time of the process")
     print(f"{'P':>5} {'ckpt':>5} {'micro':>5} | {'engine':>7} {'TRL':>7} {'faster':>7} | "
@@ -381,8 +399,7 @@ def print_times(pairs: list[Pair]) -> None:
     for p in pairs:
         tokens_engine, tokens_trl = train_tokens(p.P)
         split = f"{p.engine_split[0]:.2f} / {p.engine_split[1]:.2f}"
-        print(f"{p.P:>5} {str(p.checkpoint).lower():>5} {p.micro_groups:>5} | "
-              f"{p.engine.wall():>7.2f} "
+        print(f"{p.P:>5} {setting(p)} | {p.engine.wall():>7.2f} "
               f"{p.trl.wall():>7.2f} {p.trl.wall() / p.engine.wall():>6.1f}x | "
               f"{p.engine.cpu():>7.2f} {p.trl.cpu():>7.2f} {p.trl.cpu() / p.engine.cpu():>6.1f}x | "
               f"{tokens_trl / tokens_engine:>6.1f}x | {split:>13}")
@@ -396,8 +413,7 @@ def print_memory(pairs: list[Pair], base_engine: int, base_trl: int) -> None:
     for p in pairs:
         over_engine = p.engine.peak_kib - base_engine
         over_trl = p.trl.peak_kib - base_trl
-        print(f"{p.P:>5} {str(p.checkpoint).lower():>5} {p.micro_groups:>5} | "
-              f"{mib(p.engine.peak_kib):>7} "
+        print(f"{p.P:>5} {setting(p)} | {mib(p.engine.peak_kib):>7} "
               f"{mib(p.trl.peak_kib):>7} {p.trl.peak_kib / p.engine.peak_kib:>5.1f}x | "
               f"{mib(over_engine):>7} {mib(over_trl):>7} {over_trl / over_engine:>5.1f}x")
 
@@ -425,6 +441,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "forward/backward on both sides, comma-separated (1: TRL's default; "
                         f"{PROMPTS}: the whole generation batch)")
     parser.add_argument("--quick", action="store_true", help="P 64, 3 steps, checkpointing on")
+    parser.add_argument("--defaults", action="store_true", help="one more pair per P: each side at "
+                        "its defaults (the engine's flags left out, TRL's checkpointing on and one "
+                        "group per micro-batch)")
+    parser.add_argument("--only_defaults", action="store_true", help="that pair alone")
     parser.add_argument("--keep", action="store_true", help="keep the work dir (logs, runs)")
     parser.add_argument("--model", default="", help="a Hugging Face checkpoint directory "
                         "(default: the random tiny Llama written here)")
@@ -486,8 +506,11 @@ def main(args: argparse.Namespace) -> None:
         write_checkpoint(model_dir)
     base_engine = import_baseline_kib("engine", os.path.join(work, "import_engine.log"))
     base_trl = import_baseline_kib("trl", os.path.join(work, "import_trl.log"))
+    settings = [] if args.only_defaults else list(itertools.product(args.checkpoint,
+                                                                     args.micro_groups))
+    settings += [(None, None)] if args.defaults or args.only_defaults else []
     pairs = [measure_pair(work, model_dir, P, checkpoint, m, args)
-             for P in args.P for checkpoint in args.checkpoint for m in args.micro_groups]
+             for P in args.P for checkpoint, m in settings]
     print_times(pairs)
     print_memory(pairs, base_engine, base_trl)
     print(f"load average at end: {os.getloadavg()[0]:.1f} (the machine is shared: compare ratios)")

@@ -65,6 +65,35 @@ def test_resume_continues_exactly(tmp_path):
         assert (ra["reward"], ra["loss"], ra["entropy"]) == (rb["reward"], rb["loss"], rb["entropy"])
 
 
+def test_adamw_is_fused_and_steps_as_its_foreach_twin(tmp_path):
+    """The run's AdamW is fused (no sqrt(exp_avg_sq) copy of every weight during the step; plan.py's
+    NOTE), and 5 steps of it from the run's own weights and hyperparameters equal those of torch's
+    foreach AdamW (the CPU default) within 1e-6: the same update, only its float32 operations
+    ordered differently (lr 1e-2 so that the weights really move)."""
+    out = str(tmp_path / "run")
+    try:
+        run = train.setup(train.parse_args(FAST + ["--out", out, "--weight_decay", "0.1"]))
+    finally:
+        train.checkpoint.release_out_dir()
+    assert run.optimizer.defaults["fused"] is True
+    torch.manual_seed(0)
+    grads = [[torch.randn_like(p) for p in run.model.parameters()] for _ in range(5)]
+    weights = []
+    for twin in (dict(fused=True), dict(fused=None, foreach=True)):
+        params = [p.detach().clone().requires_grad_() for p in run.model.parameters()]
+        hyper = {k: run.optimizer.defaults[k] for k in ("betas", "eps", "weight_decay", "amsgrad")}
+        opt = torch.optim.AdamW(params, lr=1e-2, **hyper, **twin)
+        for step_grads in grads:
+            for p, g in zip(params, step_grads):
+                p.grad = g.clone()
+            opt.step()
+        weights.append(params)
+    start = torch.cat([p.detach().flatten() for p in run.model.parameters()])
+    fused, foreach = (torch.cat([p.detach().flatten() for p in w]) for w in weights)
+    assert (foreach - start).abs().max() > 1e-2  # it moved
+    assert torch.allclose(fused, foreach, rtol=0, atol=1e-6), (fused - foreach).abs().max()
+
+
 def test_ctrl_c_writes_a_checkpoint(tmp_path):
     out = str(tmp_path / "run")
     proc = subprocess.Popen([sys.executable, "train.py", *FAST, "--steps", "10000", "--out", out], cwd=ROOT,
@@ -693,6 +722,44 @@ def test_plan_is_within_15_percent_of_the_measured_allocator_peak(tmp_path, caps
     assert abs(planned - measured) <= 0.15 * measured, (planned, measured)
 
 
+def test_default_micro_batch_is_bounded_by_the_weights_bytes(tmp_path, capsys, request):
+    """Left to its default (4 groups), the micro-batch is lowered until its planned training
+    transient fits the trainer's weights' bytes: on SmolLM2-135M's shapes (config.json alone, V =
+    49,152) at 8 prompts x 8 x 16 tokens that is one group, which --plan and a run use alike; an
+    explicit --micro_batch_groups is kept, and a tiny model's transients (under 256 MiB) keep 4.
+    The CPU's rule: a GPU keeps 4."""
+    if in_a_cpu_process(request):
+        return
+    from model import ModelConfig
+    smol = str(tmp_path / "smol")
+    os.makedirs(smol)
+    cfg = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                      num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                      tie_word_embeddings=True, bos_token_id=None, eos_token_id=None)
+    with open(os.path.join(smol, "config.json"), "w") as f:
+        json.dump(hf.config_to_hf(cfg, torch.float32), f)
+    argv = plan_args(tmp_path, smol)
+    at = argv.index("--micro_batch_groups")
+    del argv[at:at + 2]  # the default
+    argv += ["--prompts_per_step", "8", "--num_samples", "8", "--activation_checkpoint", "false"]
+    assert train.main(argv + ["--plan"]) == 0
+    out = capsys.readouterr().out
+    lowered = max(float(line.split()[-1].replace(",", "")) for line in out.splitlines()
+                  if line.split()[0] in ("idle", "rollout", "train"))
+    assert "--micro_batch_groups 1 (the default 4 lowered)" in out, out
+    train_row = next(line.split() for line in out.splitlines() if line.startswith("train "))
+    trainer, transient = (float(train_row[i].replace(",", "")) for i in (1, -2))
+    assert transient <= trainer, train_row
+    assert planned_peak_mb(capsys, argv + ["--micro_batch_groups", "1"]) == lowered
+    kept = planned_peak_mb(capsys, argv + ["--micro_batch_groups", "4"])
+    assert "lowered" not in capsys.readouterr().out and kept > lowered + 500
+    tiny = str(tmp_path / "tiny")
+    plan_checkpoint(tiny)
+    argv[argv.index(smol)] = tiny
+    assert train.main(argv + ["--plan"]) == 0
+    assert "lowered" not in capsys.readouterr().out
+
+
 def test_plan_reads_config_json_and_no_weight(tmp_path, capsys):
     """A checkpoint directory whose model.safetensors is garbage plans the same bytes: the model
     is built on the meta device from config.json alone."""
@@ -1099,3 +1166,12 @@ def test_a_config_error_under_torchrun_is_printed_once(tmp_path):
     """Regression: every rank printed it, under torchrun's failure dump."""
     code, output = torchrun(tmp_path, "--steps", "0", "--out", "run")
     assert code != 0 and output.count("error: --steps must be >= 1, got 0") == 1, output[-3000:]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads Linux's /proc")
+def test_the_step_lines_max_rss_is_in_gb_not_kib_over_a_million():
+    """Regression: ru_maxrss (KiB) / 1e6 read 2.4% low; the kernel's VmHWM is the same counter."""
+    got = cli.memory_figures(torch.device("cpu"), None)["max_rss_gb"]
+    with open("/proc/self/status") as f:
+        kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    assert got == pytest.approx(kib * 1024 / 1e9, rel=0.005)
