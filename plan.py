@@ -42,8 +42,9 @@ def rollout_memory(config: ModelConfig, num_prompts: int, prompt_len: int, cfg: 
         prefill   b*P*a*(3C + 3I/tp + 2D)  inside a block: its input, the residual after attention,
                                            the normed input, then silu(gate), up and their product;
                                            the rope tables cos, sin (D wide)
-        sampling  R*V*(a + 12) + Bp*V*a    the first tokens: each prompt's logits repeated G times,
-                                           the softmax (4) and its float64 cdf (8) (see sample);
+        sampling  R*V*(a + 8) + Bp*V*a     the first tokens: each prompt's logits repeated G times,
+                                           their float32 filtered copy (4) and softmax (4) (see
+                                           sample: its cdf is a few bytes per row);
                                            a decode step's block (R*a*(3C + 3I/tp)) is far smaller
     Returns {"prefill": outputs + prefill, "sampling": outputs + sampling}."""
     a = torch.empty((), dtype=dtype).element_size()
@@ -56,7 +57,7 @@ def rollout_memory(config: ModelConfig, num_prompts: int, prompt_len: int, cfg: 
     per_chunk = min(num_prompts, max(1, cfg.prefill_tokens // prompt_len))
     prefill = per_chunk * prompt_len * a * (3 * C + 3 * I + 2 * D)
     decode_block = R * a * (3 * C + 3 * I)
-    sampling = max(R * V * (a + 12) + num_prompts * V * a, decode_block + R * V * (a + 12))
+    sampling = max(R * V * (a + 8) + num_prompts * V * a, decode_block + R * V * (a + 8))
     return {"prefill": outputs + prefill, "sampling": outputs + sampling}
 
 # -----------------------------------------------------------------------------
