@@ -328,9 +328,9 @@ def test_sample_equals_its_slow_twin_for_the_same_seed():
         assert torch.equal(logprobs, probs.gather(-1, slow[:, None])[:, 0].log())
 
 
-@pytest.mark.parametrize("dtype,temperature,nbytes", [(torch.float32, 1.0, 4), (torch.float32, 0.7, 8),
-                                                      (torch.bfloat16, 1.0, 8),
-                                                      (torch.bfloat16, 0.7, 8)])
+@pytest.mark.parametrize("dtype,temperature,nbytes", [
+    (torch.float32, 1.0, 4), (torch.float32, 0.7, 8), (torch.bfloat16, 1.0, 8),
+    (torch.bfloat16, 0.7, 8)])
 def test_sampling_holds_at_most_8_bytes_per_logit_beyond_the_logits(dtype, temperature, nbytes):
     """Regression: sample() held the filtered float32 copy, the softmax, a float64 copy of it and
     the float64 cdf at once: 20-24 bytes per (row, vocab) entry, 400 MB at 128 rows x 128k vocab.
