@@ -216,6 +216,33 @@ def test_generic_decode_path_equals_fused_path(model, monkeypatch):
     torch.testing.assert_close(generic.logprobs, fused.logprobs, rtol=0, atol=TOL)
 
 
+@pytest.mark.skipif(rollout._PACK is None,
+                    reason="no oneDNN in this torch build")
+def test_packed_linears_equal_f_linear_and_are_undone(model):
+    """Inside _packed_linears every float32 nn.Linear runs on its prepacked weight: outputs equal
+    F.linear's within 1e-5 relative (float32, another summation order), at any row count and
+    with a bias; afterwards the modules are plain again. generate with and without packing:
+    the same tokens (a logit moved by ~1e-6 could move a draw that sits on a cdf boundary: none
+    here) and logprobs within TOL."""
+    linear = torch.nn.Linear(64, 96)
+    layers = torch.nn.Sequential(model.lm_head, linear)
+    with torch.inference_mode():
+        for rows in (1, 12, 300):
+            x = torch.randn(rows, 1, 64, generator=torch.Generator().manual_seed(rows))
+            want = [m(x) for m in layers]
+            with rollout._packed_linears(layers, 12, enabled=True):
+                assert all("forward" in vars(m) for m in layers)
+                got = [m(x) for m in layers]
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5 * w.abs().max().item())
+    assert not any("forward" in vars(m) for m in layers)
+    kwargs = dict(num_samples=3, max_new_tokens=24, temperature=0.9, stop_ids=(5, 9), seed=3)
+    packed = generate(model, PROMPTS, **kwargs)
+    plain = generate(model, PROMPTS, packed_linears=False, **kwargs)
+    assert torch.equal(packed.tokens, plain.tokens)
+    torch.testing.assert_close(packed.logprobs, plain.logprobs, rtol=0, atol=TOL)
+
+
 def test_decode_attention_over_all_completion_slots_masks_the_unwritten_ones(monkeypatch):
     """A CUDA graph attends to all Tc completion slots with a mask on `step` (static shapes); the CPU path
     slices to the step + 1 written ones. Both must agree, also with garbage in the unwritten slots."""
