@@ -101,22 +101,23 @@ def engine(model: Llama, prompts: list[list[int]], num_samples: int, seed: int) 
     return out.stats
 
 
-def linear_roofline(model: Llama, rows: int, repeats: int = 20) -> tuple[float, float]:
+def linear_roofline(model: Llama, rows: int, repeats: int = 20, packed: bool = False) -> tuple[float, float]:
     """Measured GFLOP/s of the decode linears (all layers + lm_head) at `rows` rows, and the tokens/s
-    ceiling that rate allows if everything else were free."""
+    ceiling that rate allows if everything else were free. packed: the same linears as generate runs
+    them on the CPU (rollout._packed_linears: oneDNN, weights prepacked), else F.linear."""
     device = next(model.parameters()).device
-    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    x = {w.shape[1]: torch.randn(rows, w.shape[1], device=device) for w in weights}
-    with torch.inference_mode():
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    x = {m.weight.shape[1]: torch.randn(rows, m.weight.shape[1], device=device) for m in linears}
+    with torch.inference_mode(), rollout._packed_linears(torch.nn.ModuleList(linears), rows, packed):
         for _ in range(2):
-            [F.linear(x[w.shape[1]], w) for w in weights]
+            [m(x[m.weight.shape[1]]) for m in linears]
         sync(device)
         started = time.perf_counter()
         for _ in range(repeats):
-            [F.linear(x[w.shape[1]], w) for w in weights]
+            [m(x[m.weight.shape[1]]) for m in linears]
         sync(device)
     seconds = (time.perf_counter() - started) / repeats
-    flops = 2 * rows * sum(w.numel() for w in weights)
+    flops = 2 * rows * sum(m.weight.numel() for m in linears)
     return flops / seconds / 1e9, rows / seconds
 
 
@@ -261,9 +262,10 @@ def main() -> None:
     for P in lengths:
         prompts = torch.randint(model.config.vocab_size, (NUM_PROMPTS, P), generator=gen).tolist()
         engine(model, prompts, G, 0)  # warm-up: first calls of every shape are slow on the CPU
-        runs: dict[str, list] = {"engine": [], "naive": [], "hf": [], "ceiling": []}
+        runs: dict[str, list] = {"engine": [], "naive": [], "hf": [], "ceiling": [], "packed": []}
         for _ in range(rounds):
             runs["ceiling"].append(linear_roofline(model, NUM_PROMPTS * G))
+            runs["packed"].append(linear_roofline(model, NUM_PROMPTS * G, packed=True))
             runs["engine"].append(engine(model, prompts, G, 1))
             runs["naive"].append(naive_generate(model, prompts, G, NEW, 1))
             if hf_model is not None:
@@ -271,21 +273,22 @@ def main() -> None:
         e, n = (min(runs[k], key=lambda r: r["seconds"]) for k in ("engine", "naive"))
         h = min(runs["hf"], key=lambda r: r["seconds"]) if runs["hf"] else None
         gflops, ceiling = max(runs["ceiling"])
-        table.append((P, e, n, h, gflops, ceiling))
+        table.append((P, e, n, h, gflops, ceiling, max(runs["packed"])[0]))
 
     print("\n  P | engine tok/s | naive tok/s | HF tok/s | engine/naive | engine/HF | prompt KV engine | naive")
-    for P, e, n, h, gflops, ceiling in table:
+    for P, e, n, h, gflops, ceiling, _ in table:
         hf_cell = f"{new_tokens / h['seconds']:8,.0f} | " if h else "       - | "
         hf_ratio = f"{h['seconds'] / e['seconds']:8.1f}x" if h else "        -"
         print(f"{P:4d} | {new_tokens / e['seconds']:12,.0f} | {new_tokens / n['seconds']:11,.0f} | {hf_cell}"
               f"{n['seconds'] / e['seconds']:11.1f}x | {hf_ratio} | {e['prompt_kv_bytes'] / 2**20:13.2f} MiB | "
               f"{n['prompt_kv_bytes'] / 2**20:.2f} MiB")
-    for P, e, n, h, gflops, ceiling in table:
+    for P, e, n, h, gflops, ceiling, packed in table:
         decode = new_tokens * (NEW - 1) / NEW / (e["seconds"] - e["prefill_seconds"])
         print(f"P = {P}: engine prefill {e['prefill_seconds']:.3f}s of {e['seconds']:.3f}s; decode alone "
               f"{decode:,.0f} tokens/s, {decode / ceiling * gflops:.0f} GFLOP/s in its linears = {decode / ceiling:.0%}"
-              f" of the same linears' matmuls alone at {NUM_PROMPTS * G} rows, measured in the same rounds "
-              f"({gflops:.0f} GFLOP/s -> {ceiling:,.0f} tokens/s)")
+              f" of the same linears' matmuls alone (F.linear) at {NUM_PROMPTS * G} rows, measured in the same "
+              f"rounds ({gflops:.0f} GFLOP/s -> {ceiling:,.0f} tokens/s); "
+              f"{decode / ceiling * gflops / packed:.0%} of them prepacked as generate runs them ({packed:.0f} GFLOP/s)")
     print(f"load average {os.getloadavg()[0]:.1f} at the end")
     if quick or model_dir:
         return
