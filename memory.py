@@ -86,13 +86,16 @@ except (AttributeError, OSError):
     _MALLOC_TRIM = None
 
 
-def return_freed_host_memory() -> None:
-    """Give the host heap's free pages back to the OS. glibc keeps what a process frees for reuse,
-    so its resident set only grows: on a CPU, where the device is that heap, one phase's freed
-    activations would stay resident under the next phase's allocations (a rollout after training:
-    370 MiB of RSS over the baseline, 167 MiB with this at each phase exit; tests/bench_plan.py).
-    Allocated bytes do not change. A no-op without glibc."""
-    if _MALLOC_TRIM is not None:
+def return_freed_memory(device: torch.device) -> None:
+    """Give what was freed back to the device, not to this process's cache of it. CUDA: PyTorch's
+    caching allocator keeps freed blocks reserved, so a sleep would free nothing another process
+    (or torch.cuda.mem_get_info) could see. CPU: glibc keeps what a process frees for reuse, so
+    one phase's freed activations would stay resident under the next phase's allocations (a
+    rollout after training: 370 MiB of RSS over the baseline, 167 MiB with this at each phase
+    exit; tests/bench_plan.py); a no-op without glibc. Allocated bytes do not change."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    elif device.type == "cpu" and _MALLOC_TRIM is not None:
         _MALLOC_TRIM(0)
 
 # -----------------------------------------------------------------------------
@@ -443,6 +446,8 @@ class PhaseManager:
         for group in self.groups:
             if group.tag not in PHASE_TAGS[phase]:
                 self._move(group, "sleep")
+        if self.device.type == "cuda":  # what slept goes back to the device before any wake
+            return_freed_memory(self.device)
         for tag in PHASE_TAGS[phase]:  # in the table's order: a staged wake
             for group in [g for g in self.groups if g.tag == tag]:
                 self._move(group, "wake")
@@ -456,8 +461,7 @@ class PhaseManager:
         for group in [g for g in self.groups if g.tag in PHASE_TAGS[self.current]]:
             self._move(group, "sleep")
         self.current = None
-        if self.device.type == "cpu":  # the device is the host heap: released means returned
-            return_freed_host_memory()
+        return_freed_memory(self.device)  # released means returned
 
     @contextmanager
     def phase(self, phase: str) -> Iterator["PhaseManager"]:

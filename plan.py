@@ -70,11 +70,14 @@ def rollout_memory(config: ModelConfig, num_prompts: int, prompt_len: int, cfg: 
 # Training: what one micro-batch allocates, forward and backward
 
 def block_bytes(config: ModelConfig, dtype: torch.dtype, tp_size: int = 1,
-                sequence_parallel: bool = False) -> dict[str, int]:
+                sequence_parallel: bool = False, autocast: bool = False) -> dict[str, int]:
     """Bytes per token one block saves for backward, per rank (tests/bench_tp.py counts them).
     a: bytes per element; Q = H*D, K = Hkv*D; the residual stream's C becomes C/tp under sequence
     parallelism (its tokens are split, and the fused gather-linears keep only the local shard).
         norms      2*(4 + 2a)*C           each RMSNorm: its float32 input, normed and scaled outputs
+                   (16 + 5a)*C autocast   over fp32 weights the residual stream and both norm
+                                          outputs are fp32, and each of q, k, v, gate, up keeps its
+                                          own a-byte cast of its input
         attention  (a*(2Q + 2K) + 4H)/tp  q and k after rope, v, SDPA's output; its float32 lse
         mlp        4a*I/tp                gate, up, silu(gate), their product
     "kv" is the 2a*K/tp of k and v: a completion token's are kept per row with its prompt's."""
@@ -84,14 +87,15 @@ def block_bytes(config: ModelConfig, dtype: torch.dtype, tp_size: int = 1,
     Q = H * config.head_dim
     K = config.num_key_value_heads // tp_size * config.head_dim
     I = config.intermediate_size // tp_size
-    return dict(norms=2 * (4 + 2 * a) * C, attention=a * (2 * Q + 2 * K) + 4 * H, mlp=4 * a * I,
+    norms = (16 + 5 * a) * C if autocast else 2 * (4 + 2 * a) * C
+    return dict(norms=norms, attention=a * (2 * Q + 2 * K) + 4 * H, mlp=4 * a * I,
                 kv=2 * a * K, residual=a * C, inference=a * (3 * C + 3 * I))
 
 
 def micro_batch_memory(config: ModelConfig, groups: int, G: int, prompt_len: int,
                        completion_len: int, dtype: torch.dtype, *, checkpoint: bool,
                        chunk_size: int, tp_size: int = 1, sequence_parallel: bool = False,
-                       repeated_prompt: bool = False) -> dict[str, int]:
+                       repeated_prompt: bool = False, autocast: bool = False) -> dict[str, int]:
     """Bytes one micro-batch of `groups` prompts of P tokens and their N = groups*G completions of
     Tr tokens (T = Tr - 1 fed) holds at its largest moments, per rank, besides the weights, grads
     and optimizer state (memory.py plans those): {"forward", "backward", "no grad"} (the last:
@@ -107,8 +111,10 @@ def micro_batch_memory(config: ModelConfig, groups: int, G: int, prompt_len: int
     token), the loss's (N, Tr) float32 tensors. Transients: a chunk of head logits (8 bytes per
     entry forward: float32 logits and exp; 16 + a backward, and a (V, C) lm_head grad per chunk),
     the SwiGLU's 3 (inference) or 2 (gradients) I-wide tensors, the hidden states' (N, Tr, C);
-    in backward the pending weight gradients (pending_gradient_bytes)."""
-    b = block_bytes(config, dtype, tp_size, sequence_parallel)
+    in backward the pending weight gradients (pending_gradient_bytes). autocast (bf16 over fp32
+    weights): block_bytes' autocast norms, the a-byte copy of every block weight autocast caches
+    for its context, and fp32 pending gradients."""
+    b = block_bytes(config, dtype, tp_size, sequence_parallel, autocast)
     a = b["residual"] * (tp_size if sequence_parallel else 1) // config.hidden_size
     L = config.num_hidden_layers
     C = config.hidden_size
@@ -123,7 +129,8 @@ def micro_batch_memory(config: ModelConfig, groups: int, G: int, prompt_len: int
     completion_block = completion * (full - b["kv"]) + row_keys
     outside = (2 * a * config.head_dim * (prompt + completion)
                + repeated_prompt * rows * T * (prompt_len + T)
-               + n * (a * C + 16) + rows * completion_len * 4 * 8)
+               + n * (a * C + 16) + rows * completion_len * 4 * 8
+               + autocast * L * pending_gradient_bytes(config, dtype, tp_size, embedding=False))
     chunk = min(chunk_size or n, n)
     head = chunk * V * 8
     head_backward = chunk * V * (16 + a) + V * C * a
@@ -137,7 +144,7 @@ def micro_batch_memory(config: ModelConfig, groups: int, G: int, prompt_len: int
         recompute = 0
         forward = saved + max(rows * completion_len * C * a, head)
     gradients = max(prompt, completion) * 2 * a * config.intermediate_size // tp_size
-    pending = pending_gradient_bytes(config, dtype, tp_size)
+    pending = pending_gradient_bytes(config, torch.float32 if autocast else dtype, tp_size)
     backward = saved + recompute + max(gradients, head_backward)
     if checkpoint:
         backward += pending
@@ -149,20 +156,21 @@ def micro_batch_memory(config: ModelConfig, groups: int, G: int, prompt_len: int
     return {"forward": forward, "backward": backward, "no grad": no_grad}
 
 
-def pending_gradient_bytes(config: ModelConfig, dtype: torch.dtype, tp_size: int = 1) -> int:
+def pending_gradient_bytes(config: ModelConfig, dtype: torch.dtype, tp_size: int = 1,
+                           embedding: bool = True) -> int:
     """A weight's completion gradient waits in autograd's input buffer for its prompt gradient,
     to be summed with it. The two forwards alternate block by block (shared_prompt_hidden), so
     that is one block's weights per rank, a*C*(2Q + 2K + 3I)/tp, and the embedding's, a*V/tp*C
     (it waits for the prompt's embedding, the last node of backward). With activation
     checkpointing they come on top of everything saved; without, the completions' saved
-    activations are mostly freed by then."""
+    activations are mostly freed by then. embedding=False: one block's weights alone."""
     a = torch.empty((), dtype=dtype).element_size()
     C = config.hidden_size
     Q = config.num_attention_heads // tp_size * config.head_dim
     K = config.num_key_value_heads // tp_size * config.head_dim
     I = config.intermediate_size // tp_size
     V = config.vocab_size // tp_size
-    return a * (C * (2 * Q + 2 * K + 3 * I) + V * C)
+    return a * (C * (2 * Q + 2 * K + 3 * I) + embedding * V * C)
 
 
 def batch_bytes(rows: int, completion_len: int, old: bool, reference: bool) -> int:
@@ -186,6 +194,7 @@ def step_transients(config: ModelConfig, prompts: int, prompt_len: int, r: Rollo
     Tc = r.max_new_tokens
     micro = micro_batch_memory(config, min(g.micro_batch_groups, prompts), r.num_samples,
                                prompt_len, Tc, dtype, checkpoint=checkpoint,
+                               autocast=dtype == torch.bfloat16,  # train.py's bf16: fp32 master
                                chunk_size=chunk_rows(g.chunk_bytes, config.vocab_size, dtype),
                                tp_size=tp_size,
                                sequence_parallel=sequence_parallel,

@@ -5,12 +5,11 @@ TP splits each block over the tp ranks: q/k/v and gate/up are column-parallel (H
 the SwiGLU width per rank, their biases split alike), o/down row-parallel (each rank computes a
 partial sum of the output; a bias is added once, after the sum), the embedding and lm_head are
 split by vocab and the logits stay split. Two collectives per block half, as in Megatron-LM
-(arXiv:1909.08053): f = CopyToTP (identity forward, all-reduce backward) before the
-column-parallel linears, g = ReduceFromTP (all-reduce forward, identity backward) after the
-row-parallel ones. Sequence parallelism (arXiv:2205.05198) also splits the tokens of the
-replicated part (norms, residual adds): g becomes a reduce-scatter and f an all-gather fused with
-the linears after it, which saves only the local shard and re-gathers into a MemoryBuffer in
-backward (nanotron PR #203).
+(arXiv:1909.08053): f = CopyToTP (identity forward, all-reduce backward) before the column-parallel
+linears, g = ReduceFromTP (all-reduce forward, identity backward) after the row-parallel ones.
+Sequence parallelism (arXiv:2205.05198) also splits the tokens of the replicated part (norms,
+residual adds): g becomes a reduce-scatter and f an all-gather fused with the linears after it,
+which saves only the local shard and re-gathers into a MemoryBuffer in backward (nanotron PR #203).
 
 The parallel forward is a class you can open: shard_model turns the model into a TPLlama and its
 modules into the TP classes below (same objects, HF parameter names, only forward() changes).
@@ -66,12 +65,14 @@ class ParallelConfig:
 
 def init_distributed() -> tuple[int, int, torch.device]:
     """(rank, world_size, device) from torchrun's RANK / WORLD_SIZE / LOCAL_RANK: NCCL on
-    cuda:LOCAL_RANK when CUDA is available, else gloo on the CPU. At world size 1 no process group
-    is created."""
+    cuda:LOCAL_RANK when CUDA is available, else gloo on the CPU; no group at world size 1."""
     world = int(os.environ.get("WORLD_SIZE", 1))
     cuda = torch.cuda.is_available()
     device = torch.device("cpu")
     if cuda:
+        if int(os.environ.get("LOCAL_WORLD_SIZE", 1)) > torch.cuda.device_count():  # every rank
+            raise ValueError(f"more processes on this node than its {torch.cuda.device_count()} "
+                             "CUDA devices: lower --nproc_per_node, or CUDA_VISIBLE_DEVICES= (CPU)")
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     if world == 1:
         return 0, 1, device
@@ -99,8 +100,7 @@ def destroy_groups(barrier: bool = True) -> None:
     freeing their last collectives: the main thread waits in it without the GIL, which those threads
     may need to free a tensor Python has already dropped (one may still be at it after the barrier:
     hence the sleep). Under torch 2.5, destroying a gloo group while one of them held its lock
-    waiting for the GIL deadlocked the process. barrier=False for a rank that is failing alone (the
-    others would never reach the barrier)."""
+    waiting for the GIL deadlocked the process. barrier=False: a rank failing alone."""
     if barrier:
         dist.barrier()
     time.sleep(0.05)  # the GIL dropped a moment: a worker thread still freeing a tensor gets it

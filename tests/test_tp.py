@@ -527,3 +527,18 @@ def test_bad_tp_size_and_missing_rank_are_refused(monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(ValueError, match="RANK is not set"):
         tp.init_distributed()
+
+
+def test_more_processes_than_gpus_is_one_line_on_every_rank(monkeypatch):
+    """Regression: `torchrun --nproc_per_node 2` on a one-GPU node: rank 1 died in
+    torch.cuda.set_device(cuda:1) with a traceback, rank 0 said nothing. Now every rank raises the
+    same ValueError (train.main prints rank 0's) before touching a device; CPU-only, by faking one."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for rank in ("0", "1"):
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("LOCAL_RANK", rank)
+        with pytest.raises(ValueError, match="more processes on this node than its 1 CUDA devices"):
+            tp.init_distributed()

@@ -1,0 +1,302 @@
+"""The engine on a CUDA GPU against the machine's own limits, measured in the same run, bf16.
+
+    python tests/bench_limits.py                         # Qwen2.5-0.5B and Llama-3.2-1B shapes
+    python tests/bench_limits.py --shapes Qwen2.5-0.5B --parts rollout,train,sleep
+
+Limits (measured first, in the same process): device-to-device copy bandwidth (bytes read plus
+bytes written over the time), the bf16 matmul rate (8192 x 8192 x 8192), pinned host <-> device
+copy bandwidth. Random weights of the published shapes (tests/bench_bf16.py's SHAPES).
+1. rollout: 16 prompts x 8 samples, 64 prompt tokens, 256 new tokens, no stop id. Decode tokens/s
+   with CUDA graphs on and off, and transformers' generate on the same weights (do_sample, 8
+   return sequences, min_new_tokens = max_new_tokens) when it is importable. Bytes per decode
+   step: the weights the step reads (the embedding rows aside: a tied lm_head reads the matrix
+   once) + the prompt KV (once per group) + the completion KV actually needed (t keys per row,
+   the mean over the steps); over the copy bandwidth.
+2. train: one GRPO forward + backward (grpo.accumulate, default GRPOConfig) over the rollout's
+   shape, 16 x 8 x (64 + 256), fp32 master weights under bf16 autocast (train.py's bf16), shared
+   prompt on and off. Model FLOPs = 3 x the forward's matmul FLOPs of the work that must be done
+   (the prompt once per group, the lm_head on completion tokens, causal attention): the same
+   count for both paths, so the repeated prompt shows as lower utilisation.
+3. sleep: train.py's memory phases (plan.memory_phases) over the fp32 master, the bf16 sampler,
+   grads, AdamW and the KV cache: seconds and GB/s of each move against the pinned copy, the
+   device's free bytes (torch.cuda.mem_get_info) and the allocator's reserved bytes before and
+   after, and the weights after a sleep/wake cycle against a copy kept aside.
+Only a CUDA GPU: on a CPU it says so and exits.
+"""
+
+import argparse
+import functools
+import math
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import grpo  # noqa: E402
+import hf  # noqa: E402
+import plan  # noqa: E402
+from bench_bf16 import SHAPES  # noqa: E402
+from memory import MemoryConfig  # noqa: E402
+from model import Llama  # noqa: E402
+from rollout import KVCache, RolloutConfig, generate, sync_weights  # noqa: E402
+
+BP, G, P, NEW = 16, 8, 64, 256
+GB = 1e9
+
+
+def timed(fn, repeats: int) -> float:
+    """Seconds per call: one warm-up, then the mean of `repeats` (CUDA events bracket them)."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / repeats
+
+
+def limits() -> dict:
+    n = 2**30  # 1 GiB
+    a = torch.empty(n, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    copy = 2 * n / timed(lambda: b.copy_(a), 20) / GB  # read + written
+    x = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    y = torch.randn_like(x)
+    mm = 2 * 8192**3 / timed(lambda: x @ y, 10) / 1e12
+    host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    d2h = n / timed(lambda: host.copy_(a, non_blocking=True), 10) / GB
+    h2d = n / timed(lambda: a.copy_(host, non_blocking=True), 10) / GB
+    del a, b, x, y, host
+    torch.cuda.empty_cache()
+    print(f"limits: device copy {copy:,.0f} GB/s (read + write), bf16 matmul {mm:,.0f} TFLOP/s, "
+          f"pinned copy device->host {d2h:.1f} GB/s, host->device {h2d:.1f} GB/s")
+    return dict(copy=copy, matmul=mm, d2h=d2h, h2d=h2d)
+
+
+def build(name: str, dtype: torch.dtype) -> Llama:
+    with torch.device("cuda"):
+        model = Llama(SHAPES[name]).to(dtype)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif pname.endswith(".bias"):
+                p.zero_()
+            else:
+                p.normal_(0, 0.02, generator=torch.Generator("cuda").manual_seed(len(pname)))
+    return model.eval()
+
+
+def decode_bytes(model: Llama) -> tuple[float, float]:
+    """Bytes one decode step must read: the weights (the embedding matrix once, as the tied
+    lm_head; its lookup of 128 rows is noise) and the KV, mean over the steps."""
+    c = model.config
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    if not c.tie_word_embeddings:
+        weights -= model.model.embed_tokens.weight.numel() * 2  # the lookup reads 128 rows
+    per_token = c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * 2  # K and V, bf16
+    kv = per_token * (BP * P + BP * G * (NEW - 1) / 2)  # prompt once per group, mean own keys
+    return weights, kv
+
+
+def hf_generate_seconds(model: Llama, prompts: list[list[int]]) -> float | None:
+    try:
+        import transformers
+    except ImportError:
+        print("transformers is not installed: its row is skipped")
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        hf.save_model(model, tmp)
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.bfloat16)
+    theirs = theirs.cuda().eval()
+    ids = torch.tensor(prompts, device="cuda")
+    kw = dict(attention_mask=torch.ones_like(ids), do_sample=True, num_return_sequences=G,
+              max_new_tokens=NEW, min_new_tokens=NEW, top_k=0, top_p=1.0, temperature=1.0,
+              pad_token_id=0, eos_token_id=None)
+    out = theirs.generate(ids, **kw)  # warm-up
+    assert out.shape == (BP * G, P + NEW), out.shape
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    theirs.generate(ids, **kw)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    del theirs
+    torch.cuda.empty_cache()
+    return seconds
+
+
+def rollout_part(name: str, lim: dict) -> None:
+    model = build(name, torch.bfloat16)
+    V = model.config.vocab_size
+    prompts = torch.randint(V, (BP, P), generator=torch.Generator().manual_seed(0)).tolist()
+    weights, kv = decode_bytes(model)
+    rows = []
+    for graphs in (True, False):
+        cfg = RolloutConfig(num_samples=G, max_new_tokens=NEW, cuda_graphs=graphs)
+        generate(model, prompts, cfg, seed=0)  # warm-up: allocator, cuBLAS, the graph's capture
+        stats = generate(model, prompts, cfg, seed=1).stats
+        decode = stats["seconds"] - stats["prefill_seconds"]
+        step = decode / stats["decode_steps"]
+        rows.append((f"engine, graphs {'on' if graphs else 'off'}", stats["seconds"],
+                     BP * G * NEW / stats["seconds"], BP * G / step, (weights + kv) / step / GB))
+    hf_seconds = hf_generate_seconds(model, prompts)
+    if hf_seconds:
+        rows.append(("transformers generate", hf_seconds, BP * G * NEW / hf_seconds, None, None))
+    print(f"\n{name} rollout, bf16, {BP} prompts x {G} samples, P = {P}, {NEW} new tokens; bytes per"
+          f" decode step {weights / GB:.3f} GB weights + {kv / GB:.3f} GB KV (mean); device copy "
+          f"{lim['copy']:,.0f} GB/s")
+    print("| | s | tokens/s (whole rollout) | decode tokens/s | decode GB/s | of copy bandwidth |"
+          "\n|---|---|---|---|---|---|")
+    for label, s, tps, dtps, gbs in rows:
+        extra = f"{dtps:,.0f} | {gbs:,.0f} | {gbs / lim['copy']:.0%}" if dtps else "- | - | -"
+        print(f"| {label} | {s:.2f} | {tps:,.0f} | {extra} |")
+    if hf_seconds:
+        print(f"engine (graphs on) / transformers: {hf_seconds / rows[0][1]:.1f}x")
+    del model
+    torch.cuda.empty_cache()
+
+
+def train_flops(model: Llama) -> float:
+    """3 x the forward's matmul FLOPs of the work that must be done: every prompt token once per
+    group, every completion token, the lm_head on completion tokens, causal attention."""
+    c = model.config
+    body = sum(p.numel() for n, p in model.named_parameters()
+               if "layers." in n and n.endswith("proj.weight"))
+    tokens = BP * P + BP * G * NEW
+    head = 2 * c.vocab_size * c.hidden_size * BP * G * NEW
+    width = c.num_attention_heads * c.head_dim
+    # QK^T and PV: 4 * width flops per (query, key) pair; causal pairs of the prompt and of each row
+    pairs = BP * P * (P + 1) / 2 + BP * G * (NEW * P + NEW * (NEW + 1) / 2)
+    attention = 4 * width * pairs * c.num_hidden_layers
+    return 3 * (2 * body * tokens + head + attention)
+
+
+def grpo_batch(V: int) -> grpo.GRPOBatch:
+    gen = torch.Generator().manual_seed(1)
+    prompts = torch.randint(V, (BP, P), generator=gen).tolist()
+    completions = torch.randint(V, (BP * G, NEW), generator=gen).tolist()
+    batch = grpo.GRPOBatch.from_lists(prompts, completions, device="cuda")
+    batch.advantages = torch.randn(BP * G, generator=gen).cuda()
+    return batch
+
+
+def train_part(name: str, lim: dict) -> None:
+    model = build(name, torch.float32).train()
+    batch = grpo_batch(model.config.vocab_size)
+    cfg = grpo.GRPOConfig()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    flops = train_flops(model)
+    original = grpo.completion_logprobs
+    print(f"\n{name} GRPO forward + backward, fp32 master under bf16 autocast, {BP} x {G} x "
+          f"({P} + {NEW}), micro_batch_groups {cfg.micro_batch_groups}; model FLOPs "
+          f"{flops / 1e12:.1f} T; bf16 matmul {lim['matmul']:,.0f} TFLOP/s\n"
+          "| shared prompt | s | completion tokens/s | TFLOP/s | MFU | peak GB |\n|---|---|---|---|---|---|")
+    for shared in (True, False):
+        grpo.completion_logprobs = functools.partial(original, shared_prompt=shared)
+
+        def step():
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                grpo.accumulate(model, batch, cfg)
+            model.zero_grad(set_to_none=False)
+        step()
+        torch.cuda.reset_peak_memory_stats()
+        seconds = timed(step, 3)
+        peak = torch.cuda.max_memory_allocated() / GB
+        rate = flops / seconds / 1e12
+        print(f"| {'on' if shared else 'off'} | {seconds:.3f} | {BP * G * NEW / seconds:,.0f} | "
+              f"{rate:,.0f} | {rate / lim['matmul']:.0%} | {peak:.1f} |")
+    grpo.completion_logprobs = original
+    opt = timed(optimizer.step, 3)
+    print(f"AdamW step (fp32, {sum(p.numel() for p in model.parameters()) / 1e6:,.0f} M params): "
+          f"{opt * 1e3:.1f} ms")
+    del model, optimizer
+    torch.cuda.empty_cache()
+
+
+def device_bytes() -> tuple[int, int]:
+    torch.cuda.synchronize()
+    return torch.cuda.mem_get_info()[0], torch.cuda.memory_reserved()
+
+
+def sleep_part(name: str, lim: dict) -> None:
+    model = build(name, torch.float32)
+    sampler = build(name, torch.bfloat16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 1e-3
+    optimizer.step()  # AdamW state exists
+    sync_weights(sampler, model)
+    cache = KVCache.for_batch(model.config, BP, G, P, NEW, torch.bfloat16, "cuda")
+    mem = plan.memory_phases("cuda", MemoryConfig(), model, sampler, cache, optimizer, None)
+    kept = {k: v.detach().cpu().clone() for k, v in optimizer.state_dict()["state"][0].items()}
+    sampler_kept = sampler.model.layers[0].mlp.up_proj.weight.detach().cpu().clone()
+    print(f"\n{name} memory phases (fp32 master, bf16 sampler, AdamW, grads, KV cache "
+          f"{cache.nbytes / GB:.2f} GB); pinned copy {lim['d2h']:.1f} / {lim['h2d']:.1f} GB/s "
+          "(device->host / host->device)")
+    returned = []
+    for phase in ("train", "rollout"):  # what each phase's exit puts to sleep, and the device's view
+        mem.enter(phase)
+        free, reserved = device_bytes()
+        first = len(mem.transitions)
+        mem.exit()
+        free_after, reserved_after = device_bytes()
+        slept = sum(t.nbytes for t in mem.transitions[first:] if t.action == "sleep")
+        returned.append(f"leaving {phase}: {slept / GB:.2f} GB tagged asleep, device free "
+                        f"+{(free_after - free) / GB:.2f} GB ({(free_after - free) / slept:.0%}), "
+                        f"reserved -{(reserved - reserved_after) / GB:.2f} GB")
+    for _ in range(2):  # timed cycles: the table keeps the last move of each tag
+        with mem.phase("train"):
+            pass
+        with mem.phase("rollout"):
+            pass
+    with mem.phase("train"):
+        state = optimizer.state_dict()["state"][0]
+        exact = {k: torch.equal(state[k].cpu(), v) for k, v in kept.items()}
+    with mem.phase("rollout"):
+        sync_weights(sampler, model)
+        exact["sampler"] = torch.equal(sampler.model.layers[0].mlp.up_proj.weight.cpu(),
+                                       sampler_kept)
+    print("| phase | tag | action | GB | s | GB/s | of pinned copy |\n|---|---|---|---|---|---|---|")
+    last = {}
+    for t in mem.transitions:
+        last[(t.tag, t.action)] = t
+    for (tag, action), t in sorted(last.items()):
+        rate = t.nbytes / t.seconds / GB
+        pinned = lim["d2h"] if action == "sleep" else lim["h2d"]
+        moved = tag in ("optimizer",)  # copied to the host and back; the rest is freed/re-made
+        share = f"{rate / pinned:.0%}" if moved else "freed" if action == "sleep" else "allocated"
+        print(f"| {t.phase} | {tag} | {action} | {t.nbytes / GB:.2f} | {t.seconds:.3f} | "
+              f"{rate:,.1f} | {share} |")
+    print("; ".join(returned) + f"; after the cycles, bit-exact: {exact}")
+    del mem, model, sampler, optimizer, cache
+    torch.cuda.empty_cache()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shapes", default="Qwen2.5-0.5B,Llama-3.2-1B")
+    parser.add_argument("--parts", default="rollout,train,sleep")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_limits needs a CUDA GPU; none is visible")
+        return
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    lim = limits()
+    parts = dict(rollout=rollout_part, train=train_part, sleep=sleep_part)
+    for name in args.shapes.split(","):
+        for part in args.parts.split(","):
+            try:
+                parts[part](name, lim)
+            except Exception as e:  # one part's failure must not hide the others' figures
+                import traceback
+                traceback.print_exc()
+                print(f"{name} {part}: FAILED {type(e).__name__}: {e}")
+                torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
