@@ -270,6 +270,9 @@ def main() -> None:
             runs["naive"].append(naive_generate(model, prompts, G, NEW, 1))
             if hf_model is not None:
                 runs["hf"].append(hf_generate(hf_model, prompts, G, NEW, 1))
+            print(f"P = {P}, round: " + ", ".join(f"{k} {new_tokens / v[-1]['seconds']:,.0f} tok/s" for k, v in runs.items()
+                                                   if v and isinstance(v[-1], dict)) + f", load {os.getloadavg()[0]:.1f}",
+                  flush=True)
         e, n = (min(runs[k], key=lambda r: r["seconds"]) for k in ("engine", "naive"))
         h = min(runs["hf"], key=lambda r: r["seconds"]) if runs["hf"] else None
         gflops, ceiling = max(runs["ceiling"])
