@@ -37,7 +37,7 @@ from rollout import KVCache, RolloutConfig
 # Rollout: what generate() allocates besides the weights and the KV cache
 
 def rollout_memory(config: ModelConfig, num_prompts: int, prompt_len: int, cfg: RolloutConfig,
-                   dtype: torch.dtype, tp_size: int = 1) -> dict[str, int]:
+                   dtype: torch.dtype, tp_size: int = 1, cpu: bool = False) -> dict[str, int]:
     """Bytes generate() holds at each of its two largest moments, besides the weights and the KV
     cache (memory.py plans those from shapes), per rank, for Bp prompts of P tokens whose R = Bp*G
     rows all decode Tc = max_new_tokens. a: bytes per element of the sampler's dtype; b*P tokens
@@ -47,10 +47,14 @@ def rollout_memory(config: ModelConfig, num_prompts: int, prompt_len: int, cfg: 
         prefill   b*P*a*(3C + 3I/tp + 2D)  inside a block: its input, the residual after attention,
                                            the normed input, then silu(gate), up and their product;
                                            the rope tables cos, sin (D wide)
-        sampling  R*V*(a + 12) + Bp*V*a    the first tokens: each prompt's logits repeated G times,
-                                           the softmax (4) and its float64 cdf (8) (see sample);
+        sampling  R*V*(a + 8) + Bp*V*a     the first tokens: each prompt's logits repeated G times,
+                                           their float32 filtered copy (4) and softmax (4) (see
+                                           sample: its cdf is a few bytes per row);
                                            a decode step's block (R*a*(3C + 3I/tp)) is far smaller
-    Returns {"prefill": outputs + prefill, "sampling": outputs + sampling}."""
+        packed    4*(L*(2CQ + 2CK + 3CI) + VC)/tp   (Q = H*D, K = Hkv*D) on a CPU, float32, with
+                                           cfg.packed_linears: the linear weights prepacked for
+                                           oneDNN, held through generate
+    Returns {"prefill": outputs + prefill + packed, "sampling": outputs + sampling + packed}."""
     a = torch.empty((), dtype=dtype).element_size()
     C = config.hidden_size
     I = config.intermediate_size // tp_size
@@ -61,8 +65,11 @@ def rollout_memory(config: ModelConfig, num_prompts: int, prompt_len: int, cfg: 
     per_chunk = min(num_prompts, max(1, cfg.prefill_tokens // prompt_len))
     prefill = per_chunk * prompt_len * a * (3 * C + 3 * I + 2 * D)
     decode_block = R * a * (3 * C + 3 * I)
-    sampling = max(R * V * (a + 12) + num_prompts * V * a, decode_block + R * V * (a + 12))
-    return {"prefill": outputs + prefill, "sampling": outputs + sampling}
+    sampling = max(R * V * (a + 8) + num_prompts * V * a, decode_block + R * V * (a + 8))
+    Q, K = config.num_attention_heads * D, config.num_key_value_heads * D
+    linears = config.num_hidden_layers * (2 * C * Q + 2 * C * K + 3 * C * config.intermediate_size)
+    packed = 4 * (linears + V * C) // tp_size if cpu and cfg.packed_linears and a == 4 else 0
+    return {"prefill": outputs + prefill + packed, "sampling": outputs + sampling + packed}
 
 # -----------------------------------------------------------------------------
 # Training: what one micro-batch allocates, forward and backward
@@ -183,7 +190,8 @@ def batch_bytes(rows: int, completion_len: int, old: bool, reference: bool) -> i
 def step_transients(config: ModelConfig, prompts: int, prompt_len: int, r: RolloutConfig,
                     g: GRPOConfig, dtype: torch.dtype, sampler_dtype: torch.dtype, *,
                     checkpoint: bool, tp_size: int = 1, sequence_parallel: bool = False,
-                    old: bool = False, repeated_prompt: bool = False) -> dict[str, int]:
+                    old: bool = False, repeated_prompt: bool = False,
+                    cpu: bool = False) -> dict[str, int]:
     """Each phase's largest transient (bytes per rank) for `prompts` prompts of prompt_len tokens
     and r.max_new_tokens completion tokens: the largest of rollout_memory in rollout; the batch
     kept through the step plus a micro-batch's no-grad forward (old or reference logprobs) or its
@@ -197,7 +205,7 @@ def step_transients(config: ModelConfig, prompts: int, prompt_len: int, r: Rollo
                                sequence_parallel=sequence_parallel,
                                repeated_prompt=repeated_prompt)
     kept = batch_bytes(prompts * r.num_samples, Tc, old, g.beta > 0)  # through the step
-    sampling = rollout_memory(config, prompts, prompt_len, r, sampler_dtype, tp_size)
+    sampling = rollout_memory(config, prompts, prompt_len, r, sampler_dtype, tp_size, cpu=cpu)
     return {"rollout": max(sampling.values()), "idle": kept + old * micro["no grad"],
             "reference": kept + micro["no grad"],
             "train": kept + max(micro["forward"], micro["backward"])}
@@ -229,7 +237,8 @@ def step_plan(mem: PhaseManager, cfgs, model, sampler, reference, prompts: int, 
         getattr(torch, cfgs.train.dtype), next(sampler.parameters()).dtype,  # activations' dtype
         checkpoint=cfgs.memory.activation_checkpoint, tp_size=tp_size,
         sequence_parallel=cfgs.parallel.sequence_parallel, old=g.mu > 1,
-        repeated_prompt=torch.device(target).type != "cpu")  # grpo.shared_prompt_attention's
+        repeated_prompt=torch.device(target).type != "cpu",  # grpo.shared_prompt_attention's
+        cpu=torch.device(target).type == "cpu")
     plan = mem.plan_step(transients, target, cfgs.train.phases)
     if reference is None:
         del plan["reference"]

@@ -20,9 +20,9 @@ per prompt decoded on top of that one shared prompt KV, finished rows dropped as
 
 Leaves out: paged KV and continuous batching (a GRPO rollout is one static batch), speculative
 decoding, stop strings (stop ids only), prefix sharing across different prompts.
-CPU: the prompt part goes through SDPA's fused kernel (it returns its log-sum-exp), which then
-enters the own keys' softmax as one more score: the same merge in fewer kernels
-(_fused_prefix_attention).
+CPU: the prompt part goes through SDPA's fused kernel, whose log-sum-exp then enters the own keys'
+softmax as one more score: the same merge in fewer kernels (_fused_prefix_attention); float32
+linears run on weights prepacked once per call (_packed_linears).
 CUDA: the decode step is a CUDA graph per layout of active rows; the private KV cache is bf16.
 
 Shapes: Bp prompts, G samples per prompt, R = Bp*G rows, N active rows, S = Bp'*G' slots of the
@@ -31,7 +31,9 @@ the lm_head is split by tensor parallelism), L layers.
 Tested by tests/test_rollout.py; benchmarked by tests/bench_rollout.py.
 """
 
+import contextlib
 import copy
+import functools
 import itertools
 import math
 import time
@@ -40,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from attention import prefix_attention
 from model import ModelConfig, causal_attention
@@ -60,6 +62,7 @@ class RolloutConfig:
     check_every: int = 8         # decode steps between the host syncs that drop finished rows
     prefill_tokens: int = 2048   # padded prompt tokens per prefill forward (bounds activations)
     cuda_graphs: bool = True     # capture the decode step on CUDA (ignored on the CPU)
+    packed_linears: bool = True  # CPU, float32: linears via oneDNN, weights prepacked per call
 
     def __post_init__(self):
         checks = dict(num_samples=1, max_new_tokens=0, top_k=0, check_every=1, prefill_tokens=1)
@@ -127,17 +130,33 @@ def sample(logits: Tensor, temperature: float, top_k: int, top_p: float,
         x = filter_logits(logits, temperature, top_k, top_p)
         tokens = x.argmax(dim=-1)
         return tokens, x.log_softmax(dim=-1).gather(-1, tokens[:, None])[:, 0]
-    # The filtered copy (if any) is freed once softmaxed: it and the cdf are never alive at once.
+    # The filtered copy (if any) is freed once softmaxed.
     probs = filter_logits(logits, temperature, top_k, top_p).softmax(dim=-1)  # (rows, V)
-    # float64: in float32, tokens below the cdf's ulp near 1 were never drawn. One float64 copy,
-    # summed in place: cumsum(dtype=float64) held a float64 copy and a float64 result.
-    cdf = probs.double().cumsum_(dim=-1)  # (rows, V)
-    total = cdf[:, -1:]  # (rows, 1), 1 up to rounding
-    u = torch.rand(total.shape, generator=generator, dtype=torch.float64, device=cdf.device) * total
-    u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))  # u < total
-    # The first index whose cdf exceeds u; a masked token adds exactly 0, so it is never first.
-    tokens = torch.searchsorted(cdf, u, right=True)[:, 0]
+    tokens = inverse_cdf(probs, torch.rand((probs.shape[0], 1), generator=generator,
+                                           dtype=torch.float64, device=probs.device))
     return tokens, probs.gather(-1, tokens[:, None])[:, 0].log()
+
+
+def inverse_cdf(probs: Tensor, u: Tensor, block: int = 256) -> Tensor:
+    """The first token whose cdf exceeds u * total: probs (rows, V), u (rows, 1) in [0, 1) float64
+    -> tokens (rows,); never a masked token (0). In float64 (in float32, tokens below the cdf's ulp
+    near 1 were never drawn), two levels: the cdf of block sums (rows, V/block), then of the block u
+    falls in. The whole (rows, V) cdf (tests/test_rollout.py's slow twin) is a fresh 50 MB a step at
+    128 x 49,152 (page faults) and a serial scan. Float32 block sums move u by ~1e-7 of a block."""
+    rows, V = probs.shape
+    B = math.gcd(V, block)  # a block size dividing V: no padded copy
+    blocks = probs.view(rows, V // B, B)  # (rows, V/B, B)
+    sums = blocks.sum(-1, dtype=torch.float32).double()  # (rows, V/B)
+    cdf = nn.functional.pad(sums, (1, 0)).cumsum_(dim=-1)  # (rows, V/B + 1), from 0
+    total = cdf[:, -1:]  # (rows, 1), 1 up to rounding
+    u = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))  # u < total
+    b = torch.searchsorted(cdf, u, right=True) - 1  # (rows, 1): the block holding u (cdf[0] = 0)
+    start, end = cdf.gather(-1, b), cdf.gather(-1, b + 1)  # start <= u < end
+    inner = blocks.gather(1, b[:, :, None].expand(rows, 1, B))[:, 0].double().cumsum_(dim=-1)
+    inner_total = inner[:, -1:]  # (rows, 1): the block's float64 mass, u's scale within it
+    v = torch.minimum((u - start) / (end - start) * inner_total,
+                      torch.nextafter(inner_total, torch.zeros_like(inner_total)))
+    return (b * B + torch.searchsorted(inner, v, right=True))[:, 0]
 
 # -----------------------------------------------------------------------------
 # KV cache: one flat buffer, carved into views per call
@@ -404,6 +423,29 @@ class _Decoder:
 # generate
 
 
+_PACK = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
+_PACK = _PACK if torch.backends.mkldnn.is_available() else None
+
+
+@contextlib.contextmanager
+def _packed_linears(model: torch.nn.Module, rows: int, enabled: bool):
+    """Meanwhile each float32 nn.Linear of a CPU model runs through oneDNN on its weight reordered
+    once (for `rows` rows) into the kernel's blocked layout; F.linear (MKL) packs it on every call,
+    a large share of the matmul at decode's 128 rows. The cost: a second copy of the linear weights
+    while it runs. Outputs equal F.linear's up to summation order (tests/test_rollout.py)."""
+    linears = [m for m in model.modules() if enabled and _PACK is not None and type(m) is nn.Linear
+               and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32]
+    try:
+        for m in linears:  # an instance attribute shadows the class's forward
+            m.forward = functools.partial(torch.ops.mkldnn._linear_pointwise, B=m.bias, attr="none",
+                                          W=_PACK(m.weight.detach(), rows), scalars=[],
+                                          algorithm="")  # (..., in) -> (..., out)
+        yield
+    finally:
+        for m in linears:
+            m.__dict__.pop("forward", None)
+
+
 def check_prompts(prompts: list[list[int]], stop_ids: tuple[int, ...], max_new_tokens: int,
                   model_config: ModelConfig) -> None:
     """One clear error for a prompt or stop id the model cannot take."""
@@ -509,22 +551,24 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], cfg: RolloutConfi
     stats = dict(prefill_tokens=sum(lens), prefill_seconds=0.0, decode_steps=0, row_steps=0,
                  compactions=0, prompt_kv_bytes=0, completion_kv_bytes=0)
     if new > 0:
-        views = _carve(model, cache, len(prompts), G, max(lens), new)
-        # 1. Prefill each prompt once.
-        logits = _prefill(model, prompts, views[0], views[1], cfg.prefill_tokens, device)  # (Bp, V)
-        if device.type == "cuda":
-            torch.cuda.synchronize()  # one sync so that prefill_seconds means something
-        stats["prefill_seconds"] = time.perf_counter() - started
-        # 2. Fan out: each of the G rows of a prompt draws its own first token (logits_fn once
-        # per prompt, then repeated).
-        out_tokens[0], out_logprobs[0] = sample(logits_fn(logits).repeat_interleave(G, dim=0),
-                                                cfg.temperature, cfg.top_k, cfg.top_p, generator)
-        # 3-4. Decode, dropping finished rows.
-        decoder = _Decoder(model, views, lens, G, device.type == "cuda" and cfg.cuda_graphs)
-        stats.update(_decode(decoder, out_tokens, out_logprobs, draw, stop_ids, cfg.check_every))
+        with _packed_linears(model, len(prompts) * G, cfg.packed_linears):
+            views = _carve(model, cache, len(prompts), G, max(lens), new)
+            # 1. Prefill each prompt once.
+            logits = _prefill(model, prompts, views[0], views[1], cfg.prefill_tokens, device)
+            if device.type == "cuda":
+                torch.cuda.synchronize()  # one sync so that prefill_seconds means something
+            stats["prefill_seconds"] = time.perf_counter() - started
+            # 2. Fan out: each of the G rows of a prompt draws its own first token (logits_fn once
+            # per prompt, then repeated).
+            first = logits_fn(logits).repeat_interleave(G, dim=0)  # (R, V')
+            out_tokens[0], out_logprobs[0] = sample(first, cfg.temperature, cfg.top_k, cfg.top_p,
+                                                    generator)
+            # 3-4. Decode, dropping finished rows.
+            decoder = _Decoder(model, views, lens, G, device.type == "cuda" and cfg.cuda_graphs)
+            stats.update(_decode(decoder, out_tokens, out_logprobs, draw, stop_ids,
+                                 cfg.check_every))
         nbytes = [sum(x.numel() * x.element_size() for x in kind) for kind in views]
-        stats.update(prompt_kv_bytes=nbytes[0] + nbytes[1])
-        stats.update(completion_kv_bytes=nbytes[2] + nbytes[3])
+        stats.update(prompt_kv_bytes=sum(nbytes[:2]), completion_kv_bytes=sum(nbytes[2:]))
     # 6. Cut each row at its stop id; the result stays on the device.
     tokens, mask, logprobs, stopped = _cut_at_stop(out_tokens.T, out_logprobs.T, stop_ids)
     stats.update(new_tokens=int(mask.sum()), seconds=time.perf_counter() - started)
@@ -542,9 +586,7 @@ def _decode(decoder: _Decoder, out_tokens: Tensor, out_logprobs: Tensor,
     stop_t = torch.tensor(stop_ids, dtype=torch.long, device=out_tokens.device)
     tokens = out_tokens[0]  # (N,)
     finished = torch.isin(tokens, stop_t)  # (N,)
-    decode_steps = 0
-    row_steps = 0
-    compactions = 0
+    decode_steps = row_steps = compactions = 0
     for t in range(new - 1):
         logits = decoder.step(tokens, t)  # (N, V)
         tokens, logprobs = draw(logits)  # (N,)

@@ -15,7 +15,8 @@ It uses the same `sample` function, so the difference is the KV/prefill design a
     python tests/bench_rollout.py --fused     # the CPU's fused prompt attention vs the generic path
     python tests/bench_rollout.py --model DIR --rounds 1  # a Hugging Face checkpoint instead (e.g.
                                               # SmolLM2-135M-Instruct), loaded by hf.py and by transformers
---rounds R sets the interleaved rounds (5).
+--rounds R sets the interleaved rounds (5); --P 64,512 the prompt lengths (64 alone with --model,
+which also skips the scaling table: a real checkpoint makes them minutes each).
 """
 
 import os
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import hf  # noqa: E402
+import rollout  # noqa: E402
 from model import Llama, ModelConfig  # noqa: E402
 from rollout import RolloutConfig, generate, sample  # noqa: E402
 
@@ -99,22 +101,23 @@ def engine(model: Llama, prompts: list[list[int]], num_samples: int, seed: int) 
     return out.stats
 
 
-def linear_roofline(model: Llama, rows: int, repeats: int = 20) -> tuple[float, float]:
+def linear_roofline(model: Llama, rows: int, repeats: int = 20, packed: bool = False) -> tuple[float, float]:
     """Measured GFLOP/s of the decode linears (all layers + lm_head) at `rows` rows, and the tokens/s
-    ceiling that rate allows if everything else were free."""
+    ceiling that rate allows if everything else were free. packed: the same linears as generate runs
+    them on the CPU (rollout._packed_linears: oneDNN, weights prepacked), else F.linear."""
     device = next(model.parameters()).device
-    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    x = {w.shape[1]: torch.randn(rows, w.shape[1], device=device) for w in weights}
-    with torch.inference_mode():
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    x = {m.weight.shape[1]: torch.randn(rows, m.weight.shape[1], device=device) for m in linears}
+    with torch.inference_mode(), rollout._packed_linears(torch.nn.ModuleList(linears), rows, packed):
         for _ in range(2):
-            [F.linear(x[w.shape[1]], w) for w in weights]
+            [m(x[m.weight.shape[1]]) for m in linears]
         sync(device)
         started = time.perf_counter()
         for _ in range(repeats):
-            [F.linear(x[w.shape[1]], w) for w in weights]
+            [m(x[m.weight.shape[1]]) for m in linears]
         sync(device)
     seconds = (time.perf_counter() - started) / repeats
-    flops = 2 * rows * sum(w.numel() for w in weights)
+    flops = 2 * rows * sum(m.weight.numel() for m in linears)
     return flops / seconds / 1e9, rows / seconds
 
 
@@ -164,6 +167,13 @@ def breakdown(model: Llama, P: int, rounds: int = 3) -> None:
 
     def post(module, args, out):
         spent[module.bench_part] = spent.get(module.bench_part, 0.0) + time.perf_counter() - started[module]
+
+    def timed_sample(*args):
+        begun = time.perf_counter()
+        out = sample(*args)
+        spent["sampling"] = spent.get("sampling", 0.0) + time.perf_counter() - begun
+        return out
+    rollout.sample = timed_sample  # generate's draw() looks it up in rollout at each step
     for name, module in model.named_modules():
         if part(name):
             module.bench_part = part(name)
@@ -178,14 +188,16 @@ def breakdown(model: Llama, P: int, rounds: int = 3) -> None:
             best[new] = (seconds, dict(spent))
     for handle in handles:
         handle.remove()
+    rollout.sample = sample
     (full, parts), (first, first_parts) = best[NEW], best[1]
     ms = {k: (v - first_parts.get(k, 0.0)) / (NEW - 1) * 1e3 for k, v in parts.items()}  # per decode step
     step = (full - first) / (NEW - 1) * 1e3
     rows = {"q/k/v/o linears": ms["attention linears"], "MLP linears": ms["MLP linears"], "lm_head": ms["lm_head"],
             "attention: rope, KV write, attention": ms["attention"] - ms["attention linears"],
             "MLP: silu, mul": ms["MLP"] - ms["MLP linears"], "norms": ms["norms"],
-            "rest: embedding, rope tables, residuals, sampling, loop": step - ms["attention"] - ms["MLP"]
-            - ms["norms"] - ms["lm_head"]}
+            "sampling: softmax, cdf, draw": ms["sampling"],
+            "rest: embedding, rope tables, residuals, loop": step - ms["attention"] - ms["MLP"]
+            - ms["norms"] - ms["lm_head"] - ms["sampling"]}
     print(f"\nP = {P}: one decode step, {step:.2f} ms (best of {rounds})")
     for name, value in rows.items():
         print(f"  {name:55s} {value:6.2f} ms  {value / step:4.0%}")
@@ -194,7 +206,6 @@ def breakdown(model: Llama, P: int, rounds: int = 3) -> None:
 def fused_vs_generic(model: Llama, P: int, rounds: int) -> None:
     """Decode tokens/s of the CPU's fused prompt attention (rollout._fused_prefix_attention) next to
     the generic path (attention.prefix_attention with a mask, what CUDA runs), interleaved rounds."""
-    import rollout
     prompts = torch.randint(model.config.vocab_size, (NUM_PROMPTS, P), generator=torch.Generator().manual_seed(0)).tolist()
     fused = rollout._CPU_FLASH
     best = {"fused": float("inf"), "generic": float("inf")}
@@ -216,6 +227,7 @@ def option(name: str, default: str) -> str:
 
 def main() -> None:
     quick, rounds, model_dir = "--quick" in sys.argv, int(option("--rounds", "5")), option("--model", "")
+    lengths = [int(P) for P in option("--P", "64" if model_dir or quick else "64,512").split(",")]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if model_dir:
@@ -223,11 +235,11 @@ def main() -> None:
     else:
         model = Llama(CFG).init_weights(seed=0).to(device, dtype).eval()
     if "--breakdown" in sys.argv:
-        for P in (64, 512):
+        for P in lengths:
             breakdown(model, P, rounds=min(rounds, 3))
         return
     if "--fused" in sys.argv:
-        for P in (64, 512):
+        for P in lengths:
             fused_vs_generic(model, P, rounds)
         return
     print(f"device {device}, {torch.get_num_threads()} threads, {model_dir or 'random tiny Llama'}, {NUM_PROMPTS} "
@@ -247,35 +259,41 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     new_tokens = NUM_PROMPTS * G * NEW
     table = []
-    for P in ([64] if quick else [64, 512]):
+    for P in lengths:
         prompts = torch.randint(model.config.vocab_size, (NUM_PROMPTS, P), generator=gen).tolist()
         engine(model, prompts, G, 0)  # warm-up: first calls of every shape are slow on the CPU
-        runs: dict[str, list] = {"engine": [], "naive": [], "hf": [], "ceiling": []}
+        runs: dict[str, list] = {"engine": [], "naive": [], "hf": [], "ceiling": [], "packed": []}
         for _ in range(rounds):
             runs["ceiling"].append(linear_roofline(model, NUM_PROMPTS * G))
+            runs["packed"].append(linear_roofline(model, NUM_PROMPTS * G, packed=True))
             runs["engine"].append(engine(model, prompts, G, 1))
             runs["naive"].append(naive_generate(model, prompts, G, NEW, 1))
             if hf_model is not None:
                 runs["hf"].append(hf_generate(hf_model, prompts, G, NEW, 1))
+            print(f"P = {P}, round: " + ", ".join(f"{k} {new_tokens / v[-1]['seconds']:,.0f} tok/s" for k, v in runs.items()
+                                                   if v and isinstance(v[-1], dict)) + f", load {os.getloadavg()[0]:.1f}",
+                  flush=True)
         e, n = (min(runs[k], key=lambda r: r["seconds"]) for k in ("engine", "naive"))
         h = min(runs["hf"], key=lambda r: r["seconds"]) if runs["hf"] else None
         gflops, ceiling = max(runs["ceiling"])
-        table.append((P, e, n, h, gflops, ceiling))
+        table.append((P, e, n, h, gflops, ceiling, max(runs["packed"])[0]))
 
     print("\n  P | engine tok/s | naive tok/s | HF tok/s | engine/naive | engine/HF | prompt KV engine | naive")
-    for P, e, n, h, gflops, ceiling in table:
+    for P, e, n, h, gflops, ceiling, _ in table:
         hf_cell = f"{new_tokens / h['seconds']:8,.0f} | " if h else "       - | "
         hf_ratio = f"{h['seconds'] / e['seconds']:8.1f}x" if h else "        -"
         print(f"{P:4d} | {new_tokens / e['seconds']:12,.0f} | {new_tokens / n['seconds']:11,.0f} | {hf_cell}"
               f"{n['seconds'] / e['seconds']:11.1f}x | {hf_ratio} | {e['prompt_kv_bytes'] / 2**20:13.2f} MiB | "
               f"{n['prompt_kv_bytes'] / 2**20:.2f} MiB")
-    for P, e, n, h, gflops, ceiling in table:
+    for P, e, n, h, gflops, ceiling, packed in table:
         decode = new_tokens * (NEW - 1) / NEW / (e["seconds"] - e["prefill_seconds"])
         print(f"P = {P}: engine prefill {e['prefill_seconds']:.3f}s of {e['seconds']:.3f}s; decode alone "
               f"{decode:,.0f} tokens/s, {decode / ceiling * gflops:.0f} GFLOP/s in its linears = {decode / ceiling:.0%}"
-              f" of the same linears' matmuls alone at {NUM_PROMPTS * G} rows, measured in the same rounds "
-              f"({gflops:.0f} GFLOP/s -> {ceiling:,.0f} tokens/s)")
-    if quick:
+              f" of the same linears' matmuls alone (F.linear) at {NUM_PROMPTS * G} rows, measured in the same "
+              f"rounds ({gflops:.0f} GFLOP/s -> {ceiling:,.0f} tokens/s); "
+              f"{decode / ceiling * gflops / packed:.0%} of them prepacked as generate runs them ({packed:.0f} GFLOP/s)")
+    print(f"load average {os.getloadavg()[0]:.1f} at the end")
+    if quick or model_dir:
         return
 
     print(f"\nscaling in P: prefill seconds of the engine at G = 1 and G = {G}, and of the naive sampler at G = {G}")

@@ -216,6 +216,33 @@ def test_generic_decode_path_equals_fused_path(model, monkeypatch):
     torch.testing.assert_close(generic.logprobs, fused.logprobs, rtol=0, atol=TOL)
 
 
+@pytest.mark.skipif(rollout._PACK is None,
+                    reason="no oneDNN in this torch build")
+def test_packed_linears_equal_f_linear_and_are_undone(model):
+    """Inside _packed_linears every float32 nn.Linear runs on its prepacked weight: outputs equal
+    F.linear's within 1e-5 relative (float32, another summation order), at any row count and
+    with a bias; afterwards the modules are plain again. generate with and without packing:
+    the same tokens (a logit moved by ~1e-6 could move a draw that sits on a cdf boundary: none
+    here) and logprobs within TOL."""
+    linear = torch.nn.Linear(64, 96)
+    layers = torch.nn.Sequential(model.lm_head, linear)
+    with torch.inference_mode():
+        for rows in (1, 12, 300):
+            x = torch.randn(rows, 1, 64, generator=torch.Generator().manual_seed(rows))
+            want = [m(x) for m in layers]
+            with rollout._packed_linears(layers, 12, enabled=True):
+                assert all("forward" in vars(m) for m in layers)
+                got = [m(x) for m in layers]
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5 * w.abs().max().item())
+    assert not any("forward" in vars(m) for m in layers)
+    kwargs = dict(num_samples=3, max_new_tokens=24, temperature=0.9, stop_ids=(5, 9), seed=3)
+    packed = generate(model, PROMPTS, **kwargs)
+    plain = generate(model, PROMPTS, packed_linears=False, **kwargs)
+    assert torch.equal(packed.tokens, plain.tokens)
+    torch.testing.assert_close(packed.logprobs, plain.logprobs, rtol=0, atol=TOL)
+
+
 def test_decode_attention_over_all_completion_slots_masks_the_unwritten_ones(monkeypatch):
     """A CUDA graph attends to all Tc completion slots with a mask on `step` (static shapes); the CPU path
     slices to the step + 1 written ones. Both must agree, also with garbage in the unwritten slots."""
@@ -285,18 +312,65 @@ def test_sample_draws_from_the_filtered_distribution():
     assert tokens.tolist() == [0, 0] and torch.allclose(logprobs, probs[0].log())
 
 
-@pytest.mark.parametrize("dtype,temperature", [(torch.float32, 1.0), (torch.float32, 0.7),
-                                               (torch.bfloat16, 1.0), (torch.bfloat16, 0.7)])
-def test_sampling_holds_12_bytes_per_logit_beyond_the_logits(dtype, temperature):
+def full_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The slow twin of rollout.inverse_cdf: the whole (rows, V) cdf in float64, one search."""
+    cdf = probs.double().cumsum(dim=-1)  # (rows, V)
+    total = cdf[:, -1:]
+    u = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, u, right=True)[:, 0]
+
+
+@pytest.mark.parametrize("V", [49152, 151936, 1000, 14, 251])  # 251 is prime: blocks of one token
+def test_two_level_inverse_cdf_equals_the_full_cdf(V):
+    """Same tokens as the whole-vocabulary float64 cdf for the same uniforms. Tolerance: none, yet
+    not guaranteed: a block's float32 sum moves its boundary by ~1e-7 of its mass, so a uniform
+    that close to a boundary could land one token over; at these seeds none does (about 1e-4 of
+    a chance over all the draws)."""
+    gen = torch.Generator().manual_seed(V)
+    rows = 64 if V > 100000 else 256
+    scale = torch.linspace(0.1, 12, rows)[:, None]  # flat to peaked
+    logits = torch.randn(rows, V, generator=gen) * scale
+    logits[::3] = filter_logits(logits[::3], 1.0, top_k=min(40, V - 1))  # masked tokens: -inf
+    logits[1::3] = filter_logits(logits[1::3], 1.0, top_p=0.9)
+    probs = logits.softmax(dim=-1)
+    u = torch.rand(rows, 1, generator=gen, dtype=torch.float64)
+    u[:2] = torch.tensor([[0.0], [1 - 2 ** -53]])  # the two ends of [0, 1)
+    tokens = rollout.inverse_cdf(probs, u)
+    assert torch.equal(tokens, full_inverse_cdf(probs, u))
+    assert (probs.gather(-1, tokens[:, None]) > 0).all()  # never a masked token
+    assert tokens[0] == (probs[0] > 0).nonzero()[0, 0]  # u = 0: the first token with mass
+
+
+def test_sample_equals_its_slow_twin_for_the_same_seed():
+    """sample() = softmax of the filtered logits, then the whole-vocabulary cdf, drawing the same
+    uniforms: same tokens, logprobs bit for bit (the same softmax gathered)."""
+    logits = torch.randn(128, 4096, generator=torch.Generator().manual_seed(0)) * 4
+    for temperature, top_k, top_p in [(1.0, 0, 1.0), (0.7, 50, 1.0), (1.3, 0, 0.8)]:
+        generator = torch.Generator().manual_seed(5)
+        tokens, logprobs = sample(logits, temperature, top_k, top_p, generator)
+        probs = filter_logits(logits, temperature, top_k, top_p).softmax(dim=-1)
+        u = torch.rand(128, 1, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+        slow = full_inverse_cdf(probs, u)
+        assert torch.equal(tokens, slow)
+        assert torch.equal(logprobs, probs.gather(-1, slow[:, None])[:, 0].log())
+
+
+@pytest.mark.parametrize("dtype,temperature,nbytes", [
+    (torch.float32, 1.0, 4), (torch.float32, 0.7, 8), (torch.bfloat16, 1.0, 8),
+    (torch.bfloat16, 0.7, 8)])
+def test_sampling_holds_at_most_8_bytes_per_logit_beyond_the_logits(dtype, temperature, nbytes):
     """Regression: sample() held the filtered float32 copy, the softmax, a float64 copy of it and
     the float64 cdf at once: 20-24 bytes per (row, vocab) entry, 400 MB at 128 rows x 128k vocab.
-    Now the softmax (4) and the cdf summed in place on one float64 copy (8)."""
-    rows, V = 64, 4096
+    Now the softmax (4), beside the filtered float32 copy (4) while it is softmaxed when there is
+    one; the cdf is the block sums' and one block's (a few bytes per row)."""
+    rows, V = 16, 32768
     logits = torch.randn(rows, V, generator=torch.Generator().manual_seed(0)).to(dtype)
     generator = torch.Generator().manual_seed(1)
     peak = allocator_peak(lambda: sample(logits, temperature, 0, 1.0, generator))
     per_entry = peak / (rows * V)
-    assert 12 <= per_entry < 12.1  # + a few bytes per row (the uniforms, the tokens)
+    # + per row: one block gathered and its float64 cdf (12 bytes x 256), the block sums' float32,
+    # float64 and cdf (20 bytes x V/256): 0.17 bytes per entry here.
+    assert nbytes <= per_entry < nbytes + 0.2
 
 # -----------------------------------------------------------------------------
 # The KV cache buffer and errors
