@@ -21,11 +21,15 @@ copy bandwidth. Random weights of the published shapes (tests/bench_bf16.py's SH
    grads, AdamW and the KV cache: seconds and GB/s of each move against the pinned copy, the
    device's free bytes (torch.cuda.mem_get_info) and the allocator's reserved bytes before and
    after, and the weights after a sleep/wake cycle against a copy kept aside.
+4. plan: `train.py --plan` and 3 steps of the same run on a checkpoint of the shape (random bf16
+   weights, tests/test_tokenizer.py's BPE and ChatML), each phase's max_memory_allocated.
 Only a CUDA GPU: on a CPU it says so and exits.
 """
 
 import argparse
+import dataclasses
 import functools
+import json
 import math
 import os
 import sys
@@ -49,7 +53,7 @@ GB = 1e9
 
 
 def timed(fn, repeats: int) -> float:
-    """Seconds per call: one warm-up, then the mean of `repeats` (CUDA events bracket them)."""
+    """Seconds per call: one warm-up, then the mean of `repeats` between two synchronisations."""
     fn()
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -78,6 +82,8 @@ def limits() -> dict:
 
 
 def build(name: str, dtype: torch.dtype) -> Llama:
+    """Random weights of a published shape, made on the GPU (init_weights draws on the CPU: minutes
+    for 1B parameters); norms 1, biases 0, as init_weights."""
     with torch.device("cuda"):
         model = Llama(SHAPES[name]).to(dtype)
     with torch.no_grad():
@@ -276,17 +282,53 @@ def sleep_part(name: str, lim: dict) -> None:
     torch.cuda.empty_cache()
 
 
+def write_checkpoint(name: str, path: str) -> None:
+    """A checkpoint train.py can run: build()'s bf16 weights, tests/test_tokenizer.py's byte-level
+    BPE (Qwen2.5's specials, no BOS) and its ChatML template."""
+    from test_tokenizer import CHATML_TEMPLATE, QWEN_SPECIALS, byte_level_bpe
+    tok = byte_level_bpe(QWEN_SPECIALS, None)
+    model = build(name, torch.bfloat16)
+    model.config = dataclasses.replace(model.config, bos_token_id=None,
+                                       eos_token_id=tok.token_to_id("<|im_end|>"))
+    hf.save_model(model, path)
+    tok.save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+                   "chat_template": CHATML_TEMPLATE}, f)
+
+
+def plan_part(name: str, lim: dict) -> None:
+    """train.py --plan against 3 steps of the same run (the default task's prompts, tokenized by
+    the BPE), each phase's max_memory_allocated from the run's own memory table."""
+    import train
+    with tempfile.TemporaryDirectory() as tmp:
+        write_checkpoint(name, os.path.join(tmp, "model"))
+        argv = ["--model", os.path.join(tmp, "model"), "--dtype", "bfloat16", "--prompts_per_step",
+                str(BP), "--num_samples", str(G), "--max_new_tokens", str(NEW), "--max_prompt_len",
+                str(P), "--eval_every", "0", "--save_every", "0", "--out", os.path.join(tmp, "out")]
+        print(f"\n{name}: train.py {' '.join(argv[2:-2])}")
+        train.main(argv + ["--plan"])
+        run = train.setup(train.parse_args(argv))
+        for step in range(3):
+            train.step(run, step)
+        train.checkpoint.release_out_dir()
+        print("measured over 3 steps (max_memory_allocated per phase):")
+        print(run.mem.report())
+        del run
+    torch.cuda.empty_cache()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", default="Qwen2.5-0.5B,Llama-3.2-1B")
-    parser.add_argument("--parts", default="rollout,train,sleep")
+    parser.add_argument("--parts", default="rollout,train,sleep,plan")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_limits needs a CUDA GPU; none is visible")
         return
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     lim = limits()
-    parts = dict(rollout=rollout_part, train=train_part, sleep=sleep_part)
+    parts = dict(rollout=rollout_part, train=train_part, sleep=sleep_part, plan=plan_part)
     for name in args.shapes.split(","):
         for part in args.parts.split(","):
             try:
