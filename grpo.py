@@ -611,13 +611,15 @@ def batch_logprobs(model, batch: GRPOBatch, cfg: GRPOConfig, *,
 
 
 def accumulate(model, batch: GRPOBatch, cfg: GRPOConfig, *, logprob_fn: Callable | None = None,
-               num_seqs: int | None = None, num_tokens: int | None = None) -> dict[str, float]:
+               num_seqs: int | None = None, num_tokens: int | None = None,
+               before_backward: Callable[[], None] | None = None) -> dict[str, float]:
     """Forward, loss and backward over the generation batch in micro-batches of whole groups;
     grads accumulate into .grad (no zero_grad, no step). num_seqs/num_tokens default to this
     batch's rows and loss tokens; pass global counts under data parallelism. Returns "loss" (the
     big-batch loss), the other metrics weighted by the micro-batches' tokens (rows for those
     grpo_loss takes per sequence), "entropy", "sampler_logp_diff" = mean |logp - sampler_logp|,
-    the min of *_min and max of *_max, and "tokens" (this batch's loss tokens)."""
+    the min of *_min and max of *_max, and "tokens" (this batch's loss tokens). before_backward()
+    runs between each micro-batch's forward and its backward (train.py: memory's heap trim)."""
     batch.check()
     if batch.advantages is None:
         raise ValueError("batch.advantages is None: accumulate needs one advantage per row")
@@ -639,6 +641,8 @@ def accumulate(model, batch: GRPOBatch, cfg: GRPOConfig, *, logprob_fn: Callable
                                   cfg, num_seqs=num_seqs, num_tokens=max(num_tokens, 1),
                                   max_completion_len=batch.max_new_tokens, entropy=entropy,
                                   sampler_logp=micro.sampler_logp)
+        if before_backward is not None:
+            before_backward()
         loss.backward()
         weight = {"tokens": float(mask.sum()), "rows": float(mask.shape[0])}
         with torch.no_grad():

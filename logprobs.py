@@ -107,7 +107,6 @@ class ChunkedSoftmaxLogprobs(torch.autograd.Function):
     def backward(ctx, grad_logp: Tensor | None, grad_entropy: Tensor | None):
         h, targets, lse, entropy, *params = ctx.saved_tensors
         grad_h = torch.empty_like(h)
-        grad_params = [None] * len(params)
         for start in range(0, h.shape[0], ctx.chunk_size):
             rows = slice(start, start + ctx.chunk_size)
             with torch.enable_grad(), uncached_autocast(h.device.type):
@@ -116,12 +115,12 @@ class ChunkedSoftmaxLogprobs(torch.autograd.Function):
             grad_z = softmax_grads(z.detach(), targets[rows], lse[rows], entropy[rows],
                                    None if grad_logp is None else grad_logp[rows],
                                    None if grad_entropy is None else grad_entropy[rows])
-            grads = torch.autograd.grad(z, [h_chunk, *params], grad_z, allow_unused=True)
-            grad_h[rows] = grads[0]
-            # None: a parameter the head does not use
-            grad_params = [new if acc is None else acc if new is None else acc.add_(new)
-                           for acc, new in zip(grad_params, grads[1:])]
-        return grad_h, None, None, None, None, *grad_params
+            # The head's weight grads go straight into .grad, chunk by chunk: returned, a (V, C)
+            # lm_head grad would wait in autograd through the whole backward (a tied one for the
+            # embedding's, the last node), one more V x C on top of every saved activation.
+            torch.autograd.backward(z, grad_z, inputs=[h_chunk, *params])
+            grad_h[rows] = h_chunk.grad
+        return grad_h, None, None, None, None, *[None] * len(params)
 
 
 def chunk_rows(chunk_bytes: int, vocab_size: int, dtype: torch.dtype) -> int:

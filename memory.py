@@ -21,19 +21,16 @@ sampler's weights, then the KV cache): the peak never holds two phases' memory. 
 sleeps what it woke. Parameters, buffers and optimizer state stay the same Python objects (`.data`
 is swapped; addresses change, so re-capture CUDA graphs).
 
-Released memory is gone and any use of it raises one RuntimeError naming the tag and the phase:
-the tensor's class becomes ReleasedTensor / ReleasedParameter, whose __torch_function__ refuses
-all but metadata (shape, dtype, ...), and goes back at wake (awake tensors pay nothing). A woken
-tensor holds NaN until its owner fills it: the caller syncs the sampler (rollout.sync_weights),
-generate() zeroes the KV it uses. Offloaded memory stays readable on the host (a checkpoint may
-read optimizer.state_dict() any time); a forward or optimizer step on it raises until wake.
+Any use of released memory raises one RuntimeError naming the tag and the phase (its class
+becomes ReleasedTensor / ReleasedParameter, whose __torch_function__ refuses all but metadata,
+until wake; awake tensors pay nothing). A woken tensor holds NaN until its owner fills it
+(rollout.sync_weights; generate() zeroes the KV it uses). Offloaded memory stays readable on the
+host (optimizer.state_dict() for a checkpoint); a forward or step on it raises until wake. On a
+CPU an offload would copy into the memory it leaves: the tensors stay (policy "guard": no copy,
+resident in every phase) and only the guard comes and goes.
 
-On a CPU an offload would copy into the same memory it leaves: the tensors stay where they are
-(policy "guard": no host buffer, no copy, counted as resident in every phase) and only the guard
-comes and goes, so a forward or step outside the phase raises as on a GPU.
-
-Also: activation offloading and per-block checkpointing for the training forward (on a CPU the
-same code runs: a copy into a separate buffer). No shapes: tensors move whole.
+Also, for the training forward: activation offloading, per-block checkpointing, an embedding
+whose backward adds its rows into weight.grad. No shapes: tensors move whole.
 Leaves out: offloading the trainer's own weights, disk offload, copy streams overlapping compute.
 Tested by tests/test_memory.py and tests/test_memory_cuda.py; measured by tests/bench_memory.py.
 """
@@ -92,7 +89,9 @@ def return_freed_memory(device: torch.device) -> None:
     (or torch.cuda.mem_get_info) could see. CPU: glibc keeps what a process frees for reuse, so
     one phase's freed activations would stay resident under the next phase's allocations (a
     rollout after training: 370 MiB of RSS over the baseline, 167 MiB with this at each phase
-    exit; tests/bench_plan.py); a no-op without glibc. Allocated bytes do not change."""
+    exit; tests/bench_plan.py), and the forward's under backward's large blocks, which are mapped
+    apart (train.py calls this before each backward: 3.06 -> 2.93 GB on SmolLM2's 8 x 8 run); a
+    no-op without glibc. Allocated bytes do not change."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
     elif device.type == "cpu" and _MALLOC_TRIM is not None:
@@ -275,18 +274,14 @@ class Offloaded:
         return [t for t in self.tensors() if t.device == self.device and not self._on_host(t)]
 
     def full_bytes(self) -> int:
-        if self.optimizer is not None and not self.optimizer.state:
-            return self._unstepped_bytes()
-        return _nbytes(self.tensors())
-
-    def _unstepped_bytes(self) -> int:
         """Before the first step (or on the meta device, planning) Adam and AdamW hold no state
         yet: they will hold two moments per parameter in its dtype (exp_avg, exp_avg_sq; the
         scalar `step` tensors are left out). Other optimizers: 0, unknown until they step."""
+        if self.optimizer is None or self.optimizer.state:
+            return _nbytes(self.tensors())
         if not isinstance(self.optimizer, (torch.optim.Adam, torch.optim.AdamW)):
             return 0
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        return 2 * _nbytes(params)
+        return 2 * _nbytes([p for g in self.optimizer.param_groups for p in g["params"]])
 
     @torch.no_grad()  # moving a Parameter's bytes is not an operation to differentiate
     def sleep(self, manager: "PhaseManager") -> int:
@@ -531,30 +526,6 @@ class PhaseManager:
         return {phase: {g.tag: g.full_bytes() if awake(g, tags) else 0 for g in self.groups}
                 for phase, tags in PHASE_TAGS.items()}
 
-    def plan_step(self, transients: dict[str, int], target: str | torch.device,
-                  phases: bool = True) -> dict[str, dict[str, int]]:
-        """phase -> {tag: bytes, ..., "transient": bytes, "peak": bytes}: each phase's peak
-        allocated on `target` (what torch.cuda.max_memory_allocated reads there), from shapes
-        alone (a manager on the meta device plans for any target):
-            peak = the tags awake in the phase (plan(target)) + its largest transient
-        "idle" is outside every phase (the old logprobs' forward): only what no phase releases.
-        On a CPU the offloaded tags stay in place (policy "guard"): counted once, in every phase;
-        on a GPU their pinned host buffers are not device memory.
-        phases=False (train.py --phases false): every tag resident throughout.
-        transients: phase -> bytes of activations, logits and the like at the phase's largest
-        moment (plan.py: rollout_memory, micro_batch_memory): "rollout", "reference",
-        "train", "idle"."""
-        plan = self.plan(target)
-        tags = {"idle": {tag: min(p[tag] for p in plan.values()) for tag in plan["train"]},
-                **plan}
-        if not phases:
-            tags = {phase: {g.tag: g.full_bytes() for g in self.groups} for phase in tags}
-        out = {}
-        for phase, by_tag in tags.items():
-            row = {**by_tag, "transient": transients.get(phase, 0)}
-            out[phase] = {**row, "peak": sum(row.values())}
-        return out
-
     def report(self) -> str:
         """A short table: bytes per tag in each phase seen, mean time (GB/s) of its transitions."""
         phases = [p for p in PHASE_TAGS if p in self.phase_bytes]
@@ -620,6 +591,43 @@ class Checkpointed:
         # NOTE: the block and its attention callable run again in backward: a callable's side
         # effects (appends) happen twice.
         return checkpoint(super().forward, *args, use_reentrant=False, **kwargs)
+
+
+class RowsIntoGrad(torch.autograd.Function):
+    """F.embedding whose backward adds each row's gradient into weight.grad (index_add_): autograd
+    builds a dense (V, C) one per lookup (113 MB at V = 49,152; twice with the shared prompt) at the
+    end of backward. NOTE: the weight's gradient comes from backward() only, not autograd.grad."""
+
+    @staticmethod
+    def forward(ctx, ids: Tensor, weight: Tensor) -> Tensor:
+        ctx.save_for_backward(ids)
+        ctx.weight = weight
+        return nn.functional.embedding(ids, weight)  # (..., C)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (ids,), weight = ctx.saved_tensors, ctx.weight
+        if weight.grad is None:
+            weight.grad = torch.zeros_like(weight)
+        weight.grad.index_add_(0, ids.reshape(-1), grad.reshape(ids.numel(), -1).to(weight.dtype))
+        return None, None
+
+
+class GradIntoWeightEmbedding(nn.Embedding):
+    def forward(self, ids: Tensor) -> Tensor:  # rollout and no-grad logprobs: the plain lookup
+        if torch.is_grad_enabled() and self.weight.requires_grad:
+            return RowsIntoGrad.apply(ids, self.weight)
+        return super().forward(ids)
+
+
+def grads_into_weight(e: nn.Module) -> bool:
+    """A plain nn.Embedding becomes a GradIntoWeightEmbedding (names and state dict unchanged); one
+    with padding_idx, max_norm or sparse grads, or another class (tp.py's), is left as it is."""
+    if type(e) is not nn.Embedding or e.padding_idx is not None or e.max_norm is not None \
+            or e.sparse or e.scale_grad_by_freq:
+        return False
+    e.__class__ = GradIntoWeightEmbedding
+    return True
 
 
 @functools.cache  # one class per module class: Block, or any class tp.py swapped in

@@ -3,7 +3,7 @@ The memory plan: what a run will hold per rank in each phase, from shapes alone,
 is read (`train.py --plan`), and the micro-batch that fits `--memory_budget`. memory_phases is the
 one list of memory tags: setup() registers them on the real tensors, --plan on the meta device.
 
-Each phase's peak = the tagged tensors awake in it (memory.PhaseManager.plan_step: weights, KV
+Each phase's peak = the tagged tensors awake in it (phase_peaks: weights, KV
 cache, grads, optimizer state, reference; on a CPU the last two stay in place) + its largest
 transient, which the formulas below give: rollout_memory (the sampler's prefill and first sampling),
 micro_batch_memory (one training micro-batch forward and backward, with or without activation
@@ -165,8 +165,9 @@ def pending_gradient_bytes(config: ModelConfig, dtype: torch.dtype, tp_size: int
                            embedding: bool = True) -> int:
     """A weight's completion gradient waits in autograd's input buffer for its prompt gradient,
     to be summed with it. The two forwards alternate block by block (shared_prompt_hidden), so
-    that is one block's weights per rank, a*C*(2Q + 2K + 3I)/tp, and the embedding's, a*V/tp*C
-    (it waits for the prompt's embedding, the last node of backward). With activation
+    that is one block's weights per rank, a*C*(2Q + 2K + 3I)/tp, and under tensor parallelism the
+    embedding's, a*V/tp*C (it waits for the prompt's embedding, the last node of backward; with
+    one rank memory.grads_into_weight adds the rows into .grad instead). With activation
     checkpointing they come on top of everything saved; without, the completions' saved
     activations are mostly freed by then. embedding=False: one block's weights alone."""
     a = torch.empty((), dtype=dtype).element_size()
@@ -175,7 +176,7 @@ def pending_gradient_bytes(config: ModelConfig, dtype: torch.dtype, tp_size: int
     K = config.num_key_value_heads // tp_size * config.head_dim
     I = config.intermediate_size // tp_size
     V = config.vocab_size // tp_size
-    return a * (C * (2 * Q + 2 * K + 3 * I) + embedding * V * C)
+    return a * (C * (2 * Q + 2 * K + 3 * I) + (embedding and tp_size > 1) * V * C)
 
 
 def batch_bytes(rows: int, completion_len: int, old: bool, reference: bool) -> int:
@@ -227,9 +228,29 @@ def memory_phases(device: torch.device | str, cfg: MemoryConfig, model: nn.Modul
     return mem
 
 
+def phase_peaks(mem: PhaseManager, transients: dict[str, int], target: str | torch.device,
+                phases: bool = True) -> dict[str, dict[str, int]]:
+    """phase -> {tag: bytes, ..., "transient": bytes, "peak": bytes}: each phase's peak allocated
+    on `target` (what torch.cuda.max_memory_allocated reads there), from shapes alone:
+        peak = the tags awake in the phase (mem.plan(target)) + its largest transient
+    "idle" is outside every phase (the old logprobs' forward): only what no phase releases. On a
+    CPU the offloaded tags stay in place (policy "guard"): counted once, in every phase; on a GPU
+    their pinned host buffers are not device memory. phases=False (train.py --phases false): every
+    tag resident throughout. transients: phase -> bytes (step_transients)."""
+    plan = mem.plan(target)
+    tags = {"idle": {tag: min(p[tag] for p in plan.values()) for tag in plan["train"]}, **plan}
+    if not phases:
+        tags = {phase: {g.tag: g.full_bytes() for g in mem.groups} for phase in tags}
+    out = {}
+    for phase, by_tag in tags.items():
+        row = {**by_tag, "transient": transients.get(phase, 0)}
+        out[phase] = {**row, "peak": sum(row.values())}
+    return out
+
+
 def step_plan(mem: PhaseManager, cfgs, model, sampler, reference, prompts: int, tp_size: int,
               target: str, g: GRPOConfig) -> dict[str, dict[str, int]]:
-    """mem.plan_step for one step of train.py's configs `cfgs` (rollout.max_new_tokens resolved)
+    """phase_peaks for one step of train.py's configs `cfgs` (rollout.max_new_tokens resolved)
     with the GRPO knobs g, `prompts` prompts per rank of cfgs.train.max_prompt_len tokens:
     phase -> {tag: bytes, "transient", "peak"}; no "reference" phase without one."""
     transients = step_transients(
@@ -239,7 +260,7 @@ def step_plan(mem: PhaseManager, cfgs, model, sampler, reference, prompts: int, 
         sequence_parallel=cfgs.parallel.sequence_parallel, old=g.mu > 1,
         repeated_prompt=torch.device(target).type != "cpu",  # grpo.shared_prompt_attention's
         cpu=torch.device(target).type == "cpu")
-    plan = mem.plan_step(transients, target, cfgs.train.phases)
+    plan = phase_peaks(mem, transients, target, cfgs.train.phases)
     if reference is None:
         del plan["reference"]
     return plan

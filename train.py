@@ -290,6 +290,7 @@ def setup(values: dict[str, object]) -> Run:
                                       next(sampler.parameters()).dtype, device,
                                       tp_size=groups.tp_size)
     memory.checkpoint_blocks(model.model.layers, cfgs.memory.activation_checkpoint)
+    memory.grads_into_weight(model.model.embed_tokens)
     mem = plan.memory_phases(device, cfgs.memory, model, sampler, cache, optimizer, reference)
     plan.fit(mem, cfgs, model, sampler, reference, local_prompts, groups.tp_size, device.type,
              explicit)  # --memory_budget's micro-batch and chunk, or the default's bound
@@ -438,18 +439,19 @@ def train_phase(run: Run, batch: grpo.GRPOBatch) -> list[dict]:
     counts = [batch.mask.shape[0], float(batch.loss_mask(cfgs.grpo).sum())]  # rows, loss tokens
     num_seqs, num_tokens = all_reduce_dp(counts, run)
     iterations = []
+    trim = partial(memory.return_freed_memory, run.device) if run.device.type == "cpu" else None
     with run.phase("train"):
         for _ in range(cfgs.grpo.mu):
             lr = learning_rate(cfgs.train, run.opt_step, cfgs.train.steps * cfgs.grpo.mu)
             for group in run.optimizer.param_groups:
                 group["lr"] = lr
             run.optimizer.zero_grad(set_to_none=True)
-            sp = contextlib.nullcontext()
-            if run.groups.tp_size > 1:
-                sp = tp.sequence_parallel(run.model, cfgs.parallel.sequence_parallel)
+            sp = (tp.sequence_parallel(run.model, cfgs.parallel.sequence_parallel)
+                  if run.groups.tp_size > 1 else contextlib.nullcontext())
             with sp, run.mem.activations(run.model), autocast(run):
                 m = grpo.accumulate(run.model, batch, cfgs.grpo, logprob_fn=run.logprob_fn,
-                                    num_seqs=int(num_seqs), num_tokens=max(1, int(num_tokens)))
+                                    num_seqs=int(num_seqs), num_tokens=max(1, int(num_tokens)),
+                                    before_backward=trim)  # the CPU's heap: memory.py
             tp.DataParallelGrads(run.model, run.groups).all_reduce()
             m["grad_norm"] = tp.clip_grad_norm(run.model, cfgs.train.grad_clip or math.inf,
                                                run.groups)
@@ -571,11 +573,9 @@ def check_health(run: Run, record: dict) -> None:
     run.unscored_in_a_row = run.unscored_in_a_row + 1 if record["reward"] is None else 0
     why = ""
     if run.bad_in_a_row >= cfg.max_bad_steps:
-        why = (f"{run.bad_in_a_row} steps in a row had no finite update (non-finite loss or "
-               "gradients)")
+        why = f"{run.bad_in_a_row} steps in a row had no finite update (a non-finite loss or grad)"
     elif run.unscored_in_a_row >= cfg.max_unscored_steps:
-        why = (f"{run.unscored_in_a_row} steps in a row had no reward scored (every reward "
-               "function returned None)")
+        why = f"{run.unscored_in_a_row} steps in a row had no reward scored (all returned None)"
     if why:
         raise StopTraining(f"{why}; stopped, last good state at {save(run, record['step'])}")
 

@@ -315,6 +315,39 @@ def test_chunked_equals_unchunked_and_never_holds_more_than_a_chunk(path, chunk_
     torch.testing.assert_close(logp_n, logp.detach(), **LOGP_TOL)
 
 
+def test_the_heads_weight_gradient_does_not_wait_under_the_saved_activations():
+    """Regression: the chunked head returned its (V, C) weight gradient to autograd, which held
+    it until the tied embedding's gradient arrived, the last node of backward: one more V x C
+    (113 MB at SmolLM2's 49,152 x 576) under every saved activation. It now goes into .grad
+    chunk by chunk, so it is there when the last block's backward starts; the values stay those
+    of the unchunked twin (test_chunked_equals_unchunked_and_never_holds_more_than_a_chunk)."""
+    cfg = M.ModelConfig(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    m = M.Llama(cfg).init_weights(0, std=0.2)
+    batch, grpo_cfg = training_batch(m)
+    grpo_cfg.chunk_bytes = 4 * V * 4  # 4 rows a chunk: several chunks
+    seen = []
+
+    def on_output(module, args, out):  # returns None: the output stays as it is
+        out.register_hook(lambda g: seen.append(m.lm_head.weight.grad is not None))
+    m.model.layers[-1].register_forward_hook(on_output)
+    m.zero_grad(set_to_none=True)
+    grpo.accumulate(m, batch, grpo_cfg)
+    assert seen and seen[0], seen  # already in .grad when the first block gradient arrives
+
+
+def test_before_backward_runs_between_each_forward_and_its_backward():
+    """train.py trims the CPU heap there: once per micro-batch, after its forward (the loss has a
+    graph) and before its backward (the first micro-batch's weights have no grad yet)."""
+    m = tiny_model()
+    batch, cfg = training_batch(m)
+    cfg.micro_batch_groups = 1  # 4 micro-batches
+    seen = []
+    m.zero_grad(set_to_none=True)
+    grpo.accumulate(m, batch, cfg, before_backward=lambda: seen.append(m.lm_head.weight.grad))
+    assert len(seen) == 4 and seen[0] is None and all(g is not None for g in seen[1:])
+
+
 @pytest.mark.parametrize("vocab,dtype,rows", [(V, torch.float32, 4), (4 * V, torch.float32, 1),
                                               (V, torch.float64, 2), (V, torch.bfloat16, 4)])
 def test_a_logprob_chunk_holds_at_most_chunk_bytes_of_logits(vocab, dtype, rows):

@@ -13,10 +13,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
+from memtrace import allocator_peak
 
 import attention
 import memory
 import model as M
+import plan
 import tp
 from memory import MemoryConfig, PhaseManager, checkpoint_blocks, offload_activations
 from rollout import KVCache, RolloutConfig, generate, sync_weights
@@ -173,7 +175,7 @@ def test_plan_on_the_meta_device_counts_bytes_from_shapes():
     with pytest.raises(RuntimeError, match="meta device can only plan"):
         mgr.enter("rollout")
 
-def test_plan_step_adds_adam_state_and_transients_and_counts_a_cpu_offload_once():
+def test_phase_peaks_add_adam_state_and_transients_and_count_a_cpu_offload_once():
     """Before AdamW's first step (always, on the meta device) its state is planned from the
     parameters: two moments each. On a CPU target the offloaded tags stay in place: resident in
     every phase, counted once (regression: a host-buffer column counted them a second time)."""
@@ -187,15 +189,15 @@ def test_plan_step_adds_adam_state_and_transients_and_counts_a_cpu_offload_once(
     mgr.add_reference(reference)
     n = 4 * sum(p.numel() for p in trainer.parameters())  # float32 bytes
     transients = {"rollout": 1, "reference": 2, "train": 3, "idle": 4}
-    gpu = mgr.plan_step(transients, "cuda")
+    gpu = plan.phase_peaks(mgr, transients, "cuda")
     assert {p: row["peak"] for p, row in gpu.items()} == {
         "idle": n + 4, "rollout": n + 1, "reference": 2 * n + 2, "train": 4 * n + 3}
     assert gpu["train"]["optimizer"] == 2 * n and gpu["rollout"]["optimizer"] == 0
-    cpu = mgr.plan_step(transients, "cpu")
+    cpu = plan.phase_peaks(mgr, transients, "cpu")
     assert {p: row["peak"] for p, row in cpu.items()} == {  # trainer, AdamW, reference throughout
         "idle": 4 * n + 4, "rollout": 4 * n + 1, "reference": 4 * n + 2, "train": 5 * n + 3}
     assert all("host" not in row and row["optimizer"] == 2 * n for row in cpu.values())
-    everything = mgr.plan_step(transients, "cpu", phases=False)
+    everything = plan.phase_peaks(mgr, transients, "cpu", phases=False)
     assert everything["rollout"]["peak"] == 5 * n + 1  # all resident
 
 
@@ -650,6 +652,43 @@ def test_checkpoint_blocks_works_on_classes_tp_swapped_in():
     assert type(clone.model.layers[1].input_layernorm) is type(norms[0])
     checkpoint_blocks(norms, enabled=False)
     assert type(norms[0]) is tp.TPRMSNorm
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_embedding_grads_into_weight_equal_autograds_and_skip_the_dense_gradient(tied):
+    """grads_into_weight against the plain nn.Embedding: the same gradients (a tied head too, with
+    .grad absent and present), and backward holds no dense (V, C) gradient: measured side by side,
+    the plain one allocates at least V*C*4 bytes above the grads, the swapped one a few rows."""
+    model = tiny_model()
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    twin = copy.deepcopy(model)
+    assert memory.grads_into_weight(twin.model.embed_tokens)
+    assert type(twin.model.embed_tokens).__name__ == "GradIntoWeightEmbedding"
+    tokens = batch(4)
+    for m in (model, twin):
+        m.zero_grad(set_to_none=True)
+        for _ in range(2):  # .grad absent, then accumulating into it
+            loss_fn(m, tokens).backward()
+    for (name, got), want in zip(twin.named_parameters(), model.parameters()):
+        # the same rows summed in another order: float32 rounding
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-5, atol=1e-7, msg=name)
+    assert twin.state_dict().keys() == model.state_dict().keys()
+    with torch.no_grad():  # rollout: the plain lookup
+        torch.testing.assert_close(twin(tokens), model(tokens), rtol=0, atol=0)
+
+    big_v, c = 1 << 16, 16  # a dense gradient of 4 MiB, 48 looked-up rows
+    peaks = []
+    for swap in (False, True):
+        emb = torch.nn.Embedding(big_v, c)
+        if swap:
+            memory.grads_into_weight(emb)
+        ids = torch.randint(0, big_v, (4, 12), generator=torch.Generator().manual_seed(0))
+        emb(ids).square().sum().backward()  # the grad exists: as in every micro-batch but one
+        peaks.append(allocator_peak(lambda: emb(ids).square().sum().backward()))
+    assert peaks[0] >= big_v * c * 4 > 16 * peaks[1], peaks
+    padded = torch.nn.Embedding(V, 8, padding_idx=0)  # its gradient skips a row: left as it is
+    assert not memory.grads_into_weight(padded) and type(padded) is torch.nn.Embedding
 
 
 def test_activations_context_follows_the_config():
