@@ -10,15 +10,13 @@ policy and minimises the clipped policy-gradient loss, micro-batch by micro-batc
 mu times per generation batch (generate once per effective batch, TRL PR #3283).
 
 Two memory tricks, each tested against its obvious slow twin in tests/test_grpo.py:
-1. Shared prompt (TRL PR #2669, done exactly): each prompt is forwarded once, WITH grad, and its
-   per-layer keys/values are recorded; each completion then attends to [its prompt's keys; its own
-   keys] (attention.SharedPrefixAttention: the G completions of a group folded into the query length
-   against the one prompt K/V, never copied, no mask). Tokens forwarded: Bp*(P + G*Tr) instead of
-   Bp*G*(P + Tr). The prompt stays in the graph, so the gradients of all G completions sum into
-   it; a no-grad prompt (what #2669 first did) gives a truncated gradient. The two forwards
-   alternate block by block (model.hidden_steps), so backward does too and a weight's prompt and
-   completion gradients meet one block apart (the whole prompt first held a second copy of every
-   block's weight gradients at the peak).
+1. Shared prompt (TRL PR #2669, done exactly): each prompt is forwarded once, WITH grad, and each
+   completion attends to [its prompt's keys; its own keys] (attention.SharedPrefixAttention: the
+   G completions of a group folded into the query length against the one prompt K/V, never
+   copied, no mask). Tokens forwarded: Bp*(P + G*Tr) instead of Bp*G*(P + Tr). The prompt stays
+   in the graph, so the gradients of all G completions sum into it; a no-grad prompt (what #2669
+   first did) gives a truncated gradient. Prompts and completions run packed in one row, so each
+   weight is used once (two forwards made autograd sum two gradients of every weight).
 2. Chunked logprobs (logprobs.py): the (tokens x V) logits never exist at once, forward or
    backward; logp and the entropy come back differentiable. A chunk is sized in bytes of logits
    (chunk_rows): a token count fit for V = 16 is 200 MB at V = 49,152.
@@ -359,39 +357,42 @@ def shared_prompt_hidden(model, prompt_ids: Tensor, prompt_lens: Tensor, inputs:
                          G: int) -> Tensor:
     """Hidden states that predict each completion token: (N, T+1, C) for inputs (N, T) =
     completions without their last token. Row i's first state is its prompt's last valid position;
-    the rest come from the completion forward on top of the prompt's keys/values, which stay in the
-    graph. The two forwards alternate block by block (model.hidden_steps), so backward does too:
-    each weight's completion gradient waits for its prompt gradient one block, not the whole
-    completion backward (which held a second copy of the blocks' weight gradients)."""
+    the rest come from the completions attending to their prompt's keys/values, which stay in the
+    graph. The prompts and the completions are packed into one row of Bp*P + N*T tokens, so every
+    linear and norm runs once over all of them: each weight is used once and gets one gradient
+    (two forwards would leave autograd summing a prompt and a completion gradient of every weight,
+    out of place, with one of them waiting for the other). Only attention tells them apart."""
     Bp, P = prompt_ids.shape
-    kv: dict[int, tuple[Tensor, Tensor]] = {}
-
-    def record_kv(layer: int, q: Tensor, k: Tensor, v: Tensor, last: Tensor | None = None):
-        # (Bp, Hkv, P, D), with grad: all G completions backpropagate into the prompt
-        kv[layer] = (k, v)
-        return causal_attention(layer, q, k, v, last)  # right padding comes after valid tokens
-
-    # Only the last valid position's state is read: the final block's queries and MLP run there
-    # alone (its keys/values, and every earlier layer, still cover the whole prompt).
-    prompt_steps = model.hidden_steps(prompt_ids, None, record_kv, last=prompt_lens - 1)
-    T = inputs.shape[1]
-    if T == 0:
-        *_, last = prompt_steps
+    N, T = inputs.shape
+    if T == 0:  # only the prompt's last state: the final block's queries and MLP run there alone
+        last = model.hidden(prompt_ids, None, causal_attention, last=prompt_lens - 1)  # (Bp, 1, C)
         return last[:, 0].repeat_interleave(G, 0)[:, None]  # (N, 1, C)
-    positions = prompt_lens.repeat_interleave(G)[:, None] + torch.arange(T, device=inputs.device)
+    device = inputs.device
     config = model.config
-    rep = config.num_attention_heads // config.num_key_value_heads
-    attend = shared_prompt_attention(prompt_lens, P, T, rep)
+    attend = shared_prompt_attention(prompt_lens, P, T, config.num_attention_heads //
+                                     config.num_key_value_heads)
+    split = Bp * P  # packed: [prompt 0 .. prompt Bp-1 (right-padded to P); row 0 .. row N-1]
 
-    def attend_to_prompt(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        return attend(q, k, v, *kv[layer])  # (N, H, T, D)
+    def unpack(x: Tensor, first: int, rows: int, length: int) -> Tensor:
+        # (1, h, L, D) -> (rows, h, length, D), a view
+        return x[0, :, first:first + rows * length].unflatten(1, (rows, length)).transpose(0, 1)
 
-    completion_steps = model.hidden_steps(inputs, positions, attend_to_prompt)
-    # zip steps the prompt's block i before the completions' block i (which reads its K/V)
-    for last, h_completion in zip(prompt_steps, completion_steps):
-        pass
-    first = last[:, 0].repeat_interleave(G, 0)[:, None]  # (N, 1, C): N*C floats, not G copies
-    return torch.cat([first, h_completion], 1)  # (N, T+1, C)
+    def packed_attention(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        # the prompts causal (right padding comes after valid tokens); each completion on its
+        # group's prompt K/V and its own keys, causal. (1, H, L, D) -> (1, H, L, D)
+        pq, pk, pv = (unpack(x, 0, Bp, P) for x in (q, k, v))  # (Bp, H|Hkv, P, D)
+        cq, ck, cv = (unpack(x, split, N, T) for x in (q, k, v))  # (N, H|Hkv, T, D)
+        y = [causal_attention(layer, pq, pk, pv), attend(cq, ck, cv, pk, pv)]
+        return torch.cat([part.transpose(0, 1).flatten(1, 2) for part in y], 1)[None]
+
+    tokens = torch.cat([prompt_ids.reshape(-1), inputs.reshape(-1)])[None]  # (1, L)
+    positions = torch.cat([torch.arange(P, device=device).repeat(Bp),  # (1, L)
+                           (prompt_lens[:, None] + torch.arange(T, device=device)).repeat_interleave(
+                               G, 0).reshape(-1)])[None]
+    h = model.hidden(tokens, positions, packed_attention)[0]  # (L, C)
+    last = h[:split].view(Bp, P, -1)[torch.arange(Bp, device=device), prompt_lens - 1]  # (Bp, C)
+    first = last.repeat_interleave(G, 0)[:, None]  # (N, 1, C): N*C floats, not G copies
+    return torch.cat([first, h[split:].view(N, T, -1)], 1)  # (N, T+1, C)
 
 
 def naive_hidden(model, batch: "GRPOBatch") -> Tensor:

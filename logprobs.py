@@ -73,21 +73,28 @@ def uncached_autocast(device_type: str):
 class ChunkedSoftmaxLogprobs(torch.autograd.Function):
     """The default chunked path: h (n, C), targets (n,) -> logp (n,), entropy (n,). Forward keeps
     one log-sum-exp and one entropy per token; backward rebuilds each chunk's logits and applies
-    d logp / dz = onehot - p and dH / dz = -p (log p + H) by hand: one lm_head matmul more than
-    an unchunked pass, but fewer (n, V) passes than log_softmax + gather, and no rerun of the
-    softmax as checkpoint would do."""
+    d logp / dz = onehot - p and dH / dz = -p (log p + H) by hand: fewer (n, V) passes than
+    log_softmax + gather, and no rerun of the softmax as checkpoint would do. The last chunk's
+    logits and graph are kept from forward (under grad) for backward, which they meet before
+    anything else: no lm_head matmul more than an unchunked pass when one chunk holds all n."""
 
     @staticmethod
     def forward(ctx, h: Tensor, targets: Tensor, model, temperature: float, chunk_size: int,
-                *params: Tensor):
+                keep_last: bool, *params: Tensor):
         dtype = torch.promote_types(h.dtype, torch.float32)
         logp = torch.empty(h.shape[0], device=h.device, dtype=dtype)
         entropy = torch.empty_like(logp)
         lse = torch.empty_like(logp)
+        ctx.kept = None
         for start in range(0, h.shape[0], chunk_size):
             rows = slice(start, start + chunk_size)
-            with uncached_autocast(h.device.type):
-                z = head_logits(model, h[rows], temperature)  # (n_chunk, V), no graph in forward
+            keep = keep_last and start + chunk_size >= h.shape[0]
+            with torch.set_grad_enabled(keep), uncached_autocast(h.device.type):
+                h_chunk = h[rows].detach().requires_grad_(keep)
+                z = head_logits(model, h_chunk, temperature)  # (n_chunk, V), a graph if kept
+            if keep:
+                ctx.kept = start, h_chunk, z
+                z = z.detach()
             row_max = z.amax(-1, keepdim=True)  # (n_chunk, 1)
             e = torch.sub(z, row_max).exp_()  # (n_chunk, V) unnormalised softmax, exp in place
             total = e.sum(-1)  # (n_chunk,)
@@ -107,11 +114,15 @@ class ChunkedSoftmaxLogprobs(torch.autograd.Function):
     def backward(ctx, grad_logp: Tensor | None, grad_entropy: Tensor | None):
         h, targets, lse, entropy, *params = ctx.saved_tensors
         grad_h = torch.empty_like(h)
+        kept, ctx.kept = ctx.kept, None  # a second backward (retain_graph) rebuilds it too
         for start in range(0, h.shape[0], ctx.chunk_size):
             rows = slice(start, start + ctx.chunk_size)
-            with torch.enable_grad(), uncached_autocast(h.device.type):
-                h_chunk = h[rows].detach().requires_grad_()
-                z = head_logits(ctx.model, h_chunk, ctx.temperature)  # (n_chunk, V) rebuilt
+            if kept is not None and kept[0] == start:
+                _, h_chunk, z = kept  # from forward
+            else:
+                with torch.enable_grad(), uncached_autocast(h.device.type):
+                    h_chunk = h[rows].detach().requires_grad_()
+                    z = head_logits(ctx.model, h_chunk, ctx.temperature)  # (n_chunk, V) rebuilt
             grad_z = softmax_grads(z.detach(), targets[rows], lse[rows], entropy[rows],
                                    None if grad_logp is None else grad_logp[rows],
                                    None if grad_entropy is None else grad_entropy[rows])
@@ -120,7 +131,7 @@ class ChunkedSoftmaxLogprobs(torch.autograd.Function):
             # embedding's, the last node), one more V x C on top of every saved activation.
             torch.autograd.backward(z, grad_z, inputs=[h_chunk, *params])
             grad_h[rows] = h_chunk.grad
-        return grad_h, None, None, None, None, *[None] * len(params)
+        return grad_h, None, None, None, None, None, *[None] * len(params)
 
 
 def chunk_rows(chunk_bytes: int, vocab_size: int, dtype: torch.dtype) -> int:
@@ -143,7 +154,8 @@ def chunked_logprobs(model, h: Tensor, targets: Tensor, *, temperature: float = 
     if logprob_fn is None:
         # those the head uses get grads
         params = [p for p in model.parameters() if p.requires_grad]
-        return ChunkedSoftmaxLogprobs.apply(h, targets, model, temperature, chunk_size, *params)
+        return ChunkedSoftmaxLogprobs.apply(h, targets, model, temperature, chunk_size,
+                                            torch.is_grad_enabled(), *params)
 
     def one_chunk(h_chunk: Tensor, t_chunk: Tensor) -> tuple[Tensor, Tensor]:
         return logprob_fn(head_logits(model, h_chunk, temperature), t_chunk)

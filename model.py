@@ -24,7 +24,7 @@ Tested by tests/test_model.py.
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -270,22 +270,12 @@ class Llama(nn.Module):
         last (B,): only position last[b] of each row is wanted (a prefill before sampling), so the
         final block's queries, o_proj and MLP run on those alone (its keys/values, which the hook
         still gets, cover every position): (B, 1, C)."""
-        for x in self.hidden_steps(tokens, positions, attention, last):
-            pass
-        return x
-
-    def hidden_steps(self, tokens: Tensor, positions: Tensor | None = None,
-                     attention: Callable | None = None,
-                     last: Tensor | None = None) -> Iterator[Tensor]:
-        """hidden() one block at a time: yields the residual stream after each block, the last
-        one hidden()'s result. Two forwards stepped in turn run interleaved layer by layer
-        (grpo.shared_prompt_hidden: then backward, too, alternates between them)."""
         x = self.model.embed_tokens(tokens)  # (B, T, C)
         cos, sin = self.rope(tokens, positions, x.dtype)  # (B, T, D)
         final = len(self.model.layers) - 1
         for i, block in enumerate(self.model.layers):
             x = block(x, cos, sin, attention or causal_attention, last if i == final else None)
-            yield x
+        return x
 
     def head(self, h: Tensor) -> Tensor:
         """Final norm + lm_head: (..., C) -> (..., V) logits; grpo.py calls it chunk by chunk."""

@@ -104,21 +104,21 @@ def micro_batch_memory(config: ModelConfig, groups: int, G: int, prompt_len: int
     """Bytes one micro-batch of `groups` prompts of P tokens and their N = groups*G completions of
     Tr tokens (T = Tr - 1 fed) holds at its largest moments, per rank, besides the weights, grads
     and optimizer state (memory.py plans those): {"forward", "backward", "no grad"} (the last:
-    old or reference logprobs). Per layer, with block_bytes' per-token terms:
-        prompt tokens      full blocks, the last one less its MLP (an upper bound: its queries run
-                           at one position too)
+    old or reference logprobs). The prompts and completions run packed, one row through every
+    block (grpo.shared_prompt_hidden). Per layer, with block_bytes' per-token terms:
+        prompt tokens      full blocks
         completion tokens  full blocks; with repeated_prompt (the attention off the CPU,
                            grpo.shared_prompt_attention) also each row's copy of its prompt's keys
                            and values, 2a*K/tp*P, and a bool (T, P + T) mask per row
-    With activation checkpointing a block keeps only its input (a*C), the prompt's k, v (the
-    completions attend to them), and backward recomputes one block at a time. Outside the blocks:
-    the rope tables, the hidden states at the head (a*C + 16 per
+    With activation checkpointing a block keeps only its input (a*C) and backward recomputes one
+    packed block at a time. Outside: the rope tables, the hidden states at the head (a*C + 16 per
     token), the loss's (N, Tr) float32 tensors. Transients: a chunk of head logits (8 bytes per
     entry forward: float32 logits and exp; 16 + a backward, and a (V, C) lm_head grad per chunk),
-    the SwiGLU's 3 (inference) or 2 (gradients) I-wide tensors, the hidden states' (N, Tr, C);
-    in backward the pending weight gradients (pending_gradient_bytes). autocast (bf16 over fp32
-    weights): block_bytes' autocast norms, the a-byte copy of every block weight autocast caches
-    for its context, and fp32 pending gradients."""
+    the SwiGLU's 3 (inference) or 2 (gradients) I-wide tensors, the hidden states' (N, Tr, C).
+    Under tensor parallelism a tied head's (V/tp, C) gradient waits in autograd for the
+    embedding's, the last node of backward (on one rank both go into .grad: logprobs.py,
+    memory.grads_into_weight). autocast (bf16 over fp32 weights): block_bytes' autocast norms,
+    the a-byte copy of every block weight autocast caches for its context (block_weight_bytes)."""
     b = block_bytes(config, dtype, tp_size, sequence_parallel, autocast)
     a = b["residual"] * (tp_size if sequence_parallel else 1) // config.hidden_size
     L = config.num_hidden_layers
@@ -135,48 +135,33 @@ def micro_batch_memory(config: ModelConfig, groups: int, G: int, prompt_len: int
     outside = (2 * a * config.head_dim * (prompt + completion)
                + repeated_prompt * rows * T * (prompt_len + T)
                + n * (a * C + 16) + rows * completion_len * 4 * 8
-               + autocast * L * pending_gradient_bytes(config, dtype, tp_size, embedding=False))
+               + autocast * L * block_weight_bytes(config, dtype, tp_size))
     chunk = min(chunk_size or n, n)
     head = chunk * V * 8
     head_backward = chunk * V * (16 + a) + V * C * a
     if checkpoint:
-        saved = L * (prompt + completion) * b["residual"] + L * prompt * b["kv"] + outside
-        recompute = max(prompt * full, completion_block)
-        forward = saved + max(prompt * b["inference"], completion * b["inference"] + row_keys,
-                              head)
+        saved = L * (prompt + completion) * b["residual"] + outside
+        recompute = prompt * full + completion_block
+        forward = saved + max((prompt + completion) * b["inference"] + row_keys, head)
     else:
-        saved = (L * prompt * full - prompt * b["mlp"] + L * completion_block + outside)
+        saved = L * prompt * full + L * completion_block + outside
         recompute = 0
         forward = saved + max(rows * completion_len * C * a, head)
-    gradients = max(prompt, completion) * 2 * a * config.intermediate_size // tp_size
-    pending = pending_gradient_bytes(config, torch.float32 if autocast else dtype, tp_size)
-    backward = saved + recompute + max(gradients, head_backward)
-    if checkpoint:
-        backward += pending
-    else:  # once the completions are done: the prompt's saved blocks and the pending gradients
-        prompt_saved = L * prompt * full - prompt * b["mlp"] + outside
-        backward = max(backward, prompt_saved + pending + gradients)
+    gradients = (prompt + completion) * 2 * a * config.intermediate_size // tp_size
+    pending = (tp_size > 1) * V * C * (4 if autocast else a)  # the tied head's, under tp
+    backward = saved + recompute + max(gradients, head_backward) + pending
     no_grad = (L * prompt * b["kv"] + n * a * C * 2
-               + max(prompt * b["inference"], completion * b["inference"] + row_keys, head))
+               + max((prompt + completion) * b["inference"] + row_keys, head))
     return {"forward": forward, "backward": backward, "no grad": no_grad}
 
 
-def pending_gradient_bytes(config: ModelConfig, dtype: torch.dtype, tp_size: int = 1,
-                           embedding: bool = True) -> int:
-    """A weight's completion gradient waits in autograd's input buffer for its prompt gradient,
-    to be summed with it. The two forwards alternate block by block (shared_prompt_hidden), so
-    that is one block's weights per rank, a*C*(2Q + 2K + 3I)/tp, and under tensor parallelism the
-    embedding's, a*V/tp*C (it waits for the prompt's embedding, the last node of backward; with
-    one rank memory.grads_into_weight adds the rows into .grad instead). With activation
-    checkpointing they come on top of everything saved; without, the completions' saved
-    activations are mostly freed by then. embedding=False: one block's weights alone."""
+def block_weight_bytes(config: ModelConfig, dtype: torch.dtype, tp_size: int = 1) -> int:
+    """One block's weights per rank in dtype: a*C*(2Q + 2K + 3I)/tp."""
     a = torch.empty((), dtype=dtype).element_size()
-    C = config.hidden_size
     Q = config.num_attention_heads // tp_size * config.head_dim
     K = config.num_key_value_heads // tp_size * config.head_dim
     I = config.intermediate_size // tp_size
-    V = config.vocab_size // tp_size
-    return a * (C * (2 * Q + 2 * K + 3 * I) + (embedding and tp_size > 1) * V * C)
+    return a * config.hidden_size * (2 * Q + 2 * K + 3 * I)
 
 
 def batch_bytes(rows: int, completion_len: int, old: bool, reference: bool) -> int:

@@ -31,7 +31,7 @@ import os
 import time
 from dataclasses import dataclass
 from math import prod
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -378,9 +378,8 @@ class TPLlama(Llama):
     """shard_model's model: the TP forward. Decides sequence parallelism once per forward and
     passes it down; always returns the full (B, T, C) on every rank (forward() and the callers'
     hooks see the same shapes as on one process)."""
-    def hidden_steps(self, tokens: Tensor, positions: Tensor | None = None,
-                     attention: Callable | None = None,
-                     last: Tensor | None = None) -> Iterator[Tensor]:
+    def hidden(self, tokens: Tensor, positions: Tensor | None = None,
+               attention: Callable | None = None, last: Tensor | None = None) -> Tensor:
         state = self.tp_state
         sp = state.sequence_parallel and tokens.numel() % state.groups.tp_size == 0
         x = self.model.embed_tokens(tokens, sp)  # (N/tp, C) under SP, else (B, T, C)
@@ -389,13 +388,11 @@ class TPLlama(Llama):
         for i, block in enumerate(self.model.layers):
             block_last = last if i == final and not sp else None
             x = block(x, cos, sin, attention or causal_attention, block_last, sp)
-            if i < final:
-                yield x
         if sp:  # out of SP: every rank gets every token
             x = GatherFromSP.apply(x, state.groups.tp_group).view(*tokens.shape, -1)  # (B, T, C)
             if last is not None:
                 x = at_last(x, last)  # (B, 1, C)
-        yield x
+        return x
 
 
 @contextlib.contextmanager

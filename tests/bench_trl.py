@@ -232,7 +232,8 @@ def engine_command(model_dir: str, prompts: str, P: int, steps: int, checkpoint:
     """None: the flag is left out (train.py's default)."""
     flags = dict(model=model_dir, task="bench_trl:bench_task", task_data=prompts,
                  prompts_per_step=PROMPTS, num_samples=G, max_new_tokens=C, max_prompt_len=P,
-                 steps=steps, lr=LR, threads=1, out=out, overwrite="true", save_every=0)
+                 steps=steps, lr=LR, threads=1, out=out, overwrite="true", save_every=0,
+                 eval_every=0)  # TRL runs no eval here; the engine's would land in a step's time
     if checkpoint is not None:
         flags["activation_checkpoint"] = str(checkpoint).lower()
     if micro_groups is not None:
