@@ -2,9 +2,10 @@
 Chunked logprobs: per-token logprobs and entropies of targets under softmax(lm_head(h) / T), with
 the (tokens x V) logits never alive at once, forward or backward (Liger's fused loss makes the same
 trade). Final norm + lm_head + softmax + gather run chunk_size tokens at a time and each chunk's
-logits are rebuilt in backward. The default path is a custom autograd Function that keeps one
-log-sum-exp and one entropy per token; a caller's logprob_fn (tp.py's vocab-parallel one) is
-wrapped in activation checkpointing instead.
+logits but the last are rebuilt in backward. The default path is a custom autograd Function that
+keeps one log-sum-exp and one entropy per token and adds the head's weight gradients straight into
+.grad; a caller's logprob_fn (tp.py's vocab-parallel one) is wrapped in activation checkpointing
+instead.
 
 One contract for the three logprob routes (the plain logprobs_from_logits, the chunked
 ChunkedSoftmaxLogprobs, tp.vocab_parallel_logprobs): each returns logp and the entropy
