@@ -86,12 +86,10 @@ except (AttributeError, OSError):
 def return_freed_memory(device: torch.device) -> None:
     """Give what was freed back to the device, not to this process's cache of it. CUDA: PyTorch's
     caching allocator keeps freed blocks reserved, so a sleep would free nothing another process
-    (or torch.cuda.mem_get_info) could see. CPU: glibc keeps what a process frees for reuse, so
-    one phase's freed activations would stay resident under the next phase's allocations (a
-    rollout after training: 370 MiB of RSS over the baseline, 167 MiB with this at each phase
-    exit; tests/bench_plan.py), and the forward's under backward's large blocks, which are mapped
-    apart (train.py calls this before each backward: 3.06 -> 2.93 GB on SmolLM2's 8 x 8 run); a
-    no-op without glibc. Allocated bytes do not change."""
+    (or mem_get_info) could see. CPU: glibc keeps what a process frees, resident under the next
+    phase (a rollout after training: 370 MiB of RSS over the baseline, 167 MiB with this) or under
+    backward's large blocks, mapped apart (train.py calls it before each backward: 3.06 -> 2.93 GB
+    on SmolLM2's 8 x 8 run); a no-op without glibc. Allocated bytes do not change."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
     elif device.type == "cpu" and _MALLOC_TRIM is not None:
