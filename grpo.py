@@ -386,9 +386,9 @@ def shared_prompt_hidden(model, prompt_ids: Tensor, prompt_lens: Tensor, inputs:
         return torch.cat([part.transpose(0, 1).flatten(1, 2) for part in y], 1)[None]
 
     tokens = torch.cat([prompt_ids.reshape(-1), inputs.reshape(-1)])[None]  # (1, L)
+    row_start = prompt_lens.repeat_interleave(G)[:, None]  # (N, 1): a row goes on after its prompt
     positions = torch.cat([torch.arange(P, device=device).repeat(Bp),  # (1, L)
-                           (prompt_lens[:, None] + torch.arange(T, device=device)).repeat_interleave(
-                               G, 0).reshape(-1)])[None]
+                           (row_start + torch.arange(T, device=device)).reshape(-1)])[None]
     h = model.hidden(tokens, positions, packed_attention)[0]  # (L, C)
     last = h[:split].view(Bp, P, -1)[torch.arange(Bp, device=device), prompt_lens - 1]  # (Bp, C)
     first = last.repeat_interleave(G, 0)[:, None]  # (N, 1, C): N*C floats, not G copies

@@ -148,10 +148,10 @@ def micro_batch_memory(config: ModelConfig, groups: int, G: int, prompt_len: int
         recompute = 0
         forward = saved + max(rows * completion_len * C * a, head)
     gradients = (prompt + completion) * 2 * a * config.intermediate_size // tp_size
-    pending = (tp_size > 1) * V * C * (4 if autocast else a)  # the tied head's, under tp
+    tied = tp_size > 1 and config.tie_word_embeddings  # the tied head's, under tp
+    pending = tied * V * C * (4 if autocast else a)
     backward = saved + recompute + max(gradients, head_backward) + pending
-    no_grad = (L * prompt * b["kv"] + n * a * C * 2
-               + max((prompt + completion) * b["inference"] + row_keys, head))
+    no_grad = n * a * C * 2 + max((prompt + completion) * b["inference"] + row_keys, head)
     return {"forward": forward, "backward": backward, "no grad": no_grad}
 
 
