@@ -229,7 +229,7 @@ def holds_a_run(out: str) -> list[str]:
     """The names in `out` that belong to a run (metrics, checkpoints, the latest pointer)."""
     if not os.path.isdir(out):
         return []
-    names = ("metrics.jsonl", "latest")
+    names = ("metrics.jsonl", "samples.jsonl", "latest")
     return sorted(n for n in os.listdir(out) if n in names or n.startswith("step-"))
 
 
@@ -322,10 +322,9 @@ def release_out_dir() -> None:
             pass
 
 
-def start_out_dir(out: str, resume: str, overwrite: bool, start: int) -> str:
+def start_out_dir(out: str, resume: str, overwrite: bool, start: int) -> None:
     """After the new run's first step (rank 0 only): clear an overwritten run, and drop the
-    metrics records a resume will recompute. Returns the metrics file."""
-    metrics_file = os.path.join(out, "metrics.jsonl")
+    metrics and samples records a resume will recompute."""
     os.makedirs(out, exist_ok=True)
     if overwrite and not resume:
         for name in holds_a_run(out):
@@ -334,26 +333,39 @@ def start_out_dir(out: str, resume: str, overwrite: bool, start: int) -> str:
                 shutil.rmtree(path)
             else:
                 os.remove(path)
-    if os.path.exists(metrics_file):
-        with open(metrics_file) as f:
-            kept = [line for line in f if json.loads(line)["step"] <= start]
-        with open(metrics_file + ".tmp", "w") as f:
-            f.writelines(kept)
-        os.replace(metrics_file + ".tmp", metrics_file)  # atomic, like the checkpoints
-    return metrics_file
+    for name in ("metrics.jsonl", "samples.jsonl"):
+        path = os.path.join(out, name)
+        if os.path.exists(path):
+            with open(path) as f:
+                kept = [line for line in f if json.loads(line)["step"] <= start]
+            with open(path + ".tmp", "w") as f:
+                f.writelines(kept)
+            os.replace(path + ".tmp", path)  # atomic, like the checkpoints
+
 
 class Metrics:
-    """OUT/metrics.jsonl (rank 0), one JSON record per step. The first append, once the new
-    run's first step has finished, makes --out the new run's (start_out_dir)."""
+    """OUT/metrics.jsonl (rank 0), one JSON record per step, and OUT/samples.jsonl, one per
+    evaluated prompt. The first append, once the new run's first step has finished, makes --out
+    the new run's (start_out_dir)."""
 
     def __init__(self, out: str, resume: str, overwrite: bool, start: int):
         self.args = (out, resume, overwrite, start)
-        self.path = ""
+        self.started = False
+
+    def write(self, name: str, records: list[dict]) -> None:
+        if not self.started:
+            start_out_dir(*self.args)
+            self.started = True
+        with open(os.path.join(self.args[0], name), "a") as f:
+            f.writelines(json.dumps(r, allow_nan=False) + "\n" for r in records)
 
     def append(self, record: dict) -> None:
-        self.path = self.path or start_out_dir(*self.args)
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record, allow_nan=False) + "\n")
+        self.write("metrics.jsonl", [record])
+
+    def samples(self, step: int, samples: list[dict]) -> None:
+        """The evaluation's completions after `step` (step, prompt, completion, reference, ...)."""
+        if samples:
+            self.write("samples.jsonl", [dict(step=step, **s) for s in samples])
 
 # -----------------------------------------------------------------------------
 # Stop signals: an interrupt loses nothing

@@ -1,6 +1,6 @@
 """
-The command line of train.py: flags from the config dataclasses, --help, the checks a run's
-configs need before anything is built, and the one-line step summary.
+The command line of train.py: flags from the config dataclasses, --help, and the checks a run's
+configs need before anything is built (the step line is report.py's).
 
 Every knob has one home, the dataclass of the file that uses it (train.py's SECTIONS: TrainConfig,
 rollout.RolloutConfig, grpo.GRPOConfig, memory.MemoryConfig, tp.ParallelConfig). `--field value`
@@ -8,15 +8,18 @@ rollout.RolloutConfig, grpo.GRPOConfig, memory.MemoryConfig, tp.ParallelConfig).
 `--help` prints every field with its default and the end-of-line comment of its declaration (the
 config's source is its documentation). This file is given the sections; it imports no engine file.
 
+A flag it does not know gets the nearest one it does, and TRL's GRPOConfig names (TRL_NAMES) get
+this engine's: `--learning_rate` is `--lr` here. A boolean flag always takes its value.
+
 Leaves out: short flags, config files, environment variables.
 Tested by tests/test_train.py.
 """
 
 import dataclasses
+import difflib
 import inspect
 import math
 import os
-import resource
 import sys
 
 import torch
@@ -46,7 +49,9 @@ def field_help(cls: type) -> dict[str, str]:
     return out
 
 
-def print_help(sections: dict[str, type]) -> None:
+def print_help(sections: dict[str, type], epilogue: str = "") -> None:
+    """Every field of every section with its default and comment, then the epilogue (the step
+    line's legend)."""
     lines = ["usage: [torchrun ...] train.py [--field value ...] [--plan]",
              "  --plan: print each rank's memory per phase for these flags (config.json only, no "
              "weight read), then exit"]
@@ -58,16 +63,47 @@ def print_help(sections: dict[str, type]) -> None:
             kind = type(f.default).__name__
             default = repr(f.default)
             lines.append(f"  --{f.name:<22} {kind:<6} {default:<16} {comments.get(f.name, '')}")
+    if epilogue:
+        lines.append("\n" + epilogue)
     try:
         print("\n".join(lines), flush=True)
     except BrokenPipeError:  # `--help | head` closed the pipe: that is not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
+# TRL's GRPOConfig names a user may bring along: this engine's flag for each, and what differs.
+TRL_NAMES = {
+    "learning_rate": "--lr",
+    "num_generations": "--num_samples",
+    "max_completion_length": "--max_new_tokens",
+    "max_prompt_length": "--max_prompt_len",
+    "per_device_train_batch_size": "--prompts_per_step (prompts per step, each sampled "
+                                   "--num_samples times; TRL counts completions per device)",
+    "num_iterations": "--mu",
+    "epsilon": "--eps_low",
+    "epsilon_high": "--eps_high",
+    "max_steps": "--steps",
+    "output_dir": "--out",
+    "gradient_checkpointing": "--activation_checkpoint",
+    "bf16": "--dtype bfloat16",
+    "model_name_or_path": "--model",
+}
+
+
+def unknown_option(name: str, owners: dict[str, str]) -> str:
+    """The line for a flag no section declares: TRL's name for it, or the nearest spelling."""
+    if name in TRL_NAMES:
+        return f"unknown option --{name} (TRL's name): did you mean {TRL_NAMES[name]}?"
+    close = difflib.get_close_matches(name, list(owners), n=1, cutoff=0.6)
+    hint = f"did you mean --{close[0]}? " if close else ""
+    return f"unknown option --{name}; {hint}(--help lists every option)"
+
+
 def parse_value(name: str, value: str, kind: type):
     if kind is bool:
         if value.lower() not in ("true", "false", "1", "0"):
-            raise ValueError(f"--{name} expects true or false, got {value!r}")
+            raise ValueError(f"--{name} expects true or false, got {value!r} (a boolean flag "
+                             f"takes its value: --{name} true)")
         return value.lower() in ("true", "1")
     try:
         return kind(value)
@@ -88,14 +124,18 @@ def parse_args(argv: list[str], sections: dict[str, type]) -> dict[str, object]:
             raise ValueError(f"unexpected argument {arg!r}; options look like --field value "
                              "(see --help)")
         name, eq, value = arg[2:].partition("=")
+        if name not in owners:
+            raise ValueError(unknown_option(name, owners))
         if not eq:
-            if i + 1 >= len(argv):
+            last = i + 1 >= len(argv)
+            if kinds[name] is bool and (last or argv[i + 1].startswith("--")):
+                # `--overwrite` alone, as a switch: say what it takes
+                raise ValueError(f"--{name} takes a value: --{name} true or --{name} false")
+            if last:
                 raise ValueError(f"--{name} needs a value")
             i += 1
             value = argv[i]
         i += 1
-        if name not in owners:
-            raise ValueError(f"unknown option --{name} (see --help for the list)")
         values[name] = parse_value(name, value, kinds[name])
     return values
 
@@ -128,6 +168,9 @@ def check_config(cfgs) -> None:
                          "master weights) or float32")
     if not cfg.out:
         raise ValueError("--out is empty: name the directory for metrics and checkpoints")
+    if cfg.eval_data and not cfg.eval_every:
+        raise ValueError(f"--eval_data {cfg.eval_data} is read by the evaluation, which "
+                         "--eval_every 0 turns off; drop one of them")
     if not cfg.model:  # a fresh model's shape (a checkpoint's is checked by hf.py)
         if cfg.heads % cfg.kv_heads:
             raise ValueError(f"--heads {cfg.heads} must be a multiple of --kv_heads "
@@ -176,101 +219,9 @@ def check_budget(max_new_tokens: int, context: int) -> None:
         raise ValueError(f"--max_new_tokens {max_new_tokens} leaves no room for a prompt in the "
                          f"model's context of {context} tokens (max_position_embeddings); lower it")
 
-# -----------------------------------------------------------------------------
-# The step line
-
-
-def memory_figures(device: torch.device, mem) -> dict[str, float]:
-    """On a GPU, the max of max_memory_allocated over all phases (mem: memory.PhaseManager); on a
-    CPU, the process's max RSS (what the OS holds for it, not the memory table's tagged tensors).
-    In GB, each named for what it measures."""
-    if device.type == "cuda":
-        peak = max(mem.peak_bytes(), torch.cuda.max_memory_allocated(device))
-        return dict(max_allocated_gb=peak / 1e9)
-    return dict(max_rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9)  # KiB
-
 
 def check_dp(prompts_per_step: int, dp_size: int) -> None:
     """The generation batch splits evenly over the data-parallel ranks (dp = world / tp)."""
     if prompts_per_step % dp_size:
         raise ValueError(f"--prompts_per_step {prompts_per_step} must be divisible by "
                          f"dp = world / tp = {dp_size}")
-
-
-def step_record(step: int, rewards: torch.Tensor, counts: dict, iterations: list[dict],
-                times: dict, zero_std: float, **extra) -> dict:
-    """The step as one JSON-able dict (null for what did not happen): rewards (every rank's,
-    every round's), counts summed over ranks, each iteration's metrics (already over ranks)
-    aggregated over the mu iterations: min of *_min, max of *_max, mean of the rest."""
-    scored = rewards[~rewards.isnan()]
-    updated = [it for it in iterations if it["updated"]]
-    record = dict(step=step + 1, reward=scored.mean().item() if len(scored) else None,
-                  reward_std=scored.std().item() if len(scored) > 1 else None,
-                  missing_rewards=len(rewards) - len(scored),
-                  truncated_prompts=int(counts["truncated"]),
-                  completion_len=counts["lengths"] / len(rewards),
-                  tokens_per_s=counts["new_tokens"] / max(times["rollout"], 1e-9),
-                  kept_groups=int(counts["kept_groups"]), zero_std=zero_std,
-                  extra_rollouts=counts["extra_rollouts"], updates=len(updated),  # with a gradient
-                  skipped_updates=sum(not it["finite"] for it in iterations))
-    record["zero_grad"] = len(iterations) - len(updated) - record["skipped_updates"]
-    metrics = ["loss", "clip_low", "clip_high", "ratio_mean", "kl", "entropy"]
-    metrics += [k for k in (iterations[0] if iterations else {})
-                if k not in (*metrics, "grad_norm", "updated", "finite")]
-    for key in metrics:  # over the mu iterations
-        values = [it[key] for it in iterations if key in it]
-        pick = min if key.endswith("_min") else max if key.endswith("_max") else None
-        record[key] = (pick(values) if pick else sum(values) / len(values)) if values else None
-    norms = [it["grad_norm"] for it in updated]
-    # sampler_logp_diff before any update of this step: the sampler's logprobs up to numerics
-    record.update({f"t_{k}": v for k, v in times.items()}, **extra,
-                  sampler_logp_diff=iterations[0].get("sampler_logp_diff") if iterations else None,
-                  grad_norm=sum(norms) / len(norms) if norms else None)
-    return record
-
-
-def jsonable(record: dict) -> dict:
-    """NaN and inf are not JSON (strict readers refuse a bare NaN): they become null."""
-    def clean(v):
-        return None if isinstance(v, float) and not math.isfinite(v) else v
-    return {k: clean(v) for k, v in record.items()}
-
-
-def step_line(record: dict, steps: int, beta: float) -> str:
-    """One printed line per step from its metrics.jsonl record."""
-    record = jsonable(record)
-
-    def num(key: str, fmt: str) -> str:
-        return "-" if record[key] is None else format(record[key], fmt)
-    parts = [f"step {record['step']}/{steps}",
-             f"reward {num('reward', '.3f')} ± {num('reward_std', '.2f')}",
-             f"loss {num('loss', '+.4f')}"]
-    if beta > 0:
-        parts.append(f"kl {num('kl', '.4f')}")
-    clip = None
-    if record["clip_low"] is not None:
-        clip = record["clip_low"] + record["clip_high"]
-    parts += [f"ent {num('entropy', '.3f')}", f"clip {'-' if clip is None else f'{clip:.3f}'}",
-              f"|dlogp| {num('sampler_logp_diff', '.1e')}",
-              f"len {record['completion_len']:.1f}", f"{record['tokens_per_s']:.0f} tok/s",
-              f"roll {record['t_rollout']:.2f}s lp {record['t_logprobs']:.2f}s "
-              f"train {record['t_train']:.2f}s"]
-    if "max_rss_gb" in record:  # the process's, not the memory table's tagged tensors
-        parts.append(f"max RSS {record['max_rss_gb']:.2f} GB")
-    else:
-        parts.append(f"max allocated {record['max_allocated_gb']:.2f} GB")
-    if record.get("eval_reward") is not None:
-        right = record["eval_correct"]
-        parts.append(f"eval {record['eval_reward']:.3f}"
-                     + (f" ({right:.0%} correct)" if right is not None else ""))
-    if record["reward"] is None:
-        parts.append(f"NO REWARD SCORED: all {record['missing_rewards']} missing, no update")
-    elif record["missing_rewards"]:
-        parts.append(f"{record['missing_rewards']} rewards missing")
-    if record["truncated_prompts"]:
-        parts.append(f"{record['truncated_prompts']} prompts truncated")
-    if record["skipped_updates"]:
-        parts.append(f"{record['skipped_updates']} updates skipped (non-finite loss or grads)")
-    if record.get("zero_grad"):
-        parts.append(f"{record['zero_grad']} steps with a zero gradient (every advantage 0: AdamW's momentum only)")
-    return " | ".join(parts)

@@ -259,7 +259,10 @@ def fit(mem: PhaseManager, cfgs, model, sampler, reference, prompts: int, tp_siz
     --memory_budget is the bound)."""
     plan_of = partial(step_plan, mem, cfgs, model, sampler, reference, prompts, tp_size, target)
     if cfgs.memory.memory_budget:
-        cfgs.grpo = fit_memory_budget(cfgs.memory.memory_budget, plan_of, cfgs.grpo, prompts)
+        cfgs.grpo = fit_memory_budget(cfgs.memory.memory_budget, plan_of, cfgs.grpo, prompts,
+                                      None if cfgs.memory.activation_checkpoint else partial(
+                                          step_plan, mem, with_checkpointing(cfgs), model,
+                                          sampler, reference, prompts, tp_size, target))
     elif "micro_batch_groups" not in explicit and torch.device(target).type == "cpu":
         cfgs.grpo = bound_micro_batch(plan_of, cfgs.grpo)  # a GPU's matmuls want the rows
     return plan_of
@@ -296,12 +299,18 @@ def peak(plan: dict[str, dict[str, int]]) -> int:
     return max(row["peak"] for row in plan.values())
 
 
-def fit_memory_budget(budget_gb: float, plan_of, g: GRPOConfig, prompts: int) -> GRPOConfig:
-    """--memory_budget: g with the largest micro_batch_groups (prompts down to 1), then the largest
-    logprob chunk (g.chunk_bytes halved down to 1 MiB; 0, unchunked, first tries 64 MiB), whose
-    planned peak (plan_of(g) -> step_plan's dict) fits budget_gb per rank. Prints the choice; one line
-    naming the smallest peak it could reach when nothing fits. The micro-batch changes no loss:
-    the normalisers are the generation batch's."""
+def with_checkpointing(cfgs):
+    """train.py's configs with --activation_checkpoint true."""
+    memory = dataclasses.replace(cfgs.memory, activation_checkpoint=True)
+    return dataclasses.replace(cfgs, memory=memory)
+
+
+def smallest_fit(budget_gb: float, plan_of, g: GRPOConfig, prompts: int
+                 ) -> tuple[GRPOConfig | None, int, list[int]]:
+    """The g with the largest micro_batch_groups (prompts down to 1), then the largest logprob
+    chunk (g.chunk_bytes halved down to 1 MiB; 0, unchunked, first tries 64 MiB), whose planned
+    peak (plan_of(g) -> step_plan's dict) fits budget_gb per rank, or None; its planned peak (or
+    the smallest one tried), and the chunks tried."""
     chunks = [g.chunk_bytes] if g.chunk_bytes else [0, 2**26]
     while chunks[-1] > 2**20:
         chunks.append(max(2**20, chunks[-1] // 2))
@@ -311,14 +320,34 @@ def fit_memory_budget(budget_gb: float, plan_of, g: GRPOConfig, prompts: int) ->
             fit = dataclasses.replace(g, micro_batch_groups=groups, chunk_bytes=chunk)
             planned = peak(plan_of(fit))
             if planned <= budget_gb * 1e9:
-                print(f"memory budget {budget_gb:g} GB per rank: --micro_batch_groups {groups} "
-                      f"--chunk_bytes {chunk}, planned peak {planned / 1e9:.3f} GB")
-                return fit
+                return fit, planned, chunks
             smallest = planned if smallest is None else min(smallest, planned)
+    return None, smallest, chunks
+
+
+def fit_memory_budget(budget_gb: float, plan_of, g: GRPOConfig, prompts: int,
+                      plan_checkpointed=None) -> GRPOConfig:
+    """--memory_budget: smallest_fit's choice, printed. When nothing fits, one line naming the
+    smallest peak it could reach, and --activation_checkpoint true when plan_checkpointed (the
+    same run with it; None when it is on already) fits. The micro-batch changes no loss: the
+    normalisers are the generation batch's."""
+    fit, planned, chunks = smallest_fit(budget_gb, plan_of, g, prompts)
+    if fit is not None:
+        print(f"memory budget {budget_gb:g} GB per rank: --micro_batch_groups "
+              f"{fit.micro_batch_groups} --chunk_bytes {fit.chunk_bytes}, planned peak "
+              f"{planned / 1e9:.3f} GB")
+        return fit
+    advice = ("raise it, or lower --prompts_per_step, --num_samples, --max_prompt_len or "
+              "--max_new_tokens")
+    if plan_checkpointed is not None:
+        ckpt, ckpt_peak, _ = smallest_fit(budget_gb, plan_checkpointed, g, prompts)
+        if ckpt is not None:
+            advice = (f"pass --activation_checkpoint true (each block recomputed in backward): "
+                      f"then --micro_batch_groups {ckpt.micro_batch_groups} fits, planned peak "
+                      f"{ckpt_peak / 1e9:.3f} GB; or {advice}")
     raise ValueError(f"--memory_budget {budget_gb:g} GB per rank: nothing fits; the smallest "
-                     f"planned peak is {smallest / 1e9:.3f} GB (--micro_batch_groups 1 "
-                     f"--chunk_bytes {chunks[-1]}); raise it, or lower --prompts_per_step, "
-                     f"--num_samples, --max_prompt_len or --max_new_tokens")
+                     f"planned peak is {planned / 1e9:.3f} GB (at --micro_batch_groups 1 "
+                     f"--chunk_bytes {chunks[-1]}, the least it tries); {advice}")
 
 
 def print_plan(plan: dict[str, dict[str, int]], target: str, title: str) -> None:

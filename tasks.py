@@ -67,16 +67,32 @@ class RewardError(ValueError):
     """A reward function raised, or returned something that is not a reward."""
 
 
-def load_task(spec: str, data: str) -> Task:
-    """`package.module:attr`: a Task, or a function (data: str) -> Task called with --task_data."""
+def load_task(spec: str, data: str, data_flag: str = "--task_data") -> Task:
+    """`package.module:attr`: a Task, or a function (data: str) -> Task called with `data` (the
+    file of --task_data, or --eval_data: data_flag names which, for the errors)."""
     module_name, _, attr = spec.partition(":")
     if os.getcwd() not in sys.path:  # a task module in the current directory, as `python -m` finds
         sys.path.append(os.getcwd())  # after the engine's own modules: they keep their names
     try:
-        obj = getattr(importlib.import_module(module_name), attr or "task")
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"--task {spec}: cannot load it ({e}); expected package.module:attr") \
-            from None
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name and (module_name + ".").startswith(e.name + "."):  # the task's module itself
+            raise ValueError(f"--task {spec}: cannot load it: no module {module_name!r} in the "
+                             f"current directory ({os.getcwd()}) or on PYTHONPATH; run from the "
+                             f"folder that holds it, or add that folder to PYTHONPATH") from None
+        raise ValueError(f"--task {spec}: cannot load it: importing {module_name} failed: "
+                         f"{e}") from None
+    except Exception as e:  # the module's own code raised (a syntax error, a failed import)
+        raise ValueError(f"--task {spec}: cannot load it: importing {module_name} raised "
+                         f"{type(e).__name__}: {e}") from None
+    if not hasattr(module, attr or "task"):
+        raise ValueError(f"--task {spec}: cannot load it: module {module_name} "
+                         f"({getattr(module, '__file__', '?')}) has no {attr or 'task'!r}; "
+                         "expected package.module:attr")
+    obj = getattr(module, attr or "task")
+    if isinstance(obj, Task) and data:
+        raise ValueError(f"{data_flag} {data}: task {obj.name} ({spec}) reads no data (it is a "
+                         "Task, not a function (task_data: str) -> Task); drop the flag")
     task = obj if isinstance(obj, Task) or not callable(obj) else obj(data)
     if not isinstance(task, Task):
         raise ValueError(f"--task {spec}: is a {type(task).__name__}, not a tasks.Task (or a "
@@ -147,10 +163,16 @@ def total_rewards(task: Task, texts: list[str], references: list[str]) -> torch.
     return total
 
 
+def correct_flags(task: Task, texts: list[str], references: list[str]) -> list[bool] | None:
+    """Whether task.correct calls each completion fully correct; None without a predicate."""
+    if task.correct is None:
+        return None
+    return [bool(call(task, task.correct, t, r)) for t, r in zip(texts, references)]
+
+
 def count_correct(task: Task, texts: list[str], references: list[str]) -> int:
     """How many completions task.correct calls fully correct (0 without a predicate)."""
-    return sum(bool(call(task, task.correct, t, r)) for t, r in zip(texts, references)
-               if task.correct is not None)
+    return sum(correct_flags(task, texts, references) or [])
 
 
 REVERSE_LEN = 3
@@ -307,7 +329,10 @@ def jsonl_math(data: str) -> Task:
     except (OSError, UnicodeDecodeError) as e:  # a folder, a binary file, no permission
         raise ValueError(f"{data}: cannot read it as a JSONL text file "
                          f"({type(e).__name__}: {e})") from None
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
+    except json.JSONDecodeError as e:  # its own "line 1 column 9" counts within the file's line
+        raise ValueError(f"{data}:{i}: not JSON ({e.msg} at column {e.colno}); expected one "
+                         "object with 'prompt' and 'answer' per line") from None
+    except (KeyError, TypeError) as e:
         raise ValueError(f"{data}:{i}: expected a JSON object with 'prompt' and 'answer' (a prompt "
                          f"is a string or a conversation; {e!r})") from None
     if not examples:

@@ -47,10 +47,12 @@ from tqdm import tqdm
 
 import checkpoint
 import cli
+import dp
 import grpo
 import memory
 import plan
 import plot
+import report
 import rollout
 import tp
 import tasks
@@ -88,9 +90,12 @@ class TrainConfig:
     grad_clip: float = 1.0           # global gradient-norm clip; 0 = off
     max_bad_steps: int = 5           # stop after this many steps in a row with no finite update
     max_unscored_steps: int = 5      # stop after this many steps in a row with no reward scored
+    max_flat_steps: int = 50         # stop after N steps in a row of all-equal groups; 0 = off
     # evaluation
     eval_every: int = 50             # greedy completions of held-out prompts every N steps; 0 = off
     eval_prompts: int = 64           # held-out prompts (own RNG stream; training never draws them)
+    show_samples: int = 3            # held-out completions printed per eval (samples.jsonl: all)
+    show_rollouts: int = 0           # sampled completions printed after each step line
     # memory and threads
     phases: bool = True              # memory.py sleep/wake between phases; false = all resident
     threads: int = 1                 # CPU threads per process (1 suits tiny models); 0 = torch's
@@ -135,14 +140,6 @@ class StopTraining(Exception):
     clear line, after a checkpoint of the last good state."""
 
 
-def any_rank(flag: bool, device: torch.device) -> bool:
-    """Whether any rank (dp and tp) raised the flag: a stop or continue decided together."""
-    t = torch.tensor([float(flag)], device=device)
-    if dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # over every rank of the world
-    return bool(t.item())
-
-
 def together(run, fn, *args):
     """fn(*args), which may fail on one rank alone (a reward function, a prompt too long): all stop
     here, at the same step. A lone rank that raised would leave the others in a collective."""
@@ -151,7 +148,7 @@ def together(run, fn, *args):
         result = fn(*args)
     except (StopTraining, tasks.RewardError) as e:
         error = e
-    if any_rank(error is not None, run.device):
+    if dp.any_rank(error is not None, run.device):
         if error and run.rank != 0:  # rank 0 prints its own at exit; another rank's, here
             print(f"error: {error}", file=sys.stderr, flush=True)
         raise StopTraining(str(error or "") if run.rank == 0 else "")
@@ -230,8 +227,7 @@ class Run:
     cache: rollout.KVCache
     start: int = 0                   # steps done before this process (a resumed run)
     opt_step: int = 0
-    bad_in_a_row: int = 0            # steps whose every update was skipped (non-finite)
-    unscored_in_a_row: int = 0       # steps with no reward scored at all
+    health: report.Health | None = None  # steps in a row that went nowhere
     eval: tasks.EvalSplit = field(default_factory=lambda: tasks.EvalSplit([]))  # the eval's prompts
     logits_fn: object = None         # TP: all-gather the vocab shards before sampling
     logprob_fn: object = None        # TP: vocab-parallel logprobs
@@ -297,9 +293,12 @@ def setup(values: dict[str, object]) -> Run:
     stop_ids = stop_token_ids(model.config, generation_config)
     run = Run(cfgs, rank, groups, device, task, tokenizer, stop_ids, generation_config,
               model, sampler, reference, optimizer, mem, cache, start=start,
-              opt_step=start * cfgs.grpo.mu)
+              opt_step=start * cfgs.grpo.mu,
+              health=report.Health(cfg.max_bad_steps, cfg.max_unscored_steps, cfg.max_flat_steps))
     if cfg.eval_every:  # the split may be empty: then there is no evaluation
-        eval_task = tasks.load_task(cfg.task, cfg.eval_data) if cfg.eval_data else None
+        eval_task = None
+        if cfg.eval_data:
+            eval_task = tasks.load_task(cfg.task, cfg.eval_data, "--eval_data")
         run.eval = tasks.eval_split(task, eval_task, cfg.eval_prompts, cfg.seed)
         notes.append(run.eval.note)
     run.notes = [note for note in notes if note]
@@ -313,9 +312,10 @@ def setup(values: dict[str, object]) -> Run:
 # Prompts and rewards
 
 
-def draw_prompts(run: Run, step: int, round: int = 0) -> tuple[list[list[int]], list[str], int]:
-    """This rank's prompts (token ids) and references, and how many were truncated. The whole
-    batch is a function of (seed, step, round) alone, so a resumed run draws the same one."""
+def draw_prompts(run: Run, step: int, round: int = 0) -> tuple[list[list[int]], list[tuple], int]:
+    """This rank's prompts as token ids, its (prompt, reference) examples, and how many prompts
+    were truncated. The whole batch is a function of (seed, step, round) alone, so a resumed run
+    draws the same one."""
     cfg = run.cfgs.train
     rng = random.Random(cfg.seed * 1_000_003 + step if not round else f"{cfg.seed}:{step}:{round}")
     try:
@@ -326,7 +326,7 @@ def draw_prompts(run: Run, step: int, round: int = 0) -> tuple[list[list[int]], 
     lo = run.groups.dp_rank * run.local_prompts
     examples = examples[lo:lo + run.local_prompts]
     ids, truncated = encode_prompts(run, [prompt for prompt, _ in examples])
-    return ids, [ref for _, ref in examples], truncated
+    return ids, examples, truncated
 
 
 def encode_prompts(run: Run, prompts: list) -> tuple[list[list[int]], int]:
@@ -346,26 +346,6 @@ def encode_prompts(run: Run, prompts: list) -> tuple[list[list[int]], int]:
 
 
 # -----------------------------------------------------------------------------
-# Reductions over the data-parallel ranks
-
-
-def all_reduce_dp(values: list[float], run: Run, op=None) -> list[float]:
-    if run.groups.dp_group is None:
-        return values
-    t = torch.tensor(values, dtype=torch.float64, device=run.device)
-    dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=run.groups.dp_group)  # over dp ranks
-    return t.tolist()
-
-
-def gather_dp(t: torch.Tensor, run: Run) -> torch.Tensor:
-    """Every dp rank's tensor, concatenated in dp-rank order (the same on every rank)."""
-    if run.groups.dp_group is None:
-        return t
-    parts = [torch.empty_like(t) for _ in range(run.groups.dp_size)]
-    dist.all_gather(parts, t.contiguous(), group=run.groups.dp_group)  # DP: every rank's rows
-    return torch.cat(parts)
-
-# -----------------------------------------------------------------------------
 # One step
 
 
@@ -375,7 +355,7 @@ def sample_round(run: Run, step: int, round: int) -> tuple[grpo.GRPOBatch, torch
     cfgs, G = run.cfgs, run.cfgs.rollout.num_samples
     t0 = time.perf_counter()
     # 1. The step's prompts (each dp rank checks its own: they stop together).
-    prompts, references, truncated = together(run, draw_prompts, run, step, round)
+    prompts, examples, truncated = together(run, draw_prompts, run, step, round)
     # 2. Rollout: the sampler gets the trainer's weights, then samples G completions per prompt.
     with run.phase("rollout"):
         rollout.sync_weights(run.sampler, run.model)
@@ -385,10 +365,16 @@ def sample_round(run: Run, step: int, round: int) -> tuple[grpo.GRPOBatch, torch
     counts = dict(rollout=time.perf_counter() - t0, truncated=truncated,
                   lengths=float(out.mask.sum()), new_tokens=float(out.stats["new_tokens"]))
     # 3. Rewards: each reward function's score, summed as TRL sums them (None leaves one out).
-    texts = run.tokenizer.decode_completions(out.completions(), out.stopped.tolist())
-    references = [ref for ref in references for _ in range(G)]  # (N,)
+    stopped = out.stopped.tolist()
+    texts = run.tokenizer.decode_completions(out.completions(), stopped)
+    examples = [example for example in examples for _ in range(G)]  # (N,)
+    references = [ref for _, ref in examples]
     rewards = together(run, tasks.total_rewards, run.task, texts, references)
-    all_rewards = gather_dp(rewards.to(run.device), run)  # (dp * N,)
+    counts["correct"] = sum(together(run, tasks.correct_flags, run.task, texts, references) or [])
+    counts["shown"] = [dict(prompt=p, completion=t, reference=r, reward=x, stopped=s)
+                       for (p, r), t, x, s in zip(examples, texts, rewards.tolist(), stopped)
+                       ][:cfgs.train.show_rollouts]  # this rank's first rows, for the log
+    all_rewards = dp.gather(rewards.to(run.device), run.groups)  # (dp * N,)
     # 4. Group advantages over the whole generation batch; this rank keeps its rows.
     g = cfgs.grpo
     advantages = grpo.group_advantages(all_rewards, G, g.scale, g.std_eps, g.std_correction)
@@ -397,8 +383,9 @@ def sample_round(run: Run, step: int, round: int) -> tuple[grpo.GRPOBatch, torch
     return batch, all_rewards, counts
 
 
-def step(run: Run, step: int) -> dict:
-    """One GRPO step (the numbered pieces of the module docstring); returns its metrics record."""
+def step(run: Run, step: int) -> tuple[dict, list[dict]]:
+    """One GRPO step (the numbered pieces of the module docstring); returns its metrics record
+    and the first --show_rollouts of its sampled completions."""
     g, G = run.cfgs.grpo, run.cfgs.rollout.num_samples
     # 1-4. Prompts, rollout, rewards, advantages; with --dynamic_sampling N (DAPO) up to N more
     # rounds, until they hold prompts_per_step informative groups: only those are trained.
@@ -411,7 +398,8 @@ def step(run: Run, step: int) -> dict:
         batch = grpo.keep_informative([(b, grpo.informative_groups(r, G)) for b, r, _ in rounds],
                                       run.cfgs.train.prompts_per_step,
                                       run.groups.dp_rank * run.local_prompts)
-    counts = {k: sum(c[k] for _, _, c in rounds) for k in rounds[0][2]}
+    shown = rounds[0][2].pop("shown")
+    counts = {k: sum(c[k] for _, _, c in rounds) for k in rounds[0][2] if k != "shown"}
     counts.update(extra_rollouts=len(rounds) - 1, kept_groups=batch.prompt_ids.shape[0])
     # 5. Old and reference logprobs, without grad.
     t0 = time.perf_counter()
@@ -428,8 +416,8 @@ def step(run: Run, step: int) -> dict:
     scored = int((~all_rewards.isnan()).sum())
     iterations = train_phase(run, batch) if scored else []
     times["train"] = time.perf_counter() - t0
-    # 7. Metrics.
-    return step_record(run, step, all_rewards, counts, iterations, times)
+    # 7. Metrics, and the completions the log shows (not written to metrics.jsonl).
+    return step_record(run, step, all_rewards, counts, iterations, times), shown
 
 
 def train_phase(run: Run, batch: grpo.GRPOBatch) -> list[dict]:
@@ -437,7 +425,7 @@ def train_phase(run: Run, batch: grpo.GRPOBatch) -> list[dict]:
     the dp ranks (token-weighted sums with their token count), and whether its update ran."""
     cfgs = run.cfgs
     counts = [batch.mask.shape[0], float(batch.loss_mask(cfgs.grpo).sum())]  # rows, loss tokens
-    num_seqs, num_tokens = all_reduce_dp(counts, run)
+    num_seqs, num_tokens = dp.all_reduce(counts, run.groups, run.device)
     iterations = []
     trim = partial(memory.return_freed_memory, run.device) if run.device.type == "cpu" else None
     with run.phase("train"):
@@ -461,7 +449,8 @@ def train_phase(run: Run, batch: grpo.GRPOBatch) -> list[dict]:
             # The schedule advances on every step, as torch's schedulers do: the lr is a
             # function of the step, and a resumed run rebuilds it from the step.
             finite = math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])
-            (all_finite,) = all_reduce_dp([float(finite)], run, dist.ReduceOp.MIN)
+            (all_finite,) = dp.all_reduce([float(finite)], run.groups, run.device,
+                                          dist.ReduceOp.MIN)
             m["finite"] = bool(all_finite)
             m["updated"] = m["finite"] and m["grad_norm"] > 0
             if m["finite"]:
@@ -478,8 +467,10 @@ def reduce_iteration(run: Run, m: dict, tokens: float) -> dict:
     extremes = {k: -1 if k.endswith("_min") else 1 for k in sorted(m) if k[-4:] in ("_min", "_max")}
     keys = sorted(k for k in m if k not in ("loss", "tokens", "grad_norm", "updated", "finite",
                                             *extremes))
-    sums = all_reduce_dp([m["loss"], tokens] + [m[k] * tokens for k in keys], run)
-    peaks = all_reduce_dp([s * m[k] for k, s in extremes.items()], run, dist.ReduceOp.MAX)
+    sums = dp.all_reduce([m["loss"], tokens] + [m[k] * tokens for k in keys], run.groups,
+                         run.device)
+    peaks = dp.all_reduce([s * m[k] for k, s in extremes.items()], run.groups, run.device,
+                          dist.ReduceOp.MAX)
     return dict(loss=sums[0], grad_norm=m["grad_norm"], updated=m["updated"], finite=m["finite"],
                 **{k: s / max(sums[1], 1.0) for k, s in zip(keys, sums[2:])},
                 **{k: s * p for (k, s), p in zip(extremes.items(), peaks)})
@@ -487,39 +478,48 @@ def reduce_iteration(run: Run, m: dict, tokens: float) -> dict:
 
 def step_record(run: Run, step: int, rewards: torch.Tensor, counts: dict,
                 iterations: list[dict], times: dict) -> dict:
-    """The step as one JSON-able dict (cli.step_record); rewards: every round's, every rank's."""
-    keys = ("lengths", "new_tokens", "truncated", "kept_groups")
-    counts.update(zip(keys, all_reduce_dp([counts[k] for k in keys], run)))  # summed over dp
+    """The step as one JSON-able dict (report.step_record); rewards: every round's, every rank's.
+    `correct`: the share of the sampled completions the task's predicate calls fully correct."""
+    keys = ("lengths", "new_tokens", "truncated", "kept_groups", "correct")
+    summed = dp.all_reduce([counts[k] for k in keys], run.groups, run.device)  # over dp
+    counts.update(zip(keys, summed))
     zero_std = (~grpo.informative_groups(rewards, run.cfgs.rollout.num_samples)).double().mean()
-    return cli.step_record(step, rewards, counts, iterations, times, float(zero_std),
-                           lr=run.optimizer.param_groups[0]["lr"],
-                           **cli.memory_figures(run.device, run.mem))
+    correct = counts["correct"] / len(rewards) if run.task.correct is not None else None
+    return report.step_record(step, rewards, counts, iterations, times, float(zero_std),
+                              lr=run.optimizer.param_groups[0]["lr"], correct=correct,
+                              **report.memory_figures(run.device, run.mem))
 
 
-def evaluate(run: Run) -> dict:
+def evaluate(run: Run) -> tuple[dict, list[dict]]:
     """Greedy completions of the held-out prompts (each dp rank a share), scored by the task's own
-    reward functions: the mean reward and, where the task defines one, the share fully correct."""
+    reward functions: the mean reward and, where the task defines one, the share fully correct;
+    and every prompt's completion (samples.jsonl), in the split's order, on every rank."""
     t0 = time.perf_counter()
     items = run.eval.examples[run.groups.dp_rank::run.groups.dp_size]
     greedy = dataclasses.replace(run.cfgs.rollout, num_samples=1, temperature=0.0)
     prompts = together(run, encode_prompts, run, [prompt for prompt, _ in items])[0]
-    texts = []
+    texts, stopped = [], []
     for first in range(0, len(items), run.local_prompts):  # batches the KV cache was sized for
         with run.phase("rollout"):
             rollout.sync_weights(run.sampler, run.model)
             out = rollout.generate(run.sampler, prompts[first:first + run.local_prompts], greedy,
                                    stop_ids=run.stop_ids, cache=run.cache, logits_fn=run.logits_fn)
-        texts += run.tokenizer.decode_completions(out.completions(), out.stopped.tolist())
+        stopped += out.stopped.tolist()
+        texts += run.tokenizer.decode_completions(out.completions(), stopped[-len(out.stopped):])
     references = [ref for _, ref in items]
-
     scores = together(run, tasks.total_rewards, run.task, texts, references)
-    correct = together(run, tasks.count_correct, run.task, texts, references)
+    correct = together(run, tasks.correct_flags, run.task, texts, references)
     scored = scores[~scores.isnan()]
-    total, count, right, prompts = all_reduce_dp(
-        [scored.sum().item(), len(scored), correct, len(items)], run)
+    total, count, right, prompts = dp.all_reduce(
+        [scored.sum().item(), len(scored), sum(correct or []), len(items)], run.groups, run.device)
+    rewards = [None if math.isnan(x) else x for x in scores.tolist()]  # None: unscored
+    samples = [dict(prompt=p, completion=t, reference=r, reward=x, stopped=s, correct=c)
+               for (p, r), t, x, s, c in zip(items, texts, rewards, stopped,
+                                              correct or [None] * len(items))]
+    samples = dp.interleave(samples, run.groups)  # every rank's, in the split's order
     return dict(eval_reward=total / count if count else None,
                 eval_correct=right / prompts if run.task.correct is not None else None,
-                t_eval=time.perf_counter() - t0)
+                t_eval=time.perf_counter() - t0), samples
 
 
 def print_plan(argv: list[str]) -> int:
@@ -566,50 +566,47 @@ def save(run: Run, step: int) -> str:
 
 
 def check_health(run: Run, record: dict) -> None:
-    """Stop a run that is going nowhere, after a checkpoint of its last good state."""
-    cfg = run.cfgs.train
-    no_update = record["skipped_updates"] > 0 and record["updates"] == 0
-    run.bad_in_a_row = run.bad_in_a_row + 1 if no_update else 0
-    run.unscored_in_a_row = run.unscored_in_a_row + 1 if record["reward"] is None else 0
-    why = ""
-    if run.bad_in_a_row >= cfg.max_bad_steps:
-        why = f"{run.bad_in_a_row} steps in a row had no finite update (a non-finite loss or grad)"
-    elif run.unscored_in_a_row >= cfg.max_unscored_steps:
-        why = f"{run.unscored_in_a_row} steps in a row had no reward scored (all returned None)"
+    """Stop a run that is going nowhere (report.Health), after a checkpoint of its last state."""
+    why = run.health.update(record)
     if why:
-        raise StopTraining(f"{why}; stopped, last good state at {save(run, record['step'])}")
+        raise StopTraining(f"{why}; stopped, last state at {save(run, record['step'])}")
 
 
 def train(run: Run) -> None:
     cfg = run.cfgs.train
     metrics = checkpoint.Metrics(cfg.out, cfg.resume, cfg.overwrite, run.start)
+    # A bar redraws itself with carriage returns: on a terminal only, never into a log file.
     bar = tqdm(range(run.start, cfg.steps), initial=run.start, total=cfg.steps,
-               disable=run.rank != 0, dynamic_ncols=True)
+               disable=run.rank != 0 or not sys.stderr.isatty(), dynamic_ncols=True)
+    path = ""
     for i in bar:
         try:
-            record = step(run, i)
-        except StopTraining:
+            record, rollouts = step(run, i)
+        except StopTraining as e:
             if i > run.start:  # nothing lost: the state after the last finished step (at the
-                save(run, i)   # first, --out holds it already, or nothing: never rewrite it)
-            raise
-        failed = None
+                raise StopTraining(f"{e}; the last finished step is saved at {save(run, i)}")
+            raise              # first, --out holds it already, or nothing: never rewrite it)
+        failed, samples = None, []
         try:
             if run.eval.examples and (i == 0 or (i + 1) % max(cfg.eval_every, 1) == 0
                                  or i + 1 == cfg.steps):
-                record.update(evaluate(run))
+                evaluation, samples = evaluate(run)
+                record.update(evaluation)
         except StopTraining as e:  # after step i's update: the checkpoint below holds i + 1
             failed = e
         if run.rank == 0:
-            metrics.append(cli.jsonable(record))  # the first: now --out is the new run's
-            bar.write(cli.step_line(record, cfg.steps, run.cfgs.grpo.beta))
-            for line in run.notes + ([run.mem.report()] if cfg.phases else []):
-                if i == run.start:
+            metrics.append(report.jsonable(record))  # the first: now --out is the new run's
+            metrics.samples(record["step"], samples)
+            bar.write(report.step_line(record, cfg.steps, run.cfgs.grpo.beta))
+            if i == run.start:  # what setup decided, and the memory phases' table
+                for line in run.notes + ([run.mem.report()] if cfg.phases else []):
                     bar.write(line)
+            for line in report.sample_lines(rollouts, samples[:cfg.show_samples], len(samples)):
+                bar.write(line)
         if failed:
-            save(run, i + 1)
-            raise failed
+            raise StopTraining(f"{failed}; step {i + 1} is saved at {save(run, i + 1)}")
         check_health(run, record)
-        stop = any_rank(bool(run.signals.seen), run.device)  # every rank stops after this step
+        stop = dp.any_rank(bool(run.signals.seen), run.device)  # every rank stops after this step
         last = i + 1 == cfg.steps
         if last or stop or (cfg.save_every and (i + 1) % cfg.save_every == 0):
             path = save(run, i + 1)
@@ -620,11 +617,15 @@ def train(run: Run) -> None:
                     bar.write(f"interrupted: checkpoint at {path}; continue with --resume {path}")
                 break
     bar.close()
+    if run.rank == 0 and not run.signals.seen:  # the run's last line: where it ended
+        path = path or checkpoint.resolve("latest", cfg.out)  # a resume of a finished run
+        print(f"done: {cfg.steps} steps; last checkpoint {path} (metrics.jsonl, samples.jsonl "
+              f"and metrics.svg in {cfg.out})", flush=True)
 
 
 def main(argv: list[str]) -> int:
     if "-h" in argv or "--help" in argv:
-        cli.print_help(SECTIONS)
+        cli.print_help(SECTIONS, report.STEP_LINE)
         return 0
     finished = False  # every rank got through: the groups can meet at a last barrier
     try:

@@ -117,9 +117,20 @@ def test_jsonl_math_loads_gsm8k_style_answers_and_scores(tmp_path):
     assert correct("the answer is 4", "4.0") == 1.0 and correct("5", "4.0") == 0.0 and fmt("no", "4.0") == 0.0
 
 
+def test_a_malformed_line_is_named_by_its_file_line_alone(tmp_path):
+    """Regression: json's own "line 1 column 13" (of the one line it was given) followed the
+    file's line number and contradicted it."""
+    f = tmp_path / "bad.jsonl"
+    f.write_text('{"prompt": "a", "answer": 1}\n\n{"prompt": "b" "answer": 2}\n')
+    with pytest.raises(ValueError) as e:
+        tasks.jsonl_math(str(f))
+    assert str(e.value).startswith(f"{f}:3: not JSON (Expecting ',' delimiter at column 16)")
+    assert "line 1" not in str(e.value)
+
+
 @pytest.mark.parametrize("content,message", [
     ('{"prompt": "a"}\n', "expected a JSON object with 'prompt' and 'answer'"),
-    ("not json\n", "expected a JSON object"),
+    ("not json\n", "expected one object with 'prompt' and 'answer' per line"),
     ('{"prompt": "a", "answer": "none"}\n', "holds no number"),
     ("", "no examples"),
     ('{"prompt": "a", "answer": [1, 2]}\n', "'answer' a string or a number, got str and list"),

@@ -178,11 +178,26 @@ def test_tp2_gloo_matches_tp1_and_writes_the_same_tensors(tmp_path):
     (["--steps", "0"], "--steps must be >= 1"),
     (["--dtype", "float64"], "--dtype must be one of"),
     (["--dtype", "float16"], "--dtype float16 is not supported: without loss scaling"),
-    (["--eval_data", "test.jsonl"], "--eval_data: task reverse has no finite dataset"),
+    (["--eval_data", "test.jsonl"], "--eval_data test.jsonl: task reverse (tasks:reverse) reads "
+                                    "no data (it is a Task, not a function"),
+    (["--task_data", "train.jsonl"], "--task_data train.jsonl: task reverse (tasks:reverse) reads "
+                                     "no data"),
+    (["--eval_data", "t.jsonl", "--eval_every", "0"], "--eval_data t.jsonl is read by the "
+                                                      "evaluation, which --eval_every 0 turns off"),
+    (["--learning_rate", "1e-5"], "unknown option --learning_rate (TRL's name): did you mean --lr?"),
+    (["--num_generations", "8"], "did you mean --num_samples?"),
+    (["--max_completion_length", "8"], "did you mean --max_new_tokens?"),
+    (["--per_device_train_batch_size", "8"], "did you mean --prompts_per_step (prompts per step, "
+                                             "each sampled --num_samples times"),
+    (["--setps", "3"], "unknown option --setps; did you mean --steps?"),
+    (["--overwrite"], "--overwrite takes a value: --overwrite true or --overwrite false"),
+    (["--overwrite", "--steps", "3"], "--overwrite takes a value: --overwrite true or"),
     (["--task", "tasks:jsonl_math", "--task_data", "/no/file.jsonl"], "/no/file.jsonl: file not found"),
     (["--model", "/does/not/exist"], "/does/not/exist: not a directory"),
     (["--task", "tasks:nothing"], "--task tasks:nothing: cannot load it"),
-    (["--task", "no_such_module:x"], "--task no_such_module:x: cannot load it"),
+    (["--task", "no_such_module:x"], "--task no_such_module:x: cannot load it: no module "
+                                     f"'no_such_module' in the current directory ({os.getcwd()}) "
+                                     "or on PYTHONPATH; run from the folder that holds it"),
     (["--tp", "2"], "tp"),
     (["--task", "tasks:jsonl_math"], "needs --task_data"),
     (["--resume", "/does/not/exist"], "--resume /does/not/exist: not a directory"),
@@ -632,8 +647,11 @@ def _dp_metrics_worker(rank: int, tmp: str) -> None:
         assert got["clip_low"] == pytest.approx((30 * 0.1 + 10 * 0.5) / 40)
         assert got["loss"] == pytest.approx(0.75)  # each rank's is normalised globally: they sum
         assert (got["ratio_min"], got["ratio_max"]) == (0.7, 1.2)
-        rewards = train.gather_dp(torch.tensor([1.0, 2.0]) + 10 * rank, run_)
+        rewards = train.dp.gather(torch.tensor([1.0, 2.0]) + 10 * rank, run_.groups)
         assert rewards.tolist() == [1.0, 2.0, 11.0, 12.0]  # dp-rank order on every rank
+        # The evaluation's split, items[dp_rank::dp_size] on each rank, back in its order.
+        items = list("abcde")[rank::2]
+        assert train.dp.interleave(items, run_.groups) == list("abcde")
     except BaseException:
         train.tp.destroy_groups(barrier=False)  # the other rank may never reach a barrier
         raise
@@ -811,6 +829,17 @@ def test_memory_budget_picks_the_largest_micro_batch_whose_measured_peak_fits(tm
     assert train.main(argv + ["--memory_budget", "0.001"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "the smallest planned peak is 0.0" in err[0], err
+    # A budget that only recomputing the blocks in backward meets: the line names the flag.
+    smallest = {}
+    for ckpt in ("false", "true"):
+        train.main(argv + ["--memory_budget", "0.001", "--activation_checkpoint", ckpt])
+        line = capsys.readouterr().err
+        smallest[ckpt] = float(line.split("the smallest planned peak is ")[1].split()[0])
+    assert smallest["true"] < smallest["false"], smallest
+    between = (smallest["true"] + smallest["false"]) / 2
+    assert train.main(argv + ["--memory_budget", str(between)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "pass --activation_checkpoint true" in err[0], err
     assert train.main(argv + ["--memory_budget", "100", "--plan"]) == 0
     assert "--micro_batch_groups 8 --chunk_bytes 67108864" in capsys.readouterr().out
 
@@ -1018,8 +1047,10 @@ def write_module(path, name: str, body: str) -> str:
 
 def test_an_eval_error_after_step_i_is_saved_as_the_updates_held(tmp_path, capsys):
     """Regression: an evaluation fault after step 1's update was saved as step-000000: a resume
-    applied step 1 a second time."""
-    spec = write_module(tmp_path, "evaltask", "def boom(c, r):\n    raise KeyError('eval')\n"
+    applied step 1 a second time. (`correct` also counts the sampled completions: it raises
+    from its 17th call on, past step 1's 16 samples.)"""
+    spec = write_module(tmp_path, "evaltask", "calls = []\ndef boom(c, r):\n    calls.append(c)\n"
+                        "    if len(calls) > 16:\n        raise KeyError('eval')\n"
                         "task = tasks.Task('e', tasks.sample_reverse, [(tasks.digits_correct, 1)],"
                         " alphabet='0123456789=', max_new_tokens=4, correct=boom)\n")
     code, out = run(tmp_path, "--task", spec, "--steps", "3", "--eval_every", "2")
@@ -1040,7 +1071,7 @@ def test_a_zero_gradient_is_not_counted_as_an_update_and_memory_is_named_for_wha
     text = capsys.readouterr().out
     recs = strict_records(out)
     assert code == 0 and [(r["updates"], r["zero_grad"]) for r in recs] == [(0, 2), (0, 2)]
-    assert "2 steps with a zero gradient (every advantage 0" in text
+    assert "2 updates with a zero gradient (every advantage 0" in text
     measured = "max_allocated_gb" if torch.cuda.is_available() else "max_rss_gb"
     assert ("max allocated" if torch.cuda.is_available() else "max RSS") in text
     assert all(r[measured] > 0 for r in recs)
@@ -1073,6 +1104,128 @@ def test_a_custom_task_loads_from_the_current_directory(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert len(records(tmp_path / "run")) == 1
+
+
+def test_a_task_module_that_fails_to_import_says_why_not_where(tmp_path, capsys):
+    """A task module found but broken (here: it imports a package that is not installed) is not
+    reported as missing: the line gives the import's own error."""
+    spec = write_module(tmp_path, "broken", "import not_installed_anywhere\n")
+    code, _ = run(tmp_path, "--task", spec)
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "importing broken failed: No module named 'not_installed_anywhere'" in err
+    assert "current directory" not in err
+
+
+README_TASK = """
+def sample(rng):
+    word = "".join(rng.choice("abc") for _ in range(4))
+    return word + "=", word.upper()
+
+def right(completion, reference):
+    return float(completion == reference)
+
+task = tasks.Task("upper", sample, rewards=[(right, 1.0)], alphabet="abcABC=", max_new_tokens=5,
+                  correct=lambda completion, reference: completion == reference)
+"""
+
+
+def test_an_all_or_nothing_reward_no_sample_earns_stops_the_run_in_one_line(tmp_path, capsys):
+    """A fresh model never writes the exact answer of an all-or-nothing task: every group is
+    all-equal (all 0), every advantage 0. After --max_flat_steps such steps the run stops in one
+    line that says why and what to do, with a checkpoint; --max_flat_steps 0 goes on."""
+    spec = write_module(tmp_path, "upper_exact", README_TASK)
+    code, out = run(tmp_path, "--task", spec, "--max_flat_steps", "3", "--steps", "10",
+                    "--eval_every", "0")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert ("3 steps in a row gave every sample of each prompt the same reward (mean 0.000)"
+            in err[0] and "give partial credit" in err[0] and "--max_flat_steps 0" in err[0])
+    assert [r["zero_std"] for r in records(out)] == [1.0] * 3
+    assert os.path.isdir(os.path.join(out, "step-000003"))
+    code, _ = run(tmp_path, "--task", spec, "--max_flat_steps", "0", "--steps", "4",
+                  "--eval_every", "0", out="on")
+    assert code == 0
+
+
+def test_flat_steps_count_only_while_something_is_left_to_learn():
+    """Every group all-equal because every sample is fully correct is a learned task, not a stuck
+    one: those steps do not count; a flat step with any wrong sample does, and any step with a
+    gradient starts the count again."""
+    health = train.report.Health(max_bad_steps=5, max_unscored_steps=5, max_flat_steps=2)
+    record = dict(skipped_updates=0, updates=0, reward=1.0, zero_std=1.0, correct=1.0)
+    assert [health.update(record) for _ in range(5)] == [""] * 5
+    assert health.update(dict(record, reward=0.5, correct=0.5)) == ""
+    assert health.update(dict(record, reward=0.6, zero_std=0.5, correct=0.6)) == ""  # resets
+    assert health.update(dict(record, reward=0.5, correct=0.5)) == ""
+    assert "2 steps in a row" in health.update(dict(record, reward=0.5, correct=None))
+
+
+def test_each_eval_shows_completions_and_samples_jsonl_holds_them_all(tmp_path):
+    """Into a log file (stdout not a terminal): every evaluation prints --show_samples held-out
+    prompts with the greedy completion, the reference and the reward; OUT/samples.jsonl holds
+    every evaluated prompt of every evaluation with its reward as the task scores it;
+    --show_rollouts prints sampled completions after each step line; no carriage-return
+    progress fragments; the last line names the last checkpoint."""
+    out = str(tmp_path / "run")
+    done = subprocess.run([sys.executable, "train.py", *FAST, "--steps", "2", "--eval_every", "1",
+                           "--eval_prompts", "5", "--show_samples", "2", "--show_rollouts", "1",
+                           "--out", out], cwd=ROOT, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-2000:]
+    lines = done.stdout.splitlines()
+    assert "\r" not in done.stdout
+    assert [line.split(":")[0] for line in lines if line.startswith("  ")] == [
+        "  sampled 1", "  eval 1/5", "  eval 2/5"] * 2
+    assert lines[-1] == (f"done: 2 steps; last checkpoint {out}/step-000002 (metrics.jsonl, "
+                         f"samples.jsonl and metrics.svg in {out})")
+    with open(os.path.join(out, "samples.jsonl")) as f:
+        samples = [json.loads(line) for line in f]
+    assert [s["step"] for s in samples] == [1] * 5 + [2] * 5
+    assert [s["prompt"] for s in samples[:5]] == [s["prompt"] for s in samples[5:]]
+    for s in samples:
+        assert set(s) == {"step", "prompt", "completion", "reference", "reward", "stopped",
+                          "correct"}
+        score = train.tasks.total_rewards(train.tasks.reverse, [s["completion"]],
+                                          [s["reference"]]).item()
+        assert s["reward"] == score and s["correct"] == (s["completion"] == s["reference"])
+    shown = next(line for line in lines if line.startswith("  eval 1/5"))
+    first = samples[0]
+    assert shown.startswith(f"  eval 1/5: {first['prompt']!r} -> {first['completion']!r}")
+    assert shown.endswith(f"| reference {first['reference']!r} | reward {first['reward']:.3f}")
+
+
+def test_a_resume_into_the_same_out_rewrites_the_samples_it_recomputes(tmp_path):
+    """samples.jsonl, like metrics.jsonl, drops the records past the checkpoint a run resumes
+    from, and the resumed run writes them again, the same (an exact resume)."""
+    args = ["--steps", "3", "--eval_every", "1", "--eval_prompts", "4", "--save_every", "1"]
+    code, out = run(tmp_path, *args)
+    assert code == 0
+    with open(os.path.join(out, "samples.jsonl")) as f:
+        first = f.read()
+    code, _ = run(tmp_path, *args, "--resume", os.path.join(out, "step-000001"))
+    assert code == 0
+    with open(os.path.join(out, "samples.jsonl")) as f:
+        assert f.read() == first
+    assert [r["step"] for r in records(out)] == [1, 2, 3]
+
+
+def test_the_step_line_says_one_and_many_right():
+    """Regression: "1 prompts truncated", "1 steps with a zero gradient"."""
+    base = dict(reward=0.5, missing_rewards=0, truncated_prompts=1, skipped_updates=1,
+                zero_grad=1)
+    assert train.report.faults(base) == [
+        "1 prompt truncated", "1 update skipped (non-finite loss or grads)",
+        "1 update with a zero gradient (every advantage 0: AdamW's momentum only)"]
+    many = dict(base, missing_rewards=2, truncated_prompts=3, skipped_updates=2, zero_grad=2)
+    assert train.report.faults(many)[:2] == ["2 rewards missing", "3 prompts truncated"]
+
+
+def test_help_explains_the_step_line(capsys):
+    assert train.main(["--help"]) == 0
+    text = capsys.readouterr().out
+    for field in ("ent:", "clip:", "|dlogp|:", "len:", "tok/s:", "roll, lp, train:", "max RSS"):
+        assert field in text, field
 
 
 def test_a_second_stop_signal_exits_at_once(tmp_path):
@@ -1171,7 +1324,7 @@ def test_a_config_error_under_torchrun_is_printed_once(tmp_path):
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads Linux's /proc")
 def test_the_step_lines_max_rss_is_in_gb_not_kib_over_a_million():
     """Regression: ru_maxrss (KiB) / 1e6 read 2.4% low; the kernel's VmHWM is the same counter."""
-    got = cli.memory_figures(torch.device("cpu"), None)["max_rss_gb"]
+    got = train.report.memory_figures(torch.device("cpu"), None)["max_rss_gb"]
     with open("/proc/self/status") as f:
         kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
     assert got == pytest.approx(kib * 1024 / 1e9, rel=0.005)

@@ -1,0 +1,51 @@
+"""
+Data parallelism, what the dp ranks share each step: each rank of a dp group samples and trains on
+its own slice of the generation batch, and these few collectives put together what the whole batch
+needs: every rank's rewards (the group statistics), sums of metrics and token counts (the loss
+normalisers), the evaluation's completions in their order, and stop decisions taken by all ranks at
+once (a rank that stopped alone would leave the others waiting in a collective). The gradient sum is
+tp.DataParallelGrads.
+
+Every function is a no-op at dp size 1 (no process group). `groups` is tp.ParallelGroups.
+Leaves out: overlapping communication with compute, sharded optimizer state (ZeRO).
+Tested by tests/test_train.py (2 gloo processes).
+"""
+
+import torch
+import torch.distributed as dist
+
+
+def all_reduce(values: list[float], groups, device: torch.device, op=None) -> list[float]:
+    """The elementwise sum (or `op`) of a list of floats over the dp ranks (through `device`: NCCL
+    reduces device tensors)."""
+    if groups.dp_group is None:
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=groups.dp_group)  # over dp ranks
+    return t.tolist()
+
+
+def gather(t: torch.Tensor, groups) -> torch.Tensor:
+    """Every dp rank's tensor, concatenated in dp-rank order (the same on every rank)."""
+    if groups.dp_group is None:
+        return t
+    parts = [torch.empty_like(t) for _ in range(groups.dp_size)]
+    dist.all_gather(parts, t.contiguous(), group=groups.dp_group)  # DP: every rank's rows
+    return torch.cat(parts)
+
+
+def interleave(items: list, groups) -> list:
+    """Every dp rank's share of a list split as items[dp_rank::dp_size], back in its order."""
+    if groups.dp_group is None:
+        return items
+    shares = [None] * groups.dp_size
+    dist.all_gather_object(shares, items, group=groups.dp_group)  # DP: every rank's share
+    return [share[i] for i in range(len(shares[0])) for share in shares if i < len(share)]
+
+
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """Whether any rank (dp and tp) raised the flag: a stop or continue decided together."""
+    t = torch.tensor([float(flag)], device=device)
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # over every rank of the world
+    return bool(t.item())
