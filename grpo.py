@@ -9,15 +9,18 @@ become advantages within each group. The trainer then scores the completions wit
 policy and minimises the clipped policy-gradient loss, micro-batch by micro-batch of whole groups,
 mu times per generation batch (generate once per effective batch, TRL PR #3283).
 
-Two memory tricks, each tested against its obvious slow twin in tests/test_grpo.py:
+Three memory tricks, each tested against its obvious slow twin in tests/test_grpo.py:
 1. Shared prompt (TRL PR #2669, done exactly): each prompt is forwarded once, WITH grad, and each
-   completion attends to [its prompt's keys; its own keys] (attention.SharedPrefixAttention: the
-   G completions of a group folded into the query length against the one prompt K/V, never
-   copied, no mask). Tokens forwarded: Bp*(P + G*Tr) instead of Bp*G*(P + Tr). The prompt stays
-   in the graph, so the gradients of all G completions sum into it; a no-grad prompt (what #2669
-   first did) gives a truncated gradient. Prompts and completions run packed in one row, so each
-   weight is used once (two forwards made autograd sum two gradients of every weight).
-2. Chunked logprobs (logprobs.py): the (tokens x V) logits never exist at once, forward or
+   completion attends to [its prompt's keys; its own keys], the prompt's K/V never copied per row.
+   Tokens forwarded: Bp*P + N*Tr instead of N*(P + Tr). The prompt stays in the graph, so the
+   gradients of all G completions sum into it; a no-grad prompt (what #2669 first did) gives a
+   truncated gradient.
+2. No padding (packing.py): prompts and completions run packed in one row of valid tokens only,
+   so each weight is used once and nothing (tokens x C)-sized is spent on padding; attention alone
+   tells the segments apart. Micro-batches are whole groups, by count or up to a number of valid
+   tokens (balanced_bins), and the normalisers are the whole generation batch's, so the split
+   changes no loss and no gradient.
+3. Chunked logprobs (logprobs.py): the (tokens x V) logits never exist at once, forward or
    backward; logp and the entropy come back differentiable. A chunk is sized in bytes of logits
    (chunk_rows): a token count fit for V = 16 is 200 MB at V = 49,152.
 
@@ -31,7 +34,7 @@ overlong filtering, the sampler-mismatch correction; and, beyond TRL, dynamic sa
 (keep_informative, with train.py's extra rounds).
 
 Leaves out: sampling (rollout.py), calling the reward functions (train.py), the optimizer step,
-value models, packing.
+value models, the packed forward itself (packing.py).
 
 Shapes: Bp prompts, G samples per prompt, N = Bp*G rows, P prompt length, Tr completion length,
 n selected (valid) completion tokens, C width, V vocab (V/tp under tensor parallelism).
@@ -51,9 +54,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attention import CPU_FLASH, SharedPrefixAttention, repeated_prefix_attention
 from logprobs import chunk_rows, chunked_logprobs
-from model import ModelConfig, causal_attention
+from packing import naive_hidden, packed_hidden, padded_hidden
 
 # -----------------------------------------------------------------------------
 # Config
@@ -90,6 +92,7 @@ class GRPOConfig:
     std_correction: int = 1           # 1: the n-1 (Bessel) std of TRL and verl; 0: population std
     mu: int = 1                       # optimizer steps per generation batch
     micro_batch_groups: int = 4       # whole groups per forward+backward (16's speed, 0.4x peak)
+    micro_batch_tokens: int = 0       # >0: whole groups up to N valid tokens instead, balanced
     chunk_bytes: int = 64 * 2**20     # logits bytes per logprob chunk (chunk_rows); 0 = unchunked
 
     def __post_init__(self):
@@ -110,7 +113,7 @@ class GRPOConfig:
         for field in ("micro_batch_groups", "mu"):
             checks.append((field, getattr(self, field) >= 1, "must be >= 1"))
         for field in ("eps_high", "beta", "chunk_bytes", "std_eps", "entropy_coef", "delta",
-                      "sampler_correction_min", "dynamic_sampling"):
+                      "sampler_correction_min", "dynamic_sampling", "micro_batch_tokens"):
             checks.append((field, getattr(self, field) >= 0, "must be >= 0"))
         for field, ok, why in checks:
             if not ok:
@@ -242,19 +245,24 @@ class GRPOBatch:
         lengths = self.mask.sum(1).tolist()
         return prompts, [c[:n] for c, n in zip(self.tokens.tolist(), lengths)]
 
-    def groups(self, first: int, stop: int) -> "GRPOBatch":
-        """Prompts first..stop-1 and their completions, cut to their own longest completion."""
+    def groups(self, picked: Tensor) -> "GRPOBatch":
+        """The groups `picked` ((k,) prompt indices, in that order) and their completions, cut to
+        their own longest prompt and completion."""
         G = self.num_samples
-        rows = slice(first * G, stop * G)
-        Tr = int(self.mask[rows].sum(1).max()) if self.mask[rows].numel() else 0
-        Tp = int(self.prompt_lens[first:stop].max())
+        rows = (picked[:, None] * G + torch.arange(G, device=picked.device)).flatten()  # (k*G,)
+        Tr = int(self.mask[rows].sum(1).max()) if len(rows) else 0
+        Tp = int(self.prompt_lens[picked].max())
 
         def cut(t: Tensor | None) -> Tensor | None:
             return None if t is None else t[rows, :Tr] if t.dim() == 2 else t[rows]
         return dataclasses.replace(
-            self, prompt_ids=self.prompt_ids[first:stop, :Tp],
-            prompt_lens=self.prompt_lens[first:stop],
+            self, prompt_ids=self.prompt_ids[picked, :Tp], prompt_lens=self.prompt_lens[picked],
             **{name: cut(getattr(self, name)) for name in ROW_TENSORS})
+
+    def group_tokens(self) -> list[int]:
+        """Each group's valid tokens: its prompt's and its G completions' (one host copy)."""
+        completions = self.mask.sum(1).view(-1, self.num_samples).sum(1)  # (Bp,)
+        return (self.prompt_lens + completions).tolist()
 
     def loss_mask(self, cfg: "GRPOConfig") -> Tensor:
         """(N, Tr) the tokens the loss counts: with cfg.mask_truncated_completions (DAPO's
@@ -323,112 +331,38 @@ def keep_informative(rounds: list[tuple[GRPOBatch, Tensor]], target: int, first:
     return cat_groups(parts)
 
 # -----------------------------------------------------------------------------
-# Completion logprobs: shared prompt (exact) and its naive twin
+# Completion logprobs: the packed forward (packing.py) or one of its twins
 
-
-def shared_prompt_attention(prompt_lens: Tensor, P: int, T: int, rep: int):
-    """attention(q, k, v, prompt_k, prompt_v) -> (N, H, T, D) of the completions on their group's
-    prompt K/V: attention.SharedPrefixAttention on the CPU, its repeated-prompt twin elsewhere (a GPU
-    route reading the prompt once per group is not written yet). Its masks are built once for all
-    layers (in v's dtype: bf16 under autocast over fp32 weights): rep*T*T and Bp*P entries."""
-    device = prompt_lens.device
-    prompt_valid = torch.arange(P, device=device) < prompt_lens[:, None]  # (Bp, P)
-    if device.type != "cpu" or not CPU_FLASH:
-        return lambda q, k, v, pk, pv: repeated_prefix_attention(q, k, v, pk, pv, prompt_valid)
-    arange = torch.arange(T, device=device)
-    future = arange[:, None] < arange[None, :]  # (T, T)
-    biases: dict[torch.dtype, tuple[Tensor, Tensor]] = {}
-
-    def attend(q: Tensor, k: Tensor, v: Tensor, pk: Tensor, pv: Tensor) -> Tensor:
-        # Under autocast v is the linears' bf16 while rope left q, k in the weights' fp32: the
-        # flash kernel takes one dtype, v's (what autocast gives SDPA)
-        q, k, pk, pv = (x.to(v.dtype) for x in (q, k, pk, pv))
-        if q.dtype not in biases:
-            prompt_bias = torch.zeros(prompt_valid.shape, dtype=q.dtype, device=device)
-            prompt_bias = prompt_bias.masked_fill(~prompt_valid, -torch.inf)  # (Bp, P)
-            own_bias = torch.zeros(T, T, dtype=q.dtype, device=device)
-            own_bias = own_bias.masked_fill(future, -torch.inf).repeat(rep, 1)  # each head causal
-            biases[q.dtype] = prompt_bias[:, None, None], own_bias[None, None]
-        return SharedPrefixAttention.apply(q, k, v, pk, pv, *biases[q.dtype])
-    return attend
-
-
-def shared_prompt_hidden(model, prompt_ids: Tensor, prompt_lens: Tensor, inputs: Tensor,
-                         G: int) -> Tensor:
-    """Hidden states that predict each completion token: (N, T+1, C) for inputs (N, T) =
-    completions without their last token. Row i's first state is its prompt's last valid position;
-    the rest come from the completions attending to their prompt's keys/values, which stay in the
-    graph. The prompts and the completions are packed into one row of Bp*P + N*T tokens, so every
-    linear and norm runs once over all of them: each weight is used once and gets one gradient
-    (two forwards would leave autograd summing a prompt and a completion gradient of every weight,
-    out of place, with one of them waiting for the other). Only attention tells them apart."""
-    Bp, P = prompt_ids.shape
-    N, T = inputs.shape
-    if T == 0:  # only the prompt's last state: the final block's queries and MLP run there alone
-        last = model.hidden(prompt_ids, None, causal_attention, last=prompt_lens - 1)  # (Bp, 1, C)
-        return last[:, 0].repeat_interleave(G, 0)[:, None]  # (N, 1, C)
-    device = inputs.device
-    config = model.config
-    attend = shared_prompt_attention(prompt_lens, P, T, config.num_attention_heads //
-                                     config.num_key_value_heads)
-    split = Bp * P  # packed: [prompt 0 .. prompt Bp-1 (right-padded to P); row 0 .. row N-1]
-
-    def unpack(x: Tensor, first: int, rows: int, length: int) -> Tensor:
-        # (1, h, L, D) -> (rows, h, length, D), a view
-        return x[0, :, first:first + rows * length].unflatten(1, (rows, length)).transpose(0, 1)
-
-    def packed_attention(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        # the prompts causal (right padding comes after valid tokens); each completion on its
-        # group's prompt K/V and its own keys, causal. (1, H, L, D) -> (1, H, L, D)
-        pq, pk, pv = (unpack(x, 0, Bp, P) for x in (q, k, v))  # (Bp, H|Hkv, P, D)
-        cq, ck, cv = (unpack(x, split, N, T) for x in (q, k, v))  # (N, H|Hkv, T, D)
-        y = [causal_attention(layer, pq, pk, pv), attend(cq, ck, cv, pk, pv)]
-        return torch.cat([part.transpose(0, 1).flatten(1, 2) for part in y], 1)[None]
-
-    tokens = torch.cat([prompt_ids.reshape(-1), inputs.reshape(-1)])[None]  # (1, L)
-    row_start = prompt_lens.repeat_interleave(G)[:, None]  # (N, 1): a row goes on after its prompt
-    positions = torch.cat([torch.arange(P, device=device).repeat(Bp),  # (1, L)
-                           (row_start + torch.arange(T, device=device)).reshape(-1)])[None]
-    h = model.hidden(tokens, positions, packed_attention)[0]  # (L, C)
-    last = h[:split].view(Bp, P, -1)[torch.arange(Bp, device=device), prompt_lens - 1]  # (Bp, C)
-    first = last.repeat_interleave(G, 0)[:, None]  # (N, 1, C): N*C floats, not G copies
-    return torch.cat([first, h[split:].view(N, T, -1)], 1)  # (N, T+1, C)
-
-
-def naive_hidden(model, batch: "GRPOBatch") -> Tensor:
-    """The slow twin: each prompt repeated G times in one causal forward. Returns (N, Tr, C), the
-    states at positions len(prompt)-1+t, which predict completion token t."""
-    prompts, completions = batch.lists()
-    G = batch.num_samples
-    Tr = batch.tokens.shape[1]
-    device = batch.tokens.device
-    ids, _ = pad_right([prompts[i // G] + c[:-1] for i, c in enumerate(completions)], device)
-    h = model.hidden(ids)  # (N, L, C)
-    prompt_lens = batch.prompt_lens.repeat_interleave(G)  # (N,)
-    idx = prompt_lens[:, None] - 1 + torch.arange(Tr, device=device)  # (N, Tr)
-    idx = idx.clamp(max=h.shape[1] - 1)
-    return h.gather(1, idx[..., None].expand(-1, -1, h.shape[2]))  # (N, Tr, C)
+FORWARDS = ("packed", "padded", "naive")
 
 
 def completion_logprobs(model, batch: "GRPOBatch", *, chunk_size: int = 1024,
                         logprob_fn: Callable | None = None,
-                        shared_prompt: bool = True) -> tuple[Tensor, Tensor]:
+                        forward: str = "packed") -> tuple[Tensor, Tensor]:
     """Per-token logprobs of the batch's completions under the model, at the temperature they were
     sampled with: logp (N, Tr) float32 (float64 for a float64 model) and the entropy (N, Tr)
-    (differentiable too), zeros where batch.mask is False. Works with grad and under no_grad."""
+    (differentiable too), zeros where batch.mask is False. Works with grad and under no_grad.
+    `forward`: "packed" (valid tokens only, each prompt once per group: the engine's), or its
+    twins "padded" (the same with prompts and rows padded) and "naive" (each prompt repeated)."""
     if chunk_size < 0:
         raise ValueError(f"chunk_size = {chunk_size} must be >= 0 (0: unchunked)")
+    if forward not in FORWARDS:
+        raise ValueError(f"forward = {forward!r} must be one of {FORWARDS}")
     N, Tr = batch.tokens.shape
-    if shared_prompt:
-        inputs = batch.tokens[:, :max(Tr - 1, 0)]  # (N, Tr-1): the last token predicts nothing
-        h = shared_prompt_hidden(model, batch.prompt_ids, batch.prompt_lens, inputs,
-                                 batch.num_samples)  # (N, Tr|1, C)
-        h = h[:, :Tr]  # (N, Tr, C); Tr = 0 when every completion is empty
-    else:
-        h = naive_hidden(model, batch)  # (N, Tr, C)
     mask = batch.mask
-    # Only valid tokens reach the head: the padding never costs a vocab-sized row.
-    logp, entropy = chunked_logprobs(model, h[mask], batch.tokens[mask],
+    G = batch.num_samples
+    if forward == "packed":
+        h = packed_hidden(model, batch.prompt_ids, batch.prompt_lens, batch.tokens, mask,
+                          G)  # (n, C): the valid tokens' states alone
+    else:
+        if forward == "padded":
+            inputs = batch.tokens[:, :max(Tr - 1, 0)]  # (N, Tr-1): the last predicts nothing
+            h = padded_hidden(model, batch.prompt_ids, batch.prompt_lens, inputs,
+                              G)[:, :Tr]  # (N, Tr, C); Tr = 0 when every completion is empty
+        else:
+            h = naive_hidden(model, *batch.lists(), G, mask.device)  # (N, Tr, C)
+        h = h[mask]  # (n, C): only valid tokens reach the head, never a vocab-sized padding row
+    logp, entropy = chunked_logprobs(model, h, batch.tokens[mask],
                                      temperature=batch.temperature, chunk_size=chunk_size,
                                      logprob_fn=logprob_fn)  # (n,), (n,)
     zeros = torch.zeros(N, Tr, dtype=logp.dtype, device=mask.device)
@@ -585,13 +519,43 @@ def grpo_loss(logp: Tensor, old_logp: Tensor | None, ref_logp: Tensor | None, ad
 # One pass over a generation batch, micro-batch by micro-batch
 
 
-def micro_batches(batch: GRPOBatch, cfg: GRPOConfig) -> list[tuple[slice, GRPOBatch]]:
-    """(rows, sub-batch) of each micro-batch of cfg.micro_batch_groups whole groups."""
+def balanced_bins(sizes: list[int], cap: int) -> list[list[int]]:
+    """Whole items (a group's valid tokens each) into bins of at most `cap` that carry about the
+    same load: k bins (from ceil(sum / cap), one more while a bin of two or more items is over the
+    cap), filled longest first, each item into the lightest bin (LPT scheduling: no bin exceeds
+    the mean by more than the largest item that is not alone in it). Returns the bins, heaviest
+    first."""
+    order = sorted(range(len(sizes)), key=lambda i: -sizes[i])
+    for k in range(max(1, -(-sum(sizes) // cap)), len(sizes) + 1):
+        bins: list[list[int]] = [[] for _ in range(k)]
+        loads = [0] * k
+        for i in order:
+            lightest = loads.index(min(loads))
+            bins[lightest].append(i)
+            loads[lightest] += sizes[i]
+        if all(len(b) == 1 or load <= cap for b, load in zip(bins, loads)):
+            return [b for _, b in sorted(zip(loads, bins), key=lambda x: -x[0]) if b]
+    return [[i] for i in order]
+
+
+def micro_batches(batch: GRPOBatch, cfg: GRPOConfig) -> list[tuple[Tensor, GRPOBatch]]:
+    """(rows, sub-batch) of each micro-batch: cfg.micro_batch_groups whole groups in order, or with
+    cfg.micro_batch_tokens whole groups up to that many valid tokens (balanced_bins; a group
+    larger than that alone). rows: (k*G,) indices of the sub-batch's rows in the batch."""
     Bp = batch.prompt_ids.shape[0]
     G = batch.num_samples
-    step = cfg.micro_batch_groups
-    return [(slice(s * G, min(s + step, Bp) * G), batch.groups(s, min(s + step, Bp)))
-            for s in range(0, Bp, step)]
+    device = batch.tokens.device
+    if cfg.micro_batch_tokens:
+        bins = balanced_bins(batch.group_tokens(), cfg.micro_batch_tokens)
+    else:
+        step = cfg.micro_batch_groups
+        bins = [list(range(s, min(s + step, Bp))) for s in range(0, Bp, step)]
+    out = []
+    for groups in bins:
+        picked = torch.tensor(sorted(groups), device=device)  # prompt-major within a micro-batch
+        rows = (picked[:, None] * G + torch.arange(G, device=device)).flatten()
+        out.append((rows, batch.groups(picked)))
+    return out
 
 
 @torch.no_grad()

@@ -31,6 +31,7 @@ from grpo import GRPOConfig
 from logprobs import chunk_rows
 from memory import MemoryConfig, PhaseManager
 from model import ModelConfig
+from packing import FLEX_ON_CUDA
 from rollout import KVCache, RolloutConfig
 
 # -----------------------------------------------------------------------------
@@ -97,7 +98,7 @@ def block_bytes(config: ModelConfig, dtype: torch.dtype, tp_size: int = 1,
                 kv=2 * a * K, residual=a * C, inference=a * (3 * C + 3 * I))
 
 
-def micro_batch_memory(config: ModelConfig, groups: int, G: int, prompt_len: int,
+def micro_batch_memory(config: ModelConfig, groups: float, G: int, prompt_len: int,
                        completion_len: int, dtype: torch.dtype, *, checkpoint: bool,
                        chunk_size: int, tp_size: int = 1, sequence_parallel: bool = False,
                        repeated_prompt: bool = False, autocast: bool = False) -> dict[str, int]:
@@ -105,11 +106,13 @@ def micro_batch_memory(config: ModelConfig, groups: int, G: int, prompt_len: int
     Tr tokens (T = Tr - 1 fed) holds at its largest moments, per rank, besides the weights, grads
     and optimizer state (memory.py plans those): {"forward", "backward", "no grad"} (the last:
     old or reference logprobs). The prompts and completions run packed, one row through every
-    block (grpo.shared_prompt_hidden). Per layer, with block_bytes' per-token terms:
+    block (packing.py; `groups` may be a fraction: a token budget's share). Per layer, with
+    block_bytes' per-token terms:
         prompt tokens      full blocks
-        completion tokens  full blocks; with repeated_prompt (the attention off the CPU,
-                           grpo.shared_prompt_attention) also each row's copy of its prompt's keys
-                           and values, 2a*K/tp*P, and a bool (T, P + T) mask per row
+        completion tokens  full blocks; with repeated_prompt (the attention off the CPU without
+                           FlexAttention, packing.shared_prompt_attention) also each row's copy of
+                           its prompt's keys and values, 2a*K/tp*P, and a bool (T, P + T) mask per
+                           row
     With activation checkpointing a block keeps only its input (a*C) and backward recomputes one
     packed block at a time. Outside: the rope tables, the hidden states at the head (a*C + 16 per
     token), the loss's (N, Tr) float32 tensors. Transients: a chunk of head logits (8 bytes per
@@ -152,7 +155,7 @@ def micro_batch_memory(config: ModelConfig, groups: int, G: int, prompt_len: int
     pending = tied * V * C * (4 if autocast else a)
     backward = saved + recompute + max(gradients, head_backward) + pending
     no_grad = n * a * C * 2 + max((prompt + completion) * b["inference"] + row_keys, head)
-    return {"forward": forward, "backward": backward, "no grad": no_grad}
+    return {"forward": int(forward), "backward": int(backward), "no grad": int(no_grad)}
 
 
 def block_weight_bytes(config: ModelConfig, dtype: torch.dtype, tp_size: int = 1) -> int:
@@ -181,9 +184,15 @@ def step_transients(config: ModelConfig, prompts: int, prompt_len: int, r: Rollo
     """Each phase's largest transient (bytes per rank) for `prompts` prompts of prompt_len tokens
     and r.max_new_tokens completion tokens: the largest of rollout_memory in rollout; the batch
     kept through the step plus a micro-batch's no-grad forward (old or reference logprobs) or its
-    forward/backward (train)."""
+    forward/backward (train). A micro-batch is g.micro_batch_groups groups at full length, or with
+    g.micro_batch_tokens that many valid tokens (at least one group): the packed forward runs on
+    valid tokens only, so its activations follow them, as many groups' worth as they make."""
     Tc = r.max_new_tokens
-    micro = micro_batch_memory(config, min(g.micro_batch_groups, prompts), r.num_samples,
+    groups = min(g.micro_batch_groups, prompts)
+    if g.micro_batch_tokens:
+        group_tokens = prompt_len + r.num_samples * Tc  # a group at full length
+        groups = max(1.0, min(prompts, g.micro_batch_tokens / group_tokens))  # may be fractional
+    micro = micro_batch_memory(config, groups, r.num_samples,
                                prompt_len, Tc, dtype, checkpoint=checkpoint,
                                autocast=dtype == torch.bfloat16,  # train.py's bf16: fp32 master
                                chunk_size=chunk_rows(g.chunk_bytes, config.vocab_size, dtype),
@@ -243,7 +252,7 @@ def step_plan(mem: PhaseManager, cfgs, model, sampler, reference, prompts: int, 
         getattr(torch, cfgs.train.dtype), next(sampler.parameters()).dtype,  # activations' dtype
         checkpoint=cfgs.memory.activation_checkpoint, tp_size=tp_size,
         sequence_parallel=cfgs.parallel.sequence_parallel, old=g.mu > 1,
-        repeated_prompt=torch.device(target).type != "cpu",  # grpo.shared_prompt_attention's
+        repeated_prompt=torch.device(target).type != "cpu" and not FLEX_ON_CUDA,  # packing's
         cpu=torch.device(target).type == "cpu")
     plan = phase_peaks(mem, transients, target, cfgs.train.phases)
     if reference is None:
@@ -254,16 +263,20 @@ def step_plan(mem: PhaseManager, cfgs, model, sampler, reference, prompts: int, 
 def fit(mem: PhaseManager, cfgs, model, sampler, reference, prompts: int, tp_size: int,
         target: str, explicit=()):
     """plan_of(g) -> step_plan of this run; cfgs.grpo becomes the fitted one first: with
-    cfgs.memory.memory_budget, fit_memory_budget's; else on a CPU, unless micro_batch_groups is
-    among the explicit flags, bound_micro_batch's (on a GPU, where larger matmuls run faster,
-    --memory_budget is the bound)."""
+    cfgs.memory.memory_budget, fit_memory_budget's; else on a CPU, unless micro_batch_groups or
+    micro_batch_tokens is among the explicit flags, bound_micro_batch's (on a GPU, where larger
+    matmuls run faster, --memory_budget is the bound)."""
     plan_of = partial(step_plan, mem, cfgs, model, sampler, reference, prompts, tp_size, target)
+    r = cfgs.rollout
+    group_tokens = cfgs.train.max_prompt_len + r.num_samples * r.max_new_tokens  # at full length
     if cfgs.memory.memory_budget:
         cfgs.grpo = fit_memory_budget(cfgs.memory.memory_budget, plan_of, cfgs.grpo, prompts,
-                                      None if cfgs.memory.activation_checkpoint else partial(
-                                          step_plan, mem, with_checkpointing(cfgs), model,
-                                          sampler, reference, prompts, tp_size, target))
-    elif "micro_batch_groups" not in explicit and torch.device(target).type == "cpu":
+                                      group_tokens, None if cfgs.memory.activation_checkpoint
+                                      else partial(step_plan, mem, with_checkpointing(cfgs),
+                                                   model, sampler, reference, prompts, tp_size,
+                                                   target))
+    elif not {"micro_batch_groups", "micro_batch_tokens"} & set(explicit) and (
+            torch.device(target).type == "cpu"):
         cfgs.grpo = bound_micro_batch(plan_of, cfgs.grpo)  # a GPU's matmuls want the rows
     return plan_of
 
@@ -305,19 +318,21 @@ def with_checkpointing(cfgs):
     return dataclasses.replace(cfgs, memory=memory)
 
 
-def smallest_fit(budget_gb: float, plan_of, g: GRPOConfig, prompts: int
+def smallest_fit(budget_gb: float, plan_of, g: GRPOConfig, prompts: int, group_tokens: int
                  ) -> tuple[GRPOConfig | None, int, list[int]]:
-    """The g with the largest micro_batch_groups (prompts down to 1), then the largest logprob
-    chunk (g.chunk_bytes halved down to 1 MiB; 0, unchunked, first tries 64 MiB), whose planned
-    peak (plan_of(g) -> step_plan's dict) fits budget_gb per rank, or None; its planned peak (or
-    the smallest one tried), and the chunks tried."""
+    """The g with the largest micro_batch_tokens (the tokens of `prompts` groups at full length,
+    group_tokens each, down to one group's), then the largest logprob chunk (g.chunk_bytes halved
+    down to 1 MiB; 0, unchunked, first tries 64 MiB), whose planned peak (plan_of(g) ->
+    step_plan's dict) fits budget_gb per rank, or None; its planned peak (or the smallest one
+    tried), and the chunks tried."""
     chunks = [g.chunk_bytes] if g.chunk_bytes else [0, 2**26]
     while chunks[-1] > 2**20:
         chunks.append(max(2**20, chunks[-1] // 2))
     smallest = None
     for groups in range(prompts, 0, -1):
         for chunk in chunks:
-            fit = dataclasses.replace(g, micro_batch_groups=groups, chunk_bytes=chunk)
+            fit = dataclasses.replace(g, micro_batch_tokens=groups * group_tokens,
+                                      chunk_bytes=chunk)
             planned = peak(plan_of(fit))
             if planned <= budget_gb * 1e9:
                 return fit, planned, chunks
@@ -325,29 +340,31 @@ def smallest_fit(budget_gb: float, plan_of, g: GRPOConfig, prompts: int
     return None, smallest, chunks
 
 
-def fit_memory_budget(budget_gb: float, plan_of, g: GRPOConfig, prompts: int,
+def fit_memory_budget(budget_gb: float, plan_of, g: GRPOConfig, prompts: int, group_tokens: int,
                       plan_checkpointed=None) -> GRPOConfig:
-    """--memory_budget: smallest_fit's choice, printed. When nothing fits, one line naming the
-    smallest peak it could reach, and --activation_checkpoint true when plan_checkpointed (the
+    """--memory_budget: smallest_fit's choice, printed. Micro-batches then take whole groups up to
+    that many valid tokens: real completions shorter than the budget make fewer, fuller ones
+    within the same planned peak (verl's dynamic batch size). When nothing fits, one line naming
+    the smallest peak it could reach, and --activation_checkpoint true when plan_checkpointed (the
     same run with it; None when it is on already) fits. The micro-batch changes no loss: the
     normalisers are the generation batch's."""
-    fit, planned, chunks = smallest_fit(budget_gb, plan_of, g, prompts)
+    fit, planned, chunks = smallest_fit(budget_gb, plan_of, g, prompts, group_tokens)
     if fit is not None:
-        print(f"memory budget {budget_gb:g} GB per rank: --micro_batch_groups "
-              f"{fit.micro_batch_groups} --chunk_bytes {fit.chunk_bytes}, planned peak "
-              f"{planned / 1e9:.3f} GB")
+        print(f"memory budget {budget_gb:g} GB per rank: --micro_batch_tokens "
+              f"{fit.micro_batch_tokens} ({fit.micro_batch_tokens // group_tokens} groups at full "
+              f"length) --chunk_bytes {fit.chunk_bytes}, planned peak {planned / 1e9:.3f} GB")
         return fit
     advice = ("raise it, or lower --prompts_per_step, --num_samples, --max_prompt_len or "
               "--max_new_tokens")
     if plan_checkpointed is not None:
-        ckpt, ckpt_peak, _ = smallest_fit(budget_gb, plan_checkpointed, g, prompts)
+        ckpt, ckpt_peak, _ = smallest_fit(budget_gb, plan_checkpointed, g, prompts, group_tokens)
         if ckpt is not None:
             advice = (f"pass --activation_checkpoint true (each block recomputed in backward): "
-                      f"then --micro_batch_groups {ckpt.micro_batch_groups} fits, planned peak "
+                      f"then --micro_batch_tokens {ckpt.micro_batch_tokens} fits, planned peak "
                       f"{ckpt_peak / 1e9:.3f} GB; or {advice}")
     raise ValueError(f"--memory_budget {budget_gb:g} GB per rank: nothing fits; the smallest "
-                     f"planned peak is {planned / 1e9:.3f} GB (at --micro_batch_groups 1 "
-                     f"--chunk_bytes {chunks[-1]}, the least it tries); {advice}")
+                     f"planned peak is {planned / 1e9:.3f} GB (at one group, {group_tokens} "
+                     f"tokens, --chunk_bytes {chunks[-1]}, the least it tries); {advice}")
 
 
 def print_plan(plan: dict[str, dict[str, int]], target: str, title: str) -> None:

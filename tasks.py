@@ -269,6 +269,83 @@ count = Task("count", sample_count, [(count_close, 0.8), (exact_length, 0.2)],
              alphabet="ab0123456789=", max_new_tokens=2, correct=exact)
 
 # -----------------------------------------------------------------------------
+# Answers of varying length, then the stop: the stop set. The model must learn where its answer
+# ends, which depends on the prompt; the credit is per position (0.8, digits_correct: extra tokens
+# cost nothing there) plus stopping right after the answer (0.2); the budget is the longest
+# answer plus its stop. docs/measurements.md holds the default recipe to all eight.
+
+
+def word(rng: random.Random, letters: str, shortest: int, longest: int) -> str:
+    return "".join(rng.choice(letters) for _ in range(rng.randint(shortest, longest)))
+
+
+def sample_reverse_word(rng: random.Random) -> tuple[str, str]:
+    """"abcd=" -> "dcba": 4 letters of 4 (a user's first task; the budget holds one more)."""
+    letters = word(rng, "abcd", 4, 4)
+    return letters + "=", letters[::-1]
+
+
+def sample_reverse_varied(rng: random.Random) -> tuple[str, str]:
+    """"cab=" -> "bac": reversal of 2 to 5 letters: the end moves with the prompt."""
+    letters = word(rng, "abcd", 2, 5)
+    return letters + "=", letters[::-1]
+
+
+def sample_upper(rng: random.Random) -> tuple[str, str]:
+    """"abca=" -> "ABCA": the README's example."""
+    letters = word(rng, "abc", 4, 4)
+    return letters + "=", letters.upper()
+
+
+def sample_stars(rng: random.Random) -> tuple[str, str]:
+    """"dab=" -> "***": as many stars as the prompt has letters (1 to 6): only the stop varies."""
+    letters = word(rng, "abcd", 1, 6)
+    return letters + "=", "*" * len(letters)
+
+
+def sample_copy(rng: random.Random) -> tuple[str, str]:
+    """"4071=" -> "4071": 1 to 5 digits."""
+    digits = word(rng, "0123456789", 1, 5)
+    return digits + "=", digits
+
+
+def sample_dedup(rng: random.Random) -> tuple[str, str]:
+    """"aabccb=" -> "abcb": each run of a letter once (6 letters of 3: 1 to 6 in the answer)."""
+    letters = word(rng, "abc", 6, 6)
+    return letters + "=", "".join(c for i, c in enumerate(letters) if letters[i - 1:i] != c)
+
+
+def sample_strip_zeros(rng: random.Random) -> tuple[str, str]:
+    """"00372=" -> "372": 5 digits with 0 to 3 leading zeros, the zeros dropped."""
+    zeros = rng.randint(0, 3)
+    digits = "0" * zeros + word(rng, "123456789", 5 - zeros, 5 - zeros)
+    return digits + "=", digits[zeros:]
+
+
+def sample_drop_c(rng: random.Random) -> tuple[str, str]:
+    """"acbcca=" -> "aba": 6 letters of 3 without their c's (at least one letter remains)."""
+    while True:
+        letters = word(rng, "abc", 6, 6)
+        if letters.replace("c", ""):
+            return letters + "=", letters.replace("c", "")
+
+
+def stop_task(name: str, sample: Callable, alphabet: str, longest: int) -> Task:
+    """A task of the stop set: per-position credit, the stop, a budget of longest + 1."""
+    return Task(name, sample, [(digits_correct, 0.8), (exact_length, 0.2)], alphabet=alphabet,
+                max_new_tokens=longest + 1, correct=exact)
+
+
+reverse_word = stop_task("reverse_word", sample_reverse_word, "abcd=", 4)
+reverse_varied = stop_task("reverse_varied", sample_reverse_varied, "abcd=", 5)
+upper = stop_task("upper", sample_upper, "abcABC=", 4)
+stars = stop_task("stars", sample_stars, "abcd*=", 6)
+copy = stop_task("copy", sample_copy, "0123456789=", 5)
+dedup = stop_task("dedup", sample_dedup, "abc=", 6)
+strip_zeros = stop_task("strip_zeros", sample_strip_zeros, "0123456789=", 5)
+drop_c = stop_task("drop_c", sample_drop_c, "abc=", 6)
+
+# -----------------------------------------------------------------------------
 # Math word problems from a JSONL file (for real checkpoints, e.g. GSM8K-style files on disk)
 
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")

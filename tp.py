@@ -14,9 +14,11 @@ which saves only the local shard and re-gathers into a MemoryBuffer in backward 
 The parallel forward is a class you can open: shard_model turns the model into a TPLlama and its
 modules into the TP classes below (same objects, HF parameter names, only forward() changes).
 TPLlama.hidden decides once per forward whether it runs sequence parallel (the model's switch,
-ParallelConfig.sequence_parallel or `with sequence_parallel(model):`, and B*T % tp == 0; else plain
-TP, the same numbers, so decode with T = 1 runs on the same model) and passes `sp` explicitly to
-every block and layer; it always returns the full (B, T, C) on every rank. A block recomputed in
+ParallelConfig.sequence_parallel or `with sequence_parallel(model):`) and passes `sp` explicitly
+to every block and layer. SP splits the B*T tokens evenly over the tp ranks: when tp does not divide
+them, each row's end is padded until it does and the pads are dropped after; a decode step (one
+token a row, whose hook takes no more) then runs plain TP, the same numbers, on the same model. It
+always returns the full (B, T, C) on every rank. A block recomputed in
 backward (memory.checkpoint_blocks) is called with the same `sp` and takes the same path again.
 
 Leaves out: pipeline parallelism, ZeRO/FSDP, overlap of communication with compute, uneven splits.
@@ -381,7 +383,20 @@ class TPLlama(Llama):
     def hidden(self, tokens: Tensor, positions: Tensor | None = None,
                attention: Callable | None = None, last: Tensor | None = None) -> Tensor:
         state = self.tp_state
-        sp = state.sequence_parallel and tokens.numel() % state.groups.tp_size == 0
+        tp = state.groups.tp_size
+        B, T = tokens.shape
+        # SP splits the B*T tokens evenly. When tp does not divide them, each row's end is padded
+        # until it does; a decode step (T = 1: its hook takes one token a row) runs plain TP.
+        sp = state.sequence_parallel and (B * T % tp == 0 or T > 1)
+        if sp and B * T % tp:
+            pad = next(p for p in range(1, tp + 1) if B * (T + p) % tp == 0)
+            if positions is None:
+                positions = torch.arange(T, device=tokens.device).expand(B, T)
+            # The pads come after every real token: causal attention never shows them to one, and
+            # a hook that knows its own T (grpo's packed forwards) leaves what follows it alone.
+            tokens = torch.cat([tokens, tokens.new_zeros(B, pad)], 1)  # (B, T+pad)
+            positions = torch.cat([positions, positions[:, -1:] + 1 + torch.arange(
+                pad, device=tokens.device)], 1)
         x = self.model.embed_tokens(tokens, sp)  # (N/tp, C) under SP, else (B, T, C)
         cos, sin = self.rope(tokens, positions, x.dtype)  # (B, T, D)
         final = len(self.model.layers) - 1
@@ -389,7 +404,8 @@ class TPLlama(Llama):
             block_last = last if i == final and not sp else None
             x = block(x, cos, sin, attention or causal_attention, block_last, sp)
         if sp:  # out of SP: every rank gets every token
-            x = GatherFromSP.apply(x, state.groups.tp_group).view(*tokens.shape, -1)  # (B, T, C)
+            x = GatherFromSP.apply(x, state.groups.tp_group).view(*tokens.shape, -1)  # (B, T', C)
+            x = x[:, :T]  # (B, T, C): the pads dropped
             if last is not None:
                 x = at_last(x, last)  # (B, 1, C)
         return x

@@ -80,7 +80,7 @@ def make_step(device: str, chunk_size: int):
         elif variant in STEP_VARIANTS:
             shared, chunked = STEP_VARIANTS[variant]
             logp, _ = grpo.completion_logprobs(model, batch, chunk_size=chunk_size if chunked else 0,
-                                               shared_prompt=shared)
+                                               forward="packed" if shared else "naive")
             mask = batch.mask
         if variant in STEP_VARIANTS:
             loss, _ = grpo.grpo_loss(logp, None, None, adv, mask, loss_cfg, num_seqs=Bp * G, num_tokens=Bp * G * C,

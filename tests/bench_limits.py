@@ -202,7 +202,7 @@ def train_part(name: str, lim: dict) -> None:
           f"{flops / 1e12:.1f} T; bf16 matmul {lim['matmul']:,.0f} TFLOP/s\n"
           "| shared prompt | s | completion tokens/s | TFLOP/s | MFU | peak GB |\n|---|---|---|---|---|---|")
     for shared in (True, False):
-        grpo.completion_logprobs = functools.partial(original, shared_prompt=shared)
+        grpo.completion_logprobs = functools.partial(original, forward="packed" if shared else "naive")
 
         def step():
             with torch.autocast("cuda", dtype=torch.bfloat16):

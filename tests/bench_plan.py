@@ -192,11 +192,11 @@ class AttentionSaves:
     attention.SharedPrefixAttention."""
 
     def __init__(self, repeated: bool):
-        import grpo
+        import packing
         self.totals = {"prompt K/V per row": 0, "mask": 0}
         self.current = dict(self.totals)
-        grpo.CPU_FLASH = grpo.CPU_FLASH and not repeated
-        build = grpo.shared_prompt_attention
+        packing.CPU_FLASH = packing.CPU_FLASH and not repeated
+        build = packing.shared_prompt_attention
 
         def counted(*args, **kwargs):
             attend = build(*args, **kwargs)
@@ -210,7 +210,7 @@ class AttentionSaves:
                         lambda t: self.count(t, q.shape) or t.detach(), lambda t: t):
                     return attend(q, k, v, pk, pv)
             return hooked
-        grpo.shared_prompt_attention = counted
+        packing.shared_prompt_attention = counted
 
     def count(self, t, q_shape) -> None:
         N, _, T, _ = q_shape

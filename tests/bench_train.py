@@ -55,7 +55,7 @@ def one_step(model, optimizer, prompts, gcfg, mem, engine: bool, device) -> dict
             optimizer.step()
     else:
         optimizer.zero_grad(set_to_none=True)
-        logp, _ = grpo.completion_logprobs(model, batch, chunk_size=0, shared_prompt=False)
+        logp, _ = grpo.completion_logprobs(model, batch, chunk_size=0, forward="naive")
         mask = batch.mask
         loss, _ = grpo.grpo_loss(logp, None, None, advantages, mask, gcfg, num_seqs=mask.shape[0],
                                  num_tokens=int(mask.sum()), max_completion_len=C)

@@ -14,6 +14,7 @@ from memtrace import allocator_peak
 import attention
 import grpo
 import logprobs
+import packing
 import hf
 import model as M
 import rollout
@@ -92,14 +93,15 @@ def weighted_sum(logp: torch.Tensor, mask: torch.Tensor, seed: int = 1) -> torch
 # Shared prompt == one forward per sequence (values and every parameter's gradient)
 
 
-@pytest.mark.parametrize("shared,chunk_size", [(True, 4), (True, 0), (False, 0), (False, 5)])
-def test_logprobs_and_grads_equal_one_forward_per_sequence(shared, chunk_size):
+@pytest.mark.parametrize("forward,chunk_size", [("packed", 4), ("packed", 0), ("padded", 4),
+                                                ("naive", 0), ("naive", 5)])
+def test_logprobs_and_grads_equal_one_forward_per_sequence(forward, chunk_size):
     G, temperature = 3, 0.7
     prompts, completions = ragged_batch(G)
     m = tiny_model()
     logp, entropy, mask = completion_logprobs(m, prompts, completions, num_samples=G,
                                                    temperature=temperature, chunk_size=chunk_size,
-                                                   shared_prompt=shared)
+                                                   forward=forward)
     # The entropy is differentiable too (an entropy bonus trains through it): weigh both.
     (weighted_sum(logp, mask) + weighted_sum(entropy, mask, seed=2)).backward()
     got = grads(m)
@@ -120,6 +122,70 @@ def test_logprobs_and_grads_equal_one_forward_per_sequence(shared, chunk_size):
     (weighted_sum(ref, ref_mask) + weighted_sum(ref_entropy, ref_mask, seed=2)).backward()
     # fp32 accumulation over ~40 tokens, relative to each grad's scale
     assert_grads_close(got, grads(m), rel=1e-4)
+
+
+def ragged_groups(G: int = 3, seed: int = 4) -> tuple[list[list[int]], list[list[int]]]:
+    """The shapes padding hides bugs in: prompts of 1 to 9 tokens, completions of 0 to 8 (the
+    longest prompt and row set P and T), one group whose rows are all empty."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(100, V, (n,), generator=gen).tolist() for n in (1, 6, 9, 3)]
+    lens = [0, 5, 2] + [0, 0, 0] + [8, 1, 3] + [4, 0, 6]
+    completions = [torch.randint(0, 100, (n,), generator=gen).tolist() for n in lens[:4 * G]]
+    return prompts, completions
+
+
+def test_the_packed_forward_equals_the_padded_one_on_ragged_batches():
+    """Padding-free (only valid tokens, the default) against the padded twin (every prompt padded
+    to P, every row to T): logprobs, entropies and every parameter's gradient on ragged groups, an
+    all-empty group included. float32: the same kernels on the same valid tokens, summed in
+    another order: 1e-6 of each gradient's scale."""
+    prompts, completions = ragged_groups()
+    m = tiny_model()
+    batch = GRPOBatch.from_lists(prompts, completions, temperature=0.8)
+    out = {}
+    for forward in ("packed", "padded"):
+        logp, entropy = grpo.completion_logprobs(m, batch, chunk_size=7, forward=forward)
+        (weighted_sum(logp, batch.mask) + weighted_sum(entropy, batch.mask, seed=2)).backward()
+        out[forward] = logp.detach(), entropy.detach(), grads(m)
+        m.zero_grad()
+    for got, want in zip(out["packed"][:2], out["padded"][:2]):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert_grads_close(out["packed"][2], out["padded"][2], rel=1e-6)
+
+
+def test_the_packed_forward_runs_on_valid_tokens_only():
+    """The packed row holds each prompt's valid tokens once and each row's first c_i - 1 tokens:
+    no linear runs on padding (the padded twin's row is Bp*P + N*(T-1) long)."""
+    prompts, completions = ragged_groups()
+    batch = GRPOBatch.from_lists(prompts, completions)
+    packed = packing.pack(batch.prompt_ids, batch.prompt_lens, batch.tokens, batch.mask, 3)
+    valid = sum(map(len, prompts)) + sum(max(len(c) - 1, 0) for c in completions)
+    assert packed.tokens.shape == (1, valid) == packed.positions.shape
+    assert len(packed.predict) == sum(map(len, completions))
+    # Positions: a prompt from 0, a row from its prompt's length.
+    assert packed.positions[0, :1].tolist() == [0] and packed.positions[0, 1:7].tolist() == list(
+        range(6))
+    first_row = sum(map(len, prompts))  # row 1 (5 tokens) after the 4 prompts; row 0 is empty
+    assert packed.positions[0, first_row:first_row + 4].tolist() == [1, 2, 3, 4]
+
+
+def test_flex_attention_on_the_packed_row_equals_the_padded_forward():
+    """The CUDA route's attention (FlexAttention under the packed block mask) run eagerly on the
+    CPU, where it has no backward: its logprobs equal the padded twin's (float32, another kernel:
+    1e-5)."""
+    if packing.flex_attention is None:
+        pytest.skip("torch without flex_attention")
+    prompts, completions = ragged_groups()
+    m = tiny_model()
+    batch = GRPOBatch.from_lists(prompts, completions)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # eager flex_attention says it is for debugging
+        h = packing.packed_hidden(m, batch.prompt_ids, batch.prompt_lens, batch.tokens,
+                                  batch.mask, 3, attention=lambda p, rep:
+                                  packing.flex_packed_attention(p))
+        want = packing.padded_hidden(m, batch.prompt_ids, batch.prompt_lens,
+                                     batch.tokens[:, :-1], 3)[batch.mask]
+    torch.testing.assert_close(h, want, rtol=1e-5, atol=1e-5)
 
 
 def truncated_prompt_logprobs(m: M.Llama, prompts, completions,
@@ -174,7 +240,18 @@ def test_no_grad_prompt_gives_a_different_gradient():
     torch.testing.assert_close(bad["lm_head.weight"], exact["lm_head.weight"])
 
 
-def test_shared_prompt_backward_holds_no_pending_weight_gradient():
+def hidden_states(forward: str, m, prompt_ids, prompt_lens, inputs, G: int) -> torch.Tensor:
+    """packing's padded forward, or its packed one fed the same rows (one token more each, so that
+    every input feeds a state)."""
+    if forward == "padded":
+        return packing.padded_hidden(m, prompt_ids, prompt_lens, inputs, G)  # (N, T+1, C)
+    tokens = torch.cat([inputs, inputs[:, :1]], 1)  # (N, T+1)
+    return packing.packed_hidden(m, prompt_ids, prompt_lens, tokens, torch.ones_like(
+        tokens, dtype=torch.bool), G)  # (n, C)
+
+
+@pytest.mark.parametrize("forward", ["packed", "padded"])
+def test_shared_prompt_backward_holds_no_pending_weight_gradient(forward):
     """Regression: the prompt and the completions ran as two forwards, so every weight got two
     gradients and autograd held one until the other came: all blocks' at once when the prompt ran
     first (+9-10 MB beside 11.8 MB of grads in tests/bench_plan.py), one block's when the two
@@ -189,7 +266,7 @@ def test_shared_prompt_backward_holds_no_pending_weight_gradient():
     inputs = torch.randint(0, 16, (4, 3), generator=torch.Generator().manual_seed(0))
 
     def backward():
-        h = grpo.shared_prompt_hidden(m, prompt_ids, prompt_lens, inputs, G)  # (N, T+1, C)
+        h = hidden_states(forward, m, prompt_ids, prompt_lens, inputs, G)
         h.square().sum().backward()
     backward()  # the grads exist now, as in every micro-batch after the first
     block = sum(p.numel() * 4 for p in m.model.layers[0].parameters())  # float32
@@ -199,7 +276,8 @@ def test_shared_prompt_backward_holds_no_pending_weight_gradient():
     assert peak < 2 * block, (peak, block)
 
 
-def test_shared_prompt_forward_saves_no_repeated_prompt():
+@pytest.mark.parametrize("forward", ["packed", "padded"])
+def test_shared_prompt_forward_saves_no_repeated_prompt(forward):
     """The completions read the prompt's K/V once per group: nothing saved for backward is as
     large as a per-row copy of the prompt's keys, (N, Hkv, P, D), nor a per-row (T, P + T) mask
     (both were saved per layer when the prompt was repeated for one fused SDPA call)."""
@@ -212,7 +290,7 @@ def test_shared_prompt_forward_saves_no_repeated_prompt():
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t,
                                                   lambda t: t):
-        grpo.shared_prompt_hidden(m, prompt_ids, torch.tensor([P, 31]), inputs, G)
+        hidden_states(forward, m, prompt_ids, torch.tensor([P, 31]), inputs, G)
     # A per-row copy has N rows and the prompt's P (or P + T) keys: (N, Hkv, P + T, D) K/V, or
     # the (N, 1, T, P + T) mask. The prompt's own tensors have Bp rows (torch 2.5's SDPA saves
     # the prompt's (Bp, H, P, P) probabilities under GQA: once per group, not per row).
@@ -236,7 +314,7 @@ def test_shared_prompt_attention_under_bf16_autocast_equals_its_twin(monkeypatch
         m.zero_grad()
         return logp.detach(), grad
     got, got_grad = logp_and_grad()
-    monkeypatch.setattr(grpo, "CPU_FLASH", False)  # the repeated-prompt twin
+    monkeypatch.setattr(packing, "CPU_FLASH", False)  # the repeated-prompt twin
     want, want_grad = logp_and_grad()
     torch.testing.assert_close(got, want, atol=1e-1, rtol=0)
     assert (got_grad - want_grad).norm() <= 0.03 * want_grad.norm()
@@ -493,13 +571,13 @@ def test_entropy_bonus_trains_the_policy_entropy_through_accumulate(chunk_size):
     assert_grads_close(with_bonus, want, rel=1e-5)  # fp32; chunked/shared vs one forward each
 
 
-@pytest.mark.parametrize("shared", [True, False])
-def test_logprob_of_token_t_comes_from_logits_at_t_minus_1(shared):
+@pytest.mark.parametrize("forward", grpo.FORWARDS)
+def test_logprob_of_token_t_comes_from_logits_at_t_minus_1(forward):
     m = tiny_model()
     prompt, completion = [3, 17, 42], [5, 9, 11, 60]
     logits = m(torch.tensor([prompt + completion]))[0]  # (7, V)
     logp, _, _ = completion_logprobs(m, [prompt], [completion], num_samples=1,
-                                          shared_prompt=shared)
+                                          forward=forward)
     for t, tok in enumerate(completion):
         # completion token t sits at sequence position 3 + t and is predicted by position 2 + t
         want = logits[2 + t].log_softmax(-1)[tok]
@@ -541,9 +619,10 @@ def test_micro_batches_of_1_2_4_groups_equal_one_big_batch(loss_type):
     loss.backward()
     want = grads(m)
     assert metrics["clip_low"] + metrics["clip_high"] > 0  # the clip is exercised
-    for groups in (1, 2, 4):
+    token_budgets = (1, 60, 10**6)  # one group each, balanced bins of several, all at once
+    for groups, tokens in [(1, 0), (2, 0), (4, 0)] + [(4, t) for t in token_budgets]:
         m.zero_grad()
-        cfg.micro_batch_groups = groups
+        cfg.micro_batch_groups, cfg.micro_batch_tokens = groups, tokens
         got = grpo.accumulate(m, batch, cfg)
         # The loss is a sum of terms ~1 that nearly cancel (advantages sum to 0 in each group):
         # its fp32 error scales with the terms, not with the small result, hence the floor of 1.
@@ -556,6 +635,34 @@ def test_micro_batches_of_1_2_4_groups_equal_one_big_batch(loss_type):
             assert_rel(got[key], metrics[key], 1e-5, what=key)
         want_entropy = ((ent * mask).sum() / mask.sum()).item()
         assert_rel(got["entropy"], want_entropy, 1e-5, what="entropy")
+
+
+def test_micro_batches_by_tokens_are_whole_groups_balanced_under_the_cap():
+    """--micro_batch_tokens: every group in exactly one micro-batch, none over the cap unless it
+    is a group alone, the heaviest first; on ragged groups of several per micro-batch no
+    micro-batch carries more than 1.3x their mean; batch_logprobs puts each row back in place."""
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        sizes = torch.randint(40, 2400, (int(torch.randint(2, 64, (1,), generator=gen)),),
+                              generator=gen).tolist()
+        cap = [3000, 6000, 12000][trial % 3]
+        bins = grpo.balanced_bins(sizes, cap)
+        assert sorted(i for b in bins for i in b) == list(range(len(sizes)))
+        loads = [sum(sizes[i] for i in b) for b in bins]
+        assert all(load <= cap or len(b) == 1 for b, load in zip(bins, loads))
+        assert loads == sorted(loads, reverse=True)
+        if min(map(len, bins)) >= 3:
+            assert max(loads) <= 1.3 * sum(loads) / len(loads), loads
+    m = tiny_model()
+    prompts, completions = ragged_groups()
+    batch = GRPOBatch.from_lists(prompts, completions)
+    cfg = GRPOConfig(micro_batch_tokens=12)
+    micro = grpo.micro_batches(batch, cfg)
+    assert sorted(torch.cat([rows for rows, _ in micro]).tolist()) == list(range(12))
+    assert len(micro) > 1
+    with torch.no_grad():
+        whole, _ = grpo.completion_logprobs(m, batch)
+    torch.testing.assert_close(grpo.batch_logprobs(m, batch, cfg), whole, **LOGP_TOL)
 
 
 def test_accumulate_adds_to_existing_grads_and_batch_logprobs_match_one_pass():

@@ -107,9 +107,9 @@ def plain_logprobs(logits: torch.Tensor, targets: torch.Tensor):
 
 
 def grpo_batch(cfg: M.ModelConfig, G: int = 2):
-    """3 prompts of lengths 5, 4, 7 and ragged completions. With one group per micro-batch the prompt
-    forwards have 5, 4, 7 tokens and the completion forwards G*(Tr-1): under SP on 2 ranks some
-    forwards run SP and some fall back to plain TP, inside one accumulation."""
+    """3 prompts of lengths 5, 4, 7 and ragged completions. With one group per micro-batch each packed
+    forward holds an odd number of tokens (9, 9, 13): under SP on 2 ranks TPLlama pads each to an even
+    length (sequence parallelism used to stay off, silently, when tp did not divide it)."""
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, V, (n,), generator=gen).tolist() for n in (5, 4, 7)]
     completions = [torch.randint(0, V, (n,), generator=gen).tolist() for n in (4, 2, 6, 1, 3, 5)[:3 * G]]
@@ -281,12 +281,13 @@ def check_tp_equals_one_process(cfg: M.ModelConfig, groups: tp.ParallelGroups) -
         if recompute:  # blocks rerun in backward (train.py's activation_checkpoint): SP must take the same path
             assert memory.checkpoint_blocks(m.model.layers) == cfg.num_hidden_layers
         assert [n for n, _ in m.named_parameters()] == [n for n, _ in full.named_parameters()]
+        got = grpo_step(m, prompts, completions, advantages, logprob_fn, old_logp=old_logp, ref_logp=ref_logp)
+        assert bool(m.tp_state.buffer.tensors) == sp, "SP did (not) run on the odd packed rows"
         with torch.no_grad():
             logits = m(tokens)
         assert logits.shape == (3, 6, V // 2)
         torch.testing.assert_close(tp.gather_vocab(logits, groups), want_logits, **TOL)
         assert bool(m.tp_state.buffer.tensors) == sp, "SP did (not) run"  # only SP's gathers use the buffer
-        got = grpo_step(m, prompts, completions, advantages, logprob_fn, old_logp=old_logp, ref_logp=ref_logp)
         for key in ("loss", "kl", "clip_low", "clip_high", "entropy"):
             assert abs(got[key] - want[key]) <= 1e-5 * max(1.0, abs(want[key])), (key, got[key], want[key])
         for (name, p), (_, q) in zip(m.named_parameters(), ref.named_parameters()):

@@ -4,6 +4,7 @@ import dataclasses
 import json
 import math
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -795,8 +796,9 @@ def test_memory_budget_picks_the_largest_micro_batch_whose_measured_peak_fits(tm
                                                                                request):
     """--memory_budget on the CPU: budgets placed between the measured allocator peaks of
     consecutive micro-batch sizes (8 prompts x G 8 x 32 tokens, two steps each) choose exactly the
-    smaller one, whose measured peak stays under the budget while the next one's is above it; a
-    budget below every plan refuses in one line naming the smallest planned peak."""
+    smaller one's tokens (micro-batches by valid tokens, up to that many groups at full length),
+    whose measured peak stays under the budget while the next one's is above it; a budget below
+    every plan refuses in one line naming the smallest planned peak."""
     if in_a_cpu_process(request):
         return
     model = str(tmp_path / "model")
@@ -806,7 +808,7 @@ def test_memory_budget_picks_the_largest_micro_batch_whose_measured_peak_fits(tm
              "--activation_checkpoint", "false"]  # later flags win
 
     def measured(extra: list[str]) -> tuple[int, int]:
-        """(micro_batch_groups chosen, allocator peak of setup + two steps)"""
+        """(micro_batch_tokens chosen, allocator peak of setup + two steps)"""
         runs = []
 
         def two_steps():
@@ -817,15 +819,16 @@ def test_memory_budget_picks_the_largest_micro_batch_whose_measured_peak_fits(tm
             peak = allocator_peak(two_steps)
         finally:
             train.checkpoint.release_out_dir()  # the next run in this process takes --out again
-        return runs[0].cfgs.grpo.micro_batch_groups, peak
+        return runs[0].cfgs.grpo.micro_batch_tokens, peak
     peaks = [measured(["--micro_batch_groups", str(m)])[1] for m in (1, 2, 3)]
     assert peaks[0] < peaks[1] < peaks[2], peaks
     capsys.readouterr()
     for k in (1, 2):
         budget = (peaks[k - 1] + peaks[k]) / 2  # bytes
         chosen, peak = measured(["--memory_budget", str(budget / 1e9)])
-        assert f"--micro_batch_groups {k} " in capsys.readouterr().out
-        assert chosen == k and peak <= budget < peaks[k], (k, peak, budget, peaks)
+        assert f"--micro_batch_tokens {chosen} ({k} groups at full length)" in (
+            capsys.readouterr().out)
+        assert peak <= budget < peaks[k], (k, peak, budget, peaks)
     assert train.main(argv + ["--memory_budget", "0.001"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "the smallest planned peak is 0.0" in err[0], err
@@ -841,7 +844,7 @@ def test_memory_budget_picks_the_largest_micro_batch_whose_measured_peak_fits(tm
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "pass --activation_checkpoint true" in err[0], err
     assert train.main(argv + ["--memory_budget", "100", "--plan"]) == 0
-    assert "--micro_batch_groups 8 --chunk_bytes 67108864" in capsys.readouterr().out
+    assert "(8 groups at full length) --chunk_bytes 67108864" in capsys.readouterr().out
 
 
 # -----------------------------------------------------------------------------
@@ -1117,7 +1120,7 @@ def test_a_task_module_that_fails_to_import_says_why_not_where(tmp_path, capsys)
     assert "current directory" not in err
 
 
-README_TASK = """
+ALL_OR_NOTHING_TASK = """
 def sample(rng):
     word = "".join(rng.choice("abc") for _ in range(4))
     return word + "=", word.upper()
@@ -1130,11 +1133,36 @@ task = tasks.Task("upper", sample, rewards=[(right, 1.0)], alphabet="abcABC=", m
 """
 
 
+def test_the_readme_example_task_gives_partial_credit_and_is_tasks_upper(tmp_path):
+    """The README's example task, run as a user copies it, scores as the built-in tasks:upper
+    (whose learning figures are in docs/measurements.md) and gives partial credit: a random
+    model's samples of one prompt do not all score the same."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    block = readme.split("```python\n")[1].split("```")[0]
+    assert "def sample(rng)" in block
+    (tmp_path / "mytask.py").write_text(block)
+    sys.path.insert(0, str(tmp_path))
+    sys.modules.pop("mytask", None)
+    example = train.tasks.load_task("mytask:task", "")
+    builtin = train.tasks.upper
+    rng = random.Random(0)
+    for _ in range(200):
+        prompt, reference = example.sample(rng)
+        completion = "".join(rng.choice("abcABC=") for _ in range(rng.randint(0, 5)))
+        got, want = (train.tasks.total_rewards(t, [completion], [reference]).item()
+                     for t in (example, builtin))
+        assert got == want, (completion, reference)
+    rewards = [train.tasks.total_rewards(example, [c], ["ABCA"]).item()
+               for c in ("ABCA", "ABCX", "ABC", "AB", "")]
+    assert rewards == pytest.approx([1.0, 0.8, 0.6, 0.4, 0.0]), rewards
+
+
 def test_an_all_or_nothing_reward_no_sample_earns_stops_the_run_in_one_line(tmp_path, capsys):
     """A fresh model never writes the exact answer of an all-or-nothing task: every group is
     all-equal (all 0), every advantage 0. After --max_flat_steps such steps the run stops in one
     line that says why and what to do, with a checkpoint; --max_flat_steps 0 goes on."""
-    spec = write_module(tmp_path, "upper_exact", README_TASK)
+    spec = write_module(tmp_path, "upper_exact", ALL_OR_NOTHING_TASK)
     code, out = run(tmp_path, "--task", spec, "--max_flat_steps", "3", "--steps", "10",
                     "--eval_every", "0")
     err = capsys.readouterr().err.strip().splitlines()

@@ -1,0 +1,263 @@
+"""
+The training forward of a generation batch without padding: each prompt once per group at its own
+length, each completion at its own length, packed into one row of valid tokens. Every linear, norm
+and MLP runs once over that row (each weight used once, one gradient each); attention alone tells
+the segments apart:
+
+    [ prompt 0 | ... | prompt Bp-1 | row 0 | ... | row N-1 | tail ]
+
+- a prompt attends causally to itself;
+- completion row i (of group g = i // G) attends to all of prompt g and causally to itself;
+- a tail, if the model adds one (tensor parallelism pads the row to a multiple of tp to split its
+  tokens), attends to nothing that matters and is dropped.
+The state predicting completion token t of row i is prompt g's last position for t = 0 and the
+row's own position t - 1 after it: a row of c_i tokens feeds its first c_i - 1 (its last predicts
+nothing). The forward runs sum(p_g) + sum(c_i - 1) tokens where the padded one ran Bp*P + N*(T-1),
+and the prompt stays in the graph: the gradients of all G rows sum into it (TRL PR #2669, exact).
+
+Attention (packed_attention), by device:
+- CPU: the project's kernels on padded views. The segments are scattered into (Bp, H, P, D) prompts
+  and (N, H, T, D) rows; the prompts run causal SDPA, the rows attention.SharedPrefixAttention
+  (their prompt's K/V read once per group, never copied); the outputs are gathered back. Only
+  attention sees padding; everything (tokens x C)-sized runs on valid tokens.
+- CUDA: FlexAttention over the packed row under a block mask built from per-token tensors (segment,
+  group, is-prompt, position): no padding at all, each prompt's K/V read once per group. Its values
+  are tested on the CPU (eager flex_attention has no CPU backward), its gradients on CUDA.
+Twins (tests/test_grpo.py): padded_hidden, the same forward with every prompt right-padded to P
+and every row to T, and naive_hidden, each prompt repeated G times in one causal forward.
+
+Leaves out: packing several micro-batches' rows across groups (a micro-batch is whole groups).
+Shapes: Bp prompts, G rows per prompt, N = Bp*G, P longest prompt, T longest row input, L packed
+length, n predicted (valid) completion tokens, C width, H/Hkv heads (rep = H/Hkv), D head dim.
+Tested by tests/test_grpo.py and tests/test_grpo_cuda.py; benchmarked by tests/bench_ragged.py.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from attention import CPU_FLASH, SharedPrefixAttention, repeated_prefix_attention
+from model import causal_attention
+
+try:  # torch >= 2.5; compiled on CUDA, where it has a backward
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+except ImportError:  # pragma: no cover
+    flex_attention = None
+FLEX_ON_CUDA = flex_attention is not None  # the CUDA route; tests switch it to compare
+
+# -----------------------------------------------------------------------------
+# Where every valid token sits
+
+
+@dataclass
+class Packing:
+    """A generation batch's valid tokens in one row, and the maps back to the padded layout."""
+    tokens: Tensor       # (1, L) ids: the prompts' valid tokens, then the rows' inputs
+    positions: Tensor    # (1, L) rope positions: a prompt from 0, a row from its prompt's length
+    prompt_at: Tensor    # (Lp,) each packed prompt token's index in the padded (Bp*P)
+    row_at: Tensor       # (Lc,) each packed row input's index in the padded (N*T)
+    predict: Tensor      # (n,) the packed index of the state predicting each valid token
+    prompt_lens: Tensor  # (Bp,)
+    shape: tuple[int, int, int, int]  # Bp, P, N, T
+
+
+def pack(prompt_ids: Tensor, prompt_lens: Tensor, tokens: Tensor, mask: Tensor,
+         G: int) -> Packing:
+    """prompt_ids (Bp, P) right-padded, prompt_lens (Bp,), tokens and mask (N, Tr) (each row's mask
+    a prefix) -> the packed row. `predict` follows mask order (row-major over valid tokens), the
+    order of tokens[mask]."""
+    Bp, P = prompt_ids.shape
+    N, Tr = tokens.shape
+    T = max(Tr - 1, 0)
+    device = tokens.device
+    prompt_valid = torch.arange(P, device=device) < prompt_lens[:, None]  # (Bp, P)
+    inputs_valid = mask[:, 1:]  # (N, T): token t feeds the state predicting token t + 1
+    row_start = prompt_lens.repeat_interleave(G)[:, None]  # (N, 1): a row goes on after its prompt
+    positions = torch.cat([torch.arange(P, device=device).expand(Bp, P)[prompt_valid],
+                           (row_start + torch.arange(T, device=device))[inputs_valid]])
+    packed = torch.cat([prompt_ids[prompt_valid], tokens[:, :T][inputs_valid]])  # (L,)
+    Lp = int(prompt_lens.sum())
+    # Token 0 of row i is predicted by its prompt's last position, token t >= 1 by input t - 1.
+    prompt_last = torch.cumsum(prompt_lens, 0) - 1  # (Bp,)
+    input_index = Lp + torch.cumsum(inputs_valid.flatten(), 0).view(N, T) - 1  # (N, T)
+    first = prompt_last.repeat_interleave(G)[:, None]  # (N, 1)
+    predict = torch.cat([first, input_index], 1)[:, :Tr][mask]  # (n,); Tr = 0: none
+    return Packing(packed[None], positions[None], prompt_valid.flatten().nonzero()[:, 0],
+                   inputs_valid.flatten().nonzero()[:, 0], predict, prompt_lens, (Bp, P, N, T))
+
+# -----------------------------------------------------------------------------
+# Attention over the packed row
+
+
+def shared_prompt_attention(prompt_lens: Tensor, P: int, T: int, rep: int):
+    """attention(q, k, v, prompt_k, prompt_v) -> (N, H, T, D) of padded rows on their group's
+    prompt K/V: attention.SharedPrefixAttention on the CPU, its repeated-prompt twin elsewhere
+    (CUDA runs flex_attention instead, or this when FLEX_ON_CUDA is off). Its masks are built once
+    for all layers (in v's dtype: bf16 under autocast over fp32 weights): rep*T*T and Bp*P
+    entries."""
+    device = prompt_lens.device
+    prompt_valid = torch.arange(P, device=device) < prompt_lens[:, None]  # (Bp, P)
+    if device.type != "cpu" or not CPU_FLASH:
+        return lambda q, k, v, pk, pv: repeated_prefix_attention(q, k, v, pk, pv, prompt_valid)
+    arange = torch.arange(T, device=device)
+    future = arange[:, None] < arange[None, :]  # (T, T)
+    biases: dict[torch.dtype, tuple[Tensor, Tensor]] = {}
+
+    def attend(q: Tensor, k: Tensor, v: Tensor, pk: Tensor, pv: Tensor) -> Tensor:
+        # Under autocast v is the linears' bf16 while rope left q, k in the weights' fp32: the
+        # flash kernel takes one dtype, v's (what autocast gives SDPA)
+        q, k, pk, pv = (x.to(v.dtype) for x in (q, k, pk, pv))
+        if q.dtype not in biases:
+            prompt_bias = torch.zeros(prompt_valid.shape, dtype=q.dtype, device=device)
+            prompt_bias = prompt_bias.masked_fill(~prompt_valid, -torch.inf)  # (Bp, P)
+            own_bias = torch.zeros(T, T, dtype=q.dtype, device=device)
+            own_bias = own_bias.masked_fill(future, -torch.inf).repeat(rep, 1)  # each head causal
+            biases[q.dtype] = prompt_bias[:, None, None], own_bias[None, None]
+        return SharedPrefixAttention.apply(q, k, v, pk, pv, *biases[q.dtype])
+    return attend
+
+
+def padded_views_attention(packing: Packing, rep: int):
+    """The CPU route: attention(layer, q, k, v) on the packed row, (1, H|Hkv, L, D) -> (1, H, L,
+    D), through padded views of the segments (the project's kernels take rectangles). Tokens past
+    the prompts and rows (a tail) get zeros."""
+    Bp, P, N, T = packing.shape
+    Lp, Lc = len(packing.prompt_at), len(packing.row_at)
+    attend_rows = shared_prompt_attention(packing.prompt_lens, P, T, rep) if T else None
+
+    def padded(x: Tensor, at: Tensor, rows: int, length: int) -> Tensor:
+        # (m, h, D) packed -> (rows, h, length, D), zeros where no token sits. index_put along the
+        # first dimension saves only `at` for backward (index_copy would save x too)
+        out = x.new_zeros(rows * length, *x.shape[1:]).index_put((at,), x)
+        return out.view(rows, length, *x.shape[1:]).transpose(1, 2)
+
+    def packed(y: Tensor, at: Tensor) -> Tensor:  # (rows, H, length, D) -> (m, H, D)
+        return y.transpose(1, 2).flatten(0, 1)[at]
+
+    def attention(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        q, k, v = (x[0].transpose(0, 1) for x in (q, k, v))  # (L, H|Hkv, D), views
+        pq, pk, pv = (padded(x[:Lp], packing.prompt_at, Bp, P) for x in (q, k, v))
+        out = [packed(causal_attention(layer, pq, pk, pv), packing.prompt_at)]  # (Lp, H, D)
+        if Lc:
+            rows = [padded(x[Lp:Lp + Lc], packing.row_at, N, T) for x in (q, k, v)]
+            out.append(packed(attend_rows(*rows, pk, pv), packing.row_at))  # (Lc, H, D)
+        out.append(q.new_zeros(q.shape[0] - Lp - Lc, *q.shape[1:]))  # a tail, if any
+        return torch.cat(out).transpose(0, 1)[None]  # (1, H, L, D)
+    return attention
+
+
+def flex_packed_attention(packing: Packing):
+    """The CUDA route: one flex_attention call per layer over the packed row, under a block mask
+    of "same segment and not in the future, or a row's look at its group's prompt". The mask is
+    built once per length L (a tail makes it longer) and shared by every layer."""
+    Bp, P, N, T = packing.shape
+    device = packing.tokens.device
+    Lp, Lc = len(packing.prompt_at), len(packing.row_at)
+    prompt_of = packing.prompt_at.div(P, rounding_mode="floor")  # (Lp,) prompt b of each token
+    row_of = packing.row_at.div(T, rounding_mode="floor") if T else prompt_of[:0]  # (Lc,)
+    masks: dict[int, object] = {}
+    on_cuda = device.type == "cuda"
+    kernel = torch.compile(flex_attention, dynamic=True) if on_cuda else flex_attention
+
+    def block_mask(L: int):
+        tail = torch.arange(L - Lp - Lc, device=device)
+        segment = torch.cat([prompt_of, Bp + row_of, Bp + N + tail])  # (L,): a tail token alone
+        group = torch.cat([prompt_of, row_of.div(N // Bp, rounding_mode="floor"), -1 - tail])
+        is_prompt = torch.arange(L, device=device) < Lp
+        position = torch.arange(L, device=device)  # packed order is each segment's order
+
+        def allowed(b, h, q, kv):
+            own = (segment[q] == segment[kv]) & (position[kv] <= position[q])
+            return own | (is_prompt[kv] & ~is_prompt[q] & (group[kv] == group[q]))
+        return create_block_mask(allowed, None, None, L, L, device=device,
+                                 _compile=on_cuda)
+
+    def attention(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        L = q.shape[2]
+        if L not in masks:
+            masks[L] = block_mask(L)
+        return kernel(q, k.to(q.dtype), v.to(q.dtype), block_mask=masks[L],
+                      enable_gqa=q.shape[1] != k.shape[1])  # (1, H, L, D)
+    return attention
+
+
+def packed_attention(packing: Packing, rep: int):
+    """The route for the packing's device: FlexAttention on CUDA (FLEX_ON_CUDA), padded views of
+    the project's kernels elsewhere."""
+    if packing.tokens.device.type == "cuda" and FLEX_ON_CUDA:
+        return flex_packed_attention(packing)
+    return padded_views_attention(packing, rep)
+
+# -----------------------------------------------------------------------------
+# The forwards: packed, and its two twins
+
+
+def packed_hidden(model, prompt_ids: Tensor, prompt_lens: Tensor, tokens: Tensor, mask: Tensor,
+                  G: int, attention=None) -> Tensor:
+    """(n, C): the state predicting each valid completion token, in mask order (tokens[mask]'s).
+    `attention(packing, rep)` builds the hook (default: packed_attention)."""
+    packing = pack(prompt_ids, prompt_lens, tokens, mask, G)
+    config = model.config
+    rep = config.num_attention_heads // config.num_key_value_heads
+    hook = (attention or packed_attention)(packing, rep)
+    h = model.hidden(packing.tokens, packing.positions, hook)[0]  # (L, C); a tail is dropped here
+    return h[packing.predict]  # (n, C)
+
+
+def padded_hidden(model, prompt_ids: Tensor, prompt_lens: Tensor, inputs: Tensor,
+                  G: int) -> Tensor:
+    """The padded twin: (N, T+1, C) for inputs (N, T) = completions without their last token.
+    Row i's first state is its prompt's last valid position; the rest come from the completions
+    attending to their prompt's keys/values, which stay in the graph. The prompts right-padded to
+    P and the rows to T are packed into one row of Bp*P + N*T tokens: every linear and norm runs
+    over the padding too."""
+    Bp, P = prompt_ids.shape
+    N, T = inputs.shape
+    if T == 0:  # only the prompt's last state: the final block's queries and MLP run there alone
+        last = model.hidden(prompt_ids, None, causal_attention, last=prompt_lens - 1)  # (Bp, 1, C)
+        return last[:, 0].repeat_interleave(G, 0)[:, None]  # (N, 1, C)
+    device = inputs.device
+    config = model.config
+    attend = shared_prompt_attention(prompt_lens, P, T, config.num_attention_heads //
+                                     config.num_key_value_heads)
+    split = Bp * P  # packed: [prompt 0 .. prompt Bp-1 (right-padded to P); row 0 .. row N-1]
+
+    def unpack(x: Tensor, first: int, rows: int, length: int) -> Tensor:
+        # (1, h, L, D) -> (rows, h, length, D), a view
+        return x[0, :, first:first + rows * length].unflatten(1, (rows, length)).transpose(0, 1)
+
+    def padded_attention(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        # the prompts causal (right padding comes after valid tokens); each completion on its
+        # group's prompt K/V and its own keys, causal. (1, H, L, D) -> (1, H, L, D)
+        pq, pk, pv = (unpack(x, 0, Bp, P) for x in (q, k, v))  # (Bp, H|Hkv, P, D)
+        cq, ck, cv = (unpack(x, split, N, T) for x in (q, k, v))  # (N, H|Hkv, T, D)
+        y = [causal_attention(layer, pq, pk, pv), attend(cq, ck, cv, pk, pv)]
+        y = torch.cat([part.transpose(0, 1).flatten(1, 2) for part in y], 1)  # (H, Bp*P + N*T, D)
+        tail = q.shape[2] - y.shape[1]  # tensor parallelism's, if any
+        return torch.cat([y, y.new_zeros(y.shape[0], tail, y.shape[2])], 1)[None]
+
+    tokens = torch.cat([prompt_ids.reshape(-1), inputs.reshape(-1)])[None]  # (1, L)
+    row_start = prompt_lens.repeat_interleave(G)[:, None]  # (N, 1): a row goes on after its prompt
+    positions = torch.cat([torch.arange(P, device=device).repeat(Bp),  # (1, L)
+                           (row_start + torch.arange(T, device=device)).reshape(-1)])[None]
+    h = model.hidden(tokens, positions, padded_attention)[0]  # (L, C)
+    last = h[:split].view(Bp, P, -1)[torch.arange(Bp, device=device), prompt_lens - 1]  # (Bp, C)
+    first = last.repeat_interleave(G, 0)[:, None]  # (N, 1, C): N*C floats, not G copies
+    return torch.cat([first, h[split:split + N * T].view(N, T, -1)], 1)  # (N, T+1, C)
+
+
+def naive_hidden(model, prompts: list[list[int]], completions: list[list[int]], G: int,
+                 device: torch.device) -> Tensor:
+    """The slow twin: each prompt repeated G times in one causal forward. Returns (N, Tr, C), the
+    states at positions len(prompt)-1+t, which predict completion token t."""
+    Tr = max((len(c) for c in completions), default=0)
+    rows = [prompts[i // G] + c[:-1] for i, c in enumerate(completions)]
+    L = max(map(len, rows))
+    ids = torch.tensor([r + [0] * (L - len(r)) for r in rows], device=device)  # (N, L)
+    h = model.hidden(ids)  # (N, L, C)
+    prompt_lens = torch.tensor([len(prompts[i // G]) for i in range(len(completions))],
+                               device=device)  # (N,)
+    idx = prompt_lens[:, None] - 1 + torch.arange(Tr, device=device)  # (N, Tr)
+    idx = idx.clamp(max=h.shape[1] - 1)
+    return h.gather(1, idx[..., None].expand(-1, -1, h.shape[2]))  # (N, Tr, C)
