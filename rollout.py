@@ -2,19 +2,22 @@
 The sampler that stands in for vLLM: a preallocated KV cache, each prompt prefilled once, G samples
 per prompt decoded on top of that one shared prompt KV, finished rows dropped as the batch runs.
 
-1. Prefill: the Bp ragged prompts, right-padded, in chunks of `prefill_tokens` (causal attention is
-   exact for the valid positions: the pads come after them). Each layer's K/V is stored once per
-   prompt, (Bp, Hkv, P, D).
+1. Prefill: the Bp ragged prompts, longest first, right-padded, in chunks of `prefill_tokens`
+   padded tokens (like lengths together: little padding; causal attention is exact for the valid
+   positions, the pads come after them). Each layer's K/V is stored once per prompt, (Bp, Hkv, P,
+   D).
 2. Fan-out: each prompt's last-position logits are repeated G times and every row draws its own
    first token (nanochat once broadcast one first token to all G rows).
 3. Decode: the attention hook writes each row's key/value into its own completion KV and runs
    attention.prefix_attention: the G rows of a group are folded into the query dimension against the
    one prompt KV (Hydragen) and merged with the row's own keys by log-sum-exp. Prompt KV memory and
-   reads / G.
+   reads / G. On the CPU the groups run in buckets of like prompt lengths (length_buckets), each
+   reading its own prompts' keys: a short prompt's padding is not read.
 4. Every `check_every` steps (the only host sync in the loop) rows that sampled a stop id are
    dropped: the linears run on the N active rows only; attention sees them in a Bp' x G' grid.
-5. Sampling without host sync; each returned logprob is under the distribution actually sampled
-   from, after temperature, top-k, top-p (trl#4159, trl#6789: otherwise the GRPO ratio is not 1).
+5. Sampling (sampling.py) without host sync; each returned logprob is under the distribution
+   actually sampled from, after temperature, top-k, top-p (trl#4159, trl#6789: otherwise the GRPO
+   ratio is not 1).
 6. The result stays on the device as tensors: tokens, mask and logprobs (R, Tc). GRPO trains on
    them as they are; only the text for the rewards is decoded on the host (train.py).
 
@@ -46,6 +49,7 @@ from torch import Tensor, nn
 
 from attention import prefix_attention
 from model import ModelConfig, causal_attention
+from sampling import filter_logits, inverse_cdf, sample  # noqa: F401 (rollout.sample: benches)
 
 # -----------------------------------------------------------------------------
 # Config and result
@@ -95,68 +99,6 @@ class Rollout:
     def logprob_lists(self) -> list[list[float]]:
         lengths = self.mask.sum(1).tolist()
         return [row[:n] for row, n in zip(self.logprobs.tolist(), lengths)]
-
-# -----------------------------------------------------------------------------
-# Sampling
-
-
-def filter_logits(logits: Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> Tensor:
-    """The logits of the distribution actually sampled from, (rows, V) float32: divided by the
-    temperature (1 when greedy), then -inf outside the top-k, then outside the smallest set whose
-    mass reaches top_p (taken after top-k, as vLLM does). log_softmax of this is what a trainer must
-    use for ratio = 1."""
-    x = logits.float()  # a float32 copy of bf16 logits; float32 logits themselves
-    if temperature not in (0.0, 1.0):  # 0 is greedy: the logits as they are
-        # In place on our own copy (one (rows, V) float32 less); never on the caller's logits.
-        x = x.div_(temperature) if x is not logits else x / temperature
-    if 0 < top_k < x.shape[-1]:
-        kth = x.topk(top_k, dim=-1).values[..., -1:]  # (rows, 1); ties with the k-th are kept
-        x = x.masked_fill(x < kth, float("-inf"))
-    if top_p < 1.0:
-        probs, order = x.softmax(dim=-1).sort(dim=-1, descending=True)
-        # The mass before each token; 0 for the top one, which is always kept.
-        drop = probs.cumsum(dim=-1) - probs >= top_p
-        x = x.masked_fill(drop.scatter(-1, order, drop), float("-inf"))  # back to vocabulary order
-    return x
-
-
-def sample(logits: Tensor, temperature: float, top_k: int, top_p: float,
-           generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
-    """logits (rows, V) -> tokens (rows,), logprobs (rows,). Inverse-CDF sampling, no host sync: one
-    uniform per row (an exponential race draws V: 10x slower on the CPU). Greedy (temperature 0)
-    returns the argmax's logprob under temperature 1 and the same masks: a point mass (logprob 0)
-    is what no trainer forward reproduces."""
-    if temperature == 0:
-        x = filter_logits(logits, temperature, top_k, top_p)
-        tokens = x.argmax(dim=-1)
-        return tokens, x.log_softmax(dim=-1).gather(-1, tokens[:, None])[:, 0]
-    # The filtered copy (if any) is freed once softmaxed.
-    probs = filter_logits(logits, temperature, top_k, top_p).softmax(dim=-1)  # (rows, V)
-    tokens = inverse_cdf(probs, torch.rand((probs.shape[0], 1), generator=generator,
-                                           dtype=torch.float64, device=probs.device))
-    return tokens, probs.gather(-1, tokens[:, None])[:, 0].log()
-
-
-def inverse_cdf(probs: Tensor, u: Tensor, block: int = 256) -> Tensor:
-    """The first token whose cdf exceeds u * total: probs (rows, V), u (rows, 1) in [0, 1) float64
-    -> tokens (rows,); never a masked token (0). In float64 (in float32, tokens below the cdf's ulp
-    near 1 were never drawn), two levels: the cdf of block sums (rows, V/block), then of the block u
-    falls in. The whole (rows, V) cdf (tests/test_rollout.py's slow twin) is a fresh 50 MB a step at
-    128 x 49,152 (page faults) and a serial scan. Float32 block sums move u by ~1e-7 of a block."""
-    rows, V = probs.shape
-    B = math.gcd(V, block)  # a block size dividing V: no padded copy
-    blocks = probs.view(rows, V // B, B)  # (rows, V/B, B)
-    sums = blocks.sum(-1, dtype=torch.float32).double()  # (rows, V/B)
-    cdf = nn.functional.pad(sums, (1, 0)).cumsum_(dim=-1)  # (rows, V/B + 1), from 0
-    total = cdf[:, -1:]  # (rows, 1), 1 up to rounding
-    u = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))  # u < total
-    b = torch.searchsorted(cdf, u, right=True) - 1  # (rows, 1): the block holding u (cdf[0] = 0)
-    start, end = cdf.gather(-1, b), cdf.gather(-1, b + 1)  # start <= u < end
-    inner = blocks.gather(1, b[:, :, None].expand(rows, 1, B))[:, 0].double().cumsum_(dim=-1)
-    inner_total = inner[:, -1:]  # (rows, 1): the block's float64 mass, u's scale within it
-    v = torch.minimum((u - start) / (end - start) * inner_total,
-                      torch.nextafter(inner_total, torch.zeros_like(inner_total)))
-    return (b * B + torch.searchsorted(inner, v, right=True))[:, 0]
 
 # -----------------------------------------------------------------------------
 # KV cache: one flat buffer, carved into views per call
@@ -275,6 +217,19 @@ def _fused_prefix_attention(q: Tensor, k: Tensor, v: Tensor, prefix_k: Tensor, p
     return y.view(S, H, 1, D).to(q.dtype)  # a bf16 model gets bf16 back
 
 
+def length_buckets(lens: list[int]) -> list[tuple[int, int, int]]:
+    """Runs of groups whose prompt lengths (longest first) are at least half the run's first:
+    (first, stop, keys) each, keys its longest. A decode step attends to each run's keys only, so
+    it reads at most twice a group's own prompt, not the longest prompt of the batch."""
+    runs: list[tuple[int, int, int]] = []
+    for i, n in enumerate(lens):
+        if runs and 2 * n >= runs[-1][2]:
+            runs[-1] = (runs[-1][0], i + 1, runs[-1][2])
+        else:
+            runs.append((i, i + 1, n))
+    return runs
+
+
 class _DecodeAttention:
     """Writes the step's K/V into each row's completion KV (position `step`) and attends to the
     shared prompt KV plus the row's own keys. Every per-step input is a tensor, so a CUDA graph can
@@ -313,12 +268,19 @@ class _DecodeAttention:
         self.num_slots = Bp * layout.group_size
         identity = layout.slots == list(range(self.num_slots))  # no empty slots: no scatter/gather
         self.slots = None if identity else torch.tensor(layout.slots, device=device)
-        self.prefix_valid = torch.arange(P, device=device) < prompt_lens[layout.groups][:, None]
+        lens = prompt_lens[layout.groups]  # (Bp',) longest first: generate() sorts the prompts
+        lens_list = lens.tolist()
+        self.buckets = length_buckets(lens_list)
+        self.prefix_valid = torch.arange(P, device=device) < lens[:, None]
         self.prefix_bias = None  # no padding: the fused kernel skips its mask
         if not self.prefix_valid.all():
             dtype = self.prefix_k[0].dtype
             zeros = torch.zeros(self.prefix_valid.shape, dtype=dtype, device=device)
             self.prefix_bias = zeros.masked_fill(~self.prefix_valid, float("-inf"))[:, None, None]
+        # Each bucket's slice of the mask, or None where its prompts fill all its keys.
+        self.bucket_bias = [None if self.prefix_bias is None or min(lens_list[first:stop]) == keys
+                            else self.prefix_bias[first:stop, ..., :keys]
+                            for first, stop, keys in self.buckets]
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         if self.slots is not None:  # scatter the N rows into the grid; empty slots get zeros
@@ -331,13 +293,19 @@ class _DecodeAttention:
         prefix_k = self.prefix_k[layer][:Bp, :, :P]
         prefix_v = self.prefix_v[layer][:Bp, :, :P]
         if self.fused and q.dtype == own_k.dtype:
-            # Eager CPU: write at a Python index, attend to the written keys only.
+            # Eager CPU: write at a Python index, attend to the written keys only, and to each
+            # bucket's prompt keys only (a short prompt's padding is not read).
             t = self.own_len - 1
             own_k[:, :, t:t + 1] = k
             own_v[:, :, t:t + 1] = v
-            y = _fused_prefix_attention(q, own_k[:, :, :t + 1], own_v[:, :, :t + 1], prefix_k,
-                                        prefix_v, self.prefix_bias)
-            return self._gather(y)
+            G = self.layout.group_size
+            parts = []
+            for (first, stop, keys), bias in zip(self.buckets, self.bucket_bias):
+                slots = slice(first * G, stop * G)
+                parts.append(_fused_prefix_attention(
+                    q[slots], own_k[slots, :, :t + 1], own_v[slots, :, :t + 1],
+                    prefix_k[first:stop, :, :keys], prefix_v[first:stop, :, :keys], bias))
+            return self._gather(torch.cat(parts) if len(parts) > 1 else parts[0])
         own_k.index_copy_(2, self.step, k.to(own_k.dtype))  # a tensor index: a graph replays it
         own_v.index_copy_(2, self.step, v.to(own_v.dtype))
         own_k = own_k[:, :, :self.own_len]  # (S, Hkv, Tc or t+1, D)
@@ -470,13 +438,19 @@ def check_prompts(prompts: list[list[int]], stop_ids: tuple[int, ...], max_new_t
 def _prefill(model: torch.nn.Module, prompts: list[list[int]], prefix_k: list[Tensor],
              prefix_v: list[Tensor], prefill_tokens: int, device: torch.device) -> Tensor:
     """Run the prompts a chunk at a time, right-padded to the chunk's longest (the views beyond stay
-    zero, masked), storing each layer's K/V into the shared prompt views. Returns the logits (Bp, V)
-    at each prompt's last position."""
-    chunk = max(1, prefill_tokens // max(map(len, prompts)))
+    zero, masked), storing each layer's K/V into the shared prompt views. The prompts come longest
+    first (generate sorts them), so a chunk holds like lengths: up to prefill_tokens padded tokens,
+    its first prompt's length each, and no prompt under half of that (as length_buckets).
+    Returns the logits (Bp, V) at each prompt's last position."""
     last_logits = []
-    for first in range(0, len(prompts), chunk):
-        part = prompts[first:first + chunk]
-        width = max(map(len, part))
+    first = 0
+    while first < len(prompts):
+        width = len(prompts[first])  # the chunk's longest
+        stop = first + 1
+        while (stop < len(prompts) and (stop - first + 1) * width <= prefill_tokens
+               and 2 * len(prompts[stop]) >= width):
+            stop += 1
+        part = prompts[first:stop]
         rows = slice(first, first + len(part))
 
         def store_kv(layer: int, q: Tensor, k: Tensor, v: Tensor, last: Tensor | None = None):
@@ -487,6 +461,7 @@ def _prefill(model: torch.nn.Module, prompts: list[list[int]], prefix_k: list[Te
         last = torch.tensor([len(p) - 1 for p in part], device=device)  # final layer's queries
         h = model.hidden(tokens, None, store_kv, last)[:, 0]  # (b, C)
         last_logits.append(model.head(h))  # (b, V)
+        first += len(part)
     return torch.cat(last_logits)  # (Bp, V)
 
 
@@ -536,6 +511,10 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], cfg: RolloutConfi
     logits_fn = logits_fn or (lambda x: x)
     G = cfg.num_samples
     new = cfg.max_new_tokens
+    # Longest prompt first (a stable sort: equal lengths keep their order): prefill chunks and
+    # decode's attention buckets then hold like lengths. Rows go back to the caller's order at 6.
+    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+    prompts = [prompts[i] for i in order]
     lens = [len(p) for p in prompts]
     device = next(model.parameters()).device
     generator = torch.Generator(device)
@@ -569,8 +548,11 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], cfg: RolloutConfi
                                  cfg.check_every))
         nbytes = [sum(x.numel() * x.element_size() for x in kind) for kind in views]
         stats.update(prompt_kv_bytes=sum(nbytes[:2]), completion_kv_bytes=sum(nbytes[2:]))
-    # 6. Cut each row at its stop id; the result stays on the device.
-    tokens, mask, logprobs, stopped = _cut_at_stop(out_tokens.T, out_logprobs.T, stop_ids)
+    # 6. Cut each row at its stop id, rows in the caller's prompt order; it stays on the device.
+    rank = sorted(range(len(order)), key=order.__getitem__)  # each prompt's place in the sort
+    rows = torch.tensor([rank[i // G] * G + i % G for i in range(len(order) * G)], device=device)
+    tokens, mask, logprobs, stopped = _cut_at_stop(out_tokens.T[rows], out_logprobs.T[rows],
+                                                   stop_ids)
     stats.update(new_tokens=int(mask.sum()), seconds=time.perf_counter() - started)
     with torch.inference_mode(False):  # normal tensors: training may index with them (autograd)
         tokens, mask, logprobs, stopped = (t.clone() for t in (tokens, mask, logprobs, stopped))

@@ -77,13 +77,17 @@ def test_greedy_cached_equals_full_recompute_on_a_ragged_batch(model):
 def naive_sampler(model: Llama, prompts: list[list[int]], G: int, steps: int, temperature: float, top_k: int,
                   top_p: float, seed: int) -> tuple[list[list[int]], list[list[float]]]:
     """G independent copies of every prompt, recomputed from scratch each step, drawing from one
-    generator seeded like the engine's, one (rows, V) draw per step in the same order (prompt-major)."""
+    generator seeded like the engine's, one (rows, V) draw per step in the same order: prompt-major,
+    the longest prompt first (the engine's order: equal lengths keep theirs)."""
     generator = torch.Generator().manual_seed(seed)
+    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+    rows = [i * G + j for i in order for j in range(G)]  # the draw order
     seqs = [list(p) for p in prompts for _ in range(G)]
     logprobs = [[] for _ in seqs]
     for _ in range(steps):
-        tokens, lps = sample(last_logits(model, seqs), temperature, top_k, top_p, generator)
-        for row, (t, lp) in enumerate(zip(tokens.tolist(), lps.tolist())):
+        tokens, lps = sample(last_logits(model, [seqs[r] for r in rows]), temperature, top_k, top_p,
+                             generator)
+        for row, t, lp in zip(rows, tokens.tolist(), lps.tolist()):
             seqs[row].append(t)
             logprobs[row].append(lp)
     return [s[len(prompts[r // G]):] for r, s in enumerate(seqs)], logprobs
@@ -147,8 +151,8 @@ def test_result_is_one_set_of_device_tensors_cut_at_the_stop(model):
     """The tensor contract GRPO trains on: tokens, mask, logprobs (R, Tc), Tc the longest row, 0 off
     the mask; the stop token is the last masked token of a stopped row."""
     G, stop_ids = 3, (5, 9, 17, 23, 31, 40, 64, 77, 90, 101)
-    out = generate(model, PROMPTS, num_samples=G, max_new_tokens=30, stop_ids=stop_ids, seed=3,
-                   temperature=0.7)
+    out = generate(model, PROMPTS, num_samples=G, max_new_tokens=30, stop_ids=stop_ids, seed=4,
+                   temperature=0.7)  # a seed whose rows end both ways (11 of 12 stop)
     R = len(PROMPTS) * G
     lengths = out.mask.sum(1)
     assert out.tokens.shape == out.mask.shape == out.logprobs.shape == (R, int(lengths.max()))
@@ -204,6 +208,72 @@ def test_fused_cpu_attention_equals_model_prefix_attention(padded):
     expected = prefix_attention(q, k, v, torch.ones(1, 1, T, dtype=torch.bool), prefix_k, prefix_v, valid)
     got = rollout._fused_prefix_attention(q, k, v, prefix_k, prefix_v, bias)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)  # fp32, same math, different summation order
+
+
+def test_ragged_prompts_run_in_length_buckets_that_read_each_prompt_at_most_twice():
+    """Prompts sorted longest first: prefill chunks and decode buckets hold like lengths. Each
+    bucket reads its longest prompt's keys, at most twice any of its prompts' own (the padded decode
+    read the batch's longest for every group)."""
+    lens = [300, 290, 160, 151, 150, 90, 40, 39, 20, 3, 1]
+    buckets = rollout.length_buckets(lens)
+    assert [(a, b) for a, b, _ in buckets] == [(0, 5), (5, 6), (6, 9), (9, 10), (10, 11)]
+    for first, stop, keys in buckets:
+        assert keys == lens[first] and all(keys <= 2 * n for n in lens[first:stop])
+    read = sum((stop - first) * keys for first, stop, keys in buckets)  # 1,714 keys per head
+    assert read <= 2 * sum(lens) and read < 0.55 * len(lens) * max(lens)  # padded: 3,300
+    assert rollout.length_buckets([7, 7, 7]) == [(0, 3, 7)]  # equal lengths: one call
+
+
+def test_prefill_pads_each_chunk_to_its_own_longest_prompt(model, monkeypatch):
+    """Longest first, a chunk of at most prefill_tokens padded tokens holds like lengths: prompts
+    of 1 to 40 tokens (198 in all) pad to 212, not the 400 of one width for all; greedy rows do not
+    change."""
+    prompts = [[(7 * i + j) % 100 + 1 for j in range(n)] for i, n in enumerate(
+        [3, 40, 1, 38, 12, 20, 2, 33, 9, 40])]
+    widths = []
+    hidden = model.hidden
+
+    def spy(tokens, *args, **kwargs):
+        if tokens.shape[1] > 1:  # a prefill chunk (decode feeds one token a row)
+            widths.append(tokens.shape)
+        return hidden(tokens, *args, **kwargs)
+    monkeypatch.setattr(model, "hidden", spy)
+    out = generate(model, prompts, num_samples=2, max_new_tokens=6, temperature=0,
+                   prefill_tokens=80)
+    monkeypatch.undo()
+    padded = sum(b * w for b, w in widths)
+    assert all(b * w <= 80 or b == 1 for b, w in widths)
+    assert padded <= sum(map(len, prompts)) + 20 < 0.6 * len(prompts) * 40
+    for i, prompt in enumerate(prompts):  # each row as if generated alone
+        alone = generate(model, [prompt], num_samples=1, max_new_tokens=6, temperature=0)
+        assert out.completions()[2 * i] == out.completions()[2 * i + 1] == alone.completions()[0]
+
+
+def test_greedy_on_ragged_prompts_equals_transformers_generate(tmp_path):
+    """Prompts of 1 to 23 tokens in one batch (sorted, bucketed, rows dropped as they stop): each
+    greedy row equals transformers' generate on that prompt alone, on a checkpoint transformers
+    wrote."""
+    from hf_reference import save_random_hf_model
+    import hf
+    config = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                  eos_token_id=7, bos_token_id=1)
+    theirs = save_random_hf_model(tmp_path, "LlamaConfig", config)
+    ours = hf.load_model(str(tmp_path))
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(8, 128, (n,), generator=gen).tolist() for n in (1, 23, 5, 12, 2, 17)]
+    out = rollout.generate(ours, prompts, RolloutConfig(num_samples=2, max_new_tokens=10,
+                                                        temperature=0.0, check_every=2),
+                           stop_ids=(7,))
+    for i, prompt in enumerate(prompts):
+        x = torch.tensor([prompt])
+        with torch.no_grad():
+            want = theirs.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                                   max_new_tokens=10, eos_token_id=7, pad_token_id=0)
+        want = want[0, len(prompt):].tolist()
+        if 7 in want:
+            want = want[:want.index(7) + 1]
+        assert out.completions()[2 * i] == out.completions()[2 * i + 1] == want, i
 
 
 def test_generic_decode_path_equals_fused_path(model, monkeypatch):

@@ -1,0 +1,74 @@
+"""
+Sampling: a (rows, V) logits tensor to one token per row and its logprob under the distribution it
+was drawn from: the logits divided by the temperature, then top-k, then top-p (vLLM's order). That
+logprob is what a trainer must reproduce for its ratio to be 1 on-policy (trl#4159: temperature;
+trl#6789: top-p's truncated mass). No host sync: one uniform per row, inverse-CDF in two float64
+levels (block sums, then the block), so tokens below float32's ulp near 1 are still drawn.
+
+Leaves out: beam search, repetition penalties, min-p.
+Shapes: rows, V vocab (V/tp after a vocab-parallel head: rollout gathers it first).
+Tested by tests/test_rollout.py.
+"""
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+def filter_logits(logits: Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> Tensor:
+    """The logits of the distribution actually sampled from, (rows, V) float32: divided by the
+    temperature (1 when greedy), then -inf outside the top-k, then outside the smallest set whose
+    mass reaches top_p (taken after top-k, as vLLM does). log_softmax of this is what a trainer must
+    use for ratio = 1."""
+    x = logits.float()  # a float32 copy of bf16 logits; float32 logits themselves
+    if temperature not in (0.0, 1.0):  # 0 is greedy: the logits as they are
+        # In place on our own copy (one (rows, V) float32 less); never on the caller's logits.
+        x = x.div_(temperature) if x is not logits else x / temperature
+    if 0 < top_k < x.shape[-1]:
+        kth = x.topk(top_k, dim=-1).values[..., -1:]  # (rows, 1); ties with the k-th are kept
+        x = x.masked_fill(x < kth, float("-inf"))
+    if top_p < 1.0:
+        probs, order = x.softmax(dim=-1).sort(dim=-1, descending=True)
+        # The mass before each token; 0 for the top one, which is always kept.
+        drop = probs.cumsum(dim=-1) - probs >= top_p
+        x = x.masked_fill(drop.scatter(-1, order, drop), float("-inf"))  # back to vocabulary order
+    return x
+
+
+def sample(logits: Tensor, temperature: float, top_k: int, top_p: float,
+           generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
+    """logits (rows, V) -> tokens (rows,), logprobs (rows,). Inverse-CDF sampling, no host sync: one
+    uniform per row (an exponential race draws V: 10x slower on the CPU). Greedy (temperature 0)
+    returns the argmax's logprob under temperature 1 and the same masks: a point mass (logprob 0)
+    is what no trainer forward reproduces."""
+    if temperature == 0:
+        x = filter_logits(logits, temperature, top_k, top_p)
+        tokens = x.argmax(dim=-1)
+        return tokens, x.log_softmax(dim=-1).gather(-1, tokens[:, None])[:, 0]
+    # The filtered copy (if any) is freed once softmaxed.
+    probs = filter_logits(logits, temperature, top_k, top_p).softmax(dim=-1)  # (rows, V)
+    tokens = inverse_cdf(probs, torch.rand((probs.shape[0], 1), generator=generator,
+                                           dtype=torch.float64, device=probs.device))
+    return tokens, probs.gather(-1, tokens[:, None])[:, 0].log()
+
+
+def inverse_cdf(probs: Tensor, u: Tensor, block: int = 256) -> Tensor:
+    """The first token whose cdf exceeds u * total: probs (rows, V), u (rows, 1) in [0, 1) float64
+    -> tokens (rows,); never a masked token (0). In float64 (in float32, tokens below the cdf's ulp
+    near 1 were never drawn), two levels: the cdf of block sums (rows, V/block), then of the block u
+    falls in. The whole (rows, V) cdf (tests/test_rollout.py's slow twin) is a fresh 50 MB a step at
+    128 x 49,152 (page faults) and a serial scan. Float32 block sums move u by ~1e-7 of a block."""
+    rows, V = probs.shape
+    B = math.gcd(V, block)  # a block size dividing V: no padded copy
+    blocks = probs.view(rows, V // B, B)  # (rows, V/B, B)
+    sums = blocks.sum(-1, dtype=torch.float32).double()  # (rows, V/B)
+    cdf = nn.functional.pad(sums, (1, 0)).cumsum_(dim=-1)  # (rows, V/B + 1), from 0
+    total = cdf[:, -1:]  # (rows, 1), 1 up to rounding
+    u = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))  # u < total
+    b = torch.searchsorted(cdf, u, right=True) - 1  # (rows, 1): the block holding u (cdf[0] = 0)
+    start, end = cdf.gather(-1, b), cdf.gather(-1, b + 1)  # start <= u < end
+    inner = blocks.gather(1, b[:, :, None].expand(rows, 1, B))[:, 0].double().cumsum_(dim=-1)
+    inner_total = inner[:, -1:]  # (rows, 1): the block's float64 mass, u's scale within it
+    v = torch.minimum((u - start) / (end - start) * inner_total,
+                      torch.nextafter(inner_total, torch.zeros_like(inner_total)))
+    return (b * B + torch.searchsorted(inner, v, right=True))[:, 0]
