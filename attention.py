@@ -8,9 +8,13 @@ K/V, and the two partial softmaxes (prompt part, own part) are merged by their l
 softmax over both = each part weighed by exp(lse_part - lse_all).
 - prefix_attention: the merge in plain tensor ops, any device, no gradient kernel of its own
   (rollout.py's decode and prefill).
-- SharedPrefixAttention: the same in two fused CPU flash kernels, forward and backward (grpo.py's
-  training forward on a CPU); repeated_prefix_attention is its slow twin and the path elsewhere
-  (the prompt repeated per row, one SDPA call under an (N, 1, T, P + T) mask).
+- SharedPrefixAttention: the same in two fused CPU flash kernels, forward and backward, on rows
+  padded to one length (packing.py's padded twin); repeated_prefix_attention is its slow twin and
+  the path elsewhere (the prompt repeated per row, one SDPA call under an (N, 1, T, P + T) mask).
+- RaggedPrefixAttention: the same on packed rows of any lengths (packing.py's training forward on
+  a CPU): a group's tokens folded against its prompt, rows in buckets of like lengths
+  (length_buckets, which rollout.py's decode uses for its prompts too), no row padded to the
+  longest.
 
 Leaves out: the KV cache (rollout.py), the model (model.py calls whichever hook it is given).
 Shapes: Bp prompts, G rows per prompt, N = Bp*G, H/Hkv heads (rep = H/Hkv), T query tokens,
@@ -19,6 +23,7 @@ Tested by tests/test_attention.py; benchmarked by tests/bench_shared_prompt.py.
 """
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -157,3 +162,119 @@ def repeated_prefix_attention(q: Tensor, k: Tensor, v: Tensor, prompt_k: Tensor,
     values = torch.cat([prompt_v.repeat_interleave(G, 0), v], dim=2)  # (N, Hkv, P + T, D)
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed,
                                           enable_gqa=q.shape[1] != k.shape[1])  # (N, H, T, D)
+
+# -----------------------------------------------------------------------------
+# The same on packed rows of any lengths: no row padded to the longest
+
+
+def length_buckets(lens: list[int]) -> list[tuple[int, int, int]]:
+    """Runs of groups whose prompt lengths (longest first) are at least half the run's first:
+    (first, stop, keys) each, keys its longest. A decode step attends to each run's keys only, so
+    it reads at most twice a group's own prompt, not the longest prompt of the batch."""
+    runs: list[tuple[int, int, int]] = []
+    for i, n in enumerate(lens):
+        if runs and 2 * n >= runs[-1][2]:
+            runs[-1] = (runs[-1][0], i + 1, runs[-1][2])
+        else:
+            runs.append((i, i + 1, n))
+    return runs
+
+
+@dataclass
+class RaggedLayout:
+    """Where the n packed completion tokens go in the kernels' rectangles (packing.py builds it
+    once per micro-batch). The prompt part folds each group's tokens, its rows one after the other,
+    into (Bp, M) slots, M its largest group's; the own part runs rows in buckets of like lengths,
+    each (rows_b, T_b) slots with a causal bias."""
+    fold: Tensor  # (n,) each token's slot in the (Bp*M) fold
+    M: int
+    buckets: list[tuple[Tensor, Tensor, int, int, Tensor]]  # tokens, slots, rows_b, T_b, bias
+
+
+def _slots(x: Tensor, index: Tensor, count: int) -> Tensor:
+    """(m, ...) -> (count, ...): x's rows at index, zeros elsewhere (no autograd: inside a
+    Function)."""
+    return x.new_zeros(count, *x.shape[1:]).index_put_((index,), x)
+
+
+class RaggedPrefixAttention(torch.autograd.Function):
+    """SharedPrefixAttention on packed rows: q (n, H, D), k/v (n, Hkv, D) the rows' tokens back to
+    back, prompt_k/v (Bp, Hkv, P, D), prompt_bias (Bp, 1, 1, P) its padding. The prompt part is one
+    flash call with every group's tokens (and the rep query heads) folded into the query length,
+    padded to the largest group's token count, not to G rows x the longest row; the own part one
+    causal call per bucket of rows of like lengths. Merge and backward are SharedPrefixAttention's
+    (each part's flash backward with the merged output and log-sum-exp), so the gradient is exact.
+    Returns (n, H, D)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, prompt_k, prompt_v, prompt_bias, layout: RaggedLayout):
+        n, H, D = q.shape
+        Bp, Hkv = prompt_k.shape[:2]
+        out_p, lse_p = _CPU_FLASH(_fold(q, layout, Bp, Hkv), prompt_k, prompt_v,
+                                  attn_mask=prompt_bias)
+        out_p, lse_p = _unfold(out_p, layout, H), _unfold(lse_p, layout, H)  # (n, H, D), (n, H)
+        out_s, lse_s = torch.zeros_like(out_p), torch.zeros_like(lse_p)
+        for tokens, slots, rows, T, bias in layout.buckets:
+            qb, kb, vb = (_by_row_slots(x[tokens], slots, rows, T, Hkv) for x in (q, k, v))
+            o, lse = _CPU_FLASH(qb, kb, vb, attn_mask=bias)  # (rows, Hkv, rep*T, D)
+            out_s[tokens] = _from_row_slots(o, slots, rows, T, H)
+            lse_s[tokens] = _from_row_slots(lse, slots, rows, T, H)
+        lse = torch.logaddexp(lse_p, lse_s)  # (n, H) float32 (float64 for float64)
+        out = (out_p * (lse_p - lse).exp()[..., None]
+               + out_s * (lse_s - lse).exp()[..., None]).to(q.dtype)  # (n, H, D)
+        ctx.layout = layout
+        ctx.save_for_backward(q, k, v, prompt_k, prompt_v, prompt_bias, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, prompt_k, prompt_v, prompt_bias, out, lse = ctx.saved_tensors
+        layout = ctx.layout
+        n, H, D = q.shape
+        Bp, Hkv = prompt_k.shape[:2]
+        grad = grad.contiguous()
+        folded = [_fold(x, layout, Bp, Hkv) for x in (grad, q, out, lse)]
+        dq_p, dprompt_k, dprompt_v = _CPU_FLASH_BACKWARD(
+            folded[0], folded[1], prompt_k, prompt_v, folded[2], folded[3], 0.0, False,
+            attn_mask=prompt_bias)
+        dq = _unfold(dq_p, layout, H)  # (n, H, D)
+        dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+        for tokens, slots, rows, T, bias in layout.buckets:
+            gb, qb, ob, lb, kb, vb = (_by_row_slots(x[tokens], slots, rows, T, Hkv)
+                                      for x in (grad, q, out, lse, k, v))
+            dqb, dkb, dvb = _CPU_FLASH_BACKWARD(gb, qb, kb, vb, ob, lb, 0.0, False,
+                                                attn_mask=bias)
+            dq[tokens] += _from_row_slots(dqb, slots, rows, T, H)
+            dk[tokens] = _from_row_slots(dkb, slots, rows, T, Hkv)
+            dv[tokens] = _from_row_slots(dvb, slots, rows, T, Hkv)
+        return dq, dk, dv, dprompt_k, dprompt_v, None, None
+
+
+def _fold(x: Tensor, layout: RaggedLayout, Bp: int, Hkv: int) -> Tensor:
+    """(n, H, ...) packed -> (Bp, Hkv, M*rep, ...): each group's tokens and a kv head's rep query
+    heads in the query length (a kv-head-wide x, k or v, has rep = 1)."""
+    M = layout.M
+    x = _slots(x, layout.fold, Bp * M)  # (Bp*M, H, ...)
+    x = x.view(Bp, M, Hkv, -1, *x.shape[2:]).transpose(1, 2)  # (Bp, Hkv, M, rep, ...)
+    return x.reshape(Bp, Hkv, -1, *x.shape[4:])
+
+
+def _unfold(x: Tensor, layout: RaggedLayout, H: int) -> Tensor:
+    """_fold's inverse: (Bp, Hkv, M*rep, ...) -> (n, H, ...)."""
+    Bp, Hkv = x.shape[:2]
+    x = x.view(Bp, Hkv, layout.M, H // Hkv, *x.shape[3:]).transpose(1, 2)
+    return x.reshape(Bp * layout.M, H, *x.shape[4:])[layout.fold]
+
+
+def _by_row_slots(x: Tensor, slots: Tensor, rows: int, T: int, Hkv: int) -> Tensor:
+    """(m, H|Hkv, ...) a bucket's tokens -> (rows, Hkv, rep*T, ...): each row's tokens in T slots,
+    its rep query heads one after the other (rep-major, as own_bias repeats the causal mask)."""
+    x = _slots(x, slots, rows * T).view(rows, T, Hkv, -1, *x.shape[2:])  # (rows, T, Hkv, rep, .)
+    return x.permute(0, 2, 3, 1, *range(4, x.dim())).reshape(rows, Hkv, -1, *x.shape[4:])
+
+
+def _from_row_slots(x: Tensor, slots: Tensor, rows: int, T: int, H: int) -> Tensor:
+    """_by_row_slots' inverse: (rows, Hkv, rep*T, ...) -> (m, H, ...)."""
+    Hkv = x.shape[1]
+    x = x.view(rows, Hkv, H // Hkv, T, *x.shape[3:]).permute(0, 3, 1, 2, *range(4, x.dim() + 1))
+    return x.reshape(rows * T, H, *x.shape[4:])[slots]

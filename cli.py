@@ -198,14 +198,25 @@ def check_config(cfgs) -> None:
                          "off for training (they are for evaluation with rollout.generate)")
 
 
-PRETRAINED_LR = 1e-6  # TRL's default: the fresh model's 5e-4 wrecks a pretrained one in a few steps
+PRETRAINED_LR = 1e-6  # TRL's default: the fresh model's 1e-3 wrecks a pretrained one in a few steps
+# A fresh model's entropy bonus (verl's entropy_coeff): a model that starts from random weights
+# would sharpen every position its partial credit does not yet teach (where its answer stops, first
+# of all) before it is learned; docs/measurements.md, the stop set. A pretrained model keeps TRL's 0.
+FRESH_ENTROPY_COEF = 0.2
 
 
-def pretrained_defaults(cfgs, explicit: set[str]) -> str:
-    """--model without --lr (and not a resume, which keeps its own): TRL's learning rate. Returns
-    the line that says so ("" when nothing changed)."""
+def recipe_defaults(cfgs, explicit: set[str]) -> str:
+    """The defaults that depend on the model (not on a resume, which keeps its own): a fresh one's
+    entropy bonus; --model without --lr, TRL's learning rate. Returns the line that says what a
+    --model run changed ("" when nothing)."""
     cfg = cfgs.train
-    if not cfg.model or cfg.resume or "lr" in explicit:
+    if cfg.resume:
+        return ""
+    if not cfg.model:
+        if "entropy_coef" not in explicit:
+            cfgs.grpo = dataclasses.replace(cfgs.grpo, entropy_coef=FRESH_ENTROPY_COEF)
+        return ""
+    if "lr" in explicit:
         return ""
     cfgs.train = dataclasses.replace(cfg, lr=PRETRAINED_LR)
     return (f"lr {PRETRAINED_LR:g}: the default for a pretrained --model (TRL's; the fresh "

@@ -79,7 +79,7 @@ class GRPOConfig:
     importance_sampling_level: str = "token"  # "sequence": GSPO's one ratio per completion
     beta: float = 0.0                 # k3 KL weight; 0 means no reference model is needed
     use_bias_correction_kl: bool = True  # k3 KL times the ratio pi/pi_old, as TRL's default
-    entropy_coef: float = 0.0         # entropy bonus: -coef * H per completion token (verl's)
+    entropy_coef: float = 0.0         # entropy bonus -coef*H per token (verl's); fresh model: 0.2
     top_entropy_quantile: float = 1.0  # 80/20 rule (arXiv:2506.01939): top-q entropy tokens train
     mask_truncated_completions: bool = False  # DAPO overlong filtering: no loss without a stop id
     off_policy_mask_threshold: float = math.inf  # DeepSeek-V3.2 off-policy masking: KL bound

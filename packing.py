@@ -16,10 +16,11 @@ nothing). The forward runs sum(p_g) + sum(c_i - 1) tokens where the padded one r
 and the prompt stays in the graph: the gradients of all G rows sum into it (TRL PR #2669, exact).
 
 Attention (packed_attention), by device:
-- CPU: the project's kernels on padded views. The segments are scattered into (Bp, H, P, D) prompts
-  and (N, H, T, D) rows; the prompts run causal SDPA, the rows attention.SharedPrefixAttention
-  (their prompt's K/V read once per group, never copied); the outputs are gathered back. Only
-  attention sees padding; everything (tokens x C)-sized runs on valid tokens.
+- CPU: the project's flash kernels. The prompts are scattered into (Bp, H, P, D) and run causal
+  SDPA; the rows go to attention.RaggedPrefixAttention as they are: each group's tokens folded
+  against its prompt's K/V (read once per group, never copied), each row against its own keys in
+  buckets of like lengths (ragged_layout): a few padded slots per bucket, none to the batch's
+  longest row. Everything (tokens x C)-sized runs on valid tokens only.
 - CUDA: FlexAttention over the packed row under a block mask built from per-token tensors (segment,
   group, is-prompt, position): no padding at all, each prompt's K/V read once per group. Its values
   are tested on the CPU (eager flex_attention has no CPU backward), its gradients on CUDA.
@@ -37,7 +38,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from attention import CPU_FLASH, SharedPrefixAttention, repeated_prefix_attention
+from attention import (CPU_FLASH, RaggedLayout, RaggedPrefixAttention, SharedPrefixAttention,
+                       length_buckets, repeated_prefix_attention)
 from model import causal_attention
 
 try:  # torch >= 2.5; compiled on CUDA, where it has a backward
@@ -59,6 +61,7 @@ class Packing:
     row_at: Tensor       # (Lc,) each packed row input's index in the padded (N*T)
     predict: Tensor      # (n,) the packed index of the state predicting each valid token
     prompt_lens: Tensor  # (Bp,)
+    row_lens: Tensor     # (N,) each row's inputs (its c_i - 1 fed tokens)
     shape: tuple[int, int, int, int]  # Bp, P, N, T
 
 
@@ -84,7 +87,44 @@ def pack(prompt_ids: Tensor, prompt_lens: Tensor, tokens: Tensor, mask: Tensor,
     first = prompt_last.repeat_interleave(G)[:, None]  # (N, 1)
     predict = torch.cat([first, input_index], 1)[:, :Tr][mask]  # (n,); Tr = 0: none
     return Packing(packed[None], positions[None], prompt_valid.flatten().nonzero()[:, 0],
-                   inputs_valid.flatten().nonzero()[:, 0], predict, prompt_lens, (Bp, P, N, T))
+                   inputs_valid.flatten().nonzero()[:, 0], predict, prompt_lens,
+                   inputs_valid.sum(1), (Bp, P, N, T))
+
+
+def ragged_layout(packing: Packing, rep: int, dtype: torch.dtype) -> RaggedLayout:
+    """Where the packed row inputs go in RaggedPrefixAttention's rectangles: each group's tokens
+    (its rows back to back) folded in (Bp, M) slots, M the largest group's count; each row in a
+    bucket of like lengths (attention.length_buckets over the rows, longest first), its tokens in
+    T_b slots under a causal bias (in dtype, repeated for the rep folded query heads)."""
+    Bp, _, N, _ = packing.shape
+    G = N // Bp
+    lens = packing.row_lens  # (N,)
+    device = lens.device
+    Lc = int(lens.sum())
+    row_of = torch.repeat_interleave(torch.arange(N, device=device), lens)  # (Lc,)
+    row_start = torch.cumsum(lens, 0) - lens  # (N,)
+    position = torch.arange(Lc, device=device) - row_start[row_of]  # (Lc,) within its row
+    group_lens = lens.view(Bp, G).sum(1)  # (Bp,)
+    group_start = torch.cumsum(group_lens, 0) - group_lens
+    M = int(group_lens.max())
+    group_of = row_of.div(G, rounding_mode="floor")
+    fold = group_of * M + torch.arange(Lc, device=device) - group_start[group_of]  # (Lc,)
+    order = sorted((i for i, n in enumerate(lens.tolist()) if n), key=lambda i: -int(lens[i]))
+    rank = torch.zeros(N, dtype=torch.long, device=device)  # each row's place in its bucket
+    bucket_of = torch.full((N,), -1, dtype=torch.long, device=device)
+    buckets = []
+    for b, (first, stop, T) in enumerate(length_buckets([int(lens[i]) for i in order])):
+        rows = torch.tensor(order[first:stop], device=device)
+        rank[rows] = torch.arange(stop - first, device=device)
+        bucket_of[rows] = b
+        future = torch.ones(T, T, dtype=torch.bool, device=device).triu(1)
+        bias = torch.zeros(T, T, dtype=dtype, device=device).masked_fill(future, -torch.inf)
+        buckets.append((stop - first, T, bias.repeat(rep, 1)[None, None]))  # (1, 1, rep*T, T)
+    out = []
+    for b, (rows, T, bias) in enumerate(buckets):
+        tokens = (bucket_of[row_of] == b).nonzero()[:, 0]  # (m,)
+        out.append((tokens, rank[row_of[tokens]] * T + position[tokens], rows, T, bias))
+    return RaggedLayout(fold, M, out)
 
 # -----------------------------------------------------------------------------
 # Attention over the packed row
@@ -120,11 +160,15 @@ def shared_prompt_attention(prompt_lens: Tensor, P: int, T: int, rep: int):
 
 def padded_views_attention(packing: Packing, rep: int):
     """The CPU route: attention(layer, q, k, v) on the packed row, (1, H|Hkv, L, D) -> (1, H, L,
-    D), through padded views of the segments (the project's kernels take rectangles). Tokens past
-    the prompts and rows (a tail) get zeros."""
+    D): the prompts through padded views, the rows through RaggedPrefixAttention (or, off the CPU
+    without FlexAttention, padded views of the repeated-prompt twin). Tokens past the prompts and
+    rows (a tail) get zeros."""
     Bp, P, N, T = packing.shape
     Lp, Lc = len(packing.prompt_at), len(packing.row_at)
-    attend_rows = shared_prompt_attention(packing.prompt_lens, P, T, rep) if T else None
+    ragged = CPU_FLASH and packing.tokens.device.type == "cpu"
+    attend_rows = shared_prompt_attention(packing.prompt_lens, P, T, rep) if T and not ragged \
+        else None
+    layouts: dict[torch.dtype, tuple[RaggedLayout, Tensor]] = {}  # built once, for all layers
 
     def padded(x: Tensor, at: Tensor, rows: int, length: int) -> Tensor:
         # (m, h, D) packed -> (rows, h, length, D), zeros where no token sits. index_put along the
@@ -139,7 +183,16 @@ def padded_views_attention(packing: Packing, rep: int):
         q, k, v = (x[0].transpose(0, 1) for x in (q, k, v))  # (L, H|Hkv, D), views
         pq, pk, pv = (padded(x[:Lp], packing.prompt_at, Bp, P) for x in (q, k, v))
         out = [packed(causal_attention(layer, pq, pk, pv), packing.prompt_at)]  # (Lp, H, D)
-        if Lc:
+        if Lc and ragged:  # the rows' tokens as they are, in the kernels' rectangles
+            rq, rk, rv = (x[Lp:Lp + Lc].to(v.dtype) for x in (q, k, v))  # autocast: v's dtype
+            if v.dtype not in layouts:
+                prompt_valid = torch.arange(P, device=v.device) < packing.prompt_lens[:, None]
+                bias = torch.zeros(Bp, P, dtype=v.dtype, device=v.device).masked_fill(
+                    ~prompt_valid, -torch.inf)[:, None, None]  # (Bp, 1, 1, P)
+                layouts[v.dtype] = ragged_layout(packing, q.shape[1] // k.shape[1], v.dtype), bias
+            layout, bias = layouts[v.dtype]
+            out.append(RaggedPrefixAttention.apply(rq, rk, rv, pk.to(v.dtype), pv, bias, layout))
+        elif Lc:
             rows = [padded(x[Lp:Lp + Lc], packing.row_at, N, T) for x in (q, k, v)]
             out.append(packed(attend_rows(*rows, pk, pv), packing.row_at))  # (Lc, H, D)
         out.append(q.new_zeros(q.shape[0] - Lp - Lc, *q.shape[1:]))  # a tail, if any

@@ -47,7 +47,7 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
-from attention import prefix_attention
+from attention import length_buckets, prefix_attention
 from model import ModelConfig, causal_attention
 from sampling import filter_logits, inverse_cdf, sample  # noqa: F401 (rollout.sample: benches)
 
@@ -215,19 +215,6 @@ def _fused_prefix_attention(q: Tensor, k: Tensor, v: Tensor, prefix_k: Tensor, p
     probs = torch.cat((scores, lse_p), dim=-1).softmax(dim=-1)  # (S*Hkv, rep, T + 1)
     y = torch.baddbmm(out_p * probs[..., T:], probs[..., :T], own_v)  # (S*Hkv, rep, D)
     return y.view(S, H, 1, D).to(q.dtype)  # a bf16 model gets bf16 back
-
-
-def length_buckets(lens: list[int]) -> list[tuple[int, int, int]]:
-    """Runs of groups whose prompt lengths (longest first) are at least half the run's first:
-    (first, stop, keys) each, keys its longest. A decode step attends to each run's keys only, so
-    it reads at most twice a group's own prompt, not the longest prompt of the batch."""
-    runs: list[tuple[int, int, int]] = []
-    for i, n in enumerate(lens):
-        if runs and 2 * n >= runs[-1][2]:
-            runs[-1] = (runs[-1][0], i + 1, runs[-1][2])
-        else:
-            runs.append((i, i + 1, n))
-    return runs
 
 
 class _DecodeAttention:
@@ -435,33 +422,42 @@ def check_prompts(prompts: list[list[int]], stop_ids: tuple[int, ...], max_new_t
                              f"{model_config.max_position_embeddings}")
 
 
+def prefill_chunks(lens: list[int], prefill_tokens: int) -> list[tuple[int, int]]:
+    """(first, stop) runs of the prompts (longest first: generate sorts them), each up to
+    prefill_tokens padded tokens at its first prompt's length, none under half of it (as
+    length_buckets): a chunk holds like lengths and pads little."""
+    chunks = []
+    first = 0
+    while first < len(lens):
+        stop = first + 1
+        while (stop < len(lens) and (stop - first + 1) * lens[first] <= prefill_tokens
+               and 2 * lens[stop] >= lens[first]):
+            stop += 1
+        chunks.append((first, stop))
+        first = stop
+    return chunks
+
+
 def _prefill(model: torch.nn.Module, prompts: list[list[int]], prefix_k: list[Tensor],
              prefix_v: list[Tensor], prefill_tokens: int, device: torch.device) -> Tensor:
-    """Run the prompts a chunk at a time, right-padded to the chunk's longest (the views beyond stay
-    zero, masked), storing each layer's K/V into the shared prompt views. The prompts come longest
-    first (generate sorts them), so a chunk holds like lengths: up to prefill_tokens padded tokens,
-    its first prompt's length each, and no prompt under half of that (as length_buckets).
-    Returns the logits (Bp, V) at each prompt's last position."""
+    """Run the prompts a chunk at a time (prefill_chunks), right-padded to the chunk's longest (the
+    views beyond stay zero, masked), storing each layer's K/V into the shared prompt views. Returns
+    the logits (Bp, V) at each prompt's last position."""
     last_logits = []
-    first = 0
-    while first < len(prompts):
-        width = len(prompts[first])  # the chunk's longest
-        stop = first + 1
-        while (stop < len(prompts) and (stop - first + 1) * width <= prefill_tokens
-               and 2 * len(prompts[stop]) >= width):
-            stop += 1
+    for first, stop in prefill_chunks([len(p) for p in prompts], prefill_tokens):
         part = prompts[first:stop]
+        width = max(map(len, part))
         rows = slice(first, first + len(part))
 
         def store_kv(layer: int, q: Tensor, k: Tensor, v: Tensor, last: Tensor | None = None):
-            prefix_k[layer][rows, :, :width] = k
-            prefix_v[layer][rows, :, :width] = v
+            # k, v (b, Hkv, width or more, D): sequence parallelism may pad the rows' ends
+            prefix_k[layer][rows, :, :width] = k[:, :, :width]
+            prefix_v[layer][rows, :, :width] = v[:, :, :width]
             return causal_attention(layer, q, k, v, last)
         tokens = torch.tensor([p + [0] * (width - len(p)) for p in part], device=device)  # (b, P)
         last = torch.tensor([len(p) - 1 for p in part], device=device)  # final layer's queries
         h = model.hidden(tokens, None, store_kv, last)[:, 0]  # (b, C)
         last_logits.append(model.head(h))  # (b, V)
-        first += len(part)
     return torch.cat(last_logits)  # (Bp, V)
 
 

@@ -346,6 +346,20 @@ strip_zeros = stop_task("strip_zeros", sample_strip_zeros, "0123456789=", 5)
 drop_c = stop_task("drop_c", sample_drop_c, "abc=", 6)
 
 # -----------------------------------------------------------------------------
+# A ragged batch to measure on: prompts and answers of 1 to 20 tokens whose mean is about a third of
+# the longest, as in real batches (GSM8K prompts run 40-300 tokens, completions 20 to the budget).
+
+
+def sample_ragged_copy(rng: random.Random) -> tuple[str, str]:
+    """"gabde=" -> "gabde": 1 to 20 letters, the length 1 + 20 u^2 for a uniform u (mean 7.2)."""
+    length = 1 + int(20 * rng.random() ** 2)
+    letters = "".join(rng.choice("abcdefgh") for _ in range(length))
+    return letters + "=", letters
+
+
+ragged_copy = stop_task("ragged_copy", sample_ragged_copy, "abcdefgh=", 20)
+
+# -----------------------------------------------------------------------------
 # Math word problems from a JSONL file (for real checkpoints, e.g. GSM8K-style files on disk)
 
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")

@@ -83,7 +83,7 @@ class TrainConfig:
     max_prompt_len: int = 256        # longer prompts are truncated on the left (counted in the log)
     # optimisation
     steps: int = 800                 # generation batches to train on
-    lr: float = 5e-4                 # peak learning rate (fresh model; 1e-6 with --model)
+    lr: float = 1e-3                 # peak learning rate (fresh model; 1e-6 with --model)
     min_lr_ratio: float = 0.1        # cosine decay floor, as a fraction of lr
     warmup_steps: int = 10           # linear warmup, in optimizer steps
     weight_decay: float = 0.0        # AdamW weight decay
@@ -250,7 +250,7 @@ def setup(values: dict[str, object]) -> Run:
         values, changes = checkpoint.resume_values(values, owners, TrainConfig.out)
     cfgs = build_configs(values)
     cli.check_config(cfgs)
-    notes = [cli.pretrained_defaults(cfgs, explicit)]
+    notes = [cli.recipe_defaults(cfgs, explicit)]
     cfg = cfgs.train
     groups = tp.make_groups(cfgs.parallel.tp)
     cli.check_dp(cfg.prompts_per_step, groups.dp_size)

@@ -29,10 +29,16 @@ GRPO family against the default:
         --variant default= --variant gspo="--importance_sampling_level sequence --loss_type grpo" \
         --variant cispo="--loss_type cispo --eps_high 5" --variant dynamic="--dynamic_sampling 4"
 
+Where the stop goes (--probe): one run in this process, and every 10 steps, on 64 fixed prompts of
+the task with their right answers teacher-forced, the model's mean P(stop) right after the answer,
+its mean P(stop) inside the answer (after each shorter right prefix), and its mean P(the right next
+token) inside the answer: whether the model tells the answer's end from its middle.
+
 Run: python tests/bench_learning.py --tasks reverse,double,sort,count,increment,add --seeds 0,1,2
      [--flags "--lr 5e-4"] [--steps N] [--jobs 2] [--out runs/learning/NAME] [--force] [--report]
      [--variant NAME="FLAGS" ...]
      python tests/bench_learning.py --supervised 1000   (can the fresh model hold each task at all?)
+     python tests/bench_learning.py --probe stars [--flags "--entropy_coef 0"] [--steps 300]
 """
 
 import argparse
@@ -83,6 +89,7 @@ def run_one(task: str, seed: int, out: str, flags: list[str], force: bool) -> st
         done = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *argv], cwd=ROOT,
                               env=env, stdout=log, stderr=subprocess.STDOUT)
     wall = time.perf_counter() - t0
+    os.makedirs(out, exist_ok=True)  # a run that failed at its first step wrote nothing
     with open(os.path.join(out, "run.json"), "w") as f:
         json.dump(dict(argv=argv, wall_s=wall, returncode=done.returncode), f)
     return f"{out}: exit {done.returncode} in {wall:.0f} s"
@@ -231,6 +238,50 @@ def supervised(name: str, steps: int, seed: int = 0) -> tuple[float, float]:
     return right / len(pairs), time.perf_counter() - t0
 
 # -----------------------------------------------------------------------------
+# Where the stop goes: P(stop) at the answer's end against inside it, as training runs
+
+
+def stop_probabilities(run, examples: list[tuple]) -> dict[str, float]:
+    """Mean P(stop | prompt + right answer), P(stop | prompt + a shorter right prefix) and
+    P(right next token | prompt + right prefix) of the run's model over the examples."""
+    import torch
+    stop = run.model.config.eos_token_id
+    sums = {"end": 0.0, "inside": 0.0, "right": 0.0}
+    inside = 0
+    with torch.no_grad():
+        for prompt, reference in examples:
+            ids, _ = run.tokenizer.encode_prompts([prompt], run.cfgs.prompt, 256)
+            answer = run.tokenizer.encode_text(reference, add_special_tokens=False)
+            logp = run.model(torch.tensor([ids[0] + answer]))[0].float().log_softmax(-1)
+            at = len(ids[0]) - 1  # the state predicting the answer's first token
+            sums["end"] += logp[at + len(answer), stop].exp().item()
+            for t, token in enumerate(answer):
+                sums["inside"] += logp[at + t, stop].exp().item()
+                sums["right"] += logp[at + t, token].exp().item()
+            inside += len(answer)
+    return dict(p_stop_end=sums["end"] / len(examples), p_stop_inside=sums["inside"] / inside,
+                p_right=sums["right"] / inside)
+
+
+def probe(task: str, flags: list[str], every: int = 10) -> None:
+    import train
+    argv = ["--task", task_spec(task), "--out", os.path.join("runs", "probe", task),
+            "--overwrite", "true", "--eval_every", "0", "--save_every", "0", *flags]
+    run = train.setup(train.parse_args(argv))
+    rng = __import__("random").Random(123)
+    examples = [run.task.sample(rng) for _ in range(64)]
+    print(f"{task} {' '.join(flags)}\n| step | reward | entropy | P(stop) after the answer | "
+          "P(stop) inside it | P(right token) inside |\n|---|---|---|---|---|---|")
+    for i in range(run.cfgs.train.steps):
+        record, _ = train.step(run, i)
+        if i % every == 0 or i + 1 == run.cfgs.train.steps:
+            p = stop_probabilities(run, examples)
+            print(f"| {i + 1} | {record['reward']:.3f} | {record['entropy']:.3f} | "
+                  f"{p['p_stop_end']:.3f} | {p['p_stop_inside']:.4f} | {p['p_right']:.3f} |",
+                  flush=True)
+    train.checkpoint.release_out_dir()
+
+# -----------------------------------------------------------------------------
 # Main
 
 
@@ -248,7 +299,14 @@ def main() -> None:
                         help="run every task x seed with these extra flags too, side by side")
     parser.add_argument("--supervised", type=int, default=0, metavar="STEPS",
                         help="instead: the capacity check, STEPS of teacher forcing per task")
+    parser.add_argument("--probe", default="", metavar="TASK",
+                        help="instead: where the stop goes in one run of TASK (in this process)")
     args = parser.parse_args()
+    if args.probe:
+        os.chdir(ROOT)
+        probe(args.probe, shlex.split(args.flags) + (["--steps", str(args.steps)]
+                                                     if args.steps else []))
+        return
     if args.supervised:
         print("| task | supervised steps | greedy fully correct | seconds |\n|---|---|---|---|")
         for task in args.tasks.split(","):

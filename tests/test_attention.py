@@ -63,3 +63,46 @@ def test_shared_prefix_attention_equals_repeated_prefix_values_and_grads(dtype, 
     for name, a, b in zip("q k v prefix_k prefix_v".split(), got, want):
         torch.testing.assert_close(a, b, atol=tol, rtol=tol, msg=name)
     assert got[3][1, :, 4:].abs().max() == 0  # the padding of prefix 1 gets no gradient
+
+
+@pytest.mark.skipif(not attention.CPU_FLASH, reason="this torch has no CPU flash attention kernels")
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-6)])
+def test_ragged_prefix_attention_equals_repeated_prefix_values_and_grads(dtype, tol):
+    """The packed route (rows of any lengths back to back: each group's tokens folded against its
+    prompt, rows in buckets of like lengths) against the slow twin on the same rows padded: rows
+    of 0 to 9 tokens, a group of empty rows, ragged prompts, GQA (rep 2). Tolerances as above."""
+    import packing
+    torch.manual_seed(1)
+    Bp, G, H, Hkv, P, D = 3, 3, 4, 2, 7, 8
+    lens = torch.tensor([9, 0, 4, 0, 0, 0, 2, 8, 1])  # (N,) row inputs; group 1 is empty
+    T = int(lens.max())
+    N = Bp * G
+    prompt_lens = torch.tensor([7, 3, 1])
+    valid = torch.arange(P) < prompt_lens[:, None]
+    n = int(lens.sum())
+
+    def leaf(*shape):
+        return torch.randn(*shape, dtype=dtype, requires_grad=True)
+    q, k, v = leaf(n, H, D), leaf(n, Hkv, D), leaf(n, Hkv, D)  # packed, row after row
+    pk, pv = leaf(Bp, Hkv, P, D), leaf(Bp, Hkv, P, D)
+    fake = packing.Packing(torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(0), torch.zeros(0),
+                           torch.zeros(0), prompt_lens, lens, (Bp, P, N, T))
+    layout = packing.ragged_layout(fake, H // Hkv, dtype)
+    bias = torch.zeros(Bp, P, dtype=dtype).masked_fill(~valid, -math.inf)[:, None, None]
+    out = attention.RaggedPrefixAttention.apply(q, k, v, pk, pv, bias, layout)  # (n, H, D)
+    # The twin: the same tokens padded to (N, T) rows, the prompt repeated per row.
+    where = (torch.arange(T) < lens[:, None]).flatten().nonzero()[:, 0]  # (n,) slots in N*T
+
+    def padded(x):  # (n, h, D) -> (N, h, T, D)
+        return x.new_zeros(N * T, *x.shape[1:]).index_put((where,), x).view(
+            N, T, *x.shape[1:]).transpose(1, 2)
+    ref = attention.repeated_prefix_attention(padded(q), padded(k), padded(v), pk, pv, valid)
+    ref = ref.transpose(1, 2).reshape(N * T, H, D)[where]  # (n, H, D)
+    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+    w = torch.randn_like(ref)
+    got = torch.autograd.grad((out * w).sum(), [q, k, v, pk, pv])
+    want = torch.autograd.grad((ref * w).sum(), [q, k, v, pk, pv])
+    for name, a, b in zip("q k v prefix_k prefix_v".split(), got, want):
+        torch.testing.assert_close(a, b, atol=tol, rtol=tol, msg=name)
+    assert got[3][1].abs().max() == 0  # the empty group's prompt gets no gradient
+    assert layout.M == 9 + 4 and len(layout.buckets) == 3  # rows of 9, 8 | 4, 2 | 1

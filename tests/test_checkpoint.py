@@ -89,7 +89,7 @@ def test_resume_refuses_what_the_checkpoint_fixes_and_prints_what_changes(tmp_pa
         assert f"--{flag} {value!r}: the checkpoint being resumed fixes it to {saved}" in err \
             or f"--{flag} {value}: the checkpoint being resumed fixes it to {saved}" in err, err
     code, _ = run(tmp_path, "--resume", "latest", "--steps", "2", "--lr", "1e-4")
-    assert code == 0 and "with: steps 2, was 1; lr 0.0001, was 0.0005" in capsys.readouterr().out
+    assert code == 0 and "with: steps 2, was 1; lr 0.0001, was 0.001" in capsys.readouterr().out
     assert open(state).read() == before
 
 

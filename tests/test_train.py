@@ -956,6 +956,23 @@ def test_plan_counts_the_fp32_master_and_the_bf16_sampler(capsys):
                                                            abs=0.1)  # the bf16 sampler
 
 
+def test_the_recipe_depends_on_the_model(tmp_path):
+    """A fresh model trains with lr 1e-3 and an entropy bonus of 0.2 (the stop set's recipe); a
+    pretrained --model with TRL's lr 1e-6 and no entropy bonus; an explicit flag wins either way."""
+    source = tied_checkpoint(tmp_path, [2])
+
+    def configs(*args):
+        try:
+            run = train.setup(train.parse_args(FAST + ["--out", str(tmp_path / "r"), *args]))
+        finally:
+            train.checkpoint.release_out_dir()
+        return run.cfgs.train.lr, run.cfgs.grpo.entropy_coef
+    assert configs() == (1e-3, 0.2)
+    assert configs("--entropy_coef", "0") == (1e-3, 0.0)
+    assert configs("--model", source) == (1e-6, 0.0)
+    assert configs("--model", source, "--entropy_coef", "0.01", "--lr", "1e-5") == (1e-5, 0.01)
+
+
 def test_a_pretrained_model_defaults_to_trls_lr_and_says_so(tmp_path, capsys):
     source = tied_checkpoint(tmp_path, [2])
     code, out = run(tmp_path, "--model", source, "--steps", "2", "--warmup_steps", "0",
@@ -1070,7 +1087,8 @@ def test_a_zero_gradient_is_not_counted_as_an_update_and_memory_is_named_for_wha
     spec = write_module(tmp_path, "flat", "def same(c, r):\n    return 0.5\n"
                         "task = tasks.Task('flat', tasks.sample_reverse, [(same, 1.0)],"
                         " alphabet='0123456789=', max_new_tokens=4)\n")
-    code, out = run(tmp_path, "--task", spec, "--steps", "2", "--mu", "2")
+    # No entropy bonus: its gradient is not 0 when the advantages are.
+    code, out = run(tmp_path, "--task", spec, "--steps", "2", "--mu", "2", "--entropy_coef", "0")
     text = capsys.readouterr().out
     recs = strict_records(out)
     assert code == 0 and [(r["updates"], r["zero_grad"]) for r in recs] == [(0, 2), (0, 2)]
