@@ -109,22 +109,21 @@ def ragged_layout(packing: Packing, rep: int, dtype: torch.dtype) -> RaggedLayou
     M = int(group_lens.max())
     group_of = row_of.div(G, rounding_mode="floor")
     fold = group_of * M + torch.arange(Lc, device=device) - group_start[group_of]  # (Lc,)
-    order = sorted((i for i, n in enumerate(lens.tolist()) if n), key=lambda i: -int(lens[i]))
+    row_lens = lens.tolist()
+    order = sorted((i for i, n in enumerate(row_lens) if n), key=lambda i: -row_lens[i])
     rank = torch.zeros(N, dtype=torch.long, device=device)  # each row's place in its bucket
-    bucket_of = torch.full((N,), -1, dtype=torch.long, device=device)
+    in_bucket = torch.zeros(N, dtype=torch.bool, device=device)
     buckets = []
-    for b, (first, stop, T) in enumerate(length_buckets([int(lens[i]) for i in order])):
+    for first, stop, T in length_buckets([row_lens[i] for i in order]):
         rows = torch.tensor(order[first:stop], device=device)
         rank[rows] = torch.arange(stop - first, device=device)
-        bucket_of[rows] = b
+        in_bucket.zero_()[rows] = True
+        tokens = in_bucket[row_of].nonzero()[:, 0]  # (m,) this bucket's packed tokens
         future = torch.ones(T, T, dtype=torch.bool, device=device).triu(1)
         bias = torch.zeros(T, T, dtype=dtype, device=device).masked_fill(future, -torch.inf)
-        buckets.append((stop - first, T, bias.repeat(rep, 1)[None, None]))  # (1, 1, rep*T, T)
-    out = []
-    for b, (rows, T, bias) in enumerate(buckets):
-        tokens = (bucket_of[row_of] == b).nonzero()[:, 0]  # (m,)
-        out.append((tokens, rank[row_of[tokens]] * T + position[tokens], rows, T, bias))
-    return RaggedLayout(fold, M, out)
+        buckets.append((tokens, rank[row_of[tokens]] * T + position[tokens], stop - first, T,
+                        bias.repeat(rep, 1)[None, None]))  # bias (1, 1, rep*T, T)
+    return RaggedLayout(fold, M, buckets)
 
 # -----------------------------------------------------------------------------
 # Attention over the packed row

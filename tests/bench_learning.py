@@ -277,7 +277,7 @@ def probe(task: str, flags: list[str], every: int = 10) -> None:
         if i % every == 0 or i + 1 == run.cfgs.train.steps:
             p = stop_probabilities(run, examples)
             print(f"| {i + 1} | {record['reward']:.3f} | {record['entropy']:.3f} | "
-                  f"{p['p_stop_end']:.3f} | {p['p_stop_inside']:.4f} | {p['p_right']:.3f} |",
+                  f"{p['p_stop_end']:.4f} | {p['p_stop_inside']:.4f} | {p['p_right']:.3f} |",
                   flush=True)
     train.checkpoint.release_out_dir()
 
