@@ -213,11 +213,13 @@ def flex_packed_attention(packing: Packing):
     kernel = torch.compile(flex_attention, dynamic=True) if on_cuda else flex_attention
 
     def block_mask(L: int):
-        tail = torch.arange(L - Lp - Lc, device=device)
-        segment = torch.cat([prompt_of, Bp + row_of, Bp + N + tail])  # (L,): a tail token alone
+        # Tail tokens, and up to the next 128-token block (torch 2.5 calls the mask there too),
+        # each a segment of its own.
+        tail = torch.arange(-(-L // 128) * 128 - Lp - Lc, device=device)
+        segment = torch.cat([prompt_of, Bp + row_of, Bp + N + tail])  # (L',)
         group = torch.cat([prompt_of, row_of.div(N // Bp, rounding_mode="floor"), -1 - tail])
-        is_prompt = torch.arange(L, device=device) < Lp
-        position = torch.arange(L, device=device)  # packed order is each segment's order
+        is_prompt = torch.arange(len(segment), device=device) < Lp
+        position = torch.arange(len(segment), device=device)  # packed order: each segment's order
 
         def allowed(b, h, q, kv):
             own = (segment[q] == segment[kv]) & (position[kv] <= position[q])

@@ -134,13 +134,15 @@ def ragged_groups(G: int = 3, seed: int = 4) -> tuple[list[list[int]], list[list
     return prompts, completions
 
 
-def test_the_packed_forward_equals_the_padded_one_on_ragged_batches():
+@pytest.mark.parametrize("dtype,rel", [(torch.float32, 1e-6), (torch.float64, 1e-12)])
+def test_the_packed_forward_equals_the_padded_one_on_ragged_batches(dtype, rel):
     """Padding-free (only valid tokens, the default) against the padded twin (every prompt padded
     to P, every row to T): logprobs, entropies and every parameter's gradient on ragged groups, an
-    all-empty group included. float32: the same kernels on the same valid tokens, summed in
-    another order: 1e-6 of each gradient's scale."""
+    all-empty group included. The same kernels on the same valid tokens, summed in another order:
+    in float32 each gradient within 1e-6 of its norm (torch 2.5.1's kernels reach 1.0e-6 of the
+    largest entry), in float64 1e-12."""
     prompts, completions = ragged_groups()
-    m = tiny_model()
+    m = tiny_model().to(dtype)
     batch = GRPOBatch.from_lists(prompts, completions, temperature=0.8)
     out = {}
     for forward in ("packed", "padded"):
@@ -149,8 +151,10 @@ def test_the_packed_forward_equals_the_padded_one_on_ragged_batches():
         out[forward] = logp.detach(), entropy.detach(), grads(m)
         m.zero_grad()
     for got, want in zip(out["packed"][:2], out["padded"][:2]):
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
-    assert_grads_close(out["packed"][2], out["padded"][2], rel=1e-6)
+        torch.testing.assert_close(got, want, rtol=rel, atol=rel)
+    for name, want in out["padded"][2].items():
+        error = (out["packed"][2][name] - want).norm() / want.norm()
+        assert error <= rel, (name, float(error))
 
 
 def test_the_packed_forward_runs_on_valid_tokens_only():
