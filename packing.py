@@ -47,6 +47,7 @@ try:  # torch >= 2.5; compiled on CUDA, where it has a backward
 except ImportError:  # pragma: no cover
     flex_attention = None
 FLEX_ON_CUDA = flex_attention is not None  # the CUDA route; tests switch it to compare
+RAGGED_FROM = 1.5  # padded row slots / row tokens from which the CPU's rows run unpadded
 
 # -----------------------------------------------------------------------------
 # Where every valid token sits
@@ -164,7 +165,11 @@ def padded_views_attention(packing: Packing, rep: int):
     rows (a tail) get zeros."""
     Bp, P, N, T = packing.shape
     Lp, Lc = len(packing.prompt_at), len(packing.row_at)
-    ragged = CPU_FLASH and packing.tokens.device.type == "cpu"
+    # The ragged kernel where the rows' padding is worth its extra calls: when padded rows would
+    # hold 1.5x their tokens or more. Below that (rows of like lengths: the default task's 1-4
+    # tokens) padded views cost less than its bookkeeping (tests/bench_ragged.py, docs).
+    ragged = (CPU_FLASH and packing.tokens.device.type == "cpu"
+              and N * T >= RAGGED_FROM * max(Lc, 1))
     attend_rows = shared_prompt_attention(packing.prompt_lens, P, T, rep) if T and not ragged \
         else None
     layouts: dict[torch.dtype, tuple[RaggedLayout, Tensor]] = {}  # built once, for all layers

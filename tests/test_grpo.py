@@ -134,13 +134,17 @@ def ragged_groups(G: int = 3, seed: int = 4) -> tuple[list[list[int]], list[list
     return prompts, completions
 
 
+@pytest.mark.parametrize("ragged_from", [1.5, math.inf])  # the rows' ragged kernel, padded views
 @pytest.mark.parametrize("dtype,rel", [(torch.float32, 1e-6), (torch.float64, 1e-12)])
-def test_the_packed_forward_equals_the_padded_one_on_ragged_batches(dtype, rel):
+def test_the_packed_forward_equals_the_padded_one_on_ragged_batches(dtype, rel, ragged_from,
+                                                                    monkeypatch):
     """Padding-free (only valid tokens, the default) against the padded twin (every prompt padded
     to P, every row to T): logprobs, entropies and every parameter's gradient on ragged groups, an
     all-empty group included. The same kernels on the same valid tokens, summed in another order:
     in float32 each gradient within 1e-6 of its norm (torch 2.5.1's kernels reach 1.0e-6 of the
-    largest entry), in float64 1e-12."""
+    largest entry), in float64 1e-12. Both routes of the CPU's packed rows: the ragged kernel
+    (these rows' padding is 3.8x their tokens) and padded views (RAGGED_FROM inf)."""
+    monkeypatch.setattr(packing, "RAGGED_FROM", ragged_from)
     prompts, completions = ragged_groups()
     m = tiny_model().to(dtype)
     batch = GRPOBatch.from_lists(prompts, completions, temperature=0.8)
