@@ -14,14 +14,15 @@ one GRPO step, docs/design.md's data flow in numbered pieces:
     6. train phase: mu optimizer steps over the generation batch, micro-batch by micro-batch
     7. the step's metrics, token-weighted over ranks and aggregated over the mu iterations
 
-train() runs the steps: one printed line and a metrics.jsonl record each, checkpoints (and the
-curves so far as metrics.svg, plot.py), and clean stops (Ctrl-C or SIGTERM: finish the step,
-checkpoint, exit 0; a fault: one line and a checkpoint).
+train() runs the steps: one printed line and a metrics.jsonl record each (report.py), the
+evaluation's completions (samples.jsonl), checkpoints (and the curves so far as metrics.svg,
+plot.py), and clean stops (Ctrl-C or SIGTERM: finish the step, checkpoint, exit 0; a fault or a
+run going nowhere: one line and a checkpoint).
 
 Parallelism: world = tp x dp. The tp ranks of a dp group hold one sharded model (tp.py) and see the
 same prompts and tokens; each dp group takes its own slice of the prompts; gradients are summed over
-dp. Loss normalisers count the whole generation batch on all ranks, so the update does not depend
-on how the batch is split.
+dp (dp.py gathers rewards and sums counts). Loss normalisers count the whole generation batch on
+all ranks, so the update does not depend on how the batch is split.
 
 Each knob lives in the dataclass of the file that uses it; `--field value` is routed to its owner
 (cli.py). --dtype bfloat16: fp32 master weights and AdamW state, bf16 autocast, a bf16 sampler.
