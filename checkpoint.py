@@ -33,6 +33,7 @@ import shutil
 import signal
 import socket
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -247,12 +248,16 @@ _held: list[tuple[str, bool]] = []  # (lock file, whether this process made its 
 
 def _lock_holder(path: str) -> tuple[int, str] | None:
     """The (pid, host) a lock file names; None when it is stale (that pid is gone on this host)."""
-    try:
-        with open(path) as f:
-            pid, host = f.read().split()
-        pid = int(pid)
-    except (OSError, ValueError):
-        return 0, "an unknown host"  # being written right now, or not ours to judge
+    for _ in range(40):  # O_EXCL made the file before its line is in: a run starting this instant
+        try:
+            with open(path) as f:
+                pid, host = f.read().split()
+            pid = int(pid)
+            break
+        except (OSError, ValueError):
+            time.sleep(0.05)
+    else:
+        return 0, "an unknown host"  # unreadable for 2 s: not ours to judge
     if host == socket.gethostname():
         try:
             os.kill(pid, 0)  # signal 0: only asks whether the process exists

@@ -6,8 +6,10 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 
+import checkpoint
 import train
 from test_train import FAST, ROOT, records, run
 
@@ -41,6 +43,24 @@ def test_two_runs_started_at_once_into_one_out_one_is_refused_naming_the_holder(
     assert f"--out {out} is in use by the run of pid {winner.pid} on {socket.gethostname()}" in err
     assert not os.path.exists(os.path.join(out, ".lock"))  # released on exit
     assert [r["step"] for r in records(out)] == list(range(1, len(records(out)) + 1))
+
+
+def test_a_lock_caught_between_its_creation_and_its_line_names_its_holder(tmp_path):
+    """Regression: a run starting at the same instant made the lock (O_EXCL) but had not yet
+    written its line, and the refusal named "pid 0 on an unknown host"."""
+    out = tmp_path / "run"
+    out.mkdir()
+    lock = out / ".lock"
+    lock.write_text("")  # made, not yet written
+    writer = threading.Timer(0.2, lock.write_text, [f"{os.getpid()} {socket.gethostname()}\n"])
+    writer.start()
+    try:
+        checkpoint._take_lock(str(out))
+        raise AssertionError("the lock was taken from a live run")
+    except ValueError as e:
+        assert f"in use by the run of pid {os.getpid()} on {socket.gethostname()}" in str(e)
+    finally:
+        writer.join()
 
 
 def test_a_crashed_runs_lock_is_taken_over_a_live_ones_refuses(tmp_path, capsys):
