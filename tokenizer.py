@@ -14,9 +14,11 @@ conversation (a list of {"role", "content"} messages, TRL's conversational forma
   (the template writes them), as TRL does.
 Prompts are left-truncated to a length (the question sits at the end). A checkpoint the engine
 writes carries these files verbatim (save_pretrained), so transformers reads it as the source.
+A tool turn (multi-turn tool use) is the text the template writes between an assistant message's
+content and the next generation prompt when a tool message follows, cut out of one rendering.
 
-Leaves out: tools and documents in templates, multimodal content, assistant masks, tokenizers other
-than tokenizer.json (sentencepiece .model files).
+Leaves out: tool schemas and documents in templates, multimodal content, assistant masks,
+tokenizers other than tokenizer.json (sentencepiece .model files).
 Tested by tests/test_tokenizer.py.
 """
 
@@ -27,6 +29,9 @@ from datetime import datetime
 
 # Files a checkpoint directory may hold besides tokenizer.json, carried verbatim into checkpoints.
 SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+# Stands in for an assistant message's content, so the tool turn after it can be cut out of one
+# rendering. Mixed case and digits: a template that upper- or lower-cases content changes it.
+TOOL_TURN_MARK = "ToolTurnMark-7f3a9c1e5d2b"
 # The special tokens transformers passes to a template as variables (its special_tokens_map).
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
                   "mask_token")
@@ -188,6 +193,19 @@ class PromptTokenizer:
         except Exception as e:  # a checkpoint's template is code: any failure is one line
             raise ValueError(f"the chat template refused the conversation: {e}") from None
 
+    def tool_turn(self, messages: list[dict], result: str, end: str = "") -> str:
+        """The text the chat template writes after an assistant message's content when a tool
+        message (role "tool", content `result`) follows it, through the next assistant turn's
+        generation prompt. `end`: the text of the token that ended the model's call (already in the
+        row, e.g. "<|im_end|>"), dropped from the front when the template writes it there."""
+        turn = [{"role": "assistant", "content": TOOL_TURN_MARK},
+                {"role": "tool", "content": result}]
+        text = self.render(messages + turn)
+        if text.count(TOOL_TURN_MARK) != 1:
+            raise ValueError("the chat template does not write an assistant message's content once "
+                             "and verbatim, so the tool turn cannot be cut out of its rendering")
+        return text.split(TOOL_TURN_MARK)[1].removeprefix(end)
+
     # -------------------------------------------------------------------------
     # Prompts to ids
 
@@ -213,6 +231,13 @@ class PromptTokenizer:
         if cfg.system_prompt and prompt[0].get("role") != "system":
             prompt = [{"role": "system", "content": cfg.system_prompt}, *prompt]
         return self.encode_text(self.render(prompt), add_special_tokens=False)
+
+    def encode_observation(self, messages: list[dict], result: str, end: str = "") -> list[int]:
+        """tool_turn's text as ids, encoded without special tokens added (the template writes
+        them)."""
+        # NOTE encoded apart from the row: exact when the turn starts at a token boundary (a special
+        # token, as published templates write; the reference tests check ChatML and Llama 3.1)
+        return self.encode_text(self.tool_turn(messages, result, end), add_special_tokens=False)
 
     def encode_prompts(self, prompts: list, cfg: PromptConfig,
                        max_len: int) -> tuple[list[list[int]], int]:

@@ -3,7 +3,7 @@ without transformers), with twins that need only `tokenizers` and jinja2. The to
 byte-level BPEs trained here, one whose post-processor adds a BOS (as Llama 3's) and one without
 (as Qwen's), with chat templates shaped like published ones: a Llama-3.1-like one (trim, a system
 header with dates, raise_exception) and a ChatML one (a default system prompt, a loop over the
-messages), each with a generation prompt."""
+messages), each with a generation prompt and a tool message as its published model writes it."""
 
 import json
 import os
@@ -23,7 +23,8 @@ LLAMA_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
 QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 # Shaped like Llama 3.1's: BOS, a system header with the knowledge cutoff and today's date, every
-# message trimmed, roles checked, and the assistant header as the generation prompt.
+# message trimmed, roles checked, a tool's result under an ipython header, and the assistant header
+# as the generation prompt.
 LLAMA_TEMPLATE = """{{- bos_token }}
 {%- if not date_string is defined %}
     {%- set date_string = strftime_now("%d %b %Y") %}
@@ -39,23 +40,38 @@ LLAMA_TEMPLATE = """{{- bos_token }}
 {{- "Today Date: " + date_string + "\\n\\n" }}
 {{- system_message + "<|eot_id|>" }}
 {%- for message in messages %}
-    {%- if message['role'] not in ['user', 'assistant'] %}
-        {{- raise_exception('roles must be user or assistant') }}
+    {%- if message['role'] in ['tool', 'ipython'] %}
+        {{- '<|start_header_id|>ipython<|end_header_id|>\\n\\n' }}
+        {{- message['content'] + '<|eot_id|>' }}
+    {%- elif message['role'] not in ['user', 'assistant'] %}
+        {{- raise_exception('roles must be user, assistant or tool') }}
+    {%- else %}
+        {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}
+        {{- message['content'] | trim + '<|eot_id|>' }}
     {%- endif %}
-    {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}
-    {{- message['content'] | trim + '<|eot_id|>' }}
 {%- endfor %}
 {%- if add_generation_prompt %}
     {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}
 {%- endif %}
 """
 
-# ChatML as Qwen2.5 writes it: a default system prompt when the conversation has none.
+# ChatML as Qwen2.5 writes it: a default system prompt when the conversation has none, and tool
+# results in a user turn, consecutive ones grouped.
 CHATML_TEMPLATE = """{%- for message in messages %}
     {%- if loop.first and message['role'] != 'system' %}
         {{- '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}
     {%- endif %}
-    {{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}
+    {%- if message['role'] == 'tool' %}
+        {%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' + message['content'] + '\n</tool_response>' }}
+        {%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- else %}
+        {{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}
+    {%- endif %}
 {%- endfor %}
 {%- if add_generation_prompt %}
     {{- '<|im_start|>assistant\n' }}
@@ -71,6 +87,8 @@ CONVERSATIONS = [
     [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello! "},
      {"role": "user", "content": "2 + 2 ="}],
 ]
+# (assistant content, tool result) pairs; plain words tokenize the same alone and in the rendering
+TOOL_CALLS = [("Let me call the calculator", "42"), ("The calculator says", '{"result": 72}')]
 # The published tokenizers' pre-tokenizer split (transformers 5 imposes Qwen2's on a qwen2 model):
 # digits one at a time (Qwen2.5) or in runs of up to three (Llama 3).
 SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}%s"
@@ -206,6 +224,36 @@ def test_a_written_checkpoint_tokenizes_as_its_source(tmp_path, checkpoint):
     for text in TEXTS:
         assert out(text)["input_ids"] == ref(text)["input_ids"]
 
+def test_tool_turns_continue_the_row_as_apply_chat_template(checkpoint):
+    """Prompt + content + observation, for two tool calls in a row, equals transformers' ids of
+    the whole conversation after each."""
+    ref = reference(checkpoint)
+    ours = tk.load_tokenizer(checkpoint)
+    messages = CONVERSATIONS[1]
+    ids = ours.encode(messages, tk.PromptConfig())
+    for content, result in TOOL_CALLS:
+        ids += ours.encode_text(content, add_special_tokens=False)
+        ids += ours.encode_observation(messages, result)
+        messages = messages + [{"role": "assistant", "content": content},
+                               {"role": "tool", "content": result}]
+        assert ids == chat_ids(ref, messages)
+
+
+def test_the_end_token_in_the_row_is_not_written_twice(checkpoint):
+    """The model's call ended with the end-of-turn token; the observation starts after it."""
+    ref = reference(checkpoint)
+    ours = tk.load_tokenizer(checkpoint)
+    end = ours.config["eos_token"]  # both templates end a turn with their eos
+    messages = CONVERSATIONS[0]
+    content, result = TOOL_CALLS[0]
+    assert ours.tool_turn(messages, result).startswith(end)
+    assert not ours.tool_turn(messages, result, end).startswith(end)
+    ids = (ours.encode(messages, tk.PromptConfig())
+           + ours.encode_text(content, add_special_tokens=False) + [ours.tok.token_to_id(end)]
+           + ours.encode_observation(messages, result, end))
+    call = [{"role": "assistant", "content": content}, {"role": "tool", "content": result}]
+    assert ids == chat_ids(ref, messages + call)
+
 # -----------------------------------------------------------------------------
 # Twins without transformers
 
@@ -244,8 +292,8 @@ def test_llama_like_template_trims_and_dates(tmp_path):
                     "<|start_header_id|>assistant<|end_header_id|>\n\n")
     ids = ours.encode([{"role": "user", "content": "x"}], tk.PromptConfig())
     assert ids.count(ours.tok.token_to_id("<|begin_of_text|>")) == 1  # the template's, once
-    with pytest.raises(ValueError, match="refused the conversation: roles must be user or"):
-        ours.render([{"role": "tool", "content": "x"}])
+    with pytest.raises(ValueError, match="refused the conversation: roles must be user, assistant"):
+        ours.render([{"role": "narrator", "content": "x"}])
 
 
 def test_the_sampler_gets_the_ids_transformers_would(tmp_path, monkeypatch):
@@ -278,6 +326,18 @@ def test_the_sampler_gets_the_ids_transformers_would(tmp_path, monkeypatch):
         return
     assert plain == ref(rows[0]["prompt"])["input_ids"]
     assert chat == chat_ids(ref, rows[1]["prompt"])
+
+
+def test_tool_turns_are_written_as_qwen2_5_and_llama_3_1_write_them(tmp_path):
+    qwen = tk.load_tokenizer(write_checkpoint(tmp_path / "q", "qwen"))
+    llama = tk.load_tokenizer(write_checkpoint(tmp_path / "l", "llama"))
+    messages = CONVERSATIONS[0]
+    assert qwen.tool_turn(messages, "42", "<|im_end|>") == (
+        "\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n")
+    assert llama.tool_turn(messages, "42", "<|eot_id|>") == (
+        "<|start_header_id|>ipython<|end_header_id|>\n\n42<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n")
 
 
 def test_a_checkpoint_carries_the_tokenizer_files_verbatim(tmp_path):
@@ -332,6 +392,18 @@ def test_a_conversation_without_a_template_is_one_line(tmp_path):
     with pytest.raises(ValueError, match="neither a string nor a conversation"):
         ours.encode([{"content": "ab"}], tk.PromptConfig())
     assert torch.tensor(ours.encode("ab", tk.PromptConfig())).tolist() == [1, 3, 4]
+
+
+def test_a_template_that_rewrites_assistant_content_has_no_tool_turn(tmp_path):
+    """The tool turn is cut at the assistant's content; a template that changes it (here upper-
+    cases it) leaves nothing to cut at: one ValueError, not a wrong observation."""
+    path = write_checkpoint(tmp_path / "q", "qwen")
+    with open(os.path.join(path, "chat_template.jinja"), "w") as f:
+        f.write(CHATML_TEMPLATE.replace("+ message['content'] +", "+ message['content'] | upper +"))
+    ours = tk.load_tokenizer(path)
+    assert ours.render(CONVERSATIONS[0])  # prompts still render
+    with pytest.raises(ValueError, match="does not write an assistant message's content once and"):
+        ours.tool_turn(CONVERSATIONS[0], "42")
 
 
 def test_a_broken_template_and_special_tokens_map_json(tmp_path):
