@@ -87,6 +87,7 @@ TRL_NAMES = {
     "gradient_checkpointing": "--activation_checkpoint",
     "bf16": "--dtype bfloat16",
     "model_name_or_path": "--model",
+    "max_tool_calling_iterations": "--max_turns",
 }
 
 

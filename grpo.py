@@ -212,6 +212,7 @@ class GRPOBatch:
     advantages: Tensor | None = None  # (N,)
     sampler_logp: Tensor | None = None  # (N, Tr) the sampler's logprobs, of what it sampled from
     stopped: Tensor | None = None     # (N,) bool: the row ended with a stop id (else truncated)
+    policy: Tensor | None = None      # (N, Tr) bool: the sampled tokens, not a tool's (None: all)
     old_logp: Tensor | None = None    # (N, Tr) when mu > 1; None: the current policy's
     ref_logp: Tensor | None = None    # (N, Tr) from the reference model when beta > 0
 
@@ -237,7 +238,7 @@ class GRPOBatch:
         flags and the temperature they were sampled at (the trainer scores the same)."""
         prompt_ids, prompt_lens = pad_right(prompts, out.tokens.device)
         return cls(prompt_ids, prompt_lens, out.tokens, out.mask, out.temperature, max_new_tokens,
-                   advantages, sampler_logp=out.logprobs, stopped=out.stopped)
+                   advantages, sampler_logp=out.logprobs, stopped=out.stopped, policy=out.policy)
 
     def lists(self) -> tuple[list[list[int]], list[list[int]]]:
         """The prompts and completions as ragged Python lists (one host copy)."""
@@ -265,12 +266,15 @@ class GRPOBatch:
         return (self.prompt_lens + completions).tolist()
 
     def loss_mask(self, cfg: "GRPOConfig") -> Tensor:
-        """(N, Tr) the tokens the loss counts: with cfg.mask_truncated_completions (DAPO's
-        overlong filtering) not those of rows that ended without a stop id."""
+        """(N, Tr) the tokens the loss counts: the policy's own (a tool's observations are context
+        only: no loss, entropy, ratio statistics or sampler correction, and not in the token
+        normalisers), and with cfg.mask_truncated_completions (DAPO's overlong filtering) not those
+        of rows that ended without a stop id."""
         if cfg.mask_truncated_completions and self.stopped is None:
             raise ValueError("mask_truncated_completions needs batch.stopped, each row's stop flag "
                              "(rollout.Rollout.stopped)")
-        return self.mask & self.stopped[:, None] if cfg.mask_truncated_completions else self.mask
+        mask = self.mask if self.policy is None else self.mask & self.policy
+        return mask & self.stopped[:, None] if cfg.mask_truncated_completions else mask
 
     def check(self) -> None:
         """One clear error for a batch whose rows, advantages or logprobs do not line up."""
@@ -290,13 +294,14 @@ class GRPOBatch:
                              f"temperature > 0")
         for name in ROW_TENSORS[2:]:
             t = getattr(self, name)
-            shape = (N, Tr) if name.endswith("logp") else (N,)
+            shape = (N, Tr) if name.endswith("logp") or name == "policy" else (N,)
             if t is not None and t.shape != shape:
                 raise ValueError(f"batch.{name} has shape {tuple(t.shape)}, expected {shape}")
 
 
 # The batch's per-row tensors, (N, ...): what groups() and cat_groups() cut and join.
-ROW_TENSORS = ("tokens", "mask", "advantages", "sampler_logp", "stopped", "old_logp", "ref_logp")
+ROW_TENSORS = ("tokens", "mask", "advantages", "sampler_logp", "stopped", "old_logp", "ref_logp",
+               "policy")
 
 
 def cat_groups(parts: list[tuple[GRPOBatch, Tensor]]) -> GRPOBatch:

@@ -3,7 +3,8 @@ plot.py: runs' metrics.jsonl as one SVG picture, written by hand (no plotting li
 
 Two panels share the step axis. The top one holds each run's mean reward as a line with a band of
 +- its std over the step's completions, and the held-out eval_reward (greedy) as a dashed line with
-dots where a record has one; the bottom one holds the entropy of the sampled tokens. Each run gets
+dots where a record has one; the bottom one holds the entropy of the sampled tokens, or, when every
+run has a tool (tools.py), its calls per row. Each run gets
 one colour, named in the legend by the part of its path that differs from the others' (seeds of
 one task read as seed0, seed1, ...). A null value (a step with nothing scored) is skipped. Each
 panel's axes follow the data: x from the first to the last step plotted, y from the lowest to the
@@ -132,8 +133,8 @@ def axes(panel: Panel, name: str) -> list[str]:
 
 
 def run_curves(panels: tuple[Panel, Panel], records: list[dict], colour: str,
-               run: str) -> list[str]:
-    """One run's band, reward line, eval line with dots, and entropy line."""
+               run: str, lower: str = "entropy") -> list[str]:
+    """One run's band, reward line, eval line with dots, and its `lower` metric's line."""
     top, bottom = panels
     spread = band(records)
     outline = [(s, hi) for s, _, hi in spread] + [(s, lo) for s, lo, _ in reversed(spread)]
@@ -147,7 +148,7 @@ def run_curves(panels: tuple[Panel, Panel], records: list[dict], colour: str,
            f'stroke="{colour}" stroke-dasharray="5,3"/>']
     out += [f'<circle cx="{top.x(s):.1f}" cy="{top.y(v):.1f}" r="2.5" fill="{colour}"/>'
             for s, v in evals]
-    out.append(f'<polyline class="entropy" points="{bottom.path(points(records, "entropy"))}" '
+    out.append(f'<polyline class="{lower}" points="{bottom.path(points(records, lower))}" '
                f'fill="none" stroke="{colour}" stroke-width="1.2"/>')
     return out + ["</g>"]
 
@@ -162,7 +163,8 @@ def write_svg(run_dirs: list[str], path: str, title: str = "") -> None:
     x_lo, x_hi = data_range(steps)
     top_values = [v for r in runs for key in ("reward", "eval_reward") for _, v in points(r, key)]
     top_values += [v for r in runs for _, lo, hi in band(r) for v in (lo, hi)]
-    entropies = [v for r in runs for _, v in points(r, "entropy")]
+    lower = "tool_calls" if all(any("tool_calls" in x for x in r) for r in runs) else "entropy"
+    entropies = [v for r in runs for _, v in points(r, lower)]
     first = 40 if title else 25
     panels = (Panel(first, x_lo, x_hi, *data_range(top_values)),
               Panel(first + PANEL + GAP, x_lo, x_hi, *data_range(entropies)))
@@ -173,12 +175,13 @@ def write_svg(run_dirs: list[str], path: str, title: str = "") -> None:
         out.append(f'<text x="{WIDTH / 2}" y="18" font-size="14" '
                    f'text-anchor="middle">{escape(title)}</text>')
     out += axes(panels[0], "reward (mean, band +-std; dashed: eval_reward, greedy)") + ["</g>"]
-    out += axes(panels[1], "entropy") + ["</g>"]
+    out += axes(panels[1], "tool calls per row" if lower == "tool_calls" else "entropy")
+    out += ["</g>"]
     out.append(f'<text x="{(WIDTH - RIGHT + LEFT) / 2}" y="{height - 4}" font-size="12" '
                'text-anchor="middle">step</text>')
     for i, (records, name) in enumerate(zip(runs, labels(run_dirs))):
         colour = COLOURS[i % len(COLOURS)]
-        out += run_curves(panels, records, colour, name)
+        out += run_curves(panels, records, colour, name, lower)
         y = first + 14 * i
         out.append(f'<text x="{WIDTH - RIGHT + 10}" y="{y + 10}" font-size="11" '
                    f'fill="{colour}">{escape(name)}</text>')

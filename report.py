@@ -36,10 +36,11 @@ step line: reward mean ± std over the step's samples | loss (about 0 when mu = 
 the gradient is not) | kl to the reference (beta > 0) | ent: mean entropy of the sampled tokens,
 nats | clip: share of tokens whose ratio was clipped | |dlogp|: mean |sampler logp - trainer logp|
 before the update (~1e-7 in float32: the engine's health check) | len: mean completion tokens, the
-stop token included | tok/s: the rollout's new tokens per second | roll, lp, train: seconds in the
-rollout, the old and reference logprobs (mu > 1, beta > 0), training | max RSS (CPU) or max
-allocated (GPU) | eval: mean held-out greedy reward (share fully correct), every --eval_every
-steps"""
+stop token included (a tool's answers too) | calls: tool calls per row (a task with a tool; errors:
+calls the tool refused with tools.ToolError) | tok/s: the rollout's new tokens per second | roll,
+lp, train: seconds in the rollout, the old and reference logprobs (mu > 1, beta > 0), training |
+max RSS (CPU) or max allocated (GPU) | eval: mean held-out greedy reward (share fully correct),
+every --eval_every steps"""
 
 # -----------------------------------------------------------------------------
 # The step's record and line
@@ -133,7 +134,11 @@ def step_line(record: dict, steps: int, beta: float) -> str:
         clip = record["clip_low"] + record["clip_high"]
     parts += [f"ent {num('entropy', '.3f')}", f"clip {'-' if clip is None else f'{clip:.3f}'}",
               f"|dlogp| {num('sampler_logp_diff', '.1e')}",
-              f"len {record['completion_len']:.1f}", f"{record['tokens_per_s']:.0f} tok/s",
+              f"len {record['completion_len']:.1f}"]
+    if "tool_calls" in record:  # a task with a tool: calls per row (errors: the model's bad calls)
+        errors = f" ({record['tool_errors']} errors)" if record["tool_errors"] else ""
+        parts.append(f"calls {record['tool_calls']:.2f}{errors}")
+    parts += [f"{record['tokens_per_s']:.0f} tok/s",
               f"roll {record['t_rollout']:.2f}s lp {record['t_logprobs']:.2f}s "
               f"train {record['t_train']:.2f}s"]
     if "max_rss_gb" in record:  # the process's, not the memory table's tagged tensors

@@ -20,6 +20,8 @@ per prompt decoded on top of that one shared prompt KV, finished rows dropped as
    ratio is not 1).
 6. The result stays on the device as tensors: tokens, mask and logprobs (R, Tc). GRPO trains on
    them as they are; only the text for the rewards is decoded on the host (train.py).
+With a tool (generate(episodes=...)), rows are multi-turn episodes: episodes.py runs the decode
+loop, and a tool's answer is prefilled into the row's own KV cache (_Decoder.extend).
 
 Leaves out: paged KV and continuous batching (a GRPO rollout is one static batch), speculative
 decoding, stop strings (stop ids only), prefix sharing across different prompts.
@@ -36,6 +38,7 @@ Tested by tests/test_rollout.py; benchmarked by tests/bench_rollout.py.
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import itertools
 import math
@@ -48,6 +51,7 @@ import torch
 from torch import Tensor, nn
 
 from attention import length_buckets, prefix_attention
+from episodes import Episodes, decode_episodes
 from model import ModelConfig, causal_attention
 from sampling import filter_logits, inverse_cdf, sample  # noqa: F401 (rollout.sample: benches)
 
@@ -90,6 +94,8 @@ class Rollout:
     stopped: Tensor      # (R,) bool; the row ends with a stop id (else it hit max_new_tokens)
     temperature: float   # the distribution the trainer scores them under (trl#4159)
     stats: dict = field(default_factory=dict)
+    policy: Tensor | None = None  # (R, Tc) bool; True on sampled tokens, False on a tool's
+                                  # observations (episodes.py); None: every token was sampled
 
     def completions(self) -> list[list[int]]:
         """Each row's tokens as a Python list (one host copy): for decoding text and for tests."""
@@ -230,6 +236,7 @@ class _DecodeAttention:
         self.key_positions = torch.arange(completion_len, device=step.device)
         self.fused = step.device.type == "cpu" and _CPU_FLASH is not None
         self.layout: _Layout | None = None
+        self.row_pos: Tensor | None = None  # (N,) each row's own index, once rows differ (tools)
 
     def set_layout(self, layout: _Layout, prompt_lens: Tensor, filled: int = 0) -> None:
         """Switch to a new layout; move the surviving prompts' KV to the front of the prompt views
@@ -279,6 +286,16 @@ class _DecodeAttention:
         P = self.layout.prompt_len
         prefix_k = self.prefix_k[layer][:Bp, :, :P]
         prefix_v = self.prefix_v[layer][:Bp, :, :P]
+        if self.row_pos is not None:  # rows at their own lengths (a tool turn moved some on)
+            pos = self.row_pos if self.slots is None else self.row_pos.new_zeros(
+                self.num_slots).index_copy_(0, self.slots, self.row_pos)  # (S,)
+            every = torch.arange(self.num_slots, device=q.device)
+            own_k[every, :, pos] = k[:, :, 0].to(own_k.dtype)  # each slot at its own index
+            own_v[every, :, pos] = v[:, :, 0].to(own_v.dtype)
+            own_allowed = self.key_positions[:self.own_len] <= pos[:, None, None]  # (S, 1, Tc)
+            y = prefix_attention(q, own_k[:, :, :self.own_len], own_v[:, :, :self.own_len],
+                                 own_allowed, prefix_k, prefix_v, self.prefix_valid)
+            return self._gather(y)
         if self.fused and q.dtype == own_k.dtype:
             # Eager CPU: write at a Python index, attend to the written keys only, and to each
             # bucket's prompt keys only (a short prompt's padding is not read).
@@ -352,11 +369,18 @@ class _Decoder:
 
     def forward(self, tokens: Tensor) -> Tensor:
         """(N, 1) -> (N, V); every other input is a tensor held here or by the attention."""
-        positions = self.first_position + self.step_index  # completion token t sits at len + t
+        row_pos = self.attention.row_pos  # (N,) or None: every row at step_index
+        index = self.step_index if row_pos is None else row_pos[:, None]
+        positions = self.first_position + index  # completion token t sits at len + t
         return self.model.head(self.model.hidden(tokens, positions, self.attention)[:, -1])
 
-    def step(self, tokens: Tensor, t: int) -> Tensor:
-        """Feed completion token t of each active row, tokens (N,) -> logits (N, V)."""
+    def step(self, tokens: Tensor, t: int | list[int]) -> Tensor:
+        """Feed completion token t of each active row, tokens (N,) -> logits (N, V); t a list:
+        each row's own index (rows at different lengths: episodes.py), in eager mode."""
+        if isinstance(t, list):
+            self.attention.row_pos = torch.tensor(t, device=tokens.device)  # (N,)
+            self.attention.own_len = max(t) + 1
+            return self.forward(tokens[:, None])
         self.step_index.fill_(t)
         if self.graphed:
             if self.graph is None:
@@ -373,6 +397,61 @@ class _Decoder:
         self.rows = self.rows[torch.tensor(keep, device=self.rows.device)]  # (N',)
         self.first_position = self.lens[self.rows // self.G][:, None]  # (N', 1)
         self.graph = None  # addresses and shapes changed: capture again
+
+    def extend(self, picks: list[int], feeds: list[list[int]], starts: list[int]) -> Tensor:
+        """Feed active row picks[i] the tokens feeds[i] at its completion indices starts[i]...
+        (a tool's observation after the token that called it) in one forward: their K/V go into
+        the row's own cache, no earlier token is recomputed. Returns the logits (k, V) after each
+        row's last fed token."""
+        device = self.rows.device
+        width = max(map(len, feeds))
+        tokens = torch.tensor([f + [0] * (width - len(f)) for f in feeds], device=device)  # (k, M)
+        start = torch.tensor(starts, device=device)[:, None]  # (k, 1)
+        rows = self.rows[torch.tensor(picks, device=device)]  # (k,) global ids
+        positions = self.lens[rows // self.G][:, None] + start + torch.arange(width, device=device)
+        attention = _ExtendAttention(self.attention, picks, [len(f) for f in feeds], start, self.G)
+        last = torch.tensor([len(f) - 1 for f in feeds], device=device)
+        return self.model.head(self.model.hidden(tokens, positions, attention, last)[:, 0])
+
+
+class _ExtendAttention:
+    """Attention for Decoder.extend: k rows, each its own group of one (prefix_attention with
+    G = 1), against its prompt's K/V and its own keys up to each new token; the new tokens' K/V are
+    written into the row's own cache first. The prompt and own K/V of the k rows are gathered (a
+    copy of k rows, not of the batch)."""
+
+    def __init__(self, decode: _DecodeAttention, picks: list[int], counts: list[int],
+                 start: Tensor, G: int):
+        layout = decode.layout
+        group_of = {p: i for i, p in enumerate(layout.groups)}
+        self.decode = decode
+        self.counts = counts
+        self.starts = start[:, 0].tolist()
+        self.start = start  # (k, 1)
+        self.slots = [layout.slots[i] for i in picks]
+        device = start.device
+        self.slot_t = torch.tensor(self.slots, device=device)
+        self.group_t = torch.tensor([group_of[layout.rows[i] // G] for i in picks], device=device)
+        self.keys = max(a + n for a, n in zip(self.starts, counts))  # own keys any row reaches
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor,
+                 last: Tensor | None = None) -> Tensor:
+        d = self.decode
+        own_k, own_v = d.own_k[layer], d.own_v[layer]
+        for i, (slot, first, n) in enumerate(zip(self.slots, self.starts, self.counts)):
+            own_k[slot, :, first:first + n] = k[i, :, :n].to(own_k.dtype)
+            own_v[slot, :, first:first + n] = v[i, :, :n].to(own_v.dtype)
+        P = d.layout.prompt_len
+        prefix_k = d.prefix_k[layer][self.group_t, :, :P]  # (k, Hkv, P, D)
+        prefix_v = d.prefix_v[layer][self.group_t, :, :P]
+        index = self.start + torch.arange(q.shape[2], device=q.device)  # (k, Tq) own indices
+        if last is not None:
+            index = self.start + last[:, None]  # (k, 1): the last fed token's queries alone
+        keys = torch.arange(self.keys, device=q.device)
+        own_allowed = keys <= index[:, :, None]  # (k, Tq, keys)
+        return prefix_attention(q, own_k[self.slot_t, :, :self.keys],
+                                own_v[self.slot_t, :, :self.keys], own_allowed, prefix_k,
+                                prefix_v, d.prefix_valid[self.group_t])
 
 # -----------------------------------------------------------------------------
 # generate
@@ -494,12 +573,14 @@ def _carve(model: torch.nn.Module, cache: KVCache | None, num_prompts: int, G: i
 def generate(model: torch.nn.Module, prompts: list[list[int]], cfg: RolloutConfig | None = None,
              *, stop_ids: tuple[int, ...] = (), seed: int | None = None,
              cache: KVCache | None = None,
-             logits_fn: Callable[[Tensor], Tensor] | None = None) -> Rollout:
+             logits_fn: Callable[[Tensor], Tensor] | None = None,
+             episodes: Episodes | None = None) -> Rollout:
     """Sample cfg.num_samples completions of each prompt (the module docstring's steps 1-6).
     `cache` None allocates one for this call; seed None draws a fresh one (the global RNG is left
     alone). `logits_fn` maps every (rows, V') logits tensor before sampling (under tensor
     parallelism the all-gather of the vocab shards: every rank sees the same logits and, with the
-    same seed, samples the same tokens)."""
+    same seed, samples the same tokens). `episodes`: rows are multi-turn episodes with a tool
+    (episodes.py); its respond() gets the caller's row ids."""
     started = time.perf_counter()
     cfg = cfg or RolloutConfig()
     stop_ids = tuple(stop_ids)
@@ -523,6 +604,7 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], cfg: RolloutConfi
         return sample(logits_fn(logits), cfg.temperature, cfg.top_k, cfg.top_p, generator)
     out_tokens = torch.full((new, len(prompts) * G), -1, dtype=torch.long, device=device)  # (Tc, R)
     out_logprobs = torch.zeros(out_tokens.shape, dtype=torch.float32, device=device)
+    policy = torch.ones(out_tokens.shape, dtype=torch.bool, device=device)  # False: observations
     stats = dict(prefill_tokens=sum(lens), prefill_seconds=0.0, decode_steps=0, row_steps=0,
                  compactions=0, prompt_kv_bytes=0, completion_kv_bytes=0)
     if new > 0:
@@ -540,19 +622,39 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], cfg: RolloutConfi
                                                     generator)
             # 3-4. Decode, dropping finished rows.
             decoder = _Decoder(model, views, lens, G, device.type == "cuda" and cfg.cuda_graphs)
-            stats.update(_decode(decoder, out_tokens, out_logprobs, draw, stop_ids,
-                                 cfg.check_every))
+            if episodes is None:
+                stats.update(_decode(decoder, out_tokens, out_logprobs, draw, stop_ids,
+                                     cfg.check_every))
+            else:  # multi-turn rows: each at its own length (episodes.py)
+                def respond(calls):  # the decoder's (sorted) row ids -> the caller's
+                    return episodes.respond([(order[r // G] * G + r % G, t) for r, t in calls])
+                stats.update(decode_episodes(decoder, out_tokens, out_logprobs, policy, draw,
+                                             stop_ids, cfg.check_every,
+                                             dataclasses.replace(episodes, respond=respond),
+                                             model.config.vocab_size))
         nbytes = [sum(x.numel() * x.element_size() for x in kind) for kind in views]
         stats.update(prompt_kv_bytes=sum(nbytes[:2]), completion_kv_bytes=sum(nbytes[2:]))
     # 6. Cut each row at its stop id, rows in the caller's prompt order; it stays on the device.
     rank = sorted(range(len(order)), key=order.__getitem__)  # each prompt's place in the sort
     rows = torch.tensor([rank[i // G] * G + i % G for i in range(len(order) * G)], device=device)
-    tokens, mask, logprobs, stopped = _cut_at_stop(out_tokens.T[rows], out_logprobs.T[rows],
-                                                   stop_ids)
+    if episodes is None:
+        tokens, mask, logprobs, stopped = _cut_at_stop(out_tokens.T[rows], out_logprobs.T[rows],
+                                                       stop_ids)
+        sampled = None
+    else:  # each row's length and end as the episode loop left them
+        lengths = torch.tensor(stats.pop("lengths", [0] * len(rows)), device=device)[rows]
+        Tc = int(lengths.max()) if new else 0
+        mask = torch.arange(Tc, device=device) < lengths[:, None]  # (R, Tc)
+        tokens = out_tokens.T[rows, :Tc].masked_fill(~mask, 0)
+        sampled = policy.T[rows, :Tc] & mask
+        logprobs = out_logprobs.T[rows, :Tc].masked_fill(~sampled, 0.0)
+        stopped = torch.tensor(stats.pop("stopped", [False] * len(rows)), device=device)[rows]
+        stats["calls"] = torch.tensor(stats.pop("calls", [0] * len(rows)))[rows.cpu()].tolist()
     stats.update(new_tokens=int(mask.sum()), seconds=time.perf_counter() - started)
     with torch.inference_mode(False):  # normal tensors: training may index with them (autograd)
         tokens, mask, logprobs, stopped = (t.clone() for t in (tokens, mask, logprobs, stopped))
-    return Rollout(tokens, mask, logprobs, stopped, cfg.temperature, stats)
+        sampled = None if sampled is None else sampled.clone()
+    return Rollout(tokens, mask, logprobs, stopped, cfg.temperature, stats, sampled)
 
 
 def _decode(decoder: _Decoder, out_tokens: Tensor, out_logprobs: Tensor,

@@ -47,6 +47,7 @@ import numpy
 import torch
 
 from grpo import combine_rewards
+from tools import Tool, ToolError
 
 Reward = Callable[[str, str], "float | None"]
 
@@ -60,6 +61,7 @@ class Task:
     max_new_tokens: int = 0    # the task's completion budget (0: train.py's setting decides)
     correct: Callable[[str, str], bool] | None = None  # a fully correct answer (the eval's share)
     examples: list[tuple] | None = None  # a finite dataset's (prompt, reference) pairs, else None
+    tool: Tool | None = None   # what a row may call mid-completion (tools.py, episodes.py)
 
 
 
@@ -449,6 +451,101 @@ def sample_chat_add(rng: random.Random) -> tuple[list[dict], str]:
 # 132" and the stop token in SmolLM2's tokenizer (one token per digit).
 chat_add = Task("chat_add", sample_chat_add, [(answer_correct, 1.0)], max_new_tokens=12,
                 correct=lambda c, r: answer_correct(c, r) == 1.0)
+
+# -----------------------------------------------------------------------------
+# Tasks with a tool (tools.py): the answer is in the tool's hands, not the prompt's
+
+
+def sample_lookup(rng: random.Random) -> tuple[str, str]:
+    """"bdac=" -> "47": a 2-digit value drawn for this prompt alone and never shown: only the tool
+    knows it, and without the tool any answer is a guess (mean reward 0.08)."""
+    return word(rng, "abcd", 4, 4) + "=", digit_string(rng, 2)
+
+
+def look_up(text: str, reference: str) -> str:
+    """The tool: the prompt's value, whatever was asked."""
+    return reference
+
+
+def lookup_answer(completion: str) -> str:
+    """The episode's last two digits: "?47" (a call, the tool's answer, the stop) and "?4747"
+    (the answer repeated) -> "47"; a guess "31" -> "31"."""
+    return "".join(re.findall(r"\d", completion)[-2:])
+
+
+def lookup_digits(completion: str, reference: str) -> float:
+    return digits_correct(lookup_answer(completion), reference)
+
+
+def lookup_exact(completion: str, reference: str) -> bool:
+    """The clean episode: a call, the tool's answer, the stop ("?47")."""
+    return completion == "?" + reference
+
+
+# The credit is per digit of the episode's last two, so the tool's answer counts (0.8), plus
+# the clean episode (0.2): the model must learn to call first, and to stop once the value is in.
+lookup = Task("lookup", sample_lookup, [(lookup_digits, 0.8), (lookup_exact, 0.2)],
+              alphabet="abcd0123456789=?", max_new_tokens=6,  # "?", "47", the stop, and room
+              correct=lookup_exact, tool=Tool(look_up, call="?"))
+
+CALC = re.compile(r"<calc>(.*?)</calc>", re.S)
+RESULT = re.compile(r"result: -?[\d.]+")
+
+
+def arithmetic(expression: str) -> float:
+    """+ - * / ** and brackets on numbers, nothing else (no eval of the model's text)."""
+    import ast
+    import operator
+    ops = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+           ast.Div: operator.truediv, ast.USub: operator.neg, ast.UAdd: operator.pos}
+
+    def value(node):
+        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in ops:
+            return ops[type(node.op)](value(node.left), value(node.right))
+        if isinstance(node, ast.UnaryOp) and type(node.op) in ops:
+            return ops[type(node.op)](value(node.operand))
+        raise ToolError(f"{expression!r} is not arithmetic on numbers (+ - * / and brackets)")
+    try:
+        return value(ast.parse(expression.replace(",", "").strip(), mode="eval").body)
+    except (SyntaxError, ZeroDivisionError) as e:
+        raise ToolError(f"{expression!r}: {e}") from None
+
+
+def calculator(text: str, reference: str) -> str | None:
+    """The turn's newest <calc>...</calc> not yet answered, or None: the turn holds no call, the
+    episode ends (each answer is "result: N", so the answered calls are counted in the text)."""
+    calls = CALC.findall(text)
+    if len(calls) <= len(RESULT.findall(text)):
+        return None
+    result = arithmetic(calls[-1])
+    return f"result: {int(result) if float(result).is_integer() else round(result, 6)}"
+
+
+def final_answer(completion: str) -> str:
+    """What the model wrote after the calculator's last result (all of it without one)."""
+    found = list(RESULT.finditer(completion))
+    return completion[found[-1].end():] if found else completion
+
+
+def sample_chat_calc(rng: random.Random) -> tuple[list[dict], str]:
+    """"What is 412 * 739?" with a calculator the system message explains: 810,000 questions."""
+    a, b = rng.randrange(100, 1000), rng.randrange(100, 1000)
+    system = ("You have a calculator. To use it, write <calc>expression</calc> and end your turn; "
+              "the result comes back as a message. Then give the final answer as a number.")
+    return [{"role": "system", "content": system},
+            {"role": "user", "content": f"What is {a} * {b}?"}], str(a * b)
+
+
+def calc_correct(completion: str, reference: str) -> float:
+    return answer_correct(final_answer(completion), reference)
+
+
+# The call ends the model's turn (call=""): the checkpoint's end-of-turn token, then the
+# template's tool message. 96 tokens hold a call, its result message and the answer.
+chat_calc = Task("chat_calc", sample_chat_calc, [(calc_correct, 1.0)], max_new_tokens=96,
+                 correct=lambda c, r: calc_correct(c, r) == 1.0, tool=Tool(calculator, call=""))
 
 # -----------------------------------------------------------------------------
 # The evaluation's prompts, which training never draws

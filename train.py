@@ -55,6 +55,7 @@ import plan
 import plot
 import report
 import rollout
+import tools
 import tp
 import tasks
 import tokenizer as tk
@@ -110,7 +111,8 @@ class TrainConfig:
 
 # Every knob has one home: the dataclass of the file that uses it. The CLI routes --name to it.
 SECTIONS = {"train": TrainConfig, "prompt": tk.PromptConfig, "rollout": rollout.RolloutConfig,
-            "grpo": grpo.GRPOConfig, "memory": memory.MemoryConfig, "parallel": tp.ParallelConfig}
+            "tools": tools.ToolConfig, "grpo": grpo.GRPOConfig, "memory": memory.MemoryConfig,
+            "parallel": tp.ParallelConfig}
 
 
 @dataclass
@@ -118,6 +120,7 @@ class Configs:
     train: TrainConfig
     prompt: tk.PromptConfig
     rollout: rollout.RolloutConfig
+    tools: tools.ToolConfig
     grpo: grpo.GRPOConfig
     memory: memory.MemoryConfig
     parallel: tp.ParallelConfig
@@ -147,10 +150,10 @@ def together(run, fn, *args):
     error = None
     try:
         result = fn(*args)
-    except (StopTraining, tasks.RewardError) as e:
+    except (StopTraining, tasks.RewardError, tools.ToolFailure) as e:
         error = e
     if dp.any_rank(error is not None, run.device):
-        if error and run.rank != 0:  # rank 0 prints its own at exit; another rank's, here
+        if str(error or "") and run.rank != 0:  # rank 0 prints its own at exit; another's, here
             print(f"error: {error}", file=sys.stderr, flush=True)
         raise StopTraining(str(error or "") if run.rank == 0 else "")
     return result
@@ -219,6 +222,7 @@ class Run:
     task: Task
     tokenizer: tk.PromptTokenizer
     stop_ids: tuple[int, ...]        # config.json's and generation_config.json's eos ids
+    call_ids: tuple[int, ...]        # the task's tool-call token ids; () = no tool (tools.py)
     generation_config: dict | None   # the source's, copied into every checkpoint
     model: Llama
     sampler: Llama                   # the trainer itself, or a copy in --sampler_dtype
@@ -292,7 +296,13 @@ def setup(values: dict[str, object]) -> Run:
     plan.fit(mem, cfgs, model, sampler, reference, local_prompts, groups.tp_size, device.type,
              explicit)  # --memory_budget's micro-batch and chunk, or the default's bound
     stop_ids = stop_token_ids(model.config, generation_config)
-    run = Run(cfgs, rank, groups, device, task, tokenizer, stop_ids, generation_config,
+    call_ids = ()
+    if task.tool is not None and cfgs.tools.tools:
+        try:
+            call_ids = tools.call_ids(task.tool, tokenizer, stop_ids)
+        except ValueError as e:
+            raise ValueError(f"task {task.name}: {e}") from None
+    run = Run(cfgs, rank, groups, device, task, tokenizer, stop_ids, call_ids, generation_config,
               model, sampler, reference, optimizer, mem, cache, start=start,
               opt_step=start * cfgs.grpo.mu,
               health=report.Health(cfg.max_bad_steps, cfg.max_unscored_steps, cfg.max_flat_steps))
@@ -346,6 +356,40 @@ def encode_prompts(run: Run, prompts: list) -> tuple[list[list[int]], int]:
     return ids, truncated
 
 
+def episodes_for(run: Run, examples: list[tuple], G: int) -> tools.Responder | None:
+    """The rollout's tool (tools.py), or None when the task has none (or --tools false)."""
+    if not run.call_ids:
+        return None
+    return tools.Responder(run.task, run.tokenizer, examples, G, run.cfgs.tools, run.cfgs.prompt)
+
+
+def sample(run: Run, prompts: list[list[int]], cfg: rollout.RolloutConfig, seed: int | None,
+           responder: tools.Responder | None) -> rollout.Rollout:
+    """rollout.generate with this run's sampler, cache and stops, and the task's tool. Under tensor
+    parallelism the tp ranks hold the same rows: the first calls the tool and broadcasts its
+    answers (or its failure), so a tool need not be deterministic."""
+    episodes = None
+    if responder is not None:
+        respond = responder
+        if run.groups.tp_size > 1:
+            def respond(calls):
+                answer = [None]
+                if run.groups.tp_rank == 0:
+                    try:
+                        answer = [responder(calls)]
+                    except tools.ToolFailure as e:
+                        answer = [str(e)]
+                first = dist.get_global_rank(run.groups.tp_group, 0)
+                dist.broadcast_object_list(answer, src=first, group=run.groups.tp_group)
+                if isinstance(answer[0], str):  # said once, by the rank that called
+                    raise tools.ToolFailure(answer[0] if run.groups.tp_rank == 0 else "")
+                return answer[0]
+        episodes = rollout.Episodes(respond, run.call_ids, run.cfgs.tools.max_turns)
+    with run.phase("rollout"):
+        rollout.sync_weights(run.sampler, run.model)
+        return rollout.generate(run.sampler, prompts, cfg, stop_ids=run.stop_ids, seed=seed,
+                                cache=run.cache, logits_fn=run.logits_fn, episodes=episodes)
+
 # -----------------------------------------------------------------------------
 # One step
 
@@ -357,14 +401,15 @@ def sample_round(run: Run, step: int, round: int) -> tuple[grpo.GRPOBatch, torch
     t0 = time.perf_counter()
     # 1. The step's prompts (each dp rank checks its own: they stop together).
     prompts, examples, truncated = together(run, draw_prompts, run, step, round)
-    # 2. Rollout: the sampler gets the trainer's weights, then samples G completions per prompt.
-    with run.phase("rollout"):
-        rollout.sync_weights(run.sampler, run.model)
-        seed = cfgs.train.seed * 1_000_003 + step * 7919 + run.groups.dp_rank + (round << 40)
-        out = rollout.generate(run.sampler, prompts, cfgs.rollout, stop_ids=run.stop_ids,
-                               seed=seed, cache=run.cache, logits_fn=run.logits_fn)
+    # 2. Rollout: the sampler gets the trainer's weights, then samples G completions per prompt
+    # (with a tool: episodes, each rank calling the tool for its own rows).
+    seed = cfgs.train.seed * 1_000_003 + step * 7919 + run.groups.dp_rank + (round << 40)
+    responder = episodes_for(run, examples, G)
+    out = together(run, sample, run, prompts, cfgs.rollout, seed, responder)
     counts = dict(rollout=time.perf_counter() - t0, truncated=truncated,
-                  lengths=float(out.mask.sum()), new_tokens=float(out.stats["new_tokens"]))
+                  lengths=float(out.mask.sum()), new_tokens=float(out.stats["new_tokens"]),
+                  tool_calls=sum(out.stats.get("calls", [])),
+                  tool_errors=responder.errors if responder else 0)
     # 3. Rewards: each reward function's score, summed as TRL sums them (None leaves one out).
     stopped = out.stopped.tolist()
     texts = run.tokenizer.decode_completions(out.completions(), stopped)
@@ -481,13 +526,18 @@ def step_record(run: Run, step: int, rewards: torch.Tensor, counts: dict,
                 iterations: list[dict], times: dict) -> dict:
     """The step as one JSON-able dict (report.step_record); rewards: every round's, every rank's.
     `correct`: the share of the sampled completions the task's predicate calls fully correct."""
-    keys = ("lengths", "new_tokens", "truncated", "kept_groups", "correct")
+    keys = ("lengths", "new_tokens", "truncated", "kept_groups", "correct", "tool_calls",
+            "tool_errors")
     summed = dp.all_reduce([counts[k] for k in keys], run.groups, run.device)  # over dp
     counts.update(zip(keys, summed))
     zero_std = (~grpo.informative_groups(rewards, run.cfgs.rollout.num_samples)).double().mean()
     correct = counts["correct"] / len(rewards) if run.task.correct is not None else None
+    tool = {}
+    if run.call_ids:  # calls per sampled row (every round's), and calls the model got wrong
+        tool = dict(tool_calls=counts["tool_calls"] / len(rewards),
+                    tool_errors=int(counts["tool_errors"]))
     return report.step_record(step, rewards, counts, iterations, times, float(zero_std),
-                              lr=run.optimizer.param_groups[0]["lr"], correct=correct,
+                              lr=run.optimizer.param_groups[0]["lr"], correct=correct, **tool,
                               **report.memory_figures(run.device, run.mem))
 
 
@@ -501,10 +551,9 @@ def evaluate(run: Run) -> tuple[dict, list[dict]]:
     prompts = together(run, encode_prompts, run, [prompt for prompt, _ in items])[0]
     texts, stopped = [], []
     for first in range(0, len(items), run.local_prompts):  # batches the KV cache was sized for
-        with run.phase("rollout"):
-            rollout.sync_weights(run.sampler, run.model)
-            out = rollout.generate(run.sampler, prompts[first:first + run.local_prompts], greedy,
-                                   stop_ids=run.stop_ids, cache=run.cache, logits_fn=run.logits_fn)
+        part = slice(first, first + run.local_prompts)
+        out = together(run, sample, run, prompts[part], greedy, None,
+                       episodes_for(run, items[part], 1))
         stopped += out.stopped.tolist()
         texts += run.tokenizer.decode_completions(out.completions(), stopped[-len(out.stopped):])
     references = [ref for _, ref in items]

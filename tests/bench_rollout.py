@@ -13,12 +13,14 @@ It uses the same `sample` function, so the difference is the KV/prefill design a
     python tests/bench_rollout.py --quick     # P = 64 only, no transformers
     python tests/bench_rollout.py --breakdown # where a CPU decode step's wall clock goes, P = 64 and 512
     python tests/bench_rollout.py --fused     # the CPU's fused prompt attention vs the generic path
+    python tests/bench_rollout.py --tools     # a tool turn (episodes.py) against re-prefilling the row
     python tests/bench_rollout.py --model DIR --rounds 1  # a Hugging Face checkpoint instead (e.g.
                                               # SmolLM2-135M-Instruct), loaded by hf.py and by transformers
 --rounds R sets the interleaved rounds (5); --P 64,512 the prompt lengths (64 alone with --model,
 which also skips the scaling table: a real checkpoint makes them minutes each).
 """
 
+import math
 import os
 import sys
 import tempfile
@@ -30,6 +32,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import hf  # noqa: E402
 import rollout  # noqa: E402
+from episodes import Episodes  # noqa: E402
 from model import Llama, ModelConfig  # noqa: E402
 from rollout import RolloutConfig, generate, sample  # noqa: E402
 
@@ -221,6 +224,84 @@ def fused_vs_generic(model: Llama, P: int, rounds: int) -> None:
           f"(best of {rounds})")
 
 
+def tool_turns(model: Llama, P: int, rounds: int) -> None:
+    """Greedy episodes of 128 prompts (G = 1), 64 new tokens, a call whenever a row writes one of
+    1/16 of the vocabulary, answered by 12 observation tokens, up to 3 turns: the engine (each
+    answered row extended in place, Decoder.extend) against the same episodes run turn by turn,
+    each turn a new generate() that prefills the whole row again (a sampler without a session's
+    cache). Per check, extend's time against one decode step plus the observations' prefill alone
+    (a causal forward of the extended rows' new tokens, no cache), measured in the same rounds."""
+    V, new, m = model.config.vocab_size, 64, 12
+    calls = tuple(range(0, V, 16))
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.randint(V, (NUM_PROMPTS * G, P), generator=gen).tolist()
+    cfg = RolloutConfig(num_samples=1, max_new_tokens=new, temperature=0.0)
+
+    def observation(row: int, tokens: list[int]) -> list[int]:
+        return [(row * 31 + len(tokens) * 7 + i) % V for i in range(m)]
+    extends: list[tuple[float, int]] = []
+    real = rollout._Decoder.extend
+
+    def timed(self, picks, feeds, starts):
+        t0 = time.perf_counter()
+        logits = real(self, picks, feeds, starts)
+        extends.append((time.perf_counter() - t0, len(picks)))
+        return logits
+    rollout._Decoder.extend = timed
+    best: dict[str, float] = {}
+    for _ in range(rounds):
+        extends.clear()
+        t0 = time.perf_counter()
+        out = generate(model, prompts, cfg, episodes=Episodes(
+            lambda c: [observation(r, t) for r, t in c], calls, 3))
+        seconds = time.perf_counter() - t0
+        episodes = out.completions()
+        steps = out.stats["decode_steps"]
+        # the twin: each turn a fresh generate of prompt + episode so far (calls end a turn)
+        t0 = time.perf_counter()
+        rows, turns = list(range(len(prompts))), [0] * len(prompts)
+        done = [[] for _ in prompts]
+        while rows:
+            part = generate(model, [prompts[r] + done[r] for r in rows],
+                            RolloutConfig(num_samples=1, temperature=0.0,
+                                          max_new_tokens=new - min(len(done[r]) for r in rows)),
+                            stop_ids=calls)
+            going = []
+            for r, more in zip(rows, part.completions()):
+                more = more[:new - len(done[r])]
+                done[r] += more
+                if more and more[-1] in calls and turns[r] < 3 and len(done[r]) < new:
+                    turns[r] += 1
+                    done[r] += observation(r, done[r])[:new - len(done[r])]
+                    going += [r] if len(done[r]) < new else []
+            rows = going
+        restart = time.perf_counter() - t0
+        assert done == episodes, "the twin's episodes differ from the engine's"
+        # one decode step, and the observations' prefill alone, at a typical check's size
+        k = max(n for _, n in extends)
+        obs_prefill = math.inf
+        for _ in range(3):  # the first call of a shape is slow on the CPU
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                model.hidden(torch.randint(V, (k, m + 1), generator=gen))
+            obs_prefill = min(obs_prefill, time.perf_counter() - t0)
+        decode = (seconds - out.stats["prefill_seconds"] - sum(t for t, _ in extends)) / steps
+        extend = max(t for t, n in extends if n == k)
+        for key, value in dict(engine=seconds, restart=restart, extend=extend, decode=decode,
+                               obs_prefill=obs_prefill).items():
+            best[key] = min(best.get(key, value), value)
+    rollout._Decoder.extend = real
+    turns_done = sum(out.stats["calls"])
+    print(f"P = {P}, {len(prompts)} rows, {turns_done} tool turns in {len(extends)} checks, "
+          f"{m} observation tokens each; best of {rounds}")
+    print(f"rollout: engine {best['engine']:.3f}s, re-prefilling each turn {best['restart']:.3f}s "
+          f"({best['restart'] / best['engine']:.2f}x)")
+    print(f"one check's extend of {k} rows: {best['extend'] * 1e3:.1f} ms; one decode step "
+          f"{best['decode'] * 1e3:.1f} ms + their observations' prefill alone "
+          f"{best['obs_prefill'] * 1e3:.1f} ms = {(best['decode'] + best['obs_prefill']) * 1e3:.1f} ms "
+          f"(extend / that = {best['extend'] / (best['decode'] + best['obs_prefill']):.2f})")
+
+
 def option(name: str, default: str) -> str:
     return sys.argv[sys.argv.index(name) + 1] if name in sys.argv else default
 
@@ -237,6 +318,10 @@ def main() -> None:
     if "--breakdown" in sys.argv:
         for P in lengths:
             breakdown(model, P, rounds=min(rounds, 3))
+        return
+    if "--tools" in sys.argv:
+        for P in lengths:
+            tool_turns(model, P, rounds)
         return
     if "--fused" in sys.argv:
         for P in lengths:

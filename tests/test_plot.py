@@ -102,3 +102,17 @@ def test_command_line_writes_the_picture_and_refuses_bad_arguments(tmp_path, cap
 def test_help_prints_the_usage_and_exits_0(capsys):
     assert plot.main(["--help"]) == 0
     assert capsys.readouterr().out.startswith("usage: python plot.py")
+
+
+def test_runs_with_a_tool_show_calls_per_row_below_and_a_mix_shows_entropy(tmp_path):
+    tool = [write_run(tmp_path / f"lookup{i}", [record(s, 0.1 * s, tool_calls=0.2 * s)
+                                                for s in range(1, 5)]) for i in range(2)]
+    plain = write_run(tmp_path / "reverse", [record(s, 0.1 * s) for s in range(1, 5)])
+    out = tmp_path / "p.svg"
+    plot.write_svg(tool, str(out))
+    root = ET.parse(out).getroot()
+    assert "tool" in panels(root) and "entropy" not in panels(root)
+    assert [y for _, y in curve(root, "lookup0", "tool_calls")] == sorted(
+        [y for _, y in curve(root, "lookup0", "tool_calls")], reverse=True)  # rising: y goes up
+    plot.write_svg(tool + [plain], str(out))
+    assert "entropy" in panels(ET.parse(out).getroot())

@@ -29,6 +29,7 @@ import memory
 import model as M
 import rollout
 import tp
+from episodes import Episodes
 
 # fp32 everywhere: TP only regroups sums (partial sums over shards, all-reduced), so errors stay ~1e-7
 # relative; 1e-5 leaves room for the longer reduction chains of the gradients.
@@ -355,12 +356,19 @@ def check_sampling(groups: tp.ParallelGroups) -> None:
     greedy_cfg = rollout.RolloutConfig(num_samples=3, max_new_tokens=6, temperature=0.0)
     sample_cfg = rollout.RolloutConfig(num_samples=3, max_new_tokens=6)
     want = rollout.generate(full, prompts, greedy_cfg).tokens
+    episodes = Episodes(lambda calls: [[(r + len(t)) % 7 + 1, 3] for r, t in calls],
+                        tuple(range(0, V, 3)), 2)
+    want_episodes = rollout.generate(full, prompts, greedy_cfg, episodes=episodes)
     for sp in (False, True):
         m = tp.shard_model(copy.deepcopy(full), groups, sequence_parallel=sp)
         sampled = rollout.generate(m, prompts, sample_cfg, seed=0, logits_fn=gather)
         assert_same_on_all_ranks(sampled.tokens)
         greedy = rollout.generate(m, prompts, greedy_cfg, logits_fn=gather)
         assert torch.equal(greedy.tokens, want)
+        # episodes (episodes.py): a tool's answers extend the sharded rows in place
+        with_tool = rollout.generate(m, prompts, greedy_cfg, logits_fn=gather, episodes=episodes)
+        assert torch.equal(with_tool.tokens, want_episodes.tokens) and sum(with_tool.stats["calls"])
+        assert torch.equal(with_tool.policy, want_episodes.policy)
         m(torch.tensor([[1, 2, 3, 4]])).sum().backward()  # training after inference_mode reuses the buffer
 
 

@@ -1374,3 +1374,22 @@ def test_the_step_lines_max_rss_is_in_gb_not_kib_over_a_million():
     with open("/proc/self/status") as f:
         kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
     assert got == pytest.approx(kib * 1024 / 1e9, rel=0.005)
+
+
+def test_under_tensor_parallelism_one_rank_calls_the_tool_and_its_failure_stops_both(tmp_path):
+    """The tp ranks hold the same rows: rank 0 calls the tool and broadcasts its answers (a tool
+    that answered otherwise on rank 1 would split the ranks' rows); its failure stops both ranks
+    at once, in one line, after a checkpoint of the last finished step."""
+    write_module(tmp_path, "tptool", "import tools\ncalls = []\n"
+                 "def tool(text, ref):\n    calls.append(1)\n"
+                 "    if os.environ['RANK'] != '0':\n        raise KeyError('rank 1 called')\n"
+                 "    if len(calls) > 30:\n        raise KeyError('gone')\n    return ref\n"
+                 "task = tasks.Task('tptool', tasks.sample_lookup, tasks.lookup.rewards, "
+                 "alphabet=tasks.lookup.alphabet + 'x', max_new_tokens=6, "  # tp divides 20
+                 "tool=tools.Tool(tool, call='?'))\n")
+    code, output = torchrun(tmp_path, "--task", "tptool:task", "--steps", "20", "--out", "run",
+                            "--tp", "2", "--eval_every", "0")
+    assert code != 0 and output.count("tool tool raised KeyError: 'gone'") == 1, output[-3000:]
+    assert "rank 1 called" not in output
+    done = len(records(tmp_path / "run"))
+    assert done >= 1 and os.listdir(tmp_path / "run").count(f"step-{done:06d}") == 1

@@ -1,0 +1,403 @@
+"""episodes.py and tools.py: multi-turn rows against their slow twins. A tool's observation goes
+into the row's KV cache without recomputing the row: greedy episodes equal a full recompute (and
+transformers' generate) run turn by turn; the continued cache equals a fresh prefill of the whole
+row; the sampler's logprobs of the policy's tokens equal the trainer's; observation tokens carry
+no loss; a rollout with no call equals today's; tools that fail stop in one line."""
+
+import math
+import os
+import sys
+import time
+
+import pytest
+import torch
+
+import grpo
+import rollout
+import tasks
+import tokenizer as tk
+import tools
+from episodes import Episodes
+from model import Llama, ModelConfig
+from rollout import RolloutConfig
+from test_train import records, run
+
+CFG = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=96)
+PROMPTS = [[3, 17, 5, 99, 42, 8, 1], [64, 2], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [7]]
+CALLS = tuple(range(0, 128, 4))  # many call ids: a random model calls often
+STOPS = (1, 2)
+
+
+@pytest.fixture(scope="module")
+def model() -> Llama:
+    return Llama(CFG).init_weights(seed=0, std=0.2).eval()
+
+
+def tool(row: int, tokens: list[int]) -> list[int] | None:
+    """A deterministic tool of the row and its tokens: 1-4 observation tokens, or None (the
+    episode ends) on every fifth length."""
+    n = len(tokens)
+    if n % 5 == 4:
+        return None
+    return [(row * 7 + n + i) % 128 for i in range(1 + (row + n) % 4)]
+
+
+def episodes(max_turns: int) -> Episodes:
+    return Episodes(lambda calls: [tool(r, t) for r, t in calls], CALLS, max_turns)
+
+
+def recomputed_episode(model: Llama, prompt: list[int], row: int, budget: int,
+                       max_turns: int) -> tuple[list[int], list[bool], bool, int]:
+    """The slow twin: greedy, every token from a full forward of the whole row so far, the
+    observation appended to the row as text would be."""
+    seq, tokens, policy, calls = list(prompt), [], [], 0
+    while len(tokens) < budget:
+        with torch.no_grad():
+            token = int(model(torch.tensor([seq]))[0, -1].argmax())
+        seq.append(token)
+        tokens.append(token)
+        policy.append(True)
+        if token in CALLS and calls < max_turns:
+            calls += 1
+            observation = tool(row, tokens)
+            if observation is None:
+                return tokens, policy, True, calls
+            observation = observation[:budget - len(tokens)]
+            seq += observation
+            tokens += observation
+            policy += [False] * len(observation)
+        elif token in CALLS or token in STOPS:
+            return tokens, policy, token in STOPS, calls
+    return tokens, policy, False, calls
+
+
+@pytest.mark.parametrize("check_every", [1, 3, 8])
+@pytest.mark.parametrize("max_turns", [1, 3])
+def test_greedy_episodes_equal_a_full_recompute_turn_by_turn(model, check_every, max_turns):
+    """Calls at every check phase (a row decodes past its call until the check, then is cut
+    back), observations cut by the budget, a tool that ends the episode, turns used up."""
+    out = rollout.generate(model, PROMPTS, RolloutConfig(num_samples=2, max_new_tokens=20,
+                                                         temperature=0, check_every=check_every),
+                           stop_ids=STOPS, episodes=episodes(max_turns))
+    assert sum(out.stats["calls"]) >= len(PROMPTS)  # the case under test happens
+    for r, got in enumerate(out.completions()):
+        tokens, policy, stopped, calls = recomputed_episode(model, PROMPTS[r // 2], r, 20,
+                                                           max_turns)
+        assert got == tokens, r
+        assert out.policy[r, :len(got)].tolist() == policy
+        assert bool(out.stopped[r]) == stopped and out.stats["calls"][r] == calls
+
+
+def test_the_continued_cache_equals_a_fresh_prefill_of_the_whole_row(model, monkeypatch):
+    """Each row's own K/V after its episodes (observations prefilled at their positions, tokens
+    decoded past a call overwritten) equals what one forward of prompt + episode writes."""
+    decoders = []
+    real = rollout.decode_episodes
+
+    def keep(decoder, *args):
+        decoders.append(decoder)
+        return real(decoder, *args)
+    monkeypatch.setattr(rollout, "decode_episodes", keep)
+    out = rollout.generate(model, PROMPTS, RolloutConfig(num_samples=2, max_new_tokens=20,
+                                                         temperature=0, check_every=3),
+                           episodes=episodes(3))  # no stop ids: rows end at their budget
+    d = decoders[0]
+    order = sorted(range(len(PROMPTS)), key=lambda i: -len(PROMPTS[i]))  # generate's sort
+    checked = 0
+    for row, slot in zip(d.layout.rows, d.layout.slots):  # the rows active at the last check
+        caller = order[row // 2] * 2 + row % 2
+        prompt, episode = PROMPTS[order[row // 2]], out.completions()[caller]
+        keys = {}
+
+        def capture(layer, q, k, v):
+            keys[layer] = (k[0], v[0])  # (Hkv, T, D)
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                    enable_gqa=True)
+        with torch.no_grad():
+            model.hidden(torch.tensor([prompt + episode]), None, capture)
+        n = len(episode) - 1  # the last token is never fed
+        for layer, (k, v) in keys.items():
+            own_k = d.attention.own_k[layer][slot, :, :n]
+            own_v = d.attention.own_v[layer][slot, :, :n]
+            torch.testing.assert_close(own_k, k[:, len(prompt):len(prompt) + n], atol=1e-5, rtol=0)
+            torch.testing.assert_close(own_v, v[:, len(prompt):len(prompt) + n], atol=1e-5, rtol=0)
+        checked += 1
+    assert checked and sum(out.stats["calls"]) > 0
+
+
+@pytest.mark.parametrize("dtype,mean_tol,max_tol", [(torch.float64, 2e-7, 1e-6),
+                                                     (torch.float32, 1e-6, 1e-5)])
+def test_sampled_logprobs_of_the_policys_tokens_equal_the_trainers(dtype, mean_tol, max_tol):
+    """The trainer's forward (grpo.completion_logprobs: observations as context, the loss mask on
+    the policy's tokens) scores each sampled token as the sampler did; observation tokens carry
+    logprob 0. float64: equal up to the float32 the sampler stores its logprobs in (half an ulp of
+    a logprob of -8 is 4.8e-7). float32: this model's large logits (std 0.2) put a rollout
+    without a tool at a mean |d| of 1.0e-6 and a max of 7.6e-6 already (test_rollout.py's bound
+    is 1e-5)."""
+    model = Llama(CFG).init_weights(seed=0, std=0.2).eval().to(dtype)
+    out = rollout.generate(model, PROMPTS, RolloutConfig(num_samples=4, max_new_tokens=24,
+                                                         temperature=0.9, check_every=4),
+                           stop_ids=STOPS, seed=3, episodes=episodes(3))
+    assert sum(out.stats["calls"]) > 0 and not out.policy[out.mask].all()
+    assert (out.logprobs[~out.policy] == 0).all()
+    batch = grpo.GRPOBatch.from_rollout(PROMPTS, out, 24, torch.zeros(len(out.tokens)))
+    with torch.no_grad():
+        logp, _ = grpo.completion_logprobs(model, batch)
+    d = (logp - out.logprobs.to(dtype))[batch.loss_mask(grpo.GRPOConfig())].abs()
+    assert d.mean() <= mean_tol and d.max() <= max_tol, (d.mean(), d.max())
+
+
+def test_a_rollout_without_a_call_equals_todays_bit_for_bit(model):
+    """A task with a tool whose rows never call: the same tokens, logprobs and stops as the
+    rollout without episodes (the same steps, drops and draws)."""
+    cfg = RolloutConfig(num_samples=4, max_new_tokens=16, temperature=1.0, check_every=3)
+    plain = rollout.generate(model, PROMPTS, cfg, stop_ids=STOPS, seed=5)
+    never = Episodes(lambda calls: [[9] for _ in calls], (127,), 2)  # an id nobody samples
+    with_tool = rollout.generate(model, PROMPTS, cfg, stop_ids=STOPS, seed=5, episodes=never)
+    assert sum(with_tool.stats["calls"]) == 0 and plain.stats["compactions"] > 0
+    assert torch.equal(plain.tokens, with_tool.tokens) and torch.equal(plain.mask, with_tool.mask)
+    assert torch.equal(plain.logprobs, with_tool.logprobs)
+    assert torch.equal(plain.stopped, with_tool.stopped) and torch.equal(with_tool.policy, plain.mask)
+
+
+def test_greedy_episodes_equal_transformers_generate_turn_by_turn(tmp_path):
+    """transformers' generate until a call or a stop, the observation appended, generate again."""
+    from hf_reference import save_random_hf_model
+    import hf
+    config = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                  eos_token_id=1, bos_token_id=3)
+    theirs = save_random_hf_model(tmp_path, "LlamaConfig", config)
+    ours = hf.load_model(str(tmp_path))
+    out = rollout.generate(ours, PROMPTS, RolloutConfig(num_samples=1, max_new_tokens=20,
+                                                        temperature=0, check_every=4),
+                           stop_ids=(1,), episodes=episodes(2))
+    assert sum(out.stats["calls"]) > 0
+    for r, prompt in enumerate(PROMPTS):
+        seq, calls = list(prompt), 0
+        while len(seq) - len(prompt) < 20:
+            x = torch.tensor([seq])
+            with torch.no_grad():
+                more = theirs.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                                       max_new_tokens=20 - (len(seq) - len(prompt)),
+                                       eos_token_id=[1, *CALLS], pad_token_id=0)[0, len(seq):]
+            seq += more.tolist()
+            if seq[-1] not in CALLS or calls == 2:
+                break
+            calls += 1
+            observation = tool(r, seq[len(prompt):])
+            if observation is None:
+                break
+            seq += observation[:20 - (len(seq) - len(prompt))]
+        assert out.completions()[r] == seq[len(prompt):], r
+
+# -----------------------------------------------------------------------------
+# Training on episodes: observation tokens are context, not policy
+
+
+def twin_loss(model: Llama, prompts, completions, policy, advantages, old_logp,
+              cfg: grpo.GRPOConfig) -> torch.Tensor:
+    """float64, by hand: each row's full forward; the sums run over the policy's tokens only."""
+    total, n_policy = 0.0, sum(sum(p) for p in policy)
+    for r, (completion, keep) in enumerate(zip(completions, policy)):
+        prompt = prompts[r // (len(completions) // len(prompts))]
+        logits = model(torch.tensor([prompt + completion]))[0, len(prompt) - 1:-1]  # (T, V)
+        logp_all = logits.log_softmax(-1)
+        logp = logp_all.gather(-1, torch.tensor(completion)[:, None])[:, 0]
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+        row = 0.0
+        for t in (t for t, k in enumerate(keep) if k):
+            ratio = torch.exp(logp[t] - old_logp[r, t])
+            a = advantages[r]
+            clipped = ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high)
+            row = row - torch.min(ratio * a, clipped * a) - cfg.entropy_coef * entropy[t]
+        if cfg.loss_type == "grpo":
+            total = total + row / max(sum(keep), 1) / len(completions)
+        else:  # dapo: the token mean over the batch's policy tokens
+            total = total + row / n_policy
+    return total
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_loss_and_gradients_with_observations_masked_equal_a_twin_that_drops_them(loss_type):
+    """grpo.accumulate on a batch whose rows interleave policy and observation tokens (a row all
+    observation but its first token, a row with none) against twin_loss, in float64; the
+    observation tokens are in the forward (context) but in no sum, count or metric. Without the
+    mask the gradients are 10-100% off."""
+    model = Llama(CFG).init_weights(seed=1, std=0.1).double()
+    prompts = [[5, 6, 7], [9], [20, 21, 22, 23, 24]]
+    gen = torch.Generator().manual_seed(0)
+    completions, policy = [], []
+    for r in range(6):
+        n = [7, 1, 5, 9, 3, 6][r]
+        completions.append(torch.randint(3, 128, (n,), generator=gen).tolist())
+        policy.append([True] if r == 2 else [t % 3 != 1 for t in range(n)] if r % 2 else [True] * n)
+    policy[2] += [False] * (len(completions[2]) - 1)
+    advantages = torch.randn(6, generator=gen, dtype=torch.float64)
+    batch = grpo.GRPOBatch.from_lists(prompts, completions, advantages=advantages)
+    batch.policy = torch.zeros(batch.mask.shape, dtype=torch.bool)
+    for r, keep in enumerate(policy):
+        batch.policy[r, :len(keep)] = torch.tensor(keep)
+    cfg = grpo.GRPOConfig(loss_type=loss_type, entropy_coef=0.1, micro_batch_groups=2)
+    with torch.no_grad():
+        batch.old_logp = grpo.batch_logprobs(model, batch, cfg) + 0.3 * torch.randn(
+            batch.mask.shape, generator=gen, dtype=torch.float64)  # ratios off 1: clipping
+    metrics = grpo.accumulate(model, batch, cfg)
+    ours = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    want = twin_loss(model, prompts, completions, policy, advantages, batch.old_logp, cfg)
+    want.backward()
+    assert metrics["tokens"] == sum(map(sum, policy)) < int(batch.mask.sum())
+    assert math.isclose(metrics["loss"], want.item(), rel_tol=1e-7)  # metrics leave as float32
+    for name, p in model.named_parameters():  # the packed forward's attention backward is
+        # 1e-7 of the largest entry off a full forward's in float64, observations or not
+        assert (ours[name] - p.grad).abs().max() <= 1e-6 * p.grad.abs().max(), name
+
+# -----------------------------------------------------------------------------
+# Tools: answers, failures, chat checkpoints
+
+
+def test_a_tools_failure_is_one_line_naming_the_task_and_the_input():
+    def broken(text, ref):
+        raise KeyError("boom")
+
+    def slow(text, ref):
+        time.sleep(30)
+
+    def wrong_type(text, ref):
+        return 42
+
+    def strict(text, ref):
+        raise tools.ToolError("no such key")
+    cases = [(broken, "tool broken raised KeyError: 'boom' on text '?ab'"),
+             (slow, "tool slow did not answer within --tool_timeout 0.2 s on text '?ab'"),
+             (wrong_type, "tool wrong_type returned int '42' on text '?ab'")]
+    for fn, message in cases:
+        started = time.perf_counter()
+        with pytest.raises(tools.ToolFailure) as e:
+            tools.call_tool(tasks.lookup, fn, "?ab", "47", timeout=0.2)
+        assert f"task lookup: {message}" in str(e.value) and "\n" not in str(e.value)
+        assert time.perf_counter() - started < 5  # the hung thread is left behind, not awaited
+    assert tools.call_tool(tasks.lookup, strict, "?ab", "47", 1.0) == ("error: no such key", True)
+    assert tools.call_tool(tasks.lookup, tasks.look_up, "?", "47", 1.0) == ("47", False)
+
+
+def write_tool_task(tmp_path, body: str) -> str:
+    """mytool:task, the lookup task with the tool `tool` defined by body (and letters enough
+    for its error messages)."""
+    (tmp_path / "mytool.py").write_text(
+        "import string, tasks, tools\n" + body + "\ntask = tasks.Task('mytool', "
+        "tasks.sample_lookup, tasks.lookup.rewards, alphabet=tasks.lookup.alphabet + "
+        "string.ascii_lowercase + ': ', max_new_tokens=7, tool=tools.Tool(tool, call='?'))\n")
+    sys.path.insert(0, str(tmp_path))
+    sys.modules.pop("mytool", None)
+    return "mytool:task"
+
+
+def test_a_tool_that_raises_mid_run_stops_after_a_checkpoint_of_the_last_step(tmp_path, capsys):
+    spec = write_tool_task(tmp_path, "calls = []\ndef tool(text, ref):\n    calls.append(1)\n"
+                                     "    if len(calls) > 20:\n        raise RuntimeError('gone')\n"
+                                     "    return ref + '='\n")
+    code, out = run(tmp_path, "--task", spec, "--steps", "50", "--eval_every", "0")
+    err = capsys.readouterr().err
+    assert code == 2 and "task mytool: tool tool raised RuntimeError: gone on text '" in err
+    done = len(records(out))
+    assert done >= 1 and f"the last finished step is saved at {out}/step-{done:06d}" in err
+
+
+def test_a_run_with_a_tool_logs_its_calls_and_errors_and_false_turns_it_off(tmp_path, capsys):
+    spec = write_tool_task(tmp_path, "import tools\ndef tool(text, ref):\n"
+                                     "    if len(text) > 1:\n"
+                                     "        raise tools.ToolError('call first')\n"
+                                     "    return ref + '='\n")
+    code, out = run(tmp_path, "--task", spec, "--steps", "3", "--eval_every", "0",
+                    "--max_turns", "3")
+    recs = records(out)
+    assert code == 0 and all(r["tool_calls"] > 0 for r in recs)
+    assert sum(r["tool_errors"] for r in recs) > 0  # a random model calls anywhere
+    code, out = run(tmp_path, "--task", spec, "--steps", "1", "--eval_every", "0",
+                    "--tools", "false", out="off")
+    assert code == 0 and "tool_calls" not in records(out)[0]
+
+
+def test_a_run_with_a_tool_resumes_exactly(tmp_path):
+    """Stopped at step 2 and resumed: the same episodes (rewards, calls) and losses."""
+    args = ["--task", "tasks:lookup", "--steps", "4", "--save_every", "2", "--eval_every", "2",
+            "--eval_prompts", "8"]
+    code, full = run(tmp_path, *args, out="full")
+    assert code == 0
+    code, resumed = run(tmp_path, *args, "--resume", os.path.join(full, "step-000002"),
+                        out="resumed")
+    a, b = records(full)[2:], records(resumed)
+    assert code == 0 and [r["step"] for r in b] == [3, 4] and a[0]["tool_calls"] > 0
+    keys = ("reward", "loss", "entropy", "tool_calls", "eval_reward")
+    assert [[r.get(k) for k in keys] for r in a] == [[r.get(k) for k in keys] for r in b]
+
+
+def test_an_answer_the_tokenizer_cannot_write_stops_the_run_in_one_line(tmp_path, capsys):
+    spec = write_tool_task(tmp_path, "def tool(text, ref):\n    return 'ÿ'\n")
+    code, _ = run(tmp_path, "--task", spec, "--steps", "2", "--eval_every", "0")
+    err = capsys.readouterr().err
+    assert code == 2 and "task mytool: the tool's answer 'ÿ' to text '" in err
+    assert "cannot go into the row" in err and err.count("\n") == 1
+
+
+def test_a_call_token_that_is_not_one_token_is_refused_in_one_line(tmp_path, capsys):
+    (tmp_path / "longcall.py").write_text(
+        "import tasks, tools\ntask = tasks.Task('longcall', tasks.sample_lookup, "
+        "tasks.lookup.rewards, alphabet=tasks.lookup.alphabet, max_new_tokens=7, "
+        "tool=tools.Tool(tasks.look_up, call='??'))\n")
+    sys.path.insert(0, str(tmp_path))
+    code, _ = run(tmp_path, "--task", "longcall:task", "--steps", "1")
+    err = capsys.readouterr().err
+    assert code == 2 and "task longcall: the tool's call token '??' is 2 tokens" in err
+
+
+def test_a_chat_checkpoints_observation_is_the_templates_tool_message(tmp_path):
+    """chat_calc on a ChatML (Qwen2.5-shaped) checkpoint: the turn that ends with a call gets
+    the tool message as the template writes it after the assistant's content; a turn with no call
+    ends the episode; a malformed expression is the model's error, told to it."""
+    from test_tokenizer import write_checkpoint
+    path = write_checkpoint(tmp_path / "qwen", "qwen")
+    tokenizer = tk.load_tokenizer(path)
+    prompt, reference = tasks.chat_calc.sample(__import__("random").Random(0))
+    responder = tools.Responder(tasks.chat_calc, tokenizer, [(prompt, reference)], 1,
+                                tools.ToolConfig())
+    end = tokenizer.tok.token_to_id("<|im_end|>")
+    call = tokenizer.encode_text("Let me see. <calc>12 * 3</calc>", add_special_tokens=False)
+    plain = tokenizer.encode_text("It is 36.", add_special_tokens=False)
+    bad = tokenizer.encode_text("<calc>12 * x</calc>", add_special_tokens=False)
+    answers = responder([(0, call + [end]), (0, plain + [end]), (0, bad + [end])])
+    turn = "\n<tool_response>\nresult: 36\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    assert tokenizer.decode(answers[0]) == "\n<|im_start|>user" + turn
+    assert answers[1] is None and responder.errors == 1
+    assert "error: '12 * x' is not arithmetic" in tokenizer.decode(answers[2])
+
+
+@pytest.mark.parametrize("text,right", [("<calc>412*739</calc>\nresult: 304468\nSo 304468.", 1.0),
+                                         ("<calc>412*739</calc>\nresult: 304468\nI am done.", 0.0),
+                                         ("304468", 1.0), ("", 0.0)])
+def test_chat_calc_scores_what_follows_the_last_result(text, right):
+    """The calculator's result in the episode is not the model's answer."""
+    assert tasks.calc_correct(text, "304468") == right
+
+
+def test_the_calculator_answers_each_call_once_and_computes_only_arithmetic():
+    assert tasks.calculator("<calc>(2 + 3) * 4</calc>", "") == "result: 20"
+    assert tasks.calculator("<calc>7 / 2</calc>", "") == "result: 3.5"
+    assert tasks.calculator("<calc>1+1</calc> result: 2 so 2", "") is None  # answered already
+    with pytest.raises(tools.ToolError, match="not arithmetic"):
+        tasks.calculator("<calc>__import__('os')</calc>", "")
+
+
+def test_chat_calc_runs_on_a_chat_checkpoint_end_to_end(tmp_path):
+    """train.py --model (a ChatML checkpoint) --task tasks:chat_calc: the end of the model's turn
+    is the call, the calculator reads the turn (a random model's holds no call: the episode ends),
+    and the run logs its calls."""
+    from test_tokenizer import write_checkpoint
+    path = write_checkpoint(tmp_path / "qwen", "qwen")
+    code, out = run(tmp_path, "--model", path, "--task", "tasks:chat_calc", "--steps", "1",
+                    "--eval_every", "0", "--max_new_tokens", "16")
+    record = records(out)[0]
+    assert code == 0 and "tool_calls" in record and record["tool_errors"] == 0
