@@ -152,10 +152,14 @@ class RMSNorm(nn.Module):
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """x * rsqrt(mean(x^2) + eps) in float32, cast back, then scaled: HF's order, which matters in
-    bf16. F.rms_norm is that formula in one call (3x faster than five separate ops at prefill sizes
-    on the CPU)."""
-    return weight * F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
+    """x * rsqrt(mean(x^2) + eps) in float32 (float64 stays float64), cast back, then scaled: HF's
+    order, which matters in bf16. F.rms_norm is that formula in one call (3x faster than five
+    separate ops at prefill sizes on the CPU)."""
+    # NOTE a footgun: x.float() would round a float64 model's norms, and every gradient through
+    # them, to float32; twins that sum a shared prompt's gradients in another order then differ
+    # by 1e-7 (HF's norm does that too)
+    dt = torch.promote_types(x.dtype, torch.float32)
+    return weight * F.rms_norm(x.to(dt), x.shape[-1:], eps=eps).to(x.dtype)
 
 
 class Attention(nn.Module):

@@ -161,6 +161,31 @@ def test_the_packed_forward_equals_the_padded_one_on_ragged_batches(dtype, rel, 
         assert error <= rel, (name, float(error))
 
 
+@pytest.mark.parametrize("forward,ragged_from", [("packed", 1.5), ("packed", math.inf),
+                                                  ("padded", math.inf)])
+def test_float64_grads_of_the_shared_prompt_forwards_equal_the_naive_twins(forward, ragged_from,
+                                                                           monkeypatch):
+    """The prompt once per group (packed: both CPU routes of its rows; padded) against the naive
+    twin (the prompt repeated per row) in float64: logprobs, entropies and every parameter's
+    gradient within 1e-12 of its largest entry, the same math summed in another order.
+    Regression: model.rms_norm rounded a float64 model's norms to float32, so the G rows'
+    gradients into a shared prompt, summed before the norms' backward here and after it in the
+    twin, were 1e-7 apart."""
+    monkeypatch.setattr(packing, "RAGGED_FROM", ragged_from)
+    prompts, completions = ragged_groups()
+    m = tiny_model().double()
+    batch = GRPOBatch.from_lists(prompts, completions, temperature=0.8)
+    out = {}
+    for name in (forward, "naive"):
+        logp, entropy = grpo.completion_logprobs(m, batch, chunk_size=7, forward=name)
+        (weighted_sum(logp, batch.mask) + weighted_sum(entropy, batch.mask, seed=2)).backward()
+        out[name] = logp.detach(), entropy.detach(), grads(m)
+        m.zero_grad()
+    for got, want in zip(out[forward][:2], out["naive"][:2]):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert_grads_close(out[forward][2], out["naive"][2], rel=1e-12)
+
+
 def test_the_packed_forward_runs_on_valid_tokens_only():
     """The packed row holds each prompt's valid tokens once and each row's first c_i - 1 tokens:
     no linear runs on padding (the padded twin's row is Bp*P + N*(T-1) long)."""
@@ -455,8 +480,7 @@ def test_a_logprob_chunk_holds_at_most_chunk_bytes_of_logits(vocab, dtype, rows)
 
 
 class TinyHead(torch.nn.Module):
-    """A float64 stand-in for model.head (model.py normalises in float32, too coarse for
-    gradcheck)."""
+    """A small float64 stand-in for model.head."""
     def __init__(self):
         super().__init__()
         self.lm_head = torch.nn.Linear(8, 11, dtype=torch.float64)

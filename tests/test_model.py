@@ -152,6 +152,23 @@ def test_hidden_at_last_positions_equals_full_forward_and_hook_sees_every_positi
     for a, b in zip(g_got, g_want):
         torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-10)
 
+def test_rms_norm_keeps_float64_values_and_grads():
+    """Regression: rms_norm cast with x.float(), which rounds a float64 model's norms and every
+    gradient through them to float32, so the shared-prompt forwards' gradients were 1e-7 off the
+    naive twin's (tests/test_grpo.py). float64: rounding only, 1e-12."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 64, generator=gen, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(64, generator=gen, dtype=torch.float64, requires_grad=True)
+    got = M.rms_norm(x, w, 1e-5)
+    want = w * x / torch.sqrt(x.square().mean(-1, keepdim=True) + 1e-5)  # (5, 64)
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+    cotangent = torch.randn(5, 64, generator=gen, dtype=torch.float64)
+    got_grads = torch.autograd.grad((got * cotangent).sum(), [x, w])
+    want_grads = torch.autograd.grad((want * cotangent).sum(), [x, w])
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
+
+
 # -----------------------------------------------------------------------------
 # Hugging Face checkpoints: round trips and refusals
 
