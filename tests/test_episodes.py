@@ -250,9 +250,8 @@ def test_loss_and_gradients_with_observations_masked_equal_a_twin_that_drops_the
     want.backward()
     assert metrics["tokens"] == sum(map(sum, policy)) < int(batch.mask.sum())
     assert math.isclose(metrics["loss"], want.item(), rel_tol=1e-7)  # metrics leave as float32
-    for name, p in model.named_parameters():  # the packed forward's attention backward is
-        # 1e-7 of the largest entry off a full forward's in float64, observations or not
-        assert (ours[name] - p.grad).abs().max() <= 1e-6 * p.grad.abs().max(), name
+    for name, p in model.named_parameters():  # float64: summation order only
+        assert (ours[name] - p.grad).abs().max() <= 1e-12 * p.grad.abs().max(), name
 
 # -----------------------------------------------------------------------------
 # Tools: answers, failures, chat checkpoints
