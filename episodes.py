@@ -105,10 +105,10 @@ def decode_episodes(decoder, out_tokens: Tensor, out_logprobs: Tensor, policy: T
         answers = episodes.respond([(r, seen[i][:j + 1]) for i, r, j in waiting]) if waiting else []
         feeds = []
         for (i, r, j), observation in zip(waiting, answers):
-            calls[r] += 1
-            if observation is None:  # the tool ended the episode
+            if observation is None:  # the tool ended the episode (a turn with no call in it)
                 stopped[r] = True
                 continue
+            calls[r] += 1  # answered calls: what a row's turns count
             bad = [t for t in observation if not (isinstance(t, int) and 0 <= t < vocab)]
             if bad:
                 raise ValueError(f"the tool's observation has token id {bad[0]!r} outside the "

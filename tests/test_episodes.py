@@ -59,10 +59,10 @@ def recomputed_episode(model: Llama, prompt: list[int], row: int, budget: int,
         tokens.append(token)
         policy.append(True)
         if token in CALLS and calls < max_turns:
-            calls += 1
             observation = tool(row, tokens)
             if observation is None:
                 return tokens, policy, True, calls
+            calls += 1
             observation = observation[:budget - len(tokens)]
             seq += observation
             tokens += observation
