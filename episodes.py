@@ -135,6 +135,8 @@ def decode_episodes(decoder, out_tokens: Tensor, out_logprobs: Tensor, policy: T
         last = torch.tensor([length[r] - 1 for r in decoder.layout.rows], device=device)
         tokens = out_tokens[last, decoder.rows]  # (N,) each row's last token
         if feeds:
+            if lockstep:
+                decoder.plain_linears()
             lockstep = False
             turns += len(feeds)
             logits = decoder.extend([place[r] for r, _, _ in feeds], [f for _, f, _ in feeds],

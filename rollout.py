@@ -413,6 +413,14 @@ class _Decoder:
         last = torch.tensor([len(f) - 1 for f in feeds], device=device)
         return self.model.head(self.model.hidden(tokens, positions, attention, last)[:, 0])
 
+    def plain_linears(self) -> None:
+        """F.linear from here on (episodes.py, after the first tool turn): rows at their own
+        lengths come in new counts and shapes at every check, and _packed_linears' oneDNN keeps a
+        primitive for each (a tasks:lookup run grew by 0.5 GB in 100 steps). Undone with the
+        rest at the end of generate."""
+        for m in self.model.modules():
+            m.__dict__.pop("forward", None)
+
 
 class _ExtendAttention:
     """Attention for Decoder.extend: k rows, each its own group of one (prefix_attention with
@@ -607,11 +615,8 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], cfg: RolloutConfi
     policy = torch.ones(out_tokens.shape, dtype=torch.bool, device=device)  # False: observations
     stats = dict(prefill_tokens=sum(lens), prefill_seconds=0.0, decode_steps=0, row_steps=0,
                  compactions=0, prompt_kv_bytes=0, completion_kv_bytes=0)
-    # oneDNN keeps a primitive per input shape: episodes' extends come in a new shape at each
-    # check, which grew a tasks:lookup run by 0.5 GB in 100 steps; F.linear is as fast there.
-    packed = cfg.packed_linears and episodes is None
     if new > 0:
-        with _packed_linears(model, len(prompts) * G, packed):
+        with _packed_linears(model, len(prompts) * G, cfg.packed_linears):
             views = _carve(model, cache, len(prompts), G, max(lens), new)
             # 1. Prefill each prompt once.
             logits = _prefill(model, prompts, views[0], views[1], cfg.prefill_tokens, device)
