@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import grpo  # noqa: E402
 import hf  # noqa: E402
 import model as M  # noqa: E402
+import decode  # noqa: E402
 import rollout  # noqa: E402
 import tasks  # noqa: E402
 from memtrace import allocator_peak  # noqa: E402
@@ -122,19 +123,19 @@ def rollout_row(model, Bp: int, G: int, P: int, new: int, ratio: float, rounds: 
     rng = random.Random(1)
     prompts = [ids(n, model.config.vocab_size, rng) for n in lengths(Bp, P, ratio, rng)]
     cfg = rollout.RolloutConfig(num_samples=G, max_new_tokens=new, temperature=0.0)
-    originals = rollout.prefill_chunks, rollout.length_buckets
+    originals = rollout.prefill_chunks, decode.length_buckets
     padded_rules = (lambda lens, n: padded_chunks(sorted(lens, reverse=True), n),
                     lambda lens: [(0, len(lens), max(lens))])
     seconds, outs = {}, {}
     for _ in range(rounds):
         for name, rules in (("padded", padded_rules), ("ragged", originals)):
-            rollout.prefill_chunks, rollout.length_buckets = rules
+            rollout.prefill_chunks, decode.length_buckets = rules
             try:
                 t0 = time.perf_counter()
                 outs[name] = rollout.generate(model, prompts, cfg)
                 seconds[name] = min(seconds.get(name, float("inf")), time.perf_counter() - t0)
             finally:
-                rollout.prefill_chunks, rollout.length_buckets = originals
+                rollout.prefill_chunks, decode.length_buckets = originals
     same = torch.equal(outs["padded"].tokens, outs["ragged"].tokens)
     valid = sum(map(len, prompts))
     print(f"| {label} | {valid:,} / {Bp * P:,} = {valid / (Bp * P):.2f} | "

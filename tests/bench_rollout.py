@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import hf  # noqa: E402
+import decode  # noqa: E402
 import rollout  # noqa: E402
 from episodes import Episodes  # noqa: E402
 from model import Llama, ModelConfig  # noqa: E402
@@ -207,20 +208,20 @@ def breakdown(model: Llama, P: int, rounds: int = 3) -> None:
 
 
 def fused_vs_generic(model: Llama, P: int, rounds: int) -> None:
-    """Decode tokens/s of the CPU's fused prompt attention (rollout._fused_prefix_attention) next to
+    """Decode tokens/s of the CPU's fused prompt attention (decode.fused_prefix_attention) next to
     the generic path (attention.prefix_attention with a mask, what CUDA runs), interleaved rounds."""
     prompts = torch.randint(model.config.vocab_size, (NUM_PROMPTS, P), generator=torch.Generator().manual_seed(0)).tolist()
-    fused = rollout._CPU_FLASH
+    fused = decode._CPU_FLASH
     best = {"fused": float("inf"), "generic": float("inf")}
     for _ in range(rounds):
         for name in best:
-            rollout._CPU_FLASH = fused if name == "fused" else None
+            decode._CPU_FLASH = fused if name == "fused" else None
             stats = engine(model, prompts, G, 1)
             best[name] = min(best[name], stats["seconds"] - stats["prefill_seconds"])
-    rollout._CPU_FLASH = fused
-    decode = NUM_PROMPTS * G * (NEW - 1)
-    print(f"P = {P}, decode alone: fused {decode / best['fused']:,.0f} tokens/s, generic "
-          f"{decode / best['generic']:,.0f} tokens/s: fused / generic = {best['generic'] / best['fused']:.2f}x "
+    decode._CPU_FLASH = fused
+    tokens = NUM_PROMPTS * G * (NEW - 1)
+    print(f"P = {P}, decode alone: fused {tokens / best['fused']:,.0f} tokens/s, generic "
+          f"{tokens / best['generic']:,.0f} tokens/s: fused / generic = {best['generic'] / best['fused']:.2f}x "
           f"(best of {rounds})")
 
 
@@ -240,14 +241,14 @@ def tool_turns(model: Llama, P: int, rounds: int) -> None:
     def observation(row: int, tokens: list[int]) -> list[int]:
         return [(row * 31 + len(tokens) * 7 + i) % V for i in range(m)]
     extends: list[tuple[float, int]] = []
-    real = rollout._Decoder.extend
+    real = decode.Decoder.extend
 
     def timed(self, picks, feeds, starts):
         t0 = time.perf_counter()
         logits = real(self, picks, feeds, starts)
         extends.append((time.perf_counter() - t0, len(picks)))
         return logits
-    rollout._Decoder.extend = timed
+    decode.Decoder.extend = timed
     best: dict[str, float] = {}
     for _ in range(rounds):
         extends.clear()
@@ -285,12 +286,12 @@ def tool_turns(model: Llama, P: int, rounds: int) -> None:
             with torch.no_grad():
                 model.hidden(torch.randint(V, (k, m + 1), generator=gen))
             obs_prefill = min(obs_prefill, time.perf_counter() - t0)
-        decode = (seconds - out.stats["prefill_seconds"] - sum(t for t, _ in extends)) / steps
+        step = (seconds - out.stats["prefill_seconds"] - sum(t for t, _ in extends)) / steps
         extend = max(t for t, n in extends if n == k)
-        for key, value in dict(engine=seconds, restart=restart, extend=extend, decode=decode,
+        for key, value in dict(engine=seconds, restart=restart, extend=extend, decode=step,
                                obs_prefill=obs_prefill).items():
             best[key] = min(best.get(key, value), value)
-    rollout._Decoder.extend = real
+    decode.Decoder.extend = real
     turns_done = sum(out.stats["calls"])
     print(f"P = {P}, {len(prompts)} rows, {turns_done} tool turns in {len(extends)} checks, "
           f"{m} observation tokens each; best of {rounds}")

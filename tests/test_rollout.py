@@ -13,6 +13,8 @@ import torch
 
 from memtrace import allocator_peak
 
+import attention
+import decode
 import rollout
 from attention import prefix_attention
 from model import Llama, ModelConfig
@@ -206,7 +208,7 @@ def test_fused_cpu_attention_equals_model_prefix_attention(padded):
     valid = torch.arange(P) < torch.tensor([9, 4, 1] if padded else [9, 9, 9])[:, None]  # (Bp, P)
     bias = torch.zeros(Bp, P).masked_fill(~valid, float("-inf"))[:, None, None] if padded else None
     expected = prefix_attention(q, k, v, torch.ones(1, 1, T, dtype=torch.bool), prefix_k, prefix_v, valid)
-    got = rollout._fused_prefix_attention(q, k, v, prefix_k, prefix_v, bias)
+    got = decode.fused_prefix_attention(q, k, v, prefix_k, prefix_v, bias)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)  # fp32, same math, different summation order
 
 
@@ -215,13 +217,13 @@ def test_ragged_prompts_run_in_length_buckets_that_read_each_prompt_at_most_twic
     bucket reads its longest prompt's keys, at most twice any of its prompts' own (the padded decode
     read the batch's longest for every group)."""
     lens = [300, 290, 160, 151, 150, 90, 40, 39, 20, 3, 1]
-    buckets = rollout.length_buckets(lens)
+    buckets = attention.length_buckets(lens)
     assert [(a, b) for a, b, _ in buckets] == [(0, 5), (5, 6), (6, 9), (9, 10), (10, 11)]
     for first, stop, keys in buckets:
         assert keys == lens[first] and all(keys <= 2 * n for n in lens[first:stop])
     read = sum((stop - first) * keys for first, stop, keys in buckets)  # 1,714 keys per head
     assert read <= 2 * sum(lens) and read < 0.55 * len(lens) * max(lens)  # padded: 3,300
-    assert rollout.length_buckets([7, 7, 7]) == [(0, 3, 7)]  # equal lengths: one call
+    assert attention.length_buckets([7, 7, 7]) == [(0, 3, 7)]  # equal lengths: one call
 
 
 def test_prefill_pads_each_chunk_to_its_own_longest_prompt(model, monkeypatch):
@@ -280,7 +282,7 @@ def test_generic_decode_path_equals_fused_path(model, monkeypatch):
     """The path CUDA takes (model.prefix_attention with a mask), run on the CPU, with rows dropped."""
     kwargs = dict(num_samples=3, max_new_tokens=24, temperature=0.9, stop_ids=(5, 9, 17, 23), seed=5, check_every=2)
     fused = generate(model, PROMPTS, **kwargs)
-    monkeypatch.setattr(rollout, "_CPU_FLASH", None)
+    monkeypatch.setattr(decode, "_CPU_FLASH", None)
     generic = generate(model, PROMPTS, **kwargs)
     assert torch.equal(generic.tokens, fused.tokens) and fused.stats["compactions"] > 0
     torch.testing.assert_close(generic.logprobs, fused.logprobs, rtol=0, atol=TOL)
@@ -316,7 +318,7 @@ def test_packed_linears_equal_f_linear_and_are_undone(model):
 def test_decode_attention_over_all_completion_slots_masks_the_unwritten_ones(monkeypatch):
     """A CUDA graph attends to all Tc completion slots with a mask on `step` (static shapes); the CPU path
     slices to the step + 1 written ones. Both must agree, also with garbage in the unwritten slots."""
-    monkeypatch.setattr(rollout, "_CPU_FLASH", None)
+    monkeypatch.setattr(decode, "_CPU_FLASH", None)
     gen = torch.Generator().manual_seed(1)
     Bp, G, H, Hkv, D, P, Tc, t = 2, 3, 4, 2, 8, 6, 7, 3
     cache = KVCache(KVCache.numel_for(1, Hkv, D, Bp, G, P, Tc + 1), torch.float32, "cpu")
@@ -324,8 +326,8 @@ def test_decode_attention_over_all_completion_slots_masks_the_unwritten_ones(mon
     for x in sum(views, []):
         x.copy_(torch.randn(x.shape, generator=gen))  # written slots and garbage alike
     step = torch.tensor([t])
-    attn = rollout._DecodeAttention(views, step, Tc)
-    attn.set_layout(rollout._Layout.of([0, 1, 2, 4, 5], G, [6, 3]), torch.tensor([6, 3]))  # row 3 finished
+    attn = decode.DecodeAttention(views, step, Tc)
+    attn.set_layout(decode.Layout.of([0, 1, 2, 4, 5], G, [6, 3]), torch.tensor([6, 3]))  # row 3 finished
     q, k, v = (torch.randn(shape, generator=gen) for shape in [(5, H, 1, D)] + [(5, Hkv, 1, D)] * 2)
     full = attn(0, q, k, v)  # (N, H, 1, D)
     attn.own_len = t + 1

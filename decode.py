@@ -1,0 +1,387 @@
+"""
+The decode step of the sampler: the KV cache, attention to a prompt shared by a group of rows plus
+each row's own keys, the rows that leave, and (for a tool's answer) a row extended in place.
+
+- KVCache: one flat preallocated buffer (memory.py frees and re-creates it whole), carved per call
+  into the shared prompt K/V (Bp, Hkv, P, D) and each row's completion K/V (R, Hkv, Tc, D).
+- DecodeAttention: each row writes its key at its own completion index and attends to its group's
+  prompt keys plus its own (attention.prefix_attention: the G rows of a group folded against the one
+  prompt K/V, merged by log-sum-exp). Active rows sit in a grid of Bp' groups x G' slots (Layout).
+  On the CPU, groups run in buckets of like prompt lengths through SDPA's fused kernel
+  (fused_prefix_attention); on CUDA the step is a CUDA graph per layout (GraphedStep).
+- Decoder: the step over the active rows (model.hidden with the attention hook), the dropping of
+  finished ones, and extend(): a tool's observation prefilled into a row's own cache at its
+  position (ExtendAttention), rows then at their own lengths (episodes.py).
+
+Leaves out: sampling (sampling.py), the prefill and the loop (rollout.py, episodes.py).
+Shapes: Bp prompts, G samples per prompt, R = Bp*G rows, N active rows, S = Bp'*G' slots of the
+grid, P longest prompt, Tc completion length, H/Hkv heads, D head dim, V vocab.
+Tested by tests/test_rollout.py and tests/test_episodes.py.
+"""
+
+import itertools
+import math
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from attention import length_buckets, prefix_attention
+from model import ModelConfig
+
+# -----------------------------------------------------------------------------
+# KV cache: one flat buffer, carved into views per call
+
+
+class KVCache:
+    """A preallocated pool in ONE flat tensor `buffer` (1-D, on the device), so memory.py can free
+    it whole and re-create it. generate() carves, per layer, the shared prompt K/V (Bp, Hkv, P, D)
+    and each row's completion K/V (Bp*G, Hkv, Tc, D) out of it."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: str | torch.device):
+        self.buffer = torch.zeros(numel, dtype=dtype, device=device)
+
+    @staticmethod
+    def numel_for(num_layers: int, kv_heads: int, head_dim: int, num_prompts: int,
+                  num_samples: int, max_prompt_len: int, max_new_tokens: int) -> int:
+        completion_len = max(max_new_tokens - 1, 0)  # the last sampled token is never fed back
+        per_prompt = max_prompt_len + num_samples * completion_len
+        return 2 * num_layers * kv_heads * head_dim * num_prompts * per_prompt
+
+    @classmethod
+    def for_batch(cls, model_config: ModelConfig, num_prompts: int, num_samples: int,
+                  max_prompt_len: int, max_new_tokens: int, dtype: torch.dtype,
+                  device: str | torch.device, tp_size: int = 1) -> "KVCache":
+        """Sized for this batch (or any smaller one). Under tensor parallelism a rank holds Hkv/tp
+        heads."""
+        kv_heads = model_config.num_key_value_heads
+        if kv_heads % tp_size:
+            raise ValueError(f"tp_size={tp_size} does not divide num_key_value_heads={kv_heads}")
+        numel = cls.numel_for(model_config.num_hidden_layers, kv_heads // tp_size,
+                              model_config.head_dim, num_prompts, num_samples, max_prompt_len,
+                              max_new_tokens)
+        return cls(numel, dtype, device)
+
+    @property
+    def nbytes(self) -> int:  # capacity when awake
+        return self.buffer.numel() * self.buffer.element_size()
+
+    def carve(self, L: int, Hkv: int, D: int, Bp: int, G: int, P: int,
+              new_tokens: int) -> tuple[list[Tensor], ...]:
+        """Zeroed views, per layer: prompt K, prompt V (Bp, Hkv, P, D), completion K, V
+        (Bp*G, Hkv, Tc, D). Zeroed because masked keys still meet 0 * value in attention, and
+        0 * NaN garbage is NaN."""
+        if self.buffer.untyped_storage().nbytes() < self.nbytes:
+            raise RuntimeError("the KV cache is released (asleep): wake the rollout phase before "
+                               "generate")
+        need = self.numel_for(L, Hkv, D, Bp, G, P, new_tokens) * self.buffer.element_size()
+        if need > self.nbytes:
+            raise ValueError(f"the KV cache is too small for this batch: it needs {need:,} bytes "
+                             f"({Bp} prompts x {G} samples, prompt length {P}, {new_tokens} new "
+                             f"tokens) but holds {self.nbytes:,} bytes")
+        shapes = [(Bp, Hkv, P, D)] * 2 + [(Bp * G, Hkv, max(new_tokens - 1, 0), D)] * 2
+        views = ([], [], [], [])
+        offset = 0
+        for _, (kind, shape) in itertools.product(range(L), enumerate(shapes)):
+            views[kind].append(self.buffer[offset:offset + math.prod(shape)].view(shape))
+            offset += math.prod(shape)
+        self.buffer[:offset].zero_()
+        return views
+
+# -----------------------------------------------------------------------------
+# Decode attention: the shared prompt KV plus each row's own completion KV
+
+
+@dataclass
+class Layout:
+    """Where the N active rows sit. prefix_attention wants G' query rows per group; once rows
+    finish, groups hold different counts, so attention sees the rows scattered into a grid of Bp'
+    groups x G' slots (G' = the largest count); empty slots compute garbage that nobody reads."""
+    rows: list[int]          # global row id (prompt * G + sample) of each active row, ascending
+    groups: list[int]        # the prompt of each of the Bp' groups
+    group_size: int          # G'
+    slots: list[int]         # slot of each active row in the grid
+    prompt_len: int          # longest prompt among the groups
+
+    @classmethod
+    def of(cls, rows: list[int], G: int, prompt_lens: list[int]) -> "Layout":
+        counts = Counter(r // G for r in rows)  # in order of first appearance: prompt-major rows
+        group_size = max(counts.values())
+        slots = [i * group_size + j for i, n in enumerate(counts.values()) for j in range(n)]
+        prompt_len = max(prompt_lens[p] for p in counts)
+        return cls(rows, list(counts), group_size, slots, prompt_len)
+
+
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def fused_prefix_attention(q: Tensor, k: Tensor, v: Tensor, prefix_k: Tensor, prefix_v: Tensor,
+                            prefix_bias: Tensor | None) -> Tensor:
+    """prefix_attention for one token per row, all of k/v allowed, on the CPU, in few kernels
+    (per-op overhead and memory latency, not FLOPs, are what cost here). The prompt part goes
+    through SDPA's fused kernel, which also returns its log-sum-exp lse_p. The own part then merges
+    it as one more key: softmax over [own scores, lse_p] weighs the prompt part's output exactly as
+    the log-sum-exp merge does, and sums to 1 with the own keys.
+    q (S, H, 1, D), k/v (S, Hkv, T, D) views of the cache, prefix_bias (Bp, 1, 1, P) 0 / -inf, or
+    None: no padding."""
+    S, H, _, D = q.shape
+    Bp, Hkv = prefix_k.shape[:2]
+    T = k.shape[2]
+    G = S // Bp
+    rep = H // Hkv
+    # The G rows of a group and the rep query heads of a kv head share the prompt's keys.
+    qp = q.view(Bp, G, Hkv, rep, D).transpose(1, 2).reshape(Bp, Hkv, G * rep, D)
+    out_p, lse_p = _CPU_FLASH(qp, prefix_k, prefix_v, attn_mask=prefix_bias)  # (Bp, Hkv, G*rep, .)
+    # Back to row-major order (S*Hkv, rep).
+    dt = torch.promote_types(q.dtype, torch.float32)  # bf16 accumulates in float32
+    out_p = out_p.view(Bp, Hkv, G, rep, D).transpose(1, 2).reshape(S * Hkv, rep, D).to(dt)
+    lse_p = lse_p.view(Bp, Hkv, G, rep, 1).transpose(1, 2).reshape(S * Hkv, rep, 1)
+    # Own part: GQA by folding the rep heads into the query dimension (2 bmm; SDPA is 2x slower).
+    qs = q.reshape(S * Hkv, rep, D).to(dt) * D ** -0.5
+    own_k = k.reshape(S * Hkv, T, D).to(dt)
+    own_v = v.reshape(S * Hkv, T, D).to(dt)
+    scores = torch.bmm(qs, own_k.transpose(1, 2))  # (S*Hkv, rep, T)
+    probs = torch.cat((scores, lse_p), dim=-1).softmax(dim=-1)  # (S*Hkv, rep, T + 1)
+    y = torch.baddbmm(out_p * probs[..., T:], probs[..., :T], own_v)  # (S*Hkv, rep, D)
+    return y.view(S, H, 1, D).to(q.dtype)  # a bf16 model gets bf16 back
+
+
+class DecodeAttention:
+    """Writes the step's K/V into each row's completion KV (position `step`) and attends to the
+    shared prompt KV plus the row's own keys. Every per-step input is a tensor, so a CUDA graph can
+    replay it; `own_len` (keys attended per row) is all Tc slots, masked, under a graph, and the
+    step + 1 written ones in eager mode."""
+
+    def __init__(self, views: tuple[list[Tensor], ...], step: Tensor, completion_len: int):
+        self.prefix_k, self.prefix_v, self.own_k, self.own_v = views
+        self.step = step  # (1,) long: the completion index of the token being fed
+        self.own_len = completion_len
+        self.key_positions = torch.arange(completion_len, device=step.device)
+        self.fused = step.device.type == "cpu" and _CPU_FLASH is not None
+        self.layout: Layout | None = None
+        self.row_pos: Tensor | None = None  # (N,) each row's own index, once rows differ (tools)
+
+    def set_layout(self, layout: Layout, prompt_lens: Tensor, filled: int = 0) -> None:
+        """Switch to a new layout; move the surviving prompts' KV to the front of the prompt views
+        and the surviving rows' `filled` completion KV positions to their new slots (via
+        temporaries: they overlap)."""
+        device = self.step.device
+        old = self.layout
+        Bp = len(layout.groups)
+        P = layout.prompt_len
+        if old is not None:
+            group_of = {p: i for i, p in enumerate(old.groups)}
+            slot_of = dict(zip(old.rows, old.slots))
+            old_groups = torch.tensor([group_of[p] for p in layout.groups], device=device)
+            old_slots = torch.tensor([slot_of[r] for r in layout.rows], device=device)
+            new_slots = torch.tensor(layout.slots, device=device)
+            for x in self.prefix_k + self.prefix_v:
+                x[:Bp, :, :P] = x[:len(old.groups), :, :P].index_select(0, old_groups)
+            for x in self.own_k + self.own_v:
+                old_part = x[:len(old.groups) * old.group_size, :, :filled]
+                moved = old_part.index_select(0, old_slots)
+                x[:Bp * layout.group_size, :, :filled].index_copy_(0, new_slots, moved)
+        self.layout = layout
+        self.num_slots = Bp * layout.group_size
+        identity = layout.slots == list(range(self.num_slots))  # no empty slots: no scatter/gather
+        self.slots = None if identity else torch.tensor(layout.slots, device=device)
+        lens = prompt_lens[layout.groups]  # (Bp',) longest first: generate() sorts the prompts
+        lens_list = lens.tolist()
+        self.buckets = length_buckets(lens_list)
+        self.prefix_valid = torch.arange(P, device=device) < lens[:, None]
+        self.prefix_bias = None  # no padding: the fused kernel skips its mask
+        if not self.prefix_valid.all():
+            dtype = self.prefix_k[0].dtype
+            zeros = torch.zeros(self.prefix_valid.shape, dtype=dtype, device=device)
+            self.prefix_bias = zeros.masked_fill(~self.prefix_valid, float("-inf"))[:, None, None]
+        # Each bucket's slice of the mask, or None where its prompts fill all its keys.
+        self.bucket_bias = [None if self.prefix_bias is None or min(lens_list[first:stop]) == keys
+                            else self.prefix_bias[first:stop, ..., :keys]
+                            for first, stop, keys in self.buckets]
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        if self.slots is not None:  # scatter the N rows into the grid; empty slots get zeros
+            q, k, v = (x.new_zeros((self.num_slots,) + x.shape[1:]).index_copy_(0, self.slots, x)
+                       for x in (q, k, v))  # (S, H or Hkv, 1, D)
+        own_k = self.own_k[layer][:self.num_slots]
+        own_v = self.own_v[layer][:self.num_slots]
+        Bp = len(self.layout.groups)
+        P = self.layout.prompt_len
+        prefix_k = self.prefix_k[layer][:Bp, :, :P]
+        prefix_v = self.prefix_v[layer][:Bp, :, :P]
+        if self.row_pos is not None:  # rows at their own lengths (a tool turn moved some on)
+            pos = self.row_pos if self.slots is None else self.row_pos.new_zeros(
+                self.num_slots).index_copy_(0, self.slots, self.row_pos)  # (S,)
+            every = torch.arange(self.num_slots, device=q.device)
+            own_k[every, :, pos] = k[:, :, 0].to(own_k.dtype)  # each slot at its own index
+            own_v[every, :, pos] = v[:, :, 0].to(own_v.dtype)
+            own_allowed = self.key_positions[:self.own_len] <= pos[:, None, None]  # (S, 1, Tc)
+            y = prefix_attention(q, own_k[:, :, :self.own_len], own_v[:, :, :self.own_len],
+                                 own_allowed, prefix_k, prefix_v, self.prefix_valid)
+            return self._gather(y)
+        if self.fused and q.dtype == own_k.dtype:
+            # Eager CPU: write at a Python index, attend to the written keys only, and to each
+            # bucket's prompt keys only (a short prompt's padding is not read).
+            t = self.own_len - 1
+            own_k[:, :, t:t + 1] = k
+            own_v[:, :, t:t + 1] = v
+            G = self.layout.group_size
+            parts = []
+            for (first, stop, keys), bias in zip(self.buckets, self.bucket_bias):
+                slots = slice(first * G, stop * G)
+                parts.append(fused_prefix_attention(
+                    q[slots], own_k[slots, :, :t + 1], own_v[slots, :, :t + 1],
+                    prefix_k[first:stop, :, :keys], prefix_v[first:stop, :, :keys], bias))
+            return self._gather(torch.cat(parts) if len(parts) > 1 else parts[0])
+        own_k.index_copy_(2, self.step, k.to(own_k.dtype))  # a tensor index: a graph replays it
+        own_v.index_copy_(2, self.step, v.to(own_v.dtype))
+        own_k = own_k[:, :, :self.own_len]  # (S, Hkv, Tc or t+1, D)
+        own_v = own_v[:, :, :self.own_len]
+        own_allowed = (self.key_positions[:self.own_len] <= self.step)[None, None]  # (1, 1, Tc)
+        y = prefix_attention(q, own_k, own_v, own_allowed, prefix_k, prefix_v, self.prefix_valid)
+        return self._gather(y)
+
+    def _gather(self, y: Tensor) -> Tensor:
+        if self.slots is None:
+            return y
+        return y.index_select(0, self.slots)  # (S, H, 1, D) -> (N, H, 1, D)
+
+
+class GraphedStep:
+    """A CUDA graph of `step(tokens) -> logits` for one layout: warm up on a side stream, capture,
+    replay. Replaying a step that already ran is harmless: it rewrites the same K/V."""
+
+    def __init__(self, step: Callable[[Tensor], Tensor], tokens: Tensor):
+        self.tokens = tokens.clone()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            step(self.tokens)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = step(self.tokens)
+
+    def __call__(self, tokens: Tensor) -> Tensor:
+        self.tokens.copy_(tokens)
+        self.graph.replay()
+        return self.logits
+
+
+class Decoder:
+    """The decode step over the active rows, and the dropping of finished ones. It owns the state
+    the steps share: which rows are active (`rows`, global ids), the attention's layout, each row's
+    first position, and the CUDA graph of the current layout."""
+
+    def __init__(self, model: torch.nn.Module, views: tuple[list[Tensor], ...],
+                 prompt_lens: list[int], G: int, graphed: bool):
+        device = views[0][0].device
+        self.model = model
+        self.prompt_lens = prompt_lens
+        self.G = G
+        self.lens = torch.tensor(prompt_lens, device=device)
+        self.step_index = torch.zeros(1, dtype=torch.long, device=device)
+        completion_len = views[2][0].shape[2]
+        self.attention = DecodeAttention(views, self.step_index, completion_len)
+        self.layout = Layout.of(list(range(len(prompt_lens) * G)), G, prompt_lens)
+        self.attention.set_layout(self.layout, self.lens)
+        self.rows = torch.arange(len(prompt_lens) * G, device=device)  # (N,)
+        self.first_position = self.lens[self.rows // G][:, None]  # (N, 1)
+        self.graphed = graphed
+        self.graph: GraphedStep | None = None
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        """(N, 1) -> (N, V); every other input is a tensor held here or by the attention."""
+        row_pos = self.attention.row_pos  # (N,) or None: every row at step_index
+        index = self.step_index if row_pos is None else row_pos[:, None]
+        positions = self.first_position + index  # completion token t sits at len + t
+        return self.model.head(self.model.hidden(tokens, positions, self.attention)[:, -1])
+
+    def step(self, tokens: Tensor, t: int | list[int]) -> Tensor:
+        """Feed completion token t of each active row, tokens (N,) -> logits (N, V); t a list:
+        each row's own index (rows at different lengths: episodes.py), in eager mode."""
+        if isinstance(t, list):
+            self.attention.row_pos = torch.tensor(t, device=tokens.device)  # (N,)
+            self.attention.own_len = max(t) + 1
+            return self.forward(tokens[:, None])
+        self.step_index.fill_(t)
+        if self.graphed:
+            if self.graph is None:
+                self.graph = GraphedStep(self.forward, tokens[:, None])
+            return self.graph(tokens[:, None])
+        self.attention.own_len = t + 1  # eager: attend only to the keys written so far
+        return self.forward(tokens[:, None])
+
+    def drop(self, keep: list[int], filled: int) -> None:
+        """Keep the active rows at positions `keep`; `filled` completion KV slots are written."""
+        rows = [self.layout.rows[i] for i in keep]
+        self.layout = Layout.of(rows, self.G, self.prompt_lens)
+        self.attention.set_layout(self.layout, self.lens, filled=filled)
+        self.rows = self.rows[torch.tensor(keep, device=self.rows.device)]  # (N',)
+        self.first_position = self.lens[self.rows // self.G][:, None]  # (N', 1)
+        self.graph = None  # addresses and shapes changed: capture again
+
+    def extend(self, picks: list[int], feeds: list[list[int]], starts: list[int]) -> Tensor:
+        """Feed active row picks[i] the tokens feeds[i] at its completion indices starts[i]...
+        (a tool's observation after the token that called it) in one forward: their K/V go into
+        the row's own cache, no earlier token is recomputed. Returns the logits (k, V) after each
+        row's last fed token."""
+        device = self.rows.device
+        width = max(map(len, feeds))
+        tokens = torch.tensor([f + [0] * (width - len(f)) for f in feeds], device=device)  # (k, M)
+        start = torch.tensor(starts, device=device)[:, None]  # (k, 1)
+        rows = self.rows[torch.tensor(picks, device=device)]  # (k,) global ids
+        positions = self.lens[rows // self.G][:, None] + start + torch.arange(width, device=device)
+        attention = ExtendAttention(self.attention, picks, [len(f) for f in feeds], start, self.G)
+        last = torch.tensor([len(f) - 1 for f in feeds], device=device)
+        return self.model.head(self.model.hidden(tokens, positions, attention, last)[:, 0])
+
+    def plain_linears(self) -> None:
+        """F.linear from here on (episodes.py, after the first tool turn): rows at their own
+        lengths come in new counts and shapes at every check, and _packed_linears' oneDNN keeps a
+        primitive for each (a tasks:lookup run grew by 0.5 GB in 100 steps). Undone with the
+        rest at the end of generate."""
+        for m in self.model.modules():
+            m.__dict__.pop("forward", None)
+
+
+class ExtendAttention:
+    """Attention for Decoder.extend: k rows, each its own group of one (prefix_attention with
+    G = 1), against its prompt's K/V and its own keys up to each new token; the new tokens' K/V are
+    written into the row's own cache first. The prompt and own K/V of the k rows are gathered (a
+    copy of k rows, not of the batch)."""
+
+    def __init__(self, decode: DecodeAttention, picks: list[int], counts: list[int],
+                 start: Tensor, G: int):
+        layout = decode.layout
+        group_of = {p: i for i, p in enumerate(layout.groups)}
+        self.decode = decode
+        self.counts = counts
+        self.starts = start[:, 0].tolist()
+        self.start = start  # (k, 1)
+        self.slots = [layout.slots[i] for i in picks]
+        device = start.device
+        self.slot_t = torch.tensor(self.slots, device=device)
+        self.group_t = torch.tensor([group_of[layout.rows[i] // G] for i in picks], device=device)
+        self.keys = max(a + n for a, n in zip(self.starts, counts))  # own keys any row reaches
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor,
+                 last: Tensor | None = None) -> Tensor:
+        d = self.decode
+        own_k, own_v = d.own_k[layer], d.own_v[layer]
+        for i, (slot, first, n) in enumerate(zip(self.slots, self.starts, self.counts)):
+            own_k[slot, :, first:first + n] = k[i, :, :n].to(own_k.dtype)
+            own_v[slot, :, first:first + n] = v[i, :, :n].to(own_v.dtype)
+        P = d.layout.prompt_len
+        prefix_k = d.prefix_k[layer][self.group_t, :, :P]  # (k, Hkv, P, D)
+        prefix_v = d.prefix_v[layer][self.group_t, :, :P]
+        index = self.start + torch.arange(q.shape[2], device=q.device)  # (k, Tq) own indices
+        if last is not None:
+            index = self.start + last[:, None]  # (k, 1): the last fed token's queries alone
+        keys = torch.arange(self.keys, device=q.device)
+        own_allowed = keys <= index[:, :, None]  # (k, Tq, keys)
+        return prefix_attention(q, own_k[self.slot_t, :, :self.keys],
+                                own_v[self.slot_t, :, :self.keys], own_allowed, prefix_k,
+                                prefix_v, d.prefix_valid[self.group_t])
