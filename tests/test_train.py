@@ -1270,7 +1270,8 @@ def test_the_step_line_says_one_and_many_right():
 def test_help_explains_the_step_line(capsys):
     assert train.main(["--help"]) == 0
     text = capsys.readouterr().out
-    for field in ("ent:", "clip:", "|dlogp|:", "len:", "tok/s:", "roll, lp, train:", "max RSS"):
+    for field in ("ent:", "clip:", "|dlogp|:", "len:", "calls:", "tok/s:", "roll, lp, train:",
+                  "max RSS"):
         assert field in text, field
 
 
