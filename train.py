@@ -8,6 +8,7 @@ one GRPO step, docs/design.md's data flow in numbered pieces:
 
     1. draw the step's prompts (a function of seed and step: a resumed run draws the same ones)
     2. rollout phase: sync the sampler's weights from the trainer, sample G completions per prompt
+       (with a task's tool, multi-turn episodes: tools.py answers, episodes.py continues the row)
     3. decode the completions and score them with the task's reward functions
     4. group advantages over every dp rank's rewards; --dynamic_sampling repeats 1-4 (DAPO)
     5. old logprobs (mu > 1; at mu = 1 they are the loss's logp.detach()), reference (beta > 0)
