@@ -40,3 +40,25 @@ def test_cuda_graph_decode_equals_eager_decode(model):
     # A private cache: bf16 on CUDA.
     bf16 = generate(gpu, PROMPTS, RolloutConfig(num_samples=4, max_new_tokens=30), seed=1)
     assert bf16.mask.all() and bf16.tokens.shape == (len(PROMPTS) * 4, 30)
+
+
+def test_episodes_on_cuda_score_as_the_trainer_with_graphs_and_without(model):
+    """A tool's answers extended into rows on the GPU (graphed lockstep steps until the first tool
+    turn, then eager rows at their own lengths): each sampled token's logprob equals the trainer's
+    forward of prompt + episode, as above; observation tokens carry 0."""
+    from test_episodes import STOPS, episodes
+    gpu = Llama(CFG).to("cuda")
+    gpu.load_state_dict(model.state_dict())
+    cache = KVCache.for_batch(CFG, len(PROMPTS), 4, 11, 30, torch.float32, "cuda")
+    for graphs in (True, False):
+        cfg = RolloutConfig(num_samples=4, max_new_tokens=30, temperature=0.9, check_every=2,
+                            cuda_graphs=graphs)
+        out = generate(gpu, PROMPTS, cfg, stop_ids=STOPS, seed=1, cache=cache,
+                       episodes=episodes(3))
+        assert sum(out.stats["calls"]) > 0 and out.stats["tool_turns"] > 0
+        for row, episode in enumerate(out.completions()):
+            policy = out.policy[row, :len(episode)].cpu()
+            got = out.logprobs[row, :len(episode)].cpu()
+            want = trainer_logprobs(gpu, PROMPTS[row // 4], episode, 0.9, 0, 1.0).cpu()
+            assert (got[~policy] == 0).all()
+            torch.testing.assert_close(got[policy], want[policy], rtol=0, atol=1e-4)
