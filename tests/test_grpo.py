@@ -1450,7 +1450,7 @@ def test_loss_metrics_and_grads_equal_trls_on_the_same_weights(hf_checkpoint, tm
 
 def test_defaults_are_trls_except_the_documented_differences():
     """Our GRPOConfig and RolloutConfig defaults against TRL's GRPOConfig field defaults; the
-    differences are on purpose and listed in the README's table."""
+    differences are on purpose and listed in docs/trl.md's table."""
     trl = pytest.importorskip("trl")
     theirs = {f.name: f.default for f in dataclasses.fields(trl.GRPOConfig)}
     ours = GRPOConfig()
