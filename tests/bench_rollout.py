@@ -229,8 +229,9 @@ def tool_turns(model: Llama, P: int, rounds: int) -> None:
     """Greedy episodes of 128 prompts (G = 1), 64 new tokens, a call whenever a row writes one of
     1/16 of the vocabulary, answered by 12 observation tokens, up to 3 turns: the engine (each
     answered row extended in place, Decoder.extend) against the same episodes run turn by turn,
-    each turn a new generate() call on the whole row so far, prefilled again. Per check, extend's time against one decode step plus the observations' prefill alone
-    (a causal forward of the extended rows' new tokens, no cache), measured in the same rounds."""
+    each turn a new generate() call on the whole row so far, prefilled again. Per check, extend's
+    time against one decode step plus the observations' prefill alone (a causal forward of the
+    extended rows' new tokens, no cache), measured in the same rounds."""
     V, new, m = model.config.vocab_size, 64, 12
     calls = tuple(range(0, V, 16))
     gen = torch.Generator().manual_seed(0)
