@@ -212,14 +212,11 @@ class DecodeAttention:
         prefix_k = self.prefix_k[layer][:Bp, :, :P]
         prefix_v = self.prefix_v[layer][:Bp, :, :P]
         if self.row_pos is not None:  # rows at their own lengths (a tool turn moved some on)
-            pos = self.row_pos if self.slots is None else self.row_pos.new_zeros(
-                self.num_slots).index_copy_(0, self.slots, self.row_pos)  # (S,)
             every = torch.arange(self.num_slots, device=q.device)
-            own_k[every, :, pos] = k[:, :, 0].to(own_k.dtype)  # each slot at its own index
-            own_v[every, :, pos] = v[:, :, 0].to(own_v.dtype)
-            own_allowed = self.key_positions[:self.own_len] <= pos[:, None, None]  # (S, 1, Tc)
+            own_k[every, :, self.slot_pos] = k[:, :, 0].to(own_k.dtype)  # each at its own index
+            own_v[every, :, self.slot_pos] = v[:, :, 0].to(own_v.dtype)
             y = prefix_attention(q, own_k[:, :, :self.own_len], own_v[:, :, :self.own_len],
-                                 own_allowed, prefix_k, prefix_v, self.prefix_valid)
+                                 self.slot_allowed, prefix_k, prefix_v, self.prefix_valid)
             return self._gather(y)
         if self.fused and q.dtype == own_k.dtype:
             # Eager CPU: write at a Python index, attend to the written keys only, and to each
@@ -242,6 +239,16 @@ class DecodeAttention:
         own_allowed = (self.key_positions[:self.own_len] <= self.step)[None, None]  # (1, 1, Tc)
         y = prefix_attention(q, own_k, own_v, own_allowed, prefix_k, prefix_v, self.prefix_valid)
         return self._gather(y)
+
+    def at_positions(self, row_pos: Tensor, own_len: int) -> None:
+        """Rows at their own lengths (episodes.py): active row i writes its key at its own index
+        row_pos[i] (N,) and attends to its own keys up to it; own_len = max(row_pos) + 1. The
+        grid's positions and own-key mask, once per step for every layer."""
+        self.row_pos = row_pos
+        self.own_len = own_len
+        self.slot_pos = row_pos if self.slots is None else row_pos.new_zeros(
+            self.num_slots).index_copy_(0, self.slots, row_pos)  # (S,); empty slots 0
+        self.slot_allowed = self.key_positions[:own_len] <= self.slot_pos[:, None, None]
 
     def _gather(self, y: Tensor) -> Tensor:
         if self.slots is None:
@@ -303,8 +310,7 @@ class Decoder:
         """Feed completion token t of each active row, tokens (N,) -> logits (N, V); t a list:
         each row's own index (rows at different lengths: episodes.py), in eager mode."""
         if isinstance(t, list):
-            self.attention.row_pos = torch.tensor(t, device=tokens.device)  # (N,)
-            self.attention.own_len = max(t) + 1
+            self.attention.at_positions(torch.tensor(t, device=tokens.device), max(t) + 1)
             return self.forward(tokens[:, None])
         self.step_index.fill_(t)
         if self.graphed:
@@ -334,7 +340,8 @@ class Decoder:
         start = torch.tensor(starts, device=device)[:, None]  # (k, 1)
         rows = self.rows[torch.tensor(picks, device=device)]  # (k,) global ids
         positions = self.lens[rows // self.G][:, None] + start + torch.arange(width, device=device)
-        attention = ExtendAttention(self.attention, picks, [len(f) for f in feeds], start, self.G)
+        attention = ExtendAttention(self.attention, picks, [len(f) for f in feeds], start, self.G,
+                                    self.prompt_lens)
         last = torch.tensor([len(f) - 1 for f in feeds], device=device)
         return self.model.head(self.model.hidden(tokens, positions, attention, last)[:, 0])
 
@@ -348,40 +355,49 @@ class Decoder:
 
 
 class ExtendAttention:
-    """Attention for Decoder.extend: k rows, each its own group of one (prefix_attention with
-    G = 1), against its prompt's K/V and its own keys up to each new token; the new tokens' K/V are
-    written into the row's own cache first. The prompt and own K/V of the k rows are gathered (a
-    copy of k rows, not of the batch)."""
+    """Attention for Decoder.extend: the k extended rows in a grid of their groups (Layout, as the
+    decode step's), so each group's prompt K/V is gathered once however many of its rows extend;
+    each row attends to it and to its own keys up to each new token, whose K/V are written into
+    the row's own cache first. The k rows' own keys are gathered (a copy of k rows, not of the
+    batch)."""
 
     def __init__(self, decode: DecodeAttention, picks: list[int], counts: list[int],
-                 start: Tensor, G: int):
+                 start: Tensor, G: int, prompt_lens: list[int]):
         layout = decode.layout
+        rows = [layout.rows[i] for i in picks]  # ascending: episodes.py answers rows in order
+        grid = Layout.of(rows, G, prompt_lens)
         group_of = {p: i for i, p in enumerate(layout.groups)}
-        self.decode = decode
-        self.counts = counts
-        self.starts = start[:, 0].tolist()
-        self.start = start  # (k, 1)
-        self.slots = [layout.slots[i] for i in picks]
         device = start.device
-        self.slot_t = torch.tensor(self.slots, device=device)
-        self.group_t = torch.tensor([group_of[layout.rows[i] // G] for i in picks], device=device)
+        self.decode, self.counts, self.start = decode, counts, start  # start (k, 1)
+        self.starts = start[:, 0].tolist()
+        self.cache_slots = [layout.slots[i] for i in picks]  # each row's slot in the cache views
+        self.grid = torch.tensor(grid.slots, device=device)  # (k,) each row's slot in the grid
+        self.num_slots = len(grid.groups) * grid.group_size
+        cache_of_slot = torch.zeros(self.num_slots, dtype=torch.long, device=device)  # empty: 0
+        self.cache_of_slot = cache_of_slot.index_copy_(
+            0, self.grid, torch.tensor(self.cache_slots, device=device))  # (S,)
+        self.groups = torch.tensor([group_of[g] for g in grid.groups], device=device)  # (Bp_e,)
+        self.prompt_len = grid.prompt_len
         self.keys = max(a + n for a, n in zip(self.starts, counts))  # own keys any row reaches
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor,
                  last: Tensor | None = None) -> Tensor:
         d = self.decode
         own_k, own_v = d.own_k[layer], d.own_v[layer]
-        for i, (slot, first, n) in enumerate(zip(self.slots, self.starts, self.counts)):
+        for i, (slot, first, n) in enumerate(zip(self.cache_slots, self.starts, self.counts)):
             own_k[slot, :, first:first + n] = k[i, :, :n].to(own_k.dtype)
             own_v[slot, :, first:first + n] = v[i, :, :n].to(own_v.dtype)
-        P = d.layout.prompt_len
-        prefix_k = d.prefix_k[layer][self.group_t, :, :P]  # (k, Hkv, P, D)
-        prefix_v = d.prefix_v[layer][self.group_t, :, :P]
+        P = self.prompt_len
+        prefix_k = d.prefix_k[layer][self.groups, :, :P]  # (Bp_e, Hkv, P, D): once per group
+        prefix_v = d.prefix_v[layer][self.groups, :, :P]
         index = self.start + torch.arange(q.shape[2], device=q.device)  # (k, Tq) own indices
         if last is not None:
             index = self.start + last[:, None]  # (k, 1): the last fed token's queries alone
-        keys = torch.arange(self.keys, device=q.device)
-        own_allowed = keys <= index[:, :, None]  # (k, Tq, keys)
-        return prefix_attention(q, own_k[self.slot_t, :, :self.keys],
-                                own_v[self.slot_t, :, :self.keys], own_allowed, prefix_k,
-                                prefix_v, d.prefix_valid[self.group_t])
+        S = self.num_slots
+        q = q.new_zeros(S, *q.shape[1:]).index_copy_(0, self.grid, q)  # (S, H, Tq, D)
+        index = index.new_full((S, index.shape[1]), -1).index_copy_(0, self.grid, index)
+        own_allowed = torch.arange(self.keys, device=q.device) <= index[:, :, None]  # (S, Tq, .)
+        y = prefix_attention(q, own_k[self.cache_of_slot, :, :self.keys],
+                             own_v[self.cache_of_slot, :, :self.keys], own_allowed, prefix_k,
+                             prefix_v, d.prefix_valid[self.groups, :P])
+        return y.index_select(0, self.grid)  # (k, H, Tq, D)

@@ -61,6 +61,7 @@ def decode_episodes(decoder, out_tokens: Tensor, out_logprobs: Tensor, policy: T
     lockstep = True       # every active row at the same length (no tool turn yet)
     host = device.type == "cpu"  # a check is free here; on a GPU it is a sync, so it waits
     calls_t = torch.tensor(episodes.call_ids, dtype=torch.long, device=device)
+    ends = set(episodes.call_ids) | set(stop_ids)  # what a check looks for
     tokens = out_tokens[0].clone()  # (N,) each active row's last token, fed next
     clock = decode_steps = row_steps = compactions = turns = 0
     while True:
@@ -85,22 +86,17 @@ def decode_episodes(decoder, out_tokens: Tensor, out_logprobs: Tensor, policy: T
         seen = out_tokens[:max(length[r] for r in rows), decoder.rows].T.tolist()  # (N, <= Tc)
         keep, waiting = [], []
         for i, r in enumerate(rows):
-            ended = length[r] == new
-            for j in range(scanned[r], length[r]):
-                token = seen[i][j]
-                if token in episodes.call_ids and calls[r] < episodes.max_turns:
-                    length[r] = j + 1
-                    waiting.append((i, r, j))
-                    break
-                if token in episodes.call_ids or token in stop_ids:
-                    length[r] = j + 1
-                    stopped[r] = token in stop_ids
-                    ended = True
-                    break
-            else:
+            j = next((j for j in range(scanned[r], length[r]) if seen[i][j] in ends), None)
+            if j is None:  # nothing yet: on, unless the budget is spent
                 scanned[r] = length[r]
-            if not ended and (not waiting or waiting[-1][1] != r):
-                keep.append(i)
+                if length[r] < new:
+                    keep.append(i)
+                continue
+            length[r] = j + 1  # what it decoded past the call or stop is dropped
+            if seen[i][j] in episodes.call_ids and calls[r] < episodes.max_turns:
+                waiting.append((i, r, j))
+            else:  # a stop, or a call with no turns left: the row ends
+                stopped[r] = seen[i][j] in stop_ids
         # 3. The tools answer the waiting rows.
         answers = episodes.respond([(r, seen[i][:j + 1]) for i, r, j in waiting]) if waiting else []
         feeds = []
