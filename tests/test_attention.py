@@ -35,6 +35,18 @@ def test_prefix_attention_equals_concatenated_keys_values_and_grads():
         torch.testing.assert_close(g, gr, atol=1e-12, rtol=1e-12)
 
 
+def assert_values_and_grads_equal(out, ref, inputs, tol: float) -> tuple:
+    """out equals ref, and so do their gradients (of a random projection) with respect to the
+    inputs q, k, v, prefix_k, prefix_v; returns out's gradients."""
+    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+    w = torch.randn_like(ref)
+    got = torch.autograd.grad((out * w).sum(), inputs)
+    want = torch.autograd.grad((ref * w).sum(), inputs)
+    for name, a, b in zip("q k v prefix_k prefix_v".split(), got, want):
+        torch.testing.assert_close(a, b, atol=tol, rtol=tol, msg=name)
+    return got
+
+
 @pytest.mark.skipif(not attention.CPU_FLASH, reason="this torch has no CPU flash attention kernels")
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-6)])
 def test_shared_prefix_attention_equals_repeated_prefix_values_and_grads(dtype, tol):
@@ -56,12 +68,7 @@ def test_shared_prefix_attention_equals_repeated_prefix_values_and_grads(dtype, 
     own_bias = torch.zeros(T, T, dtype=dtype).masked_fill(future, -math.inf).repeat(H // Hkv, 1)
     out = attention.SharedPrefixAttention.apply(q, k, v, pk, pv, prompt_bias, own_bias[None, None])
     ref = attention.repeated_prefix_attention(q, k, v, pk, pv, valid)
-    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
-    w = torch.randn_like(ref)
-    got = torch.autograd.grad((out * w).sum(), [q, k, v, pk, pv])
-    want = torch.autograd.grad((ref * w).sum(), [q, k, v, pk, pv])
-    for name, a, b in zip("q k v prefix_k prefix_v".split(), got, want):
-        torch.testing.assert_close(a, b, atol=tol, rtol=tol, msg=name)
+    got = assert_values_and_grads_equal(out, ref, [q, k, v, pk, pv], tol)
     assert got[3][1, :, 4:].abs().max() == 0  # the padding of prefix 1 gets no gradient
 
 
@@ -98,11 +105,6 @@ def test_ragged_prefix_attention_equals_repeated_prefix_values_and_grads(dtype, 
             N, T, *x.shape[1:]).transpose(1, 2)
     ref = attention.repeated_prefix_attention(padded(q), padded(k), padded(v), pk, pv, valid)
     ref = ref.transpose(1, 2).reshape(N * T, H, D)[where]  # (n, H, D)
-    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
-    w = torch.randn_like(ref)
-    got = torch.autograd.grad((out * w).sum(), [q, k, v, pk, pv])
-    want = torch.autograd.grad((ref * w).sum(), [q, k, v, pk, pv])
-    for name, a, b in zip("q k v prefix_k prefix_v".split(), got, want):
-        torch.testing.assert_close(a, b, atol=tol, rtol=tol, msg=name)
+    got = assert_values_and_grads_equal(out, ref, [q, k, v, pk, pv], tol)
     assert got[3][1].abs().max() == 0  # the empty group's prompt gets no gradient
     assert layout.M == 9 + 4 and len(layout.buckets) == 3  # rows of 9, 8 | 4, 2 | 1

@@ -6,7 +6,6 @@ no loss; a rollout with no call equals today's; tools that fail stop in one line
 
 import math
 import os
-import sys
 import time
 
 import pytest
@@ -20,7 +19,7 @@ import tools
 from episodes import Episodes
 from model import Llama, ModelConfig
 from rollout import RolloutConfig
-from test_train import records, run
+from test_train import records, run, write_module
 
 CFG = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=96)
@@ -285,13 +284,10 @@ def test_a_tools_failure_is_one_line_naming_the_task_and_the_input():
 def write_tool_task(tmp_path, body: str) -> str:
     """mytool:task, the lookup task with the tool `tool` defined by body (and letters enough
     for its error messages)."""
-    (tmp_path / "mytool.py").write_text(
-        "import string, tasks, tools\n" + body + "\ntask = tasks.Task('mytool', "
-        "tasks.sample_lookup, tasks.lookup.rewards, alphabet=tasks.lookup.alphabet + "
-        "string.ascii_lowercase + ': ', max_new_tokens=7, tool=tools.Tool(tool, call='?'))\n")
-    sys.path.insert(0, str(tmp_path))
-    sys.modules.pop("mytool", None)
-    return "mytool:task"
+    return write_module(tmp_path, "mytool", "import string, tools\n" + body + "\ntask = tasks.Task("
+                        "'mytool', tasks.sample_lookup, tasks.lookup.rewards, alphabet="
+                        "tasks.lookup.alphabet + string.ascii_lowercase + ': ', max_new_tokens=7, "
+                        "tool=tools.Tool(tool, call='?'))\n")
 
 
 def test_a_tool_that_raises_mid_run_stops_after_a_checkpoint_of_the_last_step(tmp_path, capsys):
@@ -343,12 +339,10 @@ def test_an_answer_the_tokenizer_cannot_write_stops_the_run_in_one_line(tmp_path
 
 
 def test_a_call_token_that_is_not_one_token_is_refused_in_one_line(tmp_path, capsys):
-    (tmp_path / "longcall.py").write_text(
-        "import tasks, tools\ntask = tasks.Task('longcall', tasks.sample_lookup, "
-        "tasks.lookup.rewards, alphabet=tasks.lookup.alphabet, max_new_tokens=7, "
-        "tool=tools.Tool(tasks.look_up, call='??'))\n")
-    sys.path.insert(0, str(tmp_path))
-    code, _ = run(tmp_path, "--task", "longcall:task", "--steps", "1")
+    spec = write_module(tmp_path, "longcall", "import tools\ntask = tasks.Task('longcall', "
+                        "tasks.sample_lookup, tasks.lookup.rewards, alphabet=tasks.lookup.alphabet,"
+                        " max_new_tokens=7, tool=tools.Tool(tasks.look_up, call='??'))\n")
+    code, _ = run(tmp_path, "--task", spec, "--steps", "1")
     err = capsys.readouterr().err
     assert code == 2 and "task longcall: the tool's call token '??' is 2 tokens" in err
 
