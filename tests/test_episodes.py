@@ -157,7 +157,8 @@ def test_a_rollout_without_a_call_equals_todays_bit_for_bit(model):
     assert sum(with_tool.stats["calls"]) == 0 and plain.stats["compactions"] > 0
     assert torch.equal(plain.tokens, with_tool.tokens) and torch.equal(plain.mask, with_tool.mask)
     assert torch.equal(plain.logprobs, with_tool.logprobs)
-    assert torch.equal(plain.stopped, with_tool.stopped) and torch.equal(with_tool.policy, plain.mask)
+    assert torch.equal(plain.stopped, with_tool.stopped)
+    assert torch.equal(with_tool.policy, plain.mask)
 
 
 def test_greedy_episodes_equal_transformers_generate_turn_by_turn(tmp_path):
