@@ -190,6 +190,11 @@ def informative_groups(rewards: Tensor, num_samples: int) -> Tensor:
 # The generation batch, as the sampler returned it
 
 
+def group_rows(groups: Tensor, G: int) -> Tensor:
+    """(k,) group (prompt) indices -> (k*G,) their rows, prompt-major."""
+    return (groups[:, None] * G + torch.arange(G, device=groups.device)).flatten()
+
+
 def pad_right(seqs: list[list[int]], device: torch.device) -> tuple[Tensor, Tensor]:
     """Ragged token lists -> ids (B, T) right-padded with 0, lengths (B,)."""
     lens = [len(s) for s in seqs]
@@ -250,7 +255,7 @@ class GRPOBatch:
         """The groups `picked` ((k,) prompt indices, in that order) and their completions, cut to
         their own longest prompt and completion."""
         G = self.num_samples
-        rows = (picked[:, None] * G + torch.arange(G, device=picked.device)).flatten()  # (k*G,)
+        rows = group_rows(picked, G)  # (k*G,)
         Tr = int(self.mask[rows].sum(1).max()) if len(rows) else 0
         Tp = int(self.prompt_lens[picked].max())
 
@@ -312,9 +317,9 @@ def cat_groups(parts: list[tuple[GRPOBatch, Tensor]]) -> GRPOBatch:
     for name in ("prompt_ids", "prompt_lens", *ROW_TENSORS):
         if getattr(parts[0][0], name) is None:
             continue  # None in the join too
-        picked = [getattr(batch, name)[groups if name.startswith("prompt") else (
-            groups[:, None] * G + torch.arange(G, device=groups.device)).flatten()]
-            for batch, groups in parts]  # (k,) or (k*G,) rows each
+        picked = [getattr(batch, name)[groups if name.startswith("prompt") else
+                                       group_rows(groups, G)]
+                  for batch, groups in parts]  # (k,) or (k*G,) rows each
         width = max(t.shape[-1] for t in picked)
         joined[name] = torch.cat([F.pad(t, (0, width - t.shape[1])) if t.dim() == 2 else t
                                   for t in picked])
@@ -558,8 +563,7 @@ def micro_batches(batch: GRPOBatch, cfg: GRPOConfig) -> list[tuple[Tensor, GRPOB
     out = []
     for groups in bins:
         picked = torch.tensor(sorted(groups), device=device)  # prompt-major within a micro-batch
-        rows = (picked[:, None] * G + torch.arange(G, device=device)).flatten()
-        out.append((rows, batch.groups(picked)))
+        out.append((group_rows(picked, G), batch.groups(picked)))
     return out
 
 
