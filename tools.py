@@ -125,7 +125,7 @@ class Responder:
                  cfg: ToolConfig, prompt_cfg=None):
         self.task, self.tokenizer, self.examples = task, tokenizer, examples
         self.G, self.cfg = num_samples, cfg
-        self.system_prompt = getattr(prompt_cfg, "system_prompt", "")  # made it a conversation
+        self.system_prompt = prompt_cfg.system_prompt if prompt_cfg else ""  # a conversation
         self.errors = 0
 
     def __call__(self, calls: list[tuple[int, list[int]]]) -> list[list[int] | None]:

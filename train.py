@@ -364,27 +364,29 @@ def episodes_for(run: Run, examples: list[tuple], G: int) -> tools.Responder | N
     return tools.Responder(run.task, run.tokenizer, examples, G, run.cfgs.tools, run.cfgs.prompt)
 
 
+def tp_tool_answers(run: Run, responder: tools.Responder, calls: list) -> list:
+    """The tool's answers under tensor parallelism: the tp ranks hold the same rows, so the first
+    calls the tool and broadcasts its answers, or its failure (a tool need not be
+    deterministic)."""
+    answer = [None]
+    if run.groups.tp_rank == 0:
+        try:
+            answer = [responder(calls)]
+        except tools.ToolFailure as e:
+            answer = [str(e)]
+    first = dist.get_global_rank(run.groups.tp_group, 0)
+    dist.broadcast_object_list(answer, src=first, group=run.groups.tp_group)
+    if isinstance(answer[0], str):  # said once, by the rank that called
+        raise tools.ToolFailure(answer[0] if run.groups.tp_rank == 0 else "")
+    return answer[0]
+
+
 def sample(run: Run, prompts: list[list[int]], cfg: rollout.RolloutConfig, seed: int | None,
            responder: tools.Responder | None) -> rollout.Rollout:
-    """rollout.generate with this run's sampler, cache and stops, and the task's tool. Under tensor
-    parallelism the tp ranks hold the same rows: the first calls the tool and broadcasts its
-    answers (or its failure), so a tool need not be deterministic."""
+    """rollout.generate with this run's sampler, cache and stops, and the task's tool."""
     episodes = None
     if responder is not None:
-        respond = responder
-        if run.groups.tp_size > 1:
-            def respond(calls):
-                answer = [None]
-                if run.groups.tp_rank == 0:
-                    try:
-                        answer = [responder(calls)]
-                    except tools.ToolFailure as e:
-                        answer = [str(e)]
-                first = dist.get_global_rank(run.groups.tp_group, 0)
-                dist.broadcast_object_list(answer, src=first, group=run.groups.tp_group)
-                if isinstance(answer[0], str):  # said once, by the rank that called
-                    raise tools.ToolFailure(answer[0] if run.groups.tp_rank == 0 else "")
-                return answer[0]
+        respond = responder if run.groups.tp_size == 1 else partial(tp_tool_answers, run, responder)
         episodes = rollout.Episodes(respond, run.call_ids, run.cfgs.tools.max_turns)
     with run.phase("rollout"):
         rollout.sync_weights(run.sampler, run.model)
