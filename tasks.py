@@ -26,16 +26,21 @@ Built in:
 - `tasks:chat_add`: "What is 47 + 85?" as a chat message, for a pretrained chat checkpoint
   (--model); generated here, no data file. Correct when the last number of the completion is the
   sum; the reward is 1 for correct, else 0, so eval_reward is the share correct.
+- the stop set (answers of varying length, then the stop) and `tasks:ragged_copy`, below.
+- with a tool (tools.py; a Task's `tool`): `tasks:lookup`, a value only the tool knows (a fresh
+  model), and `tasks:chat_calc`, a product with a calculator (a chat checkpoint).
 
 The evaluation's prompts (eval_split): a finite dataset's own test split (`--eval_data FILE`, read
 by the same task factory), else distinct prompts held out of the training stream, at most half of a
 finite dataset, with a line that says how many were held out and how many remain.
 """
 
+import ast
 import importlib
 import json
 import math
 import numbers
+import operator
 import os
 import random
 import re
@@ -493,9 +498,7 @@ RESULT = re.compile(r"result: -?[\d.]+")
 
 
 def arithmetic(expression: str) -> float:
-    """+ - * / ** and brackets on numbers, nothing else (no eval of the model's text)."""
-    import ast
-    import operator
+    """+ - * / and brackets on numbers, nothing else (no eval of the model's text)."""
     ops = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
            ast.Div: operator.truediv, ast.USub: operator.neg, ast.UAdd: operator.pos}
 
