@@ -286,20 +286,22 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], cfg: RolloutConfi
         stats.update(prompt_kv_bytes=sum(nbytes[:2]), completion_kv_bytes=sum(nbytes[2:]))
     # 6. Cut each row at its stop id, rows in the caller's prompt order; it stays on the device.
     rank = sorted(range(len(order)), key=order.__getitem__)  # each prompt's place in the sort
-    rows = torch.tensor([rank[i // G] * G + i % G for i in range(len(order) * G)], device=device)
+    where = [rank[i // G] * G + i % G for i in range(len(order) * G)]  # each row's sorted row
+    rows = torch.tensor(where, device=device)
     if episodes is None:
         tokens, mask, logprobs, stopped = _cut_at_stop(out_tokens.T[rows], out_logprobs.T[rows],
                                                        stop_ids)
         sampled = None
-    else:  # each row's length and end as the episode loop left them
-        lengths = torch.tensor(stats.pop("lengths", [0] * len(rows)), device=device)[rows]
-        Tc = int(lengths.max()) if new else 0
+    else:  # each row's length and end as the episode loop left them (nothing when new = 0)
+        ends = {key: stats.pop(key, [0] * len(where)) for key in ("lengths", "stopped", "calls")}
+        lengths = torch.tensor([ends["lengths"][r] for r in where], device=device)  # (R,)
+        Tc = int(lengths.max())
         mask = torch.arange(Tc, device=device) < lengths[:, None]  # (R, Tc)
         tokens = out_tokens.T[rows, :Tc].masked_fill(~mask, 0)
         sampled = policy.T[rows, :Tc] & mask
         logprobs = out_logprobs.T[rows, :Tc].masked_fill(~sampled, 0.0)
-        stopped = torch.tensor(stats.pop("stopped", [False] * len(rows)), device=device)[rows]
-        stats["calls"] = torch.tensor(stats.pop("calls", [0] * len(rows)))[rows.cpu()].tolist()
+        stopped = torch.tensor([bool(ends["stopped"][r]) for r in where], device=device)
+        stats["calls"] = [ends["calls"][r] for r in where]
     stats.update(new_tokens=int(mask.sum()), seconds=time.perf_counter() - started)
     with torch.inference_mode(False):  # normal tensors: training may index with them (autograd)
         tokens, mask, logprobs, stopped = (t.clone() for t in (tokens, mask, logprobs, stopped))
