@@ -16,6 +16,7 @@ from memtrace import allocator_peak
 import attention
 import decode
 import rollout
+import sampling
 from attention import prefix_attention
 from model import Llama, ModelConfig
 from rollout import KVCache, Rollout, RolloutConfig, filter_logits, sample
@@ -425,6 +426,57 @@ def test_sample_equals_its_slow_twin_for_the_same_seed():
         slow = full_inverse_cdf(probs, u)
         assert torch.equal(tokens, slow)
         assert torch.equal(logprobs, probs.gather(-1, slow[:, None])[:, 0].log())
+
+
+def chi_square_excess(tokens: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's chi-square of the drawn tokens against probs (V,), in standard deviations above
+    its mean (degrees of freedom k: mean k, variance 2k), over the ids expected >= 5 times and the
+    rest pooled in one bin. A masked id (probability 0) drawn even once fails outright."""
+    counts = torch.bincount(tokens, minlength=probs.numel()).double()
+    assert counts[probs == 0].sum() == 0, "a masked token was drawn"
+    expected = probs.double() * tokens.numel()
+    big = expected >= 5
+    observed = torch.cat((counts[big], counts[~big].sum()[None]))
+    expected = torch.cat((expected[big], expected[~big].sum()[None]))
+    chi2 = float(((observed - expected) ** 2 / expected.clamp_min(1e-300)).sum())
+    k = int(big.sum())  # bins - 1
+    return (chi2 - k) / (2 * k) ** 0.5
+
+
+def draw(sampler: str, probs: torch.Tensor, rows: int, generator: torch.Generator) -> torch.Tensor:
+    """rows tokens from probs (V,) by one of sampling.py's two samplers."""
+    batch = probs.expand(rows, -1)
+    if sampler == "exponential_race":
+        return sampling.exponential_race(batch, generator)
+    u = torch.rand((rows, 1), generator=generator, dtype=torch.float64)
+    return sampling.inverse_cdf(batch, u)
+
+
+@pytest.mark.parametrize("sampler", ["inverse_cdf", "exponential_race"])
+def test_both_samplers_draw_the_distribution(sampler):
+    """Goodness of fit: 200,000 draws from a distribution with masked ids and blocks of 8 ids
+    (gcd(1000, 256)), against its probabilities. The statistic is a fixed number at this seed;
+    5 standard deviations above the mean would be a chance of ~1e-6 for a correct sampler."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(1000, generator=gen) * 2
+    logits[::7] = float("-inf")  # masked ids, as top-k / top-p leave them
+    probs = logits.softmax(dim=-1)
+    tokens = torch.cat([draw(sampler, probs, 20000, gen) for _ in range(10)])
+    assert chi_square_excess(tokens, probs) < 5
+
+
+@pytest.mark.parametrize("sampler", ["inverse_cdf", "exponential_race"])
+def test_both_samplers_draw_the_tail_of_a_peaked_distribution(sampler):
+    """A trained model's shape: one token holds 0.999 and the other 49,151 share the rest at
+    2e-8 each, below float32's ulp near 1 (6e-8). The tail must come up at its rate: 1e-3 of
+    60,000 draws, 60 +- 7.7."""
+    V = 49152
+    probs = torch.full((V,), 1e-3 / (V - 1))
+    probs[123] = 0.999
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.cat([draw(sampler, probs, 2000, gen) for _ in range(30)])
+    tail = int((tokens != 123).sum())
+    assert abs(tail - 60) < 5 * 7.7, tail
 
 
 @pytest.mark.parametrize("dtype,temperature,nbytes", [

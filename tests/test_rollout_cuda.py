@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from model import Llama
-from rollout import KVCache, RolloutConfig, generate
+from rollout import KVCache, RolloutConfig, generate, sample
 from test_rollout import CFG, PROMPTS, trainer_logprobs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -62,3 +62,19 @@ def test_episodes_on_cuda_score_as_the_trainer_with_graphs_and_without(model):
             want = trainer_logprobs(gpu, PROMPTS[row // 4], episode, 0.9, 0, 1.0).cpu()
             assert (got[~policy] == 0).all()
             torch.testing.assert_close(got[policy], want[policy], rtol=0, atol=1e-4)
+
+
+def test_sample_on_cuda_draws_the_distribution_by_its_exponential_race():
+    """sample() on CUDA takes sampling.exponential_race (the CPU, inverse_cdf): goodness of fit of
+    200,000 draws against the softmax, as tests/test_rollout.py checks both samplers on the CPU;
+    the logprobs are the softmax's at the drawn tokens."""
+    from test_rollout import chi_square_excess
+    logits = torch.randn(1000, generator=torch.Generator().manual_seed(0)) * 2
+    logits[::7] = float("-inf")
+    probs = logits.softmax(dim=-1)
+    generator = torch.Generator("cuda").manual_seed(0)
+    batch = logits.cuda().expand(20000, -1)
+    draws = [sample(batch, 1.0, 0, 1.0, generator) for _ in range(10)]
+    tokens = torch.cat([t for t, _ in draws]).cpu()
+    assert chi_square_excess(tokens, probs) < 5
+    torch.testing.assert_close(torch.cat([lp for _, lp in draws]).cpu(), probs.log()[tokens])
