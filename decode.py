@@ -8,7 +8,9 @@ each row's own keys, the rows that leave, and (for a tool's answer) a row extend
   prompt keys plus its own (attention.prefix_attention: the G rows of a group folded against the one
   prompt K/V, merged by log-sum-exp). Active rows sit in a grid of Bp' groups x G' slots (Layout).
   On the CPU, groups run in buckets of like prompt lengths through SDPA's fused kernel
-  (fused_prefix_attention); on CUDA the step is a CUDA graph per layout (GraphedStep).
+  (fused_prefix_attention); on CUDA the step is a CUDA graph per layout (GraphedStep), and in
+  bf16 both parts run in SDPA's memory-efficient kernel, which reads the bf16 cache as it is
+  (kernel_prefix_attention: no float32 copy of the KV, float32 accumulation inside the kernel).
 - Decoder: the step over the active rows (model.hidden with the attention hook), the dropping of
   finished ones, and extend(): a tool's observation prefilled into a row's own cache at its
   position (ExtendAttention), rows then at their own lengths (episodes.py).
@@ -148,6 +150,57 @@ def fused_prefix_attention(q: Tensor, k: Tensor, v: Tensor, prefix_k: Tensor, pr
     return y.view(S, H, 1, D).to(q.dtype)  # a bf16 model gets bf16 back
 
 
+_EFFICIENT = getattr(torch.ops.aten, "_scaled_dot_product_efficient_attention", None)
+
+
+def efficient_attention(q: Tensor, k: Tensor, v: Tensor,
+                        bias: Tensor | None) -> tuple[Tensor, Tensor]:
+    """SDPA's memory-efficient CUDA kernel with its log-sum-exp: q (B, Hkv, M, D), k/v
+    (B, Hkv, S, D) of one dtype, bias (B or 1, 1, 1, S) 0 / -inf in it or None -> out
+    (B, Hkv, M, D), lse (B, Hkv, M) float32. The kernel wants each bias row at a 16-element
+    aligned stride (DecodeAttention.set_layout allocates it so) and pads its lse to a multiple of
+    32 queries."""
+    B, H, M, _ = q.shape
+    if bias is not None:
+        bias = bias.expand(B, H, M, k.shape[2])  # stride 0 over heads and queries
+    out, lse = _EFFICIENT(q, k, v, bias, True)[:2]
+    return out, lse[..., :M]
+
+
+def kernel_for(device: torch.device, dtype: torch.dtype) -> Callable | None:
+    """The fused kernel DecodeAttention's step runs both parts through, or None: prefix_attention
+    in plain float32 ops. SDPA's memory-efficient kernel on CUDA in bf16 / fp16; float32 keeps the
+    plain ops (the engine's exact path: the logits equal transformers')."""
+    if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and _EFFICIENT:
+        return efficient_attention
+    return None
+
+
+def kernel_prefix_attention(q: Tensor, k: Tensor, v: Tensor, own_bias: Tensor | None,
+                            prefix_k: Tensor, prefix_v: Tensor, prefix_bias: Tensor | None,
+                            attend: Callable) -> Tensor:
+    """prefix_attention for one token per row, each part in one call of a fused kernel that
+    returns its log-sum-exp, attend(q, k, v, bias) -> (out, lse) (kernel_for): the G rows of a group
+    and the rep query heads of a kv head against the group's prompt K/V, then the rep heads of a
+    row against its own keys; the kernel reads the K/V in their dtype and accumulates in float32,
+    and only the two partial outputs (S, H, D) are merged in float32, by their log-sum-exp.
+    q (S, H, 1, D), k/v (S, Hkv, T, D) the rows' own keys, own_bias (1, 1, 1, T) 0 / -inf or None,
+    prefix_k/v (Bp, Hkv, P, D), prefix_bias (Bp, 1, 1, P) or None."""
+    S, H, _, D = q.shape
+    Bp, Hkv = prefix_k.shape[:2]
+    G, rep = S // Bp, H // Hkv
+    qp = q.reshape(Bp, G, Hkv, rep, D).transpose(1, 2).reshape(Bp, Hkv, G * rep, D)
+    out_p, lse_p = attend(qp, prefix_k, prefix_v, prefix_bias)  # (Bp, Hkv, G*rep, D | -)
+    out_p = out_p.view(Bp, Hkv, G, rep, D).transpose(1, 2).reshape(S, H, D)  # row-major again
+    lse_p = lse_p.view(Bp, Hkv, G, rep).transpose(1, 2).reshape(S, H)
+    out_s, lse_s = attend(q.reshape(S, Hkv, rep, D), k, v, own_bias)  # (S, Hkv, rep, D | -)
+    lse_s = lse_s.reshape(S, H)
+    lse = torch.logaddexp(lse_p, lse_s)  # (S, H) float32
+    y = (out_p * (lse_p - lse).exp()[..., None]
+         + out_s.reshape(S, H, D) * (lse_s - lse).exp()[..., None])  # float32
+    return y.view(S, H, 1, D).to(q.dtype)
+
+
 class DecodeAttention:
     """Writes the step's K/V into each row's completion KV (position `step`) and attends to the
     shared prompt KV plus the row's own keys. Every per-step input is a tensor, so a CUDA graph can
@@ -160,6 +213,8 @@ class DecodeAttention:
         self.own_len = completion_len
         self.key_positions = torch.arange(completion_len, device=step.device)
         self.fused = step.device.type == "cpu" and _CPU_FLASH is not None
+        self.kernel = kernel_for(step.device, self.own_k[0].dtype)  # CUDA, bf16: None elsewhere
+        self.own_bias: Tensor | None = None  # the step's own-key mask, made by layer 0
         self.layout: Layout | None = None
         self.row_pos: Tensor | None = None  # (N,) each row's own index, once rows differ (tools)
 
@@ -193,9 +248,11 @@ class DecodeAttention:
         self.prefix_valid = torch.arange(P, device=device) < lens[:, None]
         self.prefix_bias = None  # no padding: the fused kernel skips its mask
         if not self.prefix_valid.all():
-            dtype = self.prefix_k[0].dtype
-            zeros = torch.zeros(self.prefix_valid.shape, dtype=dtype, device=device)
-            self.prefix_bias = zeros.masked_fill(~self.prefix_valid, float("-inf"))[:, None, None]
+            # Rows 16-aligned in memory (efficient_attention's kernel needs it): (Bp', P) in a
+            # (Bp', P rounded up to 16) buffer, filled in place.
+            bias = torch.zeros(Bp, -(-P // 16) * 16, dtype=self.prefix_k[0].dtype,
+                               device=device)[:, :P]
+            self.prefix_bias = bias.masked_fill_(~self.prefix_valid, float("-inf"))[:, None, None]
         # Each bucket's slice of the mask, or None where its prompts fill all its keys.
         self.bucket_bias = [None if self.prefix_bias is None or min(lens_list[first:stop]) == keys
                             else self.prefix_bias[first:stop, ..., :keys]
@@ -236,6 +293,14 @@ class DecodeAttention:
         own_v.index_copy_(2, self.step, v.to(own_v.dtype))
         own_k = own_k[:, :, :self.own_len]  # (S, Hkv, Tc or t+1, D)
         own_v = own_v[:, :, :self.own_len]
+        if self.kernel is not None and q.dtype == own_k.dtype:
+            if layer == 0:  # one mask for every layer: 0 up to `step`, -inf after (1, 1, 1, T)
+                unwritten = self.key_positions[:self.own_len] > self.step
+                bias = torch.zeros(unwritten.shape, dtype=q.dtype, device=q.device)
+                self.own_bias = bias.masked_fill_(unwritten, float("-inf"))[None, None, None]
+            y = kernel_prefix_attention(q, own_k, own_v, self.own_bias, prefix_k, prefix_v,
+                                        self.prefix_bias, self.kernel)
+            return self._gather(y)
         own_allowed = (self.key_positions[:self.own_len] <= self.step)[None, None]  # (1, 1, Tc)
         y = prefix_attention(q, own_k, own_v, own_allowed, prefix_k, prefix_v, self.prefix_valid)
         return self._gather(y)

@@ -42,10 +42,10 @@ def filter_logits(logits: Tensor, temperature: float, top_k: int = 0, top_p: flo
 
 def sample(logits: Tensor, temperature: float, top_k: int, top_p: float,
            generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
-    """logits (rows, V) -> tokens (rows,), logprobs (rows,). Inverse-CDF sampling, no host sync: one
-    uniform per row on the CPU, an exponential race on CUDA (module docstring). Greedy (temperature 0)
-    returns the argmax's logprob under temperature 1 and the same masks: a point mass (logprob 0)
-    is what no trainer forward reproduces."""
+    """logits (rows, V) -> tokens (rows,), logprobs (rows,), no host sync: inverse-CDF sampling on
+    the CPU, an exponential race on CUDA (module docstring). Greedy (temperature 0) returns the
+    argmax's logprob under temperature 1 and the same masks: a point mass (logprob 0) is what no
+    trainer forward reproduces."""
     if temperature == 0:
         x = filter_logits(logits, temperature, top_k, top_p)
         tokens = x.argmax(dim=-1)

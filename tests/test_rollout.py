@@ -213,6 +213,56 @@ def test_fused_cpu_attention_equals_model_prefix_attention(padded):
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)  # fp32, same math, different summation order
 
 
+def cpu_kernel(q, k, v, bias):
+    """decode.efficient_attention's contract, (out, lse), from SDPA's fused CPU kernel: the CUDA
+    route's code run on the CPU."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=bias)
+
+
+@pytest.mark.skipif(decode._CPU_FLASH is None, reason="no fused CPU attention kernel in this torch")
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("padded", [True, False])
+def test_kernel_prefix_attention_equals_model_prefix_attention(dtype, atol, padded):
+    """CUDA's bf16 decode attention (decode.kernel_prefix_attention: each part one fused call with
+    its log-sum-exp, merged in float32), the CPU's kernel standing in for CUDA's, against
+    prefix_attention in float64 on the same inputs: ragged prompts (a -inf bias in a 16-aligned
+    buffer, as set_layout makes it) or none, own keys past the step masked (garbage in them).
+    Tolerance: float32 summation order; bf16, the kernel's bf16 partial outputs (~4e-3 relative)."""
+    gen = torch.Generator().manual_seed(0)
+    Bp, G, H, Hkv, D, P, T, t = 3, 4, 4, 2, 16, 9, 7, 4
+    q, k, v = (torch.randn(shape, generator=gen).to(dtype)
+               for shape in [(Bp * G, H, 1, D)] + [(Bp * G, Hkv, T, D)] * 2)
+    prefix_k, prefix_v = torch.randn(2, Bp, Hkv, P, D, generator=gen).to(dtype)
+    valid = torch.arange(P) < torch.tensor([9, 4, 1] if padded else [9, 9, 9])[:, None]  # (Bp, P)
+    bias = None
+    if padded:
+        bias = torch.zeros(Bp, 16, dtype=dtype)[:, :P].masked_fill_(~valid, float("-inf"))[:, None, None]
+    unwritten = torch.arange(T) > t
+    own_bias = torch.zeros(T, dtype=dtype).masked_fill_(unwritten, float("-inf"))[None, None, None]
+    got = decode.kernel_prefix_attention(q, k, v, own_bias, prefix_k, prefix_v, bias, cpu_kernel)
+    assert got.dtype == dtype
+    wide = [x.double() for x in (q, k, v, prefix_k, prefix_v)]
+    expected = prefix_attention(*wide[:3], ~unwritten[None, None], *wide[3:], valid)
+    torch.testing.assert_close(got.double(), expected, rtol=0, atol=atol)
+
+
+def test_efficient_attention_shapes_on_the_meta_device():
+    """CUDA's kernel through its meta kernel (the shapes it returns on a GPU), at the Qwen2.5-0.5B
+    shape (14 heads over 2 kv heads, D = 64): its log-sum-exp comes padded to 32 queries and
+    efficient_attention cuts it back, so the merge gets (S, H, 1, D) in bf16."""
+    Bp, G, H, Hkv, D, P, T = 3, 4, 14, 2, 64, 70, 255
+    meta = dict(dtype=torch.bfloat16, device="meta")
+    q = torch.empty(Bp * G, H, 1, D, **meta)
+    k = torch.empty(Bp * G, Hkv, T, D, **meta)
+    prefix = torch.empty(Bp, Hkv, P, D, **meta)
+    bias = torch.empty(Bp, 80, **meta)[:, :P][:, None, None]
+    out, lse = decode.efficient_attention(q.view(Bp * G, Hkv, H // Hkv, D), k, k, None)
+    assert out.shape == (Bp * G, Hkv, H // Hkv, D) and lse.shape == (Bp * G, Hkv, H // Hkv)
+    y = decode.kernel_prefix_attention(q, k, k, torch.empty(1, 1, 1, T, **meta), prefix, prefix,
+                                       bias, decode.efficient_attention)
+    assert y.shape == q.shape and y.dtype == torch.bfloat16
+
+
 def test_ragged_prompts_run_in_length_buckets_that_read_each_prompt_at_most_twice():
     """Prompts sorted longest first: prefill chunks and decode buckets hold like lengths. Each
     bucket reads its longest prompt's keys, at most twice any of its prompts' own (the padded decode
@@ -279,12 +329,20 @@ def test_greedy_on_ragged_prompts_equals_transformers_generate(tmp_path):
         assert out.completions()[2 * i] == out.completions()[2 * i + 1] == want, i
 
 
-def test_generic_decode_path_equals_fused_path(model, monkeypatch):
-    """The path CUDA takes (model.prefix_attention with a mask), run on the CPU, with rows dropped."""
+@pytest.mark.parametrize("kernel", [False, True])
+def test_generic_decode_path_equals_fused_path(model, monkeypatch, kernel):
+    """The paths CUDA takes, run on the CPU, with rows dropped: float32's (model.prefix_attention
+    with a mask) and, with kernel, bf16's (kernel_prefix_attention, the CPU's kernel standing in
+    for CUDA's: called by every layer of every step here)."""
     kwargs = dict(num_samples=3, max_new_tokens=24, temperature=0.9, stop_ids=(5, 9, 17, 23), seed=5, check_every=2)
     fused = generate(model, PROMPTS, **kwargs)
     monkeypatch.setattr(decode, "_CPU_FLASH", None)
+    calls = []
+    if kernel:
+        monkeypatch.setattr(decode, "kernel_for", lambda device, dtype: lambda *a: (
+            calls.append(1), cpu_kernel(*a))[1])
     generic = generate(model, PROMPTS, **kwargs)
+    assert len(calls) == (2 * CFG.num_hidden_layers * generic.stats["decode_steps"] if kernel else 0)
     assert torch.equal(generic.tokens, fused.tokens) and fused.stats["compactions"] > 0
     torch.testing.assert_close(generic.logprobs, fused.logprobs, rtol=0, atol=TOL)
 
@@ -316,10 +374,15 @@ def test_packed_linears_equal_f_linear_and_are_undone(model):
     torch.testing.assert_close(packed.logprobs, plain.logprobs, rtol=0, atol=TOL)
 
 
-def test_decode_attention_over_all_completion_slots_masks_the_unwritten_ones(monkeypatch):
+@pytest.mark.parametrize("kernel", [False, True])
+def test_decode_attention_over_all_completion_slots_masks_the_unwritten_ones(monkeypatch, kernel):
     """A CUDA graph attends to all Tc completion slots with a mask on `step` (static shapes); the CPU path
-    slices to the step + 1 written ones. Both must agree, also with garbage in the unwritten slots."""
+    slices to the step + 1 written ones. Both must agree, also with garbage in the unwritten slots.
+    kernel: CUDA's bf16 route (kernel_prefix_attention, the step's own bias, the aligned prompt
+    bias), the CPU's fused kernel standing in for CUDA's; it equals the plain route too."""
     monkeypatch.setattr(decode, "_CPU_FLASH", None)
+    if kernel:
+        monkeypatch.setattr(decode, "kernel_for", lambda device, dtype: cpu_kernel)
     gen = torch.Generator().manual_seed(1)
     Bp, G, H, Hkv, D, P, Tc, t = 2, 3, 4, 2, 8, 6, 7, 3
     cache = KVCache(KVCache.numel_for(1, Hkv, D, Bp, G, P, Tc + 1), torch.float32, "cpu")
@@ -333,6 +396,9 @@ def test_decode_attention_over_all_completion_slots_masks_the_unwritten_ones(mon
     full = attn(0, q, k, v)  # (N, H, 1, D)
     attn.own_len = t + 1
     torch.testing.assert_close(attn(0, q, k, v), full, rtol=0, atol=1e-6)
+    if kernel:
+        attn.kernel = None  # prefix_attention's plain float32 ops
+        torch.testing.assert_close(attn(0, q, k, v), full, rtol=0, atol=1e-6)
 
 
 def test_bf16_model_on_the_cpu(model):

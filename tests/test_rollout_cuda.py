@@ -78,3 +78,48 @@ def test_sample_on_cuda_draws_the_distribution_by_its_exponential_race():
     tokens = torch.cat([t for t, _ in draws]).cpu()
     assert chi_square_excess(tokens, probs) < 5
     torch.testing.assert_close(torch.cat([lp for _, lp in draws]).cpu(), probs.log()[tokens])
+
+
+def test_bf16_decode_attention_runs_the_fused_kernel_and_equals_prefix_attention():
+    """In bf16 the decode step's attention is decode.kernel_prefix_attention through SDPA's
+    memory-efficient kernel (decode.efficient_attention) at the Qwen2.5-0.5B head shape, ragged
+    prompts (the 16-aligned bias) and own keys past the step masked: against prefix_attention in
+    float64 on the same bf16 inputs. Tolerance: the kernel's bf16 partial outputs."""
+    import decode
+    from attention import prefix_attention
+    assert decode.kernel_for(torch.device("cuda"), torch.bfloat16) is decode.efficient_attention
+    assert decode.kernel_for(torch.device("cuda"), torch.float32) is None  # the exact path
+    gen = torch.Generator().manual_seed(0)
+    Bp, G, H, Hkv, D, P, T, t = 3, 4, 14, 2, 64, 70, 40, 25
+    q, k, v = (torch.randn(shape, generator=gen).to("cuda", torch.bfloat16)
+               for shape in [(Bp * G, H, 1, D)] + [(Bp * G, Hkv, T, D)] * 2)
+    prefix_k, prefix_v = torch.randn(2, Bp, Hkv, P, D, generator=gen).to("cuda", torch.bfloat16)
+    valid = torch.arange(P, device="cuda") < torch.tensor([70, 33, 1], device="cuda")[:, None]
+    bias = torch.zeros(Bp, 80, dtype=torch.bfloat16, device="cuda")[:, :P]
+    bias = bias.masked_fill_(~valid, float("-inf"))[:, None, None]
+    unwritten = torch.arange(T, device="cuda") > t
+    own_bias = torch.zeros(T, dtype=torch.bfloat16, device="cuda")
+    own_bias = own_bias.masked_fill_(unwritten, float("-inf"))[None, None, None]
+    got = decode.kernel_prefix_attention(q, k, v, own_bias, prefix_k, prefix_v, bias,
+                                         decode.efficient_attention)
+    wide = [x.double() for x in (q, k, v, prefix_k, prefix_v)]
+    expected = prefix_attention(*wide[:3], ~unwritten[None, None], *wide[3:], valid)
+    torch.testing.assert_close(got.double(), expected, rtol=0, atol=2e-2)
+
+
+def test_bf16_decode_scores_as_the_trainer_with_graphs_and_without(model):
+    """A bf16 sampler on the GPU (the fused kernel's route, rows dropped and graphs re-captured):
+    each sampled token's logprob equals the bf16 trainer forward's within bf16's rounding of
+    logits of size ~5 (tests/test_rollout.py's bf16 CPU test: 0.1)."""
+    gpu = Llama(CFG).to("cuda", torch.bfloat16)
+    gpu.load_state_dict(model.state_dict())
+    for graphs in (True, False):
+        cfg = RolloutConfig(num_samples=4, max_new_tokens=30, temperature=0.9, check_every=2,
+                            cuda_graphs=graphs)
+        out = generate(gpu, PROMPTS, cfg, stop_ids=(5, 9, 17, 23, 31), seed=1)
+        assert out.stats["compactions"] >= 1
+        logprobs = out.logprob_lists()
+        for row, completion in enumerate(out.completions()):
+            expected = trainer_logprobs(gpu, PROMPTS[row // 4], completion, 0.9, 0, 1.0).float()
+            torch.testing.assert_close(torch.tensor(logprobs[row]), expected.cpu(), rtol=0,
+                                       atol=0.1)
