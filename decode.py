@@ -167,11 +167,13 @@ def efficient_attention(q: Tensor, k: Tensor, v: Tensor,
     return out, lse[..., :M]
 
 
-def kernel_for(device: torch.device, dtype: torch.dtype) -> Callable | None:
+def kernel_for(device: torch.device, dtype: torch.dtype, head_dim: int) -> Callable | None:
     """The fused kernel DecodeAttention's step runs both parts through, or None: prefix_attention
-    in plain float32 ops. SDPA's memory-efficient kernel on CUDA in bf16 / fp16; float32 keeps the
-    plain ops (the engine's exact path: the logits equal transformers')."""
-    if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and _EFFICIENT:
+    in plain float32 ops. SDPA's memory-efficient kernel on CUDA in bf16 / fp16, for head dims it
+    takes (multiples of 8); float32 keeps the plain ops (the engine's exact path: the logits equal
+    transformers')."""
+    half = dtype in (torch.bfloat16, torch.float16)
+    if device.type == "cuda" and half and head_dim % 8 == 0 and _EFFICIENT:
         return efficient_attention
     return None
 
@@ -213,7 +215,7 @@ class DecodeAttention:
         self.own_len = completion_len
         self.key_positions = torch.arange(completion_len, device=step.device)
         self.fused = step.device.type == "cpu" and _CPU_FLASH is not None
-        self.kernel = kernel_for(step.device, self.own_k[0].dtype)  # CUDA, bf16: None elsewhere
+        self.kernel = kernel_for(step.device, self.own_k[0].dtype, self.own_k[0].shape[-1])
         self.own_bias: Tensor | None = None  # the step's own-key mask, made by layer 0
         self.layout: Layout | None = None
         self.row_pos: Tensor | None = None  # (N,) each row's own index, once rows differ (tools)

@@ -246,6 +246,17 @@ def test_kernel_prefix_attention_equals_model_prefix_attention(dtype, atol, padd
     torch.testing.assert_close(got.double(), expected, rtol=0, atol=atol)
 
 
+def test_the_fused_decode_kernel_is_cudas_in_bf16_only():
+    """kernel_for: SDPA's memory-efficient kernel for a bf16 / fp16 cache on CUDA at head dims it
+    takes; float32 keeps the exact plain ops, and the CPU its own fused path."""
+    cuda = torch.device("cuda")  # a device name: no GPU needed
+    assert decode.kernel_for(cuda, torch.bfloat16, 64) is decode.efficient_attention
+    assert decode.kernel_for(cuda, torch.float16, 128) is decode.efficient_attention
+    assert decode.kernel_for(cuda, torch.float32, 64) is None
+    assert decode.kernel_for(cuda, torch.bfloat16, 12) is None
+    assert decode.kernel_for(torch.device("cpu"), torch.bfloat16, 64) is None
+
+
 def test_efficient_attention_shapes_on_the_meta_device():
     """CUDA's kernel through its meta kernel (the shapes it returns on a GPU), at the Qwen2.5-0.5B
     shape (14 heads over 2 kv heads, D = 64): its log-sum-exp comes padded to 32 queries and
@@ -339,7 +350,7 @@ def test_generic_decode_path_equals_fused_path(model, monkeypatch, kernel):
     monkeypatch.setattr(decode, "_CPU_FLASH", None)
     calls = []
     if kernel:
-        monkeypatch.setattr(decode, "kernel_for", lambda device, dtype: lambda *a: (
+        monkeypatch.setattr(decode, "kernel_for", lambda device, dtype, head_dim: lambda *a: (
             calls.append(1), cpu_kernel(*a))[1])
     generic = generate(model, PROMPTS, **kwargs)
     assert len(calls) == (2 * CFG.num_hidden_layers * generic.stats["decode_steps"] if kernel else 0)
@@ -382,7 +393,7 @@ def test_decode_attention_over_all_completion_slots_masks_the_unwritten_ones(mon
     bias), the CPU's fused kernel standing in for CUDA's; it equals the plain route too."""
     monkeypatch.setattr(decode, "_CPU_FLASH", None)
     if kernel:
-        monkeypatch.setattr(decode, "kernel_for", lambda device, dtype: cpu_kernel)
+        monkeypatch.setattr(decode, "kernel_for", lambda device, dtype, head_dim: cpu_kernel)
     gen = torch.Generator().manual_seed(1)
     Bp, G, H, Hkv, D, P, Tc, t = 2, 3, 4, 2, 8, 6, 7, 3
     cache = KVCache(KVCache.numel_for(1, Hkv, D, Bp, G, P, Tc + 1), torch.float32, "cpu")
