@@ -27,12 +27,28 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 
-def head_logits(model, h: Tensor, temperature: float) -> Tensor:
+def head_logits(model, h: Tensor, temperature: float, weight: Tensor | None = None) -> Tensor:
     """Final norm + lm_head, (n, C) -> (n, V) in float32 (or float64), divided by the temperature
     the way the sampler does, logits.float() / temperature: a mismatch gives ratio != 1 at mu = 1
-    (trl#4159)."""
-    logits = model.head(h).to(torch.promote_types(h.dtype, torch.float32))
+    (trl#4159). weight: lm_head computes with it in place of its own (head_copy's cast)."""
+    with lm_head_weight(model, weight):
+        logits = model.head(h).to(torch.promote_types(h.dtype, torch.float32))
     return logits if temperature == 1.0 else logits / temperature
+
+
+@contextlib.contextmanager
+def lm_head_weight(model, weight: Tensor | None):
+    """Inside the block, model.lm_head computes with `weight` in place of its own parameter (None:
+    its own): the swap torch.func.functional_call makes around forward, here around model.head."""
+    if weight is None:
+        yield
+        return
+    params = model.lm_head._parameters
+    own, params["weight"] = params["weight"], weight
+    try:
+        yield
+    finally:
+        params["weight"] = own
 
 
 def logprobs_from_logits(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
@@ -71,6 +87,36 @@ def uncached_autocast(device_type: str):
                           cache_enabled=False)
 
 
+def head_copy(model, device_type: str) -> Tensor | None:
+    """lm_head's weight cast once to the autocast dtype, a leaf of its own, or None (no autocast,
+    or a head that is not a plain bias-free nn.Linear: tensor parallelism's, whose forward runs a
+    collective). Autocast would cast the (V, C) weight again for every chunk, forward and backward
+    rebuild, and cast each chunk's (V, C) gradient back: at 128 tokens a chunk those casts move
+    ~20x the bytes of the chunk's matmul. ChunkedSoftmaxLogprobs computes every chunk with this
+    one copy and adds each chunk's gradient of it into the weight's float32 .grad
+    (add_copy_grad)."""
+    lm_head = model.lm_head
+    if (not torch.is_autocast_enabled(device_type) or type(lm_head) is not torch.nn.Linear
+            or lm_head.bias is not None):
+        return None
+    dtype = torch.get_autocast_dtype(device_type)
+    if lm_head.weight.dtype == dtype or not lm_head.weight.is_floating_point():
+        return None
+    return lm_head.weight.detach().to(dtype).requires_grad_(lm_head.weight.requires_grad)
+
+
+def add_copy_grad(weight: Tensor, copy: Tensor) -> None:
+    """copy.grad (one chunk's, in the copy's dtype) into weight.grad in weight's dtype, as
+    autograd's cast and accumulation would: the same bits, in one pass."""
+    if copy.grad is None:
+        return
+    if weight.grad is None:
+        weight.grad = copy.grad.to(weight.dtype)
+    else:
+        weight.grad.add_(copy.grad)
+    copy.grad = None
+
+
 class ChunkedSoftmaxLogprobs(torch.autograd.Function):
     """The default chunked path: h (n, C), targets (n,) -> logp (n,), entropy (n,). Forward keeps
     one log-sum-exp and one entropy per token; backward rebuilds each chunk's logits and applies
@@ -87,12 +133,14 @@ class ChunkedSoftmaxLogprobs(torch.autograd.Function):
         entropy = torch.empty_like(logp)
         lse = torch.empty_like(logp)
         ctx.kept = None
+        ctx.weight = head_copy(model, h.device.type)  # (V, C) bf16 under autocast, else None
         for start in range(0, h.shape[0], chunk_size):
             rows = slice(start, start + chunk_size)
             keep = keep_last and start + chunk_size >= h.shape[0]
             with torch.set_grad_enabled(keep), uncached_autocast(h.device.type):
                 h_chunk = h[rows].detach().requires_grad_(keep)
-                z = head_logits(model, h_chunk, temperature)  # (n_chunk, V), a graph if kept
+                # (n_chunk, V), a graph if kept
+                z = head_logits(model, h_chunk, temperature, ctx.weight)
             if keep:
                 ctx.kept = start, h_chunk, z
                 z = z.detach()
@@ -116,6 +164,8 @@ class ChunkedSoftmaxLogprobs(torch.autograd.Function):
         h, targets, lse, entropy, *params = ctx.saved_tensors
         grad_h = torch.empty_like(h)
         kept, ctx.kept = ctx.kept, None  # a second backward (retain_graph) rebuilds it too
+        copy = ctx.weight  # forward's cast of lm_head's weight (its graph's, for a kept chunk)
+        inputs = params if copy is None else [copy, *params]
         for start in range(0, h.shape[0], ctx.chunk_size):
             rows = slice(start, start + ctx.chunk_size)
             if kept is not None and kept[0] == start:
@@ -123,14 +173,16 @@ class ChunkedSoftmaxLogprobs(torch.autograd.Function):
             else:
                 with torch.enable_grad(), uncached_autocast(h.device.type):
                     h_chunk = h[rows].detach().requires_grad_()
-                    z = head_logits(ctx.model, h_chunk, ctx.temperature)  # (n_chunk, V) rebuilt
+                    z = head_logits(ctx.model, h_chunk, ctx.temperature, copy)  # (n_chunk, V)
             grad_z = softmax_grads(z.detach(), targets[rows], lse[rows], entropy[rows],
                                    None if grad_logp is None else grad_logp[rows],
                                    None if grad_entropy is None else grad_entropy[rows])
             # The head's weight grads go straight into .grad, chunk by chunk: returned, a (V, C)
             # lm_head grad would wait in autograd through the whole backward (a tied one for the
             # embedding's, the last node), one more V x C on top of every saved activation.
-            torch.autograd.backward(z, grad_z, inputs=[h_chunk, *params])
+            torch.autograd.backward(z, grad_z, inputs=[h_chunk, *inputs])
+            if copy is not None:
+                add_copy_grad(ctx.model.lm_head.weight, copy)
             grad_h[rows] = h_chunk.grad
         return grad_h, None, None, None, None, None, *[None] * len(params)
 

@@ -3,6 +3,7 @@
     python tests/bench_grpo.py                 # CPU, fp32
     python tests/bench_grpo.py --device cuda   # GPU, bf16
     python tests/bench_grpo.py --part chunk    # logprob chunk sizes at V = 16, 49,152, 151,936
+    python tests/bench_grpo.py --part cast     # bf16 autocast: lm_head cast once vs per chunk
 
 Setup: dim 256, 4 layers, 8/4 heads, ffn 704, vocab 32000; 4 prompts x P=512 tokens, G=8
 completions x C=64 tokens; the loss is grpo_loss (dapo, mu = 1) and one backward. Then logprobs
@@ -199,15 +200,52 @@ def chunk_sweep(n: int, rounds: int, vocabs: list[int], mibs: list[int]) -> None
                   f"{best:>8.2f}{best / base[1]:>11.2f}", flush=True)
 
 
+def cast_sweep(n: int, rounds: int, vocabs: list[int], mibs: list[int], device: str) -> None:
+    """Chunked logprobs fwd+bwd of n tokens of width 576 under bf16 autocast over float32
+    weights (train.py's --dtype bfloat16): lm_head's weight cast once per call
+    (logprobs.head_copy, the engine) against autocast's own casts (the weight again in every
+    chunk's forward and rebuild, every chunk's gradient cast back). Both in interleaved rounds,
+    the best of each; their gradients agree bit for bit (tests/test_grpo.py)."""
+    print(f"\nlm_head cast once vs per chunk: {n} tokens, C = 576, bf16 autocast, fwd+bwd, {device}")
+    print(f"{'V':>8} {'chunk':>8}{'rows':>7}{'once s':>9}{'per chunk s':>13}{'once/per':>10}")
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    own = logprobs.head_copy
+    for V in vocabs:
+        head = Head(576, V).to(device)
+        h = torch.randn(n, 576, device=device, requires_grad=True)
+        targets = torch.randint(0, V, (n,), device=device)
+        for mib in mibs:
+            rows = logprobs.chunk_rows(mib * 2**20, V, torch.float32)
+
+            def run(once: bool) -> float:
+                logprobs.head_copy = own if once else (lambda model, device_type: None)
+                sync()
+                t0 = time.perf_counter()
+                with torch.autocast(device, dtype=torch.bfloat16):
+                    logp, entropy = logprobs.chunked_logprobs(head, h, targets, chunk_size=rows)
+                    (logp.sum() + entropy.sum()).backward()
+                sync()
+                h.grad = head.lm_head.weight.grad = head.norm.weight.grad = None
+                return time.perf_counter() - t0
+            run(True), run(False)  # warm-up
+            best = {True: float("inf"), False: float("inf")}
+            for _ in range(rounds):
+                for once in (True, False):
+                    best[once] = min(best[once], run(once))
+            logprobs.head_copy = own
+            print(f"{V:>8} {mib:>5} MiB{min(rows, n):>7}{best[True]:>9.3f}{best[False]:>13.3f}"
+                  f"{best[True] / best[False]:>10.2f}", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--chunk", type=int, default=1024, help="tokens per logprob chunk")
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds after the warm-up round")
-    parser.add_argument("--part", default="all", choices=["all", "step", "logprobs", "chunk"])
-    parser.add_argument("--tokens", type=int, default=1536, help="--part chunk: tokens scored")
-    parser.add_argument("--vocabs", default="16,49152,151936", help="--part chunk: vocabularies")
-    parser.add_argument("--chunk_mib", default="16,64,256", help="--part chunk: chunk sizes, MiB")
+    parser.add_argument("--part", default="all", choices=["all", "step", "logprobs", "chunk", "cast"])
+    parser.add_argument("--tokens", type=int, default=1536, help="--part chunk/cast: tokens scored")
+    parser.add_argument("--vocabs", default="16,49152,151936", help="--part chunk/cast: vocabularies")
+    parser.add_argument("--chunk_mib", default="16,64,256", help="--part chunk/cast: chunk sizes, MiB")
     parser.add_argument("--memory", default=None, help=argparse.SUPPRESS)  # child: one variant's peak
     parser.add_argument("--time", default=None, help=argparse.SUPPRESS)  # child: comma-separated variants
     args = parser.parse_args()
@@ -218,6 +256,9 @@ def main():
         print(json.dumps(child_time(args.time.split(","), args.device, args.chunk, args.rounds)))
         return
     print(f"device {args.device}, torch {torch.__version__}, {torch.get_num_threads()} threads, chunk {args.chunk}")
+    if args.part == "cast":
+        return cast_sweep(args.tokens, args.rounds, [int(v) for v in args.vocabs.split(",")],
+                          [int(m) for m in args.chunk_mib.split(",")], args.device)
     if args.part == "chunk":
         return chunk_sweep(args.tokens, args.rounds, [int(v) for v in args.vocabs.split(",")],
                            [int(m) for m in args.chunk_mib.split(",")])

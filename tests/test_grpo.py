@@ -8,6 +8,7 @@ import warnings
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from memtrace import allocator_peak
 
@@ -387,6 +388,55 @@ def test_chunked_logprobs_under_bf16_autocast_give_the_head_its_gradient():
     for got, want in zip(*grads):
         assert got is not None
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+
+class CastCounter(TorchDispatchMode):
+    """Counts the casts of a (V, C) tensor between float32 and bf16, both ways."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.shape, self.down, self.up = tuple(shape), 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default and tuple(args[0].shape) == self.shape:
+            self.down += args[0].dtype == torch.float32 and out.dtype == torch.bfloat16
+            self.up += args[0].dtype == torch.bfloat16 and out.dtype == torch.float32
+        return out
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_chunked_head_casts_its_weight_once_and_equals_autocasts_casts(monkeypatch, tied):
+    """Under bf16 autocast the chunked Function casts lm_head's weight to bf16 once
+    (logprobs.head_copy) and adds each chunk's gradient of that copy into the float32 .grad itself.
+    Its slow twin, autocast's own casts (head_copy off: the weight cast again in every chunk's
+    forward and rebuild, every chunk's gradient cast back by autograd), gives the same logprobs,
+    entropies and gradients bit for bit: the same roundings, summed in the same order. With an
+    entropy term, the kept last chunk, and a tied embedding whose rows add into the same .grad.
+    The (V, C) casts: 1 down and 1 up, against 2 down (1 for the kept chunk) and 1 up per chunk."""
+    cfg = M.ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                        num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=tied)
+    model = M.Llama(cfg).init_weights(0)
+    tokens = torch.randint(0, 96, (1, 11), generator=torch.Generator().manual_seed(1))
+    targets = torch.randint(0, 96, (11,), generator=torch.Generator().manual_seed(2))
+    results = []
+    for once in (True, False):
+        if not once:
+            monkeypatch.setattr(logprobs, "head_copy", lambda model, device_type: None)
+        model.zero_grad(set_to_none=True)
+        counter = CastCounter(model.lm_head.weight.shape)
+        with counter, torch.autocast("cpu", dtype=torch.bfloat16):
+            h = model.hidden(tokens)[0]  # (11, C): the embedding's rows in the graph too
+            logp, entropy = logprobs.chunked_logprobs(model, h, targets, chunk_size=3)
+            (logp.sum() - 0.3 * entropy.sum()).backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        results.append((logp.detach(), entropy.detach(), grads, counter.down, counter.up))
+    (logp, entropy, grads, down, up), (logp2, entropy2, grads2, down2, up2) = results
+    assert torch.equal(logp, logp2) and torch.equal(entropy, entropy2)
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads2))
+    chunks = 4  # 11 tokens, 3 a chunk
+    assert (down, up) == (1, 1)  # up: the first chunk's gradient makes .grad; the rest add into it
+    assert (down2, up2) == (2 * chunks - 1, chunks)  # the kept last chunk is not rebuilt
 
 
 @pytest.mark.parametrize("chunk_size", [1, 7, 1000])
