@@ -93,7 +93,7 @@ class GRPOConfig:
     mu: int = 1                       # optimizer steps per generation batch
     micro_batch_groups: int = 4       # whole groups per forward+backward (16's speed, 0.4x peak)
     micro_batch_tokens: int = 0       # >0: whole groups up to N valid tokens instead, balanced
-    chunk_bytes: int = 64 * 2**20     # logits bytes per logprob chunk (chunk_rows); 0 = unchunked
+    chunk_bytes: int = 64 * 2**20     # logits bytes per logprob chunk; 0 = unchunked; GPU: 1 GiB
 
     def __post_init__(self):
         choices = dict(loss_type=LOSS_TYPES, scale=SCALES, importance_sampling_level=LEVELS,

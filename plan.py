@@ -260,12 +260,25 @@ def step_plan(mem: PhaseManager, cfgs, model, sampler, reference, prompts: int, 
     return plan
 
 
+# Logprob chunks on a GPU (unless --chunk_bytes is given): 1 GiB of float32 logits, 1,766 tokens at
+# V = 151,936. Every chunk writes and adds a whole (V, C) gradient of lm_head (~12 bytes a weight:
+# its bf16 gradient written and read, the float32 .grad read and written) beside a few tens of
+# bytes for each of its logits over forward and backward: at the CPU's 64 MiB (110 tokens at
+# V = 151,936, C = 896) those gradient passes move more bytes than the logits, at 1 GiB a tenth
+# to a fifth as many. The plan counts the larger transient; --memory_budget halves the chunk
+# when the run does not fit.
+GPU_CHUNK_BYTES = 2**30
+
+
 def fit(mem: PhaseManager, cfgs, model, sampler, reference, prompts: int, tp_size: int,
         target: str, explicit=()):
-    """plan_of(g) -> step_plan of this run; cfgs.grpo becomes the fitted one first: with
+    """plan_of(g) -> step_plan of this run; cfgs.grpo becomes the fitted one first: on a GPU,
+    unless chunk_bytes is among the explicit flags, GPU_CHUNK_BYTES; then with
     cfgs.memory.memory_budget, fit_memory_budget's; else on a CPU, unless micro_batch_groups or
     micro_batch_tokens is among the explicit flags, bound_micro_batch's (on a GPU, where larger
     matmuls run faster, --memory_budget is the bound)."""
+    if torch.device(target).type != "cpu" and "chunk_bytes" not in explicit:
+        cfgs.grpo = dataclasses.replace(cfgs.grpo, chunk_bytes=GPU_CHUNK_BYTES)
     plan_of = partial(step_plan, mem, cfgs, model, sampler, reference, prompts, tp_size, target)
     r = cfgs.rollout
     group_tokens = cfgs.train.max_prompt_len + r.num_samples * r.max_new_tokens  # at full length

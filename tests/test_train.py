@@ -940,6 +940,25 @@ def test_tp2_bf16_saves_the_master_and_resumes_from_it(tmp_path):
     assert [r["step"] for r in records(tmp_path / "tp2")] == [1, 2, 3]
 
 
+def test_a_gpu_plans_logprob_chunks_of_1_gib_unless_told(monkeypatch, capsys):
+    """On a GPU the logprob chunk defaults to plan.GPU_CHUNK_BYTES (fewer chunks, each writing and
+    adding a whole lm_head gradient); the CPU keeps GRPOConfig's 64 MiB; an explicit --chunk_bytes
+    wins on either. Read from --plan under --memory_budget, which prints the chunk it runs."""
+    import plan
+
+    def chunk(*flags: str) -> int:
+        argv = ["--plan", "--dim", "64", "--layers", "2", "--memory_budget", "4", *flags]
+        assert train.main(argv) == 0
+        line = next(x for x in capsys.readouterr().out.splitlines()
+                    if x.startswith("memory budget"))
+        return int(line.split("--chunk_bytes ")[1].split(",")[0])
+    assert chunk() == 2**26
+    assert chunk("--chunk_bytes", "1048576") == 2**20
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # --plan then plans for "cuda"
+    assert chunk() == plan.GPU_CHUNK_BYTES == 2**30
+    assert chunk("--chunk_bytes", "1048576") == 2**20
+
+
 def test_plan_counts_the_fp32_master_and_the_bf16_sampler(capsys):
     assert train.main(["--plan", "--dim", "64", "--layers", "2"]) == 0
     fp32 = capsys.readouterr().out
@@ -1111,7 +1130,7 @@ def test_rewards_whose_statistics_overflow_stop_the_run_in_one_line(tmp_path, ca
                         " alphabet='0123456789=', max_new_tokens=4)\n")
     code, out = run(tmp_path, "--task", spec, "--steps", "3", "--eval_every", "0")
     err = capsys.readouterr().err
-    assert code == 2 and f"task huge: " in err and message in err and "Traceback" not in err
+    assert code == 2 and "task huge: " in err and message in err and "Traceback" not in err
     assert len(err.strip().splitlines()[-1]) < 400 and err.count("error:") == 1
 
 
