@@ -12,9 +12,9 @@ copy bandwidth. Random weights of the published shapes (tests/bench_bf16.py's SH
    step: the weights the step reads (the embedding rows aside: a tied lm_head reads the matrix
    once) + the prompt KV (once per group) + the completion KV actually needed (t keys per row,
    the mean over the steps); over the copy bandwidth.
-2. train: one GRPO forward + backward (grpo.accumulate, default GRPOConfig) over the rollout's
-   shape, 16 x 8 x (64 + 256), fp32 master weights under bf16 autocast (train.py's bf16), shared
-   prompt on and off. Model FLOPs = 3 x the forward's matmul FLOPs of the work that must be done
+2. train: one GRPO forward + backward (grpo.accumulate, GRPOConfig with train.py's logprob chunk
+   on a GPU, plan.GPU_CHUNK_BYTES) over the rollout's shape, 16 x 8 x (64 + 256), fp32 master
+   weights under bf16 autocast (train.py's bf16), shared prompt on and off. Model FLOPs = 3 x the forward's matmul FLOPs of the work that must be done
    (the prompt once per group, the lm_head on completion tokens, causal attention): the same
    count for both paths, so the repeated prompt shows as lower utilisation.
 3. sleep: train.py's memory phases (plan.memory_phases) over the fp32 master, the bf16 sampler,
@@ -193,12 +193,13 @@ def grpo_batch(V: int) -> grpo.GRPOBatch:
 def train_part(name: str, lim: dict) -> None:
     model = build(name, torch.float32).train()
     batch = grpo_batch(model.config.vocab_size)
-    cfg = grpo.GRPOConfig()
+    cfg = grpo.GRPOConfig(chunk_bytes=plan.GPU_CHUNK_BYTES)  # train.py's on a GPU
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
     flops = train_flops(model)
     original = grpo.completion_logprobs
     print(f"\n{name} GRPO forward + backward, fp32 master under bf16 autocast, {BP} x {G} x "
-          f"({P} + {NEW}), micro_batch_groups {cfg.micro_batch_groups}; model FLOPs "
+          f"({P} + {NEW}), micro_batch_groups {cfg.micro_batch_groups}, logprob chunks of "
+          f"{cfg.chunk_bytes / 2**20:,.0f} MiB; model FLOPs "
           f"{flops / 1e12:.1f} T; bf16 matmul {lim['matmul']:,.0f} TFLOP/s\n"
           "| shared prompt | s | completion tokens/s | TFLOP/s | MFU | peak GB |\n|---|---|---|---|---|---|")
     for shared in (True, False):
