@@ -14,9 +14,10 @@ copy bandwidth. Random weights of the published shapes (tests/bench_bf16.py's SH
    the mean over the steps); over the copy bandwidth.
 2. train: one GRPO forward + backward (grpo.accumulate, GRPOConfig with train.py's logprob chunk
    on a GPU, plan.GPU_CHUNK_BYTES) over the rollout's shape, 16 x 8 x (64 + 256), fp32 master
-   weights under bf16 autocast (train.py's bf16), shared prompt on and off. Model FLOPs = 3 x the forward's matmul FLOPs of the work that must be done
-   (the prompt once per group, the lm_head on completion tokens, causal attention): the same
-   count for both paths, so the repeated prompt shows as lower utilisation.
+   weights under bf16 autocast (train.py's bf16), shared prompt on and off. Model FLOPs = 3 x the
+   forward's matmul FLOPs of the work that must be done (the prompt once per group, the lm_head
+   on completion tokens, causal attention): the same count for both paths, so the repeated
+   prompt shows as lower utilisation.
 3. sleep: train.py's memory phases (plan.memory_phases) over the fp32 master, the bf16 sampler,
    grads, AdamW and the KV cache: seconds and GB/s of each move against the pinned copy, the
    device's free bytes (torch.cuda.mem_get_info) and the allocator's reserved bytes before and
