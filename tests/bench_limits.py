@@ -2,18 +2,19 @@
 
     python tests/bench_limits.py                         # Qwen2.5-0.5B and Llama-3.2-1B shapes
     python tests/bench_limits.py --shapes Qwen2.5-0.5B --parts rollout,train,sleep
+    python tests/bench_limits.py --shapes Qwen2.5-0.5B --parts rollout --prompts 64 --prompt_len 512
 
 Limits (measured first, in the same process): device-to-device copy bandwidth (bytes read plus
 bytes written over the time), the bf16 matmul rate (8192 x 8192 x 8192), pinned host <-> device
 copy bandwidth. Random weights of the published shapes (tests/bench_bf16.py's SHAPES).
-1. rollout: 16 prompts x 8 samples, 64 prompt tokens, 256 new tokens, no stop id. Decode tokens/s
-   with CUDA graphs on and off, and transformers' generate on the same weights (do_sample, 8
-   return sequences, min_new_tokens = max_new_tokens) when it is importable. Bytes per decode
-   step: the weights the step reads (the embedding rows aside: a tied lm_head reads the matrix
-   once) + the prompt KV (once per group) + the completion KV actually needed (t keys per row,
-   the mean over the steps); over the copy bandwidth.
+1. rollout: 16 prompts x 8 samples, 64 prompt tokens (--prompts, --prompt_len), 256 new tokens,
+   no stop id. Decode tokens/s with CUDA graphs on and off, and transformers' generate on the
+   same weights (do_sample, 8 return sequences, min_new_tokens = max_new_tokens) when it is
+   importable. Bytes per decode step: the weights the step reads (the embedding rows aside: a
+   tied lm_head reads the matrix once) + the prompt KV (once per group) + the completion KV
+   actually needed (t keys per row, the mean over the steps); over the copy bandwidth.
 2. train: one GRPO forward + backward (grpo.accumulate, GRPOConfig with train.py's logprob chunk
-   on a GPU, plan.GPU_CHUNK_BYTES) over the rollout's shape, 16 x 8 x (64 + 256), fp32 master
+   on a GPU, plan.GPU_CHUNK_BYTES) over the rollout's shape (16 x 8 x (64 + 256)), fp32 master
    weights under bf16 autocast (train.py's bf16), shared prompt on and off. Model FLOPs = 3 x the
    forward's matmul FLOPs of the work that must be done (the prompt once per group, the lm_head
    on completion tokens, causal attention): the same count for both paths, so the repeated
@@ -321,10 +322,14 @@ def plan_part(name: str, lim: dict) -> None:
 
 
 def main() -> None:
+    global BP, P  # every part's batch: BP prompts x G samples x (P + NEW) tokens
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", default="Qwen2.5-0.5B,Llama-3.2-1B")
     parser.add_argument("--parts", default="rollout,train,sleep,plan")
+    parser.add_argument("--prompts", type=int, default=BP, help="prompts a step (G = 8 each)")
+    parser.add_argument("--prompt_len", type=int, default=P, help="tokens a prompt")
     args = parser.parse_args()
+    BP, P = args.prompts, args.prompt_len
     if not torch.cuda.is_available():
         print("bench_limits needs a CUDA GPU; none is visible")
         return
