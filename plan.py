@@ -268,29 +268,45 @@ def step_plan(mem: PhaseManager, cfgs, model, sampler, reference, prompts: int, 
 # to a fifth as many. The plan counts the larger transient; --memory_budget halves the chunk
 # when the run does not fit.
 GPU_CHUNK_BYTES = 2**30
+# On a GPU without --memory_budget or a micro-batch flag, the budget is this share of the device's
+# memory: the largest micro-batch the plan fits there (larger matmuls, fewer kernel launches and
+# lm_head passes a step), the rest left to the CUDA context, the allocator's slack and the plan's
+# error (2-7% under the allocator's peak on an H100, docs/measurements.md).
+GPU_MEMORY_SHARE = 0.8
+
+
+def device_memory(target: str) -> int:
+    """Bytes of memory on the GPU `target` names (the current device for a bare "cuda")."""
+    return torch.cuda.get_device_properties(torch.device(target)).total_memory
 
 
 def fit(mem: PhaseManager, cfgs, model, sampler, reference, prompts: int, tp_size: int,
         target: str, explicit=()):
     """plan_of(g) -> step_plan of this run; cfgs.grpo becomes the fitted one first: on a GPU,
     unless chunk_bytes is among the explicit flags, GPU_CHUNK_BYTES; then with
-    cfgs.memory.memory_budget, fit_memory_budget's; else on a CPU, unless micro_batch_groups or
-    micro_batch_tokens is among the explicit flags, bound_micro_batch's (on a GPU, where larger
-    matmuls run faster, --memory_budget is the bound)."""
-    if torch.device(target).type != "cpu" and "chunk_bytes" not in explicit:
+    cfgs.memory.memory_budget, fit_memory_budget's; without it, unless micro_batch_groups or
+    micro_batch_tokens is among the explicit flags, on a GPU fit_memory_budget's for
+    GPU_MEMORY_SHARE of its memory (its matmuls want the rows), on a CPU bound_micro_batch's."""
+    gpu = torch.device(target).type != "cpu"
+    if gpu and "chunk_bytes" not in explicit:
         cfgs.grpo = dataclasses.replace(cfgs.grpo, chunk_bytes=GPU_CHUNK_BYTES)
     plan_of = partial(step_plan, mem, cfgs, model, sampler, reference, prompts, tp_size, target)
     r = cfgs.rollout
     group_tokens = cfgs.train.max_prompt_len + r.num_samples * r.max_new_tokens  # at full length
-    if cfgs.memory.memory_budget:
-        cfgs.grpo = fit_memory_budget(cfgs.memory.memory_budget, plan_of, cfgs.grpo, prompts,
-                                      group_tokens, None if cfgs.memory.activation_checkpoint
+    budget, source = cfgs.memory.memory_budget, ""
+    sized = {"micro_batch_groups", "micro_batch_tokens"} & set(explicit)
+    if not budget and gpu and not sized:
+        total = device_memory(target) / 1e9
+        budget = GPU_MEMORY_SHARE * total
+        source = f" ({GPU_MEMORY_SHARE:.0%} of the GPU's {total:.2f} GB; --memory_budget sets it)"
+    if budget:
+        cfgs.grpo = fit_memory_budget(budget, plan_of, cfgs.grpo, prompts, group_tokens,
+                                      None if cfgs.memory.activation_checkpoint
                                       else partial(step_plan, mem, with_checkpointing(cfgs),
                                                    model, sampler, reference, prompts, tp_size,
-                                                   target))
-    elif not {"micro_batch_groups", "micro_batch_tokens"} & set(explicit) and (
-            torch.device(target).type == "cpu"):
-        cfgs.grpo = bound_micro_batch(plan_of, cfgs.grpo)  # a GPU's matmuls want the rows
+                                                   target), source)
+    elif not sized and not gpu:
+        cfgs.grpo = bound_micro_batch(plan_of, cfgs.grpo)
     return plan_of
 
 
@@ -354,16 +370,17 @@ def smallest_fit(budget_gb: float, plan_of, g: GRPOConfig, prompts: int, group_t
 
 
 def fit_memory_budget(budget_gb: float, plan_of, g: GRPOConfig, prompts: int, group_tokens: int,
-                      plan_checkpointed=None) -> GRPOConfig:
+                      plan_checkpointed=None, source: str = "") -> GRPOConfig:
     """--memory_budget: smallest_fit's choice, printed. Micro-batches then take whole groups up to
     that many valid tokens: real completions shorter than the budget make fewer, fuller ones
     within the same planned peak (verl's dynamic batch size). When nothing fits, one line naming
     the smallest peak it could reach, and --activation_checkpoint true when plan_checkpointed (the
     same run with it; None when it is on already) fits. The micro-batch changes no loss: the
-    normalisers are the generation batch's."""
+    normalisers are the generation batch's. source: where a budget not given came from (fit's
+    share of the GPU), said in both lines."""
     fit, planned, chunks = smallest_fit(budget_gb, plan_of, g, prompts, group_tokens)
     if fit is not None:
-        print(f"memory budget {budget_gb:g} GB per rank: --micro_batch_tokens "
+        print(f"memory budget {budget_gb:.3g} GB per rank{source}: --micro_batch_tokens "
               f"{fit.micro_batch_tokens} ({fit.micro_batch_tokens // group_tokens} groups at full "
               f"length) --chunk_bytes {fit.chunk_bytes}, planned peak {planned / 1e9:.3f} GB")
         return fit
@@ -375,9 +392,10 @@ def fit_memory_budget(budget_gb: float, plan_of, g: GRPOConfig, prompts: int, gr
             advice = (f"pass --activation_checkpoint true (each block recomputed in backward): "
                       f"then --micro_batch_tokens {ckpt.micro_batch_tokens} fits, planned peak "
                       f"{ckpt_peak / 1e9:.3f} GB; or {advice}")
-    raise ValueError(f"--memory_budget {budget_gb:g} GB per rank: nothing fits; the smallest "
-                     f"planned peak is {planned / 1e9:.3f} GB (at one group, {group_tokens} "
-                     f"tokens, --chunk_bytes {chunks[-1]}, the least it tries); {advice}")
+    raise ValueError(f"--memory_budget {budget_gb:.3g} GB per rank{source}: nothing fits; the "
+                     f"smallest planned peak is {planned / 1e9:.3f} GB (at one group, "
+                     f"{group_tokens} tokens, --chunk_bytes {chunks[-1]}, the least it tries); "
+                     f"{advice}")
 
 
 def print_plan(plan: dict[str, dict[str, int]], target: str, title: str) -> None:

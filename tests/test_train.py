@@ -959,6 +959,31 @@ def test_a_gpu_plans_logprob_chunks_of_1_gib_unless_told(monkeypatch, capsys):
     assert chunk("--chunk_bytes", "1048576") == 2**20
 
 
+def test_a_gpu_without_a_budget_takes_the_largest_micro_batch_in_80_percent_of_it(monkeypatch,
+                                                                                   capsys):
+    """On a GPU with neither --memory_budget nor a micro-batch flag the budget is
+    plan.GPU_MEMORY_SHARE of its memory, said in one line: all 16 groups in one micro-batch on
+    80 GB; fewer on a device too small for that; a micro-batch flag keeps its micro-batch; the
+    CPU keeps bound_micro_batch (no budget line)."""
+    import plan
+    device = {"bytes": 80e9}
+    monkeypatch.setattr(plan, "device_memory", lambda target: device["bytes"])
+
+    def budget_lines(*flags: str) -> list[str]:
+        assert train.main(["--plan", "--dim", "64", "--layers", "2", *flags]) == 0
+        return [x for x in capsys.readouterr().out.splitlines() if x.startswith("memory budget")]
+    assert budget_lines() == []  # the CPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # --plan then plans for "cuda"
+    (line,) = budget_lines()
+    assert line.startswith("memory budget 64 GB per rank (80% of the GPU's 80.00 GB")
+    assert "(16 groups at full length)" in line
+    device["bytes"] = 0.06e9  # the 16 groups plan 0.059 GB: above 80% of this
+    (line,) = budget_lines()
+    groups = int(line.split(" groups at full length")[0].split("(")[-1])
+    assert 1 <= groups < 16 and float(line.split("planned peak ")[1].split()[0]) <= 0.048
+    assert budget_lines("--micro_batch_groups", "2") == []
+
+
 def test_plan_counts_the_fp32_master_and_the_bf16_sampler(capsys):
     assert train.main(["--plan", "--dim", "64", "--layers", "2"]) == 0
     fp32 = capsys.readouterr().out
