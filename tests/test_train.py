@@ -952,6 +952,7 @@ def test_a_gpu_plans_logprob_chunks_of_1_gib_unless_told(monkeypatch, capsys):
         line = next(x for x in capsys.readouterr().out.splitlines()
                     if x.startswith("memory budget"))
         return int(line.split("--chunk_bytes ")[1].split(",")[0])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # --plan plans for the CPU
     assert chunk() == 2**26
     assert chunk("--chunk_bytes", "1048576") == 2**20
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # --plan then plans for "cuda"
@@ -972,7 +973,8 @@ def test_a_gpu_without_a_budget_takes_the_largest_micro_batch_in_80_percent_of_i
     def budget_lines(*flags: str) -> list[str]:
         assert train.main(["--plan", "--dim", "64", "--layers", "2", *flags]) == 0
         return [x for x in capsys.readouterr().out.splitlines() if x.startswith("memory budget")]
-    assert budget_lines() == []  # the CPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # --plan plans for the CPU
+    assert budget_lines() == []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # --plan then plans for "cuda"
     (line,) = budget_lines()
     assert line.startswith("memory budget 64 GB per rank (80% of the GPU's 80.00 GB")
