@@ -18,11 +18,9 @@ Tested by tests/test_train.py.
 import dataclasses
 import difflib
 import inspect
-import math
 import os
 import sys
 
-import torch
 
 # -----------------------------------------------------------------------------
 # Flags and help

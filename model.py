@@ -70,7 +70,7 @@ class ModelConfig:
         assert self.head_dim % 2 == 0, "rotary embeddings need an even head_dim"
         assert not qwen or (self.attention_bias and not self.mlp_bias), "Qwen2: q/k/v bias only"
         kind = None if self.rope_scaling is None else self.rope_scaling.get("rope_type")
-        assert kind in (None, "linear", "llama3"), f"rope_scaling needs rope_type linear or llama3"
+        assert kind in (None, "linear", "llama3"), "rope_scaling needs rope_type linear or llama3"
 
     @property
     def o_proj_bias(self) -> bool:
