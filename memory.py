@@ -63,7 +63,7 @@ class MemoryConfig:
     pin_memory: bool = True          # CUDA only: pinned host buffers: async copies, ~2x faster
     activation_offload: bool = False  # saved activations to the host in the train forward
     activation_checkpoint: bool = False  # recompute each block in backward (checkpoint_blocks)
-    memory_budget: float = 0.0       # GB per rank the micro-batch fits; 0: off (a GPU: 80%)
+    memory_budget: float = 0.0       # GB per rank the micro-batch fits; 0 off; unset on a GPU: 80%
 
 
 # Tags each phase needs awake, in wake order (staged: the sampler's weights before the KV cache).

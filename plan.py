@@ -284,9 +284,10 @@ def fit(mem: PhaseManager, cfgs, model, sampler, reference, prompts: int, tp_siz
         target: str, explicit=()):
     """plan_of(g) -> step_plan of this run; cfgs.grpo becomes the fitted one first: on a GPU,
     unless chunk_bytes is among the explicit flags, GPU_CHUNK_BYTES; then with
-    cfgs.memory.memory_budget, fit_memory_budget's; without it, unless micro_batch_groups or
-    micro_batch_tokens is among the explicit flags, on a GPU fit_memory_budget's for
-    GPU_MEMORY_SHARE of its memory (its matmuls want the rows), on a CPU bound_micro_batch's."""
+    cfgs.memory.memory_budget, fit_memory_budget's; unless micro_batch_groups or
+    micro_batch_tokens is among the explicit flags, on a GPU with no --memory_budget flag
+    fit_memory_budget's for GPU_MEMORY_SHARE of its memory (its matmuls want the rows), on a CPU
+    with no budget bound_micro_batch's."""
     gpu = torch.device(target).type != "cpu"
     if gpu and "chunk_bytes" not in explicit:
         cfgs.grpo = dataclasses.replace(cfgs.grpo, chunk_bytes=GPU_CHUNK_BYTES)
@@ -295,7 +296,7 @@ def fit(mem: PhaseManager, cfgs, model, sampler, reference, prompts: int, tp_siz
     group_tokens = cfgs.train.max_prompt_len + r.num_samples * r.max_new_tokens  # at full length
     budget, source = cfgs.memory.memory_budget, ""
     sized = {"micro_batch_groups", "micro_batch_tokens"} & set(explicit)
-    if not budget and gpu and not sized:
+    if gpu and not sized and "memory_budget" not in explicit:  # --memory_budget 0: off
         total = device_memory(target) / 1e9
         budget = GPU_MEMORY_SHARE * total
         source = f" ({GPU_MEMORY_SHARE:.0%} of the GPU's {total:.2f} GB; --memory_budget sets it)"

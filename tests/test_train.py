@@ -964,8 +964,8 @@ def test_a_gpu_without_a_budget_takes_the_largest_micro_batch_in_80_percent_of_i
                                                                                    capsys):
     """On a GPU with neither --memory_budget nor a micro-batch flag the budget is
     plan.GPU_MEMORY_SHARE of its memory, said in one line: all 16 groups in one micro-batch on
-    80 GB; fewer on a device too small for that; a micro-batch flag keeps its micro-batch; the
-    CPU keeps bound_micro_batch (no budget line)."""
+    80 GB; fewer on a device too small for that; a micro-batch flag keeps its micro-batch and
+    --memory_budget 0 turns it off; the CPU keeps bound_micro_batch (no budget line)."""
     import plan
     device = {"bytes": 80e9}
     monkeypatch.setattr(plan, "device_memory", lambda target: device["bytes"])
@@ -984,6 +984,7 @@ def test_a_gpu_without_a_budget_takes_the_largest_micro_batch_in_80_percent_of_i
     groups = int(line.split(" groups at full length")[0].split("(")[-1])
     assert 1 <= groups < 16 and float(line.split("planned peak ")[1].split()[0]) <= 0.048
     assert budget_lines("--micro_batch_groups", "2") == []
+    assert budget_lines("--memory_budget", "0") == []  # 0: off, as on the CPU
 
 
 def test_plan_counts_the_fp32_master_and_the_bf16_sampler(capsys):
