@@ -119,6 +119,27 @@ class Layout:
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
+def cpu_flash(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor]:
+    """SDPA's fused CPU kernel with its log-sum-exp, in efficient_attention's contract."""
+    return _CPU_FLASH(q, k, v, attn_mask=bias)
+
+
+def prompt_part(q: Tensor, prefix_k: Tensor, prefix_v: Tensor, prefix_bias: Tensor | None,
+                attend: Callable) -> tuple[Tensor, Tensor]:
+    """The prompt's share of one decode step's attention, in one call of a fused kernel that returns
+    its log-sum-exp, attend(q, k, v, bias) -> (out, lse) (cpu_flash, efficient_attention): the G
+    rows of a group and the rep query heads of a kv head share the prompt's keys, so they are
+    folded into the query length against its (Bp, Hkv, P, D). q (S, H, 1, D) -> out (S, H, D) in
+    the kernel's dtype, lse (S, H) float32, rows in their order again."""
+    S, H, _, D = q.shape
+    Bp, Hkv = prefix_k.shape[:2]
+    G, rep = S // Bp, H // Hkv
+    qp = q.reshape(Bp, G, Hkv, rep, D).transpose(1, 2).reshape(Bp, Hkv, G * rep, D)
+    out, lse = attend(qp, prefix_k, prefix_v, prefix_bias)  # (Bp, Hkv, G*rep, D | -)
+    out = out.view(Bp, Hkv, G, rep, D).transpose(1, 2).reshape(S, H, D)
+    return out, lse.view(Bp, Hkv, G, rep).transpose(1, 2).reshape(S, H)
+
+
 def fused_prefix_attention(q: Tensor, k: Tensor, v: Tensor, prefix_k: Tensor, prefix_v: Tensor,
                             prefix_bias: Tensor | None) -> Tensor:
     """prefix_attention for one token per row, all of k/v allowed, on the CPU, in few kernels
@@ -129,17 +150,12 @@ def fused_prefix_attention(q: Tensor, k: Tensor, v: Tensor, prefix_k: Tensor, pr
     q (S, H, 1, D), k/v (S, Hkv, T, D) views of the cache, prefix_bias (Bp, 1, 1, P) 0 / -inf, or
     None: no padding."""
     S, H, _, D = q.shape
-    Bp, Hkv = prefix_k.shape[:2]
-    T = k.shape[2]
-    G = S // Bp
+    Hkv, T = k.shape[1], k.shape[2]
     rep = H // Hkv
-    # The G rows of a group and the rep query heads of a kv head share the prompt's keys.
-    qp = q.view(Bp, G, Hkv, rep, D).transpose(1, 2).reshape(Bp, Hkv, G * rep, D)
-    out_p, lse_p = _CPU_FLASH(qp, prefix_k, prefix_v, attn_mask=prefix_bias)  # (Bp, Hkv, G*rep, .)
-    # Back to row-major order (S*Hkv, rep).
+    out_p, lse_p = prompt_part(q, prefix_k, prefix_v, prefix_bias, cpu_flash)  # (S, H, D), (S, H)
     dt = torch.promote_types(q.dtype, torch.float32)  # bf16 accumulates in float32
-    out_p = out_p.view(Bp, Hkv, G, rep, D).transpose(1, 2).reshape(S * Hkv, rep, D).to(dt)
-    lse_p = lse_p.view(Bp, Hkv, G, rep, 1).transpose(1, 2).reshape(S * Hkv, rep, 1)
+    out_p = out_p.reshape(S * Hkv, rep, D).to(dt)
+    lse_p = lse_p.reshape(S * Hkv, rep, 1)
     # Own part: GQA by folding the rep heads into the query dimension (2 bmm; SDPA is 2x slower).
     qs = q.reshape(S * Hkv, rep, D).to(dt) * D ** -0.5
     own_k = k.reshape(S * Hkv, T, D).to(dt)
@@ -182,19 +198,16 @@ def kernel_prefix_attention(q: Tensor, k: Tensor, v: Tensor, own_bias: Tensor | 
                             prefix_k: Tensor, prefix_v: Tensor, prefix_bias: Tensor | None,
                             attend: Callable) -> Tensor:
     """prefix_attention for one token per row, each part in one call of a fused kernel that
-    returns its log-sum-exp, attend(q, k, v, bias) -> (out, lse) (kernel_for): the G rows of a group
-    and the rep query heads of a kv head against the group's prompt K/V, then the rep heads of a
-    row against its own keys; the kernel reads the K/V in their dtype and accumulates in float32,
-    and only the two partial outputs (S, H, D) are merged in float32, by their log-sum-exp.
-    q (S, H, 1, D), k/v (S, Hkv, T, D) the rows' own keys, own_bias (1, 1, 1, T) 0 / -inf or None,
-    prefix_k/v (Bp, Hkv, P, D), prefix_bias (Bp, 1, 1, P) or None."""
+    returns its log-sum-exp, attend(q, k, v, bias) -> (out, lse) (kernel_for): the prompt part
+    (prompt_part), then the rep heads of a row against its own keys; the kernel reads the K/V in
+    their dtype and accumulates in float32, and only the two partial outputs (S, H, D) are merged
+    in float32, by their log-sum-exp. q (S, H, 1, D), k/v (S, Hkv, T, D) the rows' own keys,
+    own_bias (1, 1, 1, T) 0 / -inf or None, prefix_k/v (Bp, Hkv, P, D), prefix_bias (Bp, 1, 1, P)
+    or None."""
     S, H, _, D = q.shape
-    Bp, Hkv = prefix_k.shape[:2]
-    G, rep = S // Bp, H // Hkv
-    qp = q.reshape(Bp, G, Hkv, rep, D).transpose(1, 2).reshape(Bp, Hkv, G * rep, D)
-    out_p, lse_p = attend(qp, prefix_k, prefix_v, prefix_bias)  # (Bp, Hkv, G*rep, D | -)
-    out_p = out_p.view(Bp, Hkv, G, rep, D).transpose(1, 2).reshape(S, H, D)  # row-major again
-    lse_p = lse_p.view(Bp, Hkv, G, rep).transpose(1, 2).reshape(S, H)
+    Hkv = k.shape[1]
+    rep = H // Hkv
+    out_p, lse_p = prompt_part(q, prefix_k, prefix_v, prefix_bias, attend)  # (S, H, D), (S, H)
     out_s, lse_s = attend(q.reshape(S, Hkv, rep, D), k, v, own_bias)  # (S, Hkv, rep, D | -)
     lse_s = lse_s.reshape(S, H)
     lse = torch.logaddexp(lse_p, lse_s)  # (S, H) float32

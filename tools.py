@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 
-
 @dataclass
 class ToolConfig:
     tools: bool = True        # false: the task's tool is never called (its call token is text)
@@ -96,12 +95,6 @@ def call_tools(task, fn: Callable, calls: list[tuple[str, str]], timeout: float
                               "end the episode")
         answers.append((value, kind == "model"))
     return answers
-
-
-def call_tool(task, fn: Callable, text: str, reference: str, timeout: float
-              ) -> tuple[str | None, bool]:
-    """One call of call_tools."""
-    return call_tools(task, fn, [(text, reference)], timeout)[0]
 
 
 def call_ids(tool: Tool, tokenizer, stop_ids: tuple[int, ...]) -> tuple[int, ...]:

@@ -275,11 +275,11 @@ def test_a_tools_failure_is_one_line_naming_the_task_and_the_input():
     for fn, message in cases:
         started = time.perf_counter()
         with pytest.raises(tools.ToolFailure) as e:
-            tools.call_tool(tasks.lookup, fn, "?ab", "47", timeout=0.2)
+            tools.call_tools(tasks.lookup, fn, [("?ab", "47")], timeout=0.2)
         assert f"task lookup: {message}" in str(e.value) and "\n" not in str(e.value)
         assert time.perf_counter() - started < 5  # the hung thread is left behind, not awaited
-    assert tools.call_tool(tasks.lookup, strict, "?ab", "47", 1.0) == ("error: no such key", True)
-    assert tools.call_tool(tasks.lookup, tasks.look_up, "?", "47", 1.0) == ("47", False)
+    assert tools.call_tools(tasks.lookup, strict, [("?ab", "47")], 1.0) == [("error: no such key", True)]
+    assert tools.call_tools(tasks.lookup, tasks.look_up, [("?", "47")], 1.0) == [("47", False)]
 
 
 def write_tool_task(tmp_path, body: str) -> str:

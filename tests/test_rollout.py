@@ -215,7 +215,8 @@ def test_fused_cpu_attention_equals_model_prefix_attention(padded):
 
 def cpu_kernel(q, k, v, bias):
     """decode.efficient_attention's contract, (out, lse), from SDPA's fused CPU kernel: the CUDA
-    route's code run on the CPU."""
+    route's code run on the CPU. decode.cpu_flash is the same call through decode._CPU_FLASH,
+    which the tests below switch off to leave the CPU's own fused path."""
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=bias)
 
 
