@@ -129,15 +129,15 @@ def prompt_part(q: Tensor, prefix_k: Tensor, prefix_v: Tensor, prefix_bias: Tens
     """The prompt's share of one decode step's attention, in one call of a fused kernel that returns
     its log-sum-exp, attend(q, k, v, bias) -> (out, lse) (cpu_flash, efficient_attention): the G
     rows of a group and the rep query heads of a kv head share the prompt's keys, so they are
-    folded into the query length against its (Bp, Hkv, P, D). q (S, H, 1, D) -> out (S, H, D) in
-    the kernel's dtype, lse (S, H) float32, rows in their order again."""
+    folded into the query length against its (Bp, Hkv, P, D). q (S, H, 1, D) -> out (Bp, G, Hkv,
+    rep, D) in the kernel's dtype, lse (Bp, G, Hkv, rep) float32: the rows' order (S = Bp*G,
+    H = Hkv*rep) as strided views, not copied back: the merge's elementwise ops read them so."""
     S, H, _, D = q.shape
     Bp, Hkv = prefix_k.shape[:2]
     G, rep = S // Bp, H // Hkv
-    qp = q.reshape(Bp, G, Hkv, rep, D).transpose(1, 2).reshape(Bp, Hkv, G * rep, D)
+    qp = q.reshape(Bp, G, Hkv, rep, D).transpose(1, 2).reshape(Bp, Hkv, G * rep, D)  # a copy
     out, lse = attend(qp, prefix_k, prefix_v, prefix_bias)  # (Bp, Hkv, G*rep, D | -)
-    out = out.view(Bp, Hkv, G, rep, D).transpose(1, 2).reshape(S, H, D)
-    return out, lse.view(Bp, Hkv, G, rep).transpose(1, 2).reshape(S, H)
+    return out.view(Bp, Hkv, G, rep, D).transpose(1, 2), lse.view(Bp, Hkv, G, rep).transpose(1, 2)
 
 
 def fused_prefix_attention(q: Tensor, k: Tensor, v: Tensor, prefix_k: Tensor, prefix_v: Tensor,
@@ -152,17 +152,18 @@ def fused_prefix_attention(q: Tensor, k: Tensor, v: Tensor, prefix_k: Tensor, pr
     S, H, _, D = q.shape
     Hkv, T = k.shape[1], k.shape[2]
     rep = H // Hkv
-    out_p, lse_p = prompt_part(q, prefix_k, prefix_v, prefix_bias, cpu_flash)  # (S, H, D), (S, H)
+    out_p, lse_p = prompt_part(q, prefix_k, prefix_v, prefix_bias, cpu_flash)  # (Bp,G,Hkv,rep,.)
+    grid = out_p.shape[:-1]  # (Bp, G, Hkv, rep): the rows' and heads' order
     dt = torch.promote_types(q.dtype, torch.float32)  # bf16 accumulates in float32
-    out_p = out_p.reshape(S * Hkv, rep, D).to(dt)
-    lse_p = lse_p.reshape(S * Hkv, rep, 1)
     # Own part: GQA by folding the rep heads into the query dimension (2 bmm; SDPA is 2x slower).
     qs = q.reshape(S * Hkv, rep, D).to(dt) * D ** -0.5
     own_k = k.reshape(S * Hkv, T, D).to(dt)
     own_v = v.reshape(S * Hkv, T, D).to(dt)
-    scores = torch.bmm(qs, own_k.transpose(1, 2))  # (S*Hkv, rep, T)
-    probs = torch.cat((scores, lse_p), dim=-1).softmax(dim=-1)  # (S*Hkv, rep, T + 1)
-    y = torch.baddbmm(out_p * probs[..., T:], probs[..., :T], own_v)  # (S*Hkv, rep, D)
+    scores = torch.bmm(qs, own_k.transpose(1, 2)).view(*grid, T)
+    probs = torch.cat((scores, lse_p[..., None]), dim=-1).softmax(dim=-1)  # (Bp, G, Hkv, rep, T+1)
+    # probs first: its layout (the rows' order) is the product's, and bf16 * float32 is float32
+    y = torch.baddbmm((probs[..., T:] * out_p).view(S * Hkv, rep, D),
+                      probs[..., :T].reshape(S * Hkv, rep, T), own_v)  # (S*Hkv, rep, D)
     return y.view(S, H, 1, D).to(q.dtype)  # a bf16 model gets bf16 back
 
 
@@ -207,13 +208,17 @@ def kernel_prefix_attention(q: Tensor, k: Tensor, v: Tensor, own_bias: Tensor | 
     S, H, _, D = q.shape
     Hkv = k.shape[1]
     rep = H // Hkv
-    out_p, lse_p = prompt_part(q, prefix_k, prefix_v, prefix_bias, attend)  # (S, H, D), (S, H)
+    out_p, lse_p = prompt_part(q, prefix_k, prefix_v, prefix_bias, attend)  # (Bp,G,Hkv,rep,.)
+    grid = out_p.shape[:-1]  # (Bp, G, Hkv, rep): the rows' and heads' order
     out_s, lse_s = attend(q.reshape(S, Hkv, rep, D), k, v, own_bias)  # (S, Hkv, rep, D | -)
-    lse_s = lse_s.reshape(S, H)
-    lse = torch.logaddexp(lse_p, lse_s)  # (S, H) float32
-    y = (out_p * (lse_p - lse).exp()[..., None]
-         + out_s.reshape(S, H, D) * (lse_s - lse).exp()[..., None])  # float32
-    return y.view(S, H, 1, D).to(q.dtype)
+    # The prompt part's weight exp(lse_p) / (exp(lse_p) + exp(lse_s)) is a sigmoid of the
+    # difference: 5 small kernels for the merge where a logaddexp, two exps and the cast took 9.
+    share = (lse_p - lse_s.view(grid)).sigmoid_()[..., None]  # (Bp, G, Hkv, rep, 1) float32
+    # Computed in float32 and written once, rounded, into a (S, H, 1, D) tensor of q's dtype: the
+    # kernel's outputs come in its own strided layouts (out_s (S, rep, Hkv, D) in memory on CUDA).
+    y = q.new_empty(S, H, 1, D)
+    torch.addcmul(out_s.view(*grid, D) * (1 - share), out_p, share, out=y.view(*grid, D))
+    return y
 
 
 class DecodeAttention:
