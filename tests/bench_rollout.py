@@ -14,12 +14,14 @@ It uses the same `sample` function, so the difference is the KV/prefill design a
     python tests/bench_rollout.py --breakdown # where a CPU decode step's wall clock goes, P = 64 and 512
     python tests/bench_rollout.py --fused     # the CPU's fused prompt attention vs the generic path
     python tests/bench_rollout.py --tools     # a tool turn (episodes.py) against re-prefilling the row
+    python tests/bench_rollout.py --kernels   # ops a decode step launches per layer, on each route
     python tests/bench_rollout.py --model DIR --rounds 1  # a Hugging Face checkpoint instead (e.g.
                                               # SmolLM2-135M-Instruct), loaded by hf.py and by transformers
 --rounds R sets the interleaved rounds (5); --P 64,512 the prompt lengths (64 alone with --model,
 which also skips the scaling table: a real checkpoint makes them minutes each).
 """
 
+import collections
 import math
 import os
 import sys
@@ -303,6 +305,69 @@ def tool_turns(model: Llama, P: int, rounds: int) -> None:
           f"(extend / that = {best['extend'] / (best['decode'] + best['obs_prefill']):.2f})")
 
 
+# Ops that launch no kernel: views, and allocations without a fill.
+NO_KERNEL = {"view", "_unsafe_view", "transpose", "t", "select", "slice", "expand", "unsqueeze",
+             "squeeze", "as_strided", "detach", "alias", "permute", "split", "unbind", "empty",
+             "empty_strided", "new_empty", "lift_fresh", "promote_types"}
+
+
+def step_ops(route: str, layers: int) -> collections.Counter:
+    """The aten ops (kernels on CUDA, less views and bare allocations) of one graph-style decode
+    step (every completion slot attended under the step's mask), 4 prompts x 8 rows, two of them
+    padded, on a Qwen2-shaped model of `layers` blocks. route: "float32" (prefix_attention's plain
+    ops), "bf16 kernel" (CUDA's kernel_prefix_attention; on a CPU, SDPA's fused CPU kernel runs in
+    the CUDA kernel's place through the same code) or "cpu fused" (the CPU's eager path, float32,
+    the written keys alone)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            self.ops[name] += name not in NO_KERNEL
+            return func(*args, **(kwargs or {}))
+
+    cfg = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      architecture="Qwen2ForCausalLM")
+    dtype = torch.bfloat16 if route == "bf16 kernel" else torch.float32
+    model = Llama(cfg).init_weights(0).to(dtype)
+    Bp, G, P, Tc = 4, 8, 16, 32
+    views = decode.KVCache.for_batch(cfg, Bp, G, P, Tc + 1, dtype, "cpu").carve(
+        layers, 2, 32, Bp, G, P, Tc + 1)
+    kernel = decode.kernel_for
+    if route == "bf16 kernel" and not torch.cuda.is_available():
+        decode.kernel_for = lambda device, dtype, head_dim: decode.cpu_flash
+    try:
+        decoder = decode.Decoder(model, views, [P, P, P - 5, P - 9], G, graphed=False)
+    finally:
+        decode.kernel_for = kernel
+    decoder.attention.fused = route == "cpu fused"
+    tokens = torch.randint(0, cfg.vocab_size, (Bp * G, 1))
+    with torch.no_grad(), Count() as count:
+        decoder.step_index.fill_(3)
+        decoder.attention.own_len = 4 if route == "cpu fused" else Tc
+        decoder.forward(tokens)
+    return count.ops
+
+
+def kernels() -> None:
+    """Ops a decode step launches: per layer (a 2-block model's count less a 1-block model's) and
+    for the rest of the step (embedding, rope tables, final norm, head)."""
+    print("ops of one decode step (aten ops less views: a kernel each on CUDA)")
+    print("| route | per layer | rest of the step | per layer, by op |")
+    print("|---|---|---|---|")
+    for route in ("float32", "bf16 kernel", "cpu fused"):
+        one, two = step_ops(route, 1), step_ops(route, 2)
+        layer = two - one
+        top = ", ".join(f"{name} {n}" for name, n in layer.most_common(8))
+        print(f"| {route} | {sum(layer.values())} | {sum(one.values()) - sum(layer.values())} "
+              f"| {top} |")
+
+
 def option(name: str, default: str) -> str:
     return sys.argv[sys.argv.index(name) + 1] if name in sys.argv else default
 
@@ -316,6 +381,8 @@ def main() -> None:
         model = hf.load_model(model_dir, device, dtype).eval()
     else:
         model = Llama(CFG).init_weights(seed=0).to(device, dtype).eval()
+    if "--kernels" in sys.argv:
+        return kernels()
     if "--breakdown" in sys.argv:
         for P in lengths:
             breakdown(model, P, rounds=min(rounds, 3))
