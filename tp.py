@@ -644,13 +644,18 @@ def clip_grad_norm(model: nn.Module, max_norm: float, groups: ParallelGroups) ->
     after DP's all_reduce. A non-finite norm (NaN/inf somewhere) scales nothing: the caller skips
     the update (the same norm on every rank, so every rank skips)."""
     sharded = model.tp_state.sharded if hasattr(model, "tp_state") else {}
-    grads = [(name in sharded, p.grad) for name, p in model.named_parameters()
-             if p.grad is not None]
+    kinds = ([], [])  # the grads of sharded params, of replicated ones
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            kinds[name not in sharded].append(p.grad)
+    grads = kinds[0] + kinds[1]
     if not grads:
         return 0.0
-    squares = torch.zeros(2, device=grads[0][1].device)  # [sharded, replicated]
-    for is_sharded, g in grads:
-        squares[0 if is_sharded else 1] += torch.linalg.vector_norm(g, dtype=torch.float32) ** 2
+    # Multi-tensor ops (as torch's clip_grad_norm_): a few kernels for all the grads, not four a
+    # grad, which in a tiny model's step cost more launches than its matmuls. At least float32.
+    dt = torch.promote_types(grads[0].dtype, torch.float32)
+    squares = torch.stack([torch.stack(torch._foreach_norm(g, 2, dtype=dt)).square().sum() if g
+                           else grads[0].new_zeros((), dtype=dt) for g in kinds])  # (2,)
     if groups.tp_group is not None:
         # the sum over tp ranks of their disjoint slices' squares
         dist.all_reduce(squares[0:1], group=groups.tp_group)
@@ -658,6 +663,6 @@ def clip_grad_norm(model: nn.Module, max_norm: float, groups: ParallelGroups) ->
     if not math.isfinite(total):
         return total
     coef = min(max_norm / (total + 1e-6), 1.0)
-    for _, g in grads:
-        g.mul_(coef)
+    if coef < 1.0:  # a scale of 1 changes no bit
+        torch._foreach_mul_(grads, coef)
     return total

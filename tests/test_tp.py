@@ -477,6 +477,24 @@ def test_dp2_x_tp2_update_equals_one_process_on_the_whole_batch(tmp_path):
 # One process: world size 1 and the clear errors
 
 
+def test_clip_grad_norm_sums_in_float32_and_a_norm_under_the_limit_changes_no_bit():
+    """The multi-tensor clip: bf16 grads' norm summed in float32 (a bf16 sum of squares would be
+    off by ~1e-3 relative); under max_norm the grads stay as they were, bit for bit; over it each
+    is scaled by max_norm / norm, as torch's clip_grad_norm_ scales."""
+    groups = tp.make_groups(1)
+    m = full_model(tiny()).to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(0)
+    for p in m.parameters():
+        p.grad = torch.randn(p.shape, generator=gen).to(torch.bfloat16)
+    before = [p.grad.clone() for p in m.parameters()]
+    want = torch.cat([g.float().flatten() for g in before]).norm().item()
+    assert tp.clip_grad_norm(m, 2 * want, groups) == pytest.approx(want, rel=1e-6)
+    assert all(torch.equal(p.grad, g) for p, g in zip(m.parameters(), before))
+    assert tp.clip_grad_norm(m, want / 4, groups) == pytest.approx(want, rel=1e-6)
+    for p, g in zip(m.parameters(), before):
+        torch.testing.assert_close(p.grad, g * (want / 4 / (want + 1e-6)), rtol=8e-3, atol=0)
+
+
 def test_world_size_1_needs_no_process_group(monkeypatch):
     for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
