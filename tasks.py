@@ -155,11 +155,11 @@ def call(task: Task, fn: Callable, text: str, ref: str):
 def score(task: Task, texts: list[str], references: list[str]) -> torch.Tensor:
     """(N, F) rewards of N completions by the task's F reward functions, NaN where a function
     returned None (grpo.combine_rewards sums them, weighted, as TRL does)."""
-    per_function = torch.full((len(texts), len(task.rewards)), math.nan, dtype=torch.float64)
-    for j, (fn, _) in enumerate(task.rewards):
-        for i, (text, ref) in enumerate(zip(texts, references)):
-            per_function[i, j] = check_reward(call(task, fn, text, ref), fn, text, ref, task)
-    return per_function
+    # Python floats, one tensor at the end: a write per element would be an op each (2 a row).
+    columns = [[check_reward(call(task, fn, text, ref), fn, text, ref, task)
+                for text, ref in zip(texts, references)] for fn, _ in task.rewards]
+    per_function = torch.tensor(columns, dtype=torch.float64)
+    return per_function.reshape(len(task.rewards), len(texts)).T.contiguous()  # (N, F)
 
 
 def total_rewards(task: Task, texts: list[str], references: list[str]) -> torch.Tensor:
