@@ -7,11 +7,14 @@ naive:  no phases, rollout with each prompt repeated G times (one cache row and 
 Tiny config (dim 256, 4 layers, 8/4 heads, ffn 704, vocab 2048), 16 prompts x G = 8, C = 32 new tokens
 (no early stop), P = 64 and 512. On CUDA the same runs in bf16 and peak memory is printed too.
 Run: python tests/bench_train.py [--repeats 3] [--P 64,512]
+     python tests/bench_train.py --ops [train.py flags]   # ops a default train.py step launches, by phase
 """
 
+import collections
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
@@ -104,6 +107,46 @@ def main(repeats: int = 3, lengths: tuple[int, ...] = (64, 512)) -> None:
                   f"{r['step']:>8.3f} {r['peak']:>8.2f} {speedup:>12.2f}x")
 
 
+def step_ops(flags: list[str], steps: int = 2) -> None:
+    """The aten ops (less views and bare allocations: a kernel each on CUDA) of whole train.py
+    steps with these flags, by phase: where a tiny model's step time goes on a GPU, launches."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import train
+    from bench_rollout import NO_KERNEL
+    ops = collections.Counter()
+    phase = ["rest"]
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops[phase[0]] += func.overloadpacket.__name__ not in NO_KERNEL
+            return func(*args, **(kwargs or {}))
+
+    def in_phase(name, fn):
+        def wrapped(*args, **kwargs):
+            phase[0] = name
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                phase[0] = "rest"
+        return wrapped
+
+    rollout.generate = in_phase("rollout", rollout.generate)
+    train.train_phase = in_phase("train", train.train_phase)
+    with tempfile.TemporaryDirectory() as out:
+        run = train.setup(train.parse_args(["--eval_every", "0", "--save_every", "0",
+                                            "--overwrite", "true", "--out", out] + flags))
+        train.step(run, 1)  # warm: the first step builds what later ones reuse
+        with Count():
+            for s in range(2, 2 + steps):
+                train.step(run, s)
+    total = sum(ops.values()) // steps
+    print(f"ops a step, the mean of {steps} (train.py {' '.join(flags)}): {total:,}; "
+          + ", ".join(f"{k} {n // steps:,}" for k, n in ops.most_common()))
+
+
 if __name__ == "__main__":
+    if "--ops" in sys.argv:
+        sys.exit(step_ops(sys.argv[sys.argv.index("--ops") + 1:]))
     arg = lambda name, default: sys.argv[sys.argv.index(name) + 1] if name in sys.argv else default  # noqa: E731
     main(int(arg("--repeats", 3)), tuple(int(p) for p in arg("--P", "64,512").split(",")))
