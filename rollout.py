@@ -378,5 +378,6 @@ def sync_weights(sampler: torch.nn.Module, model: torch.nn.Module) -> None:
             raise ValueError(f"sync_weights: parameter '{name}' has shape "
                              f"{tuple(targets[name].shape)} in the sampler, "
                              f"{tuple(sources[name].shape)} in the trainer")
-    for name, target in targets.items():
-        target.copy_(sources[name])
+    names = list(targets)
+    # One multi-tensor copy (a few kernels on CUDA, not one a parameter), cast as copy_ casts.
+    torch._foreach_copy_([targets[n] for n in names], [sources[n] for n in names])

@@ -314,6 +314,8 @@ def test_wake_sync_generate_is_bit_exact_with_a_never_released_sampler():
     for step in range(3):
         with mgr.phase("rollout"):
             sync_weights(sampler, trainer)
+            assert all(torch.equal(s, t.to(torch.bfloat16)) for s, t in  # cast as .to casts
+                       zip(sampler.parameters(), trainer.parameters()))
             got = generate(sampler, prompts, cfg, seed=step, cache=cache)
         sync_weights(control, trainer)
         want = generate(control, prompts, cfg, seed=step, cache=control_cache)
