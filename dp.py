@@ -3,12 +3,12 @@ Data parallelism, what the dp ranks share each step: each rank of a dp group sam
 its own slice of the generation batch, and these few collectives put together what the whole batch
 needs: every rank's rewards (the group statistics), sums of metrics and token counts (the loss
 normalisers), the evaluation's completions in their order, and stop decisions taken by all ranks at
-once (a rank that stopped alone would leave the others waiting in a collective). The gradient sum is
-tp.DataParallelGrads.
+once (a rank that stopped alone would leave the others waiting in a collective), and the gradient
+sum.
 
 Every function is a no-op at dp size 1 (no process group). `groups` is tp.ParallelGroups.
 Leaves out: overlapping communication with compute, sharded optimizer state (ZeRO).
-Tested by tests/test_train.py (2 gloo processes).
+Tested by tests/test_train.py (2 gloo processes) and tests/test_tp.py (the gradient sum).
 """
 
 import torch
@@ -49,3 +49,22 @@ def any_rank(flag: bool, device: torch.device) -> bool:
     if dist.is_initialized():
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # over every rank of the world
     return bool(t.item())
+
+
+def sum_grads(model: torch.nn.Module, groups) -> None:
+    """Sums the trainable parameters' .grad over the dp group through one flat buffer: copy in, one
+    all-reduce, copy out. SUM, not mean: train.py divides each loss by global counts (over the
+    whole batch on all dp ranks), so the sum is the one-big-batch gradient. The buffer is one more
+    copy of the grads while it lives (Megatron makes the grads views into it instead), so it lives
+    only in this call: kept, it would sit through the rollout phase, where memory.py has released
+    the grads. Trainable params must share one dtype."""
+    if groups.dp_group is None:
+        return
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:  # a missing grad sends zeros: every rank has the same layout
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    flat = torch.cat([p.grad.flatten() for p in params])  # (all trainable numel,)
+    dist.all_reduce(flat, group=groups.dp_group)  # DP: sum over dp ranks of each replica's grad
+    for p, part in zip(params, flat.split([p.numel() for p in params])):
+        p.grad.copy_(part.view_as(p))

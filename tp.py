@@ -1,5 +1,6 @@
 """
-Tensor parallelism (Megatron-LM style, by hand) and data parallelism for model.py's Llama.
+Tensor parallelism (Megatron-LM style, by hand) for model.py's Llama, the tp x dp process groups,
+and the gradient-norm clip over both (dp.py holds data parallelism's collectives).
 
 TP splits each block over the tp ranks: q/k/v and gate/up are column-parallel (H/tp heads, I/tp of
 the SwiGLU width per rank, their biases split alike), o/down row-parallel (each rank computes a
@@ -612,29 +613,6 @@ def vocab_parallel_logprobs(logits: Tensor, targets: Tensor,
 
 # -----------------------------------------------------------------------------
 # Data parallelism and gradient clipping
-
-
-class DataParallelGrads:
-    """Sums gradients over the dp group through one flat buffer: copy in, one all-reduce, copy
-    out. SUM, not mean: train.py divides each loss by global counts (over the whole batch on all dp
-    ranks), so the sum is the one-big-batch gradient. The buffer is one more copy of the grads
-    while it lives (Megatron makes the grads views into it instead), so it lives only in
-    all_reduce: kept, it would sit through the rollout phase, where memory.py has released the
-    grads. Trainable params must share one dtype."""
-    def __init__(self, model: nn.Module, groups: ParallelGroups):
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.group = groups.dp_group
-
-    def all_reduce(self) -> None:
-        if self.group is None:
-            return
-        for p in self.params:  # a missing grad sends zeros: every rank has the same layout
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        flat = torch.cat([p.grad.flatten() for p in self.params])  # (all trainable numel,)
-        dist.all_reduce(flat, group=self.group)  # DP: sum over dp ranks of each replica's gradient
-        for p, part in zip(self.params, flat.split([p.numel() for p in self.params])):
-            p.grad.copy_(part.view_as(p))
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float, groups: ParallelGroups) -> float:

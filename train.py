@@ -489,7 +489,7 @@ def train_phase(run: Run, batch: grpo.GRPOBatch) -> list[dict]:
                 m = grpo.accumulate(run.model, batch, cfgs.grpo, logprob_fn=run.logprob_fn,
                                     num_seqs=int(num_seqs), num_tokens=max(1, int(num_tokens)),
                                     before_backward=trim)  # the CPU's heap: memory.py
-            tp.DataParallelGrads(run.model, run.groups).all_reduce()
+            dp.sum_grads(run.model, run.groups)
             m["grad_norm"] = tp.clip_grad_norm(run.model, cfgs.train.grad_clip or math.inf,
                                                run.groups)
             # A non-finite loss or gradient anywhere: skip this update on every rank. A gradient

@@ -22,6 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 from hf_reference import save_random_hf_model
 
+import dp
 import grpo
 import logprobs
 import hf
@@ -461,7 +462,7 @@ def _dp_tp_worker(rank: int, tmp: str) -> None:
         m = tp.shard_model(copy.deepcopy(full), groups, sequence_parallel=sp)
         grpo_step(m, prompts[mine], completions[rows], advantages[rows], logprob_fn,
                   num_seqs=len(completions), num_tokens=num_tokens)  # global counts: SUM over dp is the big batch
-        tp.DataParallelGrads(m, groups).all_reduce()
+        dp.sum_grads(m, groups)
         norm = tp.clip_grad_norm(m, max_norm, groups)
         assert abs(norm - want_norm) <= 1e-5 * want_norm, (norm, want_norm)
         torch.optim.SGD(m.parameters(), lr=lr).step()
@@ -514,7 +515,7 @@ def test_world_size_1_needs_no_process_group(monkeypatch):
     ref = copy.deepcopy(m)
     logp.sum().backward()
     plain_logprobs(ref(tokens).flatten(0, 1)[:-1], tokens.flatten()[1:])[0].sum().backward()
-    tp.DataParallelGrads(m, groups).all_reduce()  # dp 1: nothing to do
+    dp.sum_grads(m, groups)  # dp 1: nothing to do
     want_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1).item()
     assert tp.clip_grad_norm(m, 0.1, groups) == pytest.approx(want_norm, rel=1e-6)
     for p, q in zip(m.parameters(), ref.parameters()):
