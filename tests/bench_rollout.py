@@ -30,6 +30,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import hf  # noqa: E402
@@ -311,6 +312,21 @@ NO_KERNEL = {"view", "_unsafe_view", "transpose", "t", "select", "slice", "expan
              "empty_strided", "new_empty", "lift_fresh", "promote_types"}
 
 
+class OpCount(TorchDispatchMode):
+    """Counts the aten ops run inside it that launch a kernel on CUDA (less NO_KERNEL), under
+    key(op name): the op itself by default, bench_train.py's phase there."""
+
+    def __init__(self, key=lambda name: name):
+        super().__init__()
+        self.ops, self.key = collections.Counter(), key
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name not in NO_KERNEL:
+            self.ops[self.key(name)] += 1
+        return func(*args, **(kwargs or {}))
+
+
 def step_ops(route: str, layers: int) -> collections.Counter:
     """The aten ops (kernels on CUDA, less views and bare allocations) of one graph-style decode
     step (every completion slot attended under the step's mask), 4 prompts x 8 rows, two of them
@@ -318,18 +334,6 @@ def step_ops(route: str, layers: int) -> collections.Counter:
     ops), "bf16 kernel" (CUDA's kernel_prefix_attention; on a CPU, SDPA's fused CPU kernel runs in
     the CUDA kernel's place through the same code) or "cpu fused" (the CPU's eager path, float32,
     the written keys alone)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = collections.Counter()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = func.overloadpacket.__name__
-            self.ops[name] += name not in NO_KERNEL
-            return func(*args, **(kwargs or {}))
-
     cfg = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256,
                       num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                       architecture="Qwen2ForCausalLM")
@@ -347,7 +351,7 @@ def step_ops(route: str, layers: int) -> collections.Counter:
         decode.kernel_for = kernel
     decoder.attention.fused = route == "cpu fused"
     tokens = torch.randint(0, cfg.vocab_size, (Bp * G, 1))
-    with torch.no_grad(), Count() as count:
+    with torch.no_grad(), OpCount() as count:
         decoder.step_index.fill_(3)
         decoder.attention.own_len = 4 if route == "cpu fused" else Tc
         decoder.forward(tokens)

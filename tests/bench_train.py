@@ -10,7 +10,6 @@ Run: python tests/bench_train.py [--repeats 3] [--P 64,512]
      python tests/bench_train.py --ops [train.py flags]   # ops a default train.py step launches, by phase
 """
 
-import collections
 import os
 import statistics
 import sys
@@ -110,17 +109,10 @@ def main(repeats: int = 3, lengths: tuple[int, ...] = (64, 512)) -> None:
 def step_ops(flags: list[str], steps: int = 2) -> None:
     """The aten ops (less views and bare allocations: a kernel each on CUDA) of whole train.py
     steps with these flags, by phase: where a tiny model's step time goes on a GPU, launches."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     import train
-    from bench_rollout import NO_KERNEL
-    ops = collections.Counter()
+    from bench_rollout import OpCount
     phase = ["rest"]
-
-    class Count(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            ops[phase[0]] += func.overloadpacket.__name__ not in NO_KERNEL
-            return func(*args, **(kwargs or {}))
+    count = OpCount(key=lambda name: phase[0])
 
     def in_phase(name, fn):
         def wrapped(*args, **kwargs):
@@ -137,12 +129,12 @@ def step_ops(flags: list[str], steps: int = 2) -> None:
         run = train.setup(train.parse_args(["--eval_every", "0", "--save_every", "0",
                                             "--overwrite", "true", "--out", out] + flags))
         train.step(run, 1)  # warm: the first step builds what later ones reuse
-        with Count():
+        with count:
             for s in range(2, 2 + steps):
                 train.step(run, s)
-    total = sum(ops.values()) // steps
+    total = sum(count.ops.values()) // steps
     print(f"ops a step, the mean of {steps} (train.py {' '.join(flags)}): {total:,}; "
-          + ", ".join(f"{k} {n // steps:,}" for k, n in ops.most_common()))
+          + ", ".join(f"{k} {n // steps:,}" for k, n in count.ops.most_common()))
 
 
 if __name__ == "__main__":
