@@ -15,6 +15,7 @@ import grpo
 import rollout
 import tasks
 import tokenizer as tk
+import tolerance
 import tools
 from episodes import Episodes
 from model import Llama, ModelConfig
@@ -116,24 +117,26 @@ def test_the_continued_cache_equals_a_fresh_prefill_of_the_whole_row(model, monk
         with torch.no_grad():
             model.hidden(torch.tensor([prompt + episode]), None, capture)
         n = len(episode) - 1  # the last token is never fed
+        # float32, other summation orders: at most the whole stack's chain, at the K/V's magnitude
+        depth = tolerance.model_depth(CFG, len(prompt) + n, "hidden")
         for layer, (k, v) in keys.items():
             own_k = d.attention.own_k[layer][slot, :, :n]
             own_v = d.attention.own_v[layer][slot, :, :n]
-            torch.testing.assert_close(own_k, k[:, len(prompt):len(prompt) + n], atol=1e-5, rtol=0)
-            torch.testing.assert_close(own_v, v[:, len(prompt):len(prompt) + n], atol=1e-5, rtol=0)
+            for got, want in ((own_k, k), (own_v, v)):
+                want = want[:, len(prompt):len(prompt) + n]
+                torch.testing.assert_close(got, want,
+                                           **tolerance.reordered(depth, want.abs().max()))
         checked += 1
     assert checked and sum(out.stats["calls"]) > 0
 
 
-@pytest.mark.parametrize("dtype,mean_tol,max_tol", [(torch.float64, 2e-7, 1e-6),
-                                                     (torch.float32, 1e-6, 1e-5)])
-def test_sampled_logprobs_of_the_policys_tokens_equal_the_trainers(dtype, mean_tol, max_tol):
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_sampled_logprobs_of_the_policys_tokens_equal_the_trainers(dtype):
     """The trainer's forward (grpo.completion_logprobs: observations as context, the loss mask on
     the policy's tokens) scores each sampled token as the sampler did; observation tokens carry
     logprob 0. float64: equal up to the float32 the sampler stores its logprobs in (half an ulp of
-    a logprob of -8 is 4.8e-7). float32: this model's large logits (std 0.2) put a rollout
-    without a tool at a mean |d| of 1.0e-6 and a max of 7.6e-6 already (test_rollout.py's bound
-    is 1e-5)."""
+    a logprob of -8 is 4.8e-7). float32: two summation orders of the forward's chain of sums, at
+    the logits' magnitude over the temperature (tests/tolerance.py; the logits reach ~6 here)."""
     model = Llama(CFG).init_weights(seed=0, std=0.2).eval().to(dtype)
     out = rollout.generate(model, PROMPTS, RolloutConfig(num_samples=4, max_new_tokens=24,
                                                          temperature=0.9, check_every=4),
@@ -144,7 +147,14 @@ def test_sampled_logprobs_of_the_policys_tokens_equal_the_trainers(dtype, mean_t
     with torch.no_grad():
         logp, _ = grpo.completion_logprobs(model, batch)
     d = (logp - out.logprobs.to(dtype))[batch.loss_mask(grpo.GRPOConfig())].abs()
-    assert d.mean() <= mean_tol and d.max() <= max_tol, (d.mean(), d.max())
+    if dtype == torch.float64:
+        assert d.mean() <= 2e-7 and d.max() <= 1e-6, (d.mean(), d.max())
+        return
+    with torch.no_grad():
+        logits = model(batch.prompt_ids)  # (B, P, V): the magnitude a log-softmax's error has
+    tol = tolerance.reordered(tolerance.model_depth(CFG, CFG.max_position_embeddings),
+                              logits.abs().max() / 0.9)
+    assert d.max() <= tol["atol"], (d.max(), tol)
 
 
 def test_a_rollout_without_a_call_equals_todays_bit_for_bit(model):

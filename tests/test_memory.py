@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
+import tolerance
 from memtrace import allocator_peak
 
 import attention
@@ -673,8 +674,9 @@ def test_embedding_grads_into_weight_equal_autograds_and_skip_the_dense_gradient
         for _ in range(2):  # .grad absent, then accumulating into it
             loss_fn(m, tokens).backward()
     for (name, got), want in zip(twin.named_parameters(), model.parameters()):
-        # the same rows summed in another order: float32 rounding
-        torch.testing.assert_close(got.grad, want.grad, rtol=1e-5, atol=1e-7, msg=name)
+        # the same rows summed in another order (each row over the tokens that look it up, twice)
+        torch.testing.assert_close(got.grad, want.grad, msg=name,
+                                   **tolerance.reordered(2 * tokens.numel(), want.grad.abs().max()))
     assert twin.state_dict().keys() == model.state_dict().keys()
     with torch.no_grad():  # rollout: the plain lookup
         torch.testing.assert_close(twin(tokens), model(tokens), rtol=0, atol=0)

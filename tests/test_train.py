@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 
+import tolerance
 from memtrace import allocator_peak
 
 import cli
@@ -69,8 +70,8 @@ def test_resume_continues_exactly(tmp_path):
 def test_adamw_is_fused_and_steps_as_its_foreach_twin(tmp_path):
     """The run's AdamW is fused (no sqrt(exp_avg_sq) copy of every weight during the step; plan.py's
     NOTE), and 5 steps of it from the run's own weights and hyperparameters equal those of torch's
-    foreach AdamW (the CPU default) within 1e-6: the same update, only its float32 operations
-    ordered differently (lr 1e-2 so that the weights really move)."""
+    foreach AdamW (the CPU default): the same update, only its float32 operations ordered
+    differently (lr 1e-2 so that the weights really move)."""
     out = str(tmp_path / "run")
     try:
         run = train.setup(train.parse_args(FAST + ["--out", out, "--weight_decay", "0.1"]))
@@ -92,7 +93,9 @@ def test_adamw_is_fused_and_steps_as_its_foreach_twin(tmp_path):
     start = torch.cat([p.detach().flatten() for p in run.model.parameters()])
     fused, foreach = (torch.cat([p.detach().flatten() for p in w]) for w in weights)
     assert (foreach - start).abs().max() > 1e-2  # it moved
-    assert torch.allclose(fused, foreach, rtol=0, atol=1e-6), (fused - foreach).abs().max()
+    # ~8 float32 operations a step on each weight, 5 steps: a chain of 40 roundings at its size
+    tol = tolerance.reordered(40, foreach.abs().max())
+    assert torch.allclose(fused, foreach, **tol), (fused - foreach).abs().max()
 
 
 def test_ctrl_c_writes_a_checkpoint(tmp_path):
@@ -153,7 +156,9 @@ def test_tp2_gloo_matches_tp1_and_writes_the_same_tensors(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     for a, b in zip(records(tmp_path / "tp1"), records(tmp_path / "tp2")):
         assert a["reward"] == b["reward"]  # same tokens sampled: gathered logits are exact
-        # fp32 sums in another order (sharded matmuls, all-reduces): 1e-5 relative
+        # fp32 sums in another order (sharded matmuls, all-reduces): the loss moves relatively as
+        # far as the logprobs do absolutely, ~2e-5 at this model's logits (tests/tolerance.py);
+        # 1e-4 also covers the second step, whose weights moved apart by the first's rounding
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-6)
     one, two = (load_file(str(tmp_path / name / "step-000002" / "model.safetensors"))
                 for name in ("tp1", "tp2"))
