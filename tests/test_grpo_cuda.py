@@ -47,3 +47,46 @@ def test_cuda_packed_forward_flex_attention_equals_the_padded_one_values_and_gra
     for name, want in out["padded"][1].items():
         error = (out["packed"][1][name] - want).norm() / want.norm()
         assert error <= 1e-4, (name, float(error))
+
+
+def test_cuda_bf16_takes_the_varlen_route_and_equals_its_math_twin_and_the_padded_one(
+        monkeypatch):
+    """Under bf16 autocast (train.py --dtype bfloat16) the CUDA route is varlen_attn's flash kernel
+    (torch >= 2.10) fed bf16 q, k, v: its logprobs and gradients against the same route with the
+    kernel's math twin in its place (same bf16 inputs: only the kernel's rounding differs, 2e-2
+    on logprobs of magnitude ~5, 1% of a gradient's norm), and against the padded twin (bf16 all
+    through: 0.15 on logprobs, 4% of a gradient's norm, as the CPU's autocast test)."""
+    from test_attention import MATH_VARLEN
+    from test_grpo import grads, ragged_groups, weighted_sum
+    import attention
+    import packing
+    if packing.cuda_route(torch.bfloat16, 16)[0] != "varlen":
+        pytest.skip(packing.cuda_route(torch.bfloat16, 16)[1])
+    prompts, completions = ragged_groups()
+    m = tiny_model().cuda()
+    batch = grpo.GRPOBatch.from_lists(prompts, completions, device="cuda")
+    seen = []
+    forward, backward = attention.FLASH_VARLEN
+
+    def flash(q, k, v, seg):
+        seen.append((q.dtype, k.dtype, v.dtype))
+        return forward(q, k, v, seg)
+
+    def run(route, name="packed"):
+        if route is not None:
+            monkeypatch.setattr(packing, "packed_attention", route)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logp, _ = grpo.completion_logprobs(m, batch, chunk_size=7, forward=name)
+        weighted_sum(logp.float().cpu(), batch.mask.cpu()).backward()
+        out = logp.detach(), grads(m)
+        m.zero_grad()
+        return out
+    got = run(lambda p, rep: packing.varlen_packed_attention(p, (flash, backward)))
+    assert seen and set(seen) == {(torch.bfloat16,) * 3}
+    twin = run(lambda p, rep: packing.varlen_packed_attention(p, MATH_VARLEN))
+    padded = run(None, "padded")
+    for want, atol, rel in ((twin, 2e-2, 0.01), (padded, 0.15, 0.04)):
+        torch.testing.assert_close(got[0], want[0], atol=atol, rtol=0)
+        for name, g in want[1].items():
+            assert (got[1][name] - g).norm() <= rel * g.norm(), name
+
