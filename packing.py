@@ -147,9 +147,9 @@ def ragged_layout(packing: Packing, rep: int, dtype: torch.dtype) -> RaggedLayou
 def shared_prompt_attention(prompt_lens: Tensor, P: int, T: int, rep: int):
     """attention(q, k, v, prompt_k, prompt_v) -> (N, H, T, D) of padded rows on their group's
     prompt K/V: attention.SharedPrefixAttention on the CPU, its repeated-prompt twin elsewhere
-    (the CUDA route runs varlen or FlexAttention instead, cuda_route, or this). Its masks are built once
-    for all layers (in v's dtype: bf16 under autocast over fp32 weights): rep*T*T and Bp*P
-    entries."""
+    (the CUDA route runs varlen or FlexAttention instead, cuda_route, or this). Its masks are
+    built once for all layers (in v's dtype: bf16 under autocast over fp32 weights): rep*T*T and
+    Bp*P entries."""
     device = prompt_lens.device
     prompt_valid = torch.arange(P, device=device) < prompt_lens[:, None]  # (Bp, P)
     if device.type != "cpu" or not CPU_FLASH:
