@@ -32,6 +32,7 @@ Tested by tests/test_compiling.py; benchmarked by tests/bench_compiling.py.
 
 import functools
 import os
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -69,7 +70,8 @@ class Compiled:
     """Put in front of model.Block by compile_blocks: its training forward runs the compiled
     regions with the attention hook eager between them."""
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention, last: Tensor | None = None):
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention: Callable,
+                last: Tensor | None = None) -> Tensor:
         if last is not None or not torch.is_grad_enabled():
             return super().forward(x, cos, sin, attention, last)
         inputs, output = compiled_regions(BACKEND)
@@ -113,13 +115,12 @@ def unsupported() -> str:
 
 
 def use_cache(directory: str) -> str:
-    """Point torch's compile caches at directory (made if missing; "" leaves torch's default,
-    TORCHINDUCTOR_CACHE_DIR or /tmp/torchinductor_$USER). Inductor reads the variable at each
-    compile, so call it before the first one. Returns the directory in use."""
+    """Point torch's compile caches at directory ("" leaves torch's choice: TORCHINDUCTOR_CACHE_DIR
+    or /tmp/torchinductor_$USER). Inductor reads the variable at each compile (Triton's cache goes
+    under it), so call it before the first one. Returns where the caches go, for the log."""
     if directory:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(directory)
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-    return cache_dir()
+    return os.environ.get("TORCHINDUCTOR_CACHE_DIR", "torch's default, /tmp/torchinductor_$USER")
 
 
 def compile_seconds() -> float:

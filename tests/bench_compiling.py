@@ -31,6 +31,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import compiling  # noqa: E402
 import grpo  # noqa: E402
+import plan  # noqa: E402
 
 
 def build(shape: str, device: torch.device):
@@ -61,7 +62,8 @@ def child(args) -> None:
     compiling.use_cache(args.compile_cache)
     model = build(args.shape, device)
     batch = batch_for(model.config.vocab_size, args.prompts, args.G, args.P, args.new, device)
-    cfg = grpo.GRPOConfig(micro_batch_groups=args.prompts)
+    chunk = plan.GPU_CHUNK_BYTES if device.type == "cuda" else grpo.GRPOConfig.chunk_bytes
+    cfg = grpo.GRPOConfig(micro_batch_groups=args.prompts, chunk_bytes=chunk)  # train.py's
     bf16 = device.type == "cuda"  # train.py's --dtype bfloat16: autocast over the fp32 master
 
     def step() -> float:
