@@ -32,6 +32,7 @@ Tested by tests/test_compiling.py; benchmarked by tests/bench_compiling.py.
 
 import functools
 import os
+import sys
 from typing import Callable
 
 import torch
@@ -125,7 +126,10 @@ def use_cache(directory: str) -> str:
 
 def compile_seconds() -> float:
     """Seconds this process has spent compiling so far: dynamo's frames (trace and backend) plus
-    the backward graphs AOTAutograd compiles at their first backward."""
+    the backward graphs AOTAutograd compiles at their first backward. 0 while dynamo is not even
+    loaded (a run that compiles nothing need not pay its import)."""
+    if "torch._dynamo" not in sys.modules:
+        return 0.0
     from torch._dynamo.utils import calculate_time_spent
     spent = calculate_time_spent()
     return spent.get("entire_frame_compile", 0.0) + spent.get("entire_backward_compile", 0.0)

@@ -41,6 +41,7 @@ Tested by tests/test_grpo.py and tests/test_grpo_cuda.py; benchmarked by tests/b
 """
 
 import functools
+import importlib.util
 from dataclasses import dataclass
 
 import torch
@@ -55,11 +56,9 @@ try:  # torch >= 2.5; compiled on CUDA, where it has a backward
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 except ImportError:  # pragma: no cover
     flex_attention = None
-try:  # torch >= 2.10: the varlen flash kernel's (H, Tq) log-sum-exp, which the merge reads
-    import torch.nn.attention.varlen  # noqa: F401
-    VARLEN = True
-except ImportError:  # pragma: no cover
-    VARLEN = False
+# torch >= 2.10 (varlen_attn): the varlen flash kernel's log-sum-exp comes as (H, Tq), as the merge
+# reads it. Looked up, not imported: importing it loads dynamo, seconds at every start.
+VARLEN = importlib.util.find_spec("torch.nn.attention.varlen") is not None
 FLEX_ON_CUDA = flex_attention is not None  # the CUDA route without varlen; plan.py reads it
 RAGGED_FROM = 1.5  # padded row slots / row tokens from which the CPU's rows run unpadded
 
@@ -159,8 +158,8 @@ def shared_prompt_attention(prompt_lens: Tensor, P: int, T: int, rep: int):
     biases: dict[torch.dtype, tuple[Tensor, Tensor]] = {}
 
     def attend(q: Tensor, k: Tensor, v: Tensor, pk: Tensor, pv: Tensor) -> Tensor:
-        # Under autocast v is the linears' bf16 while rope left q, k in the weights' fp32: the
-        # flash kernel takes one dtype, v's (what autocast gives SDPA)
+        # The flash kernel takes one dtype, v's (the linears': bf16 under autocast). model.py's
+        # q and k come in it already; a hook's caller may hand others
         q, k, pk, pv = (x.to(v.dtype) for x in (q, k, pk, pv))
         if q.dtype not in biases:
             prompt_bias = torch.zeros(prompt_valid.shape, dtype=q.dtype, device=device)
