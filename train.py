@@ -80,7 +80,7 @@ class TrainConfig:
     kv_heads: int = 2                # fresh model: key/value heads (GQA)
     dtype: str = "float32"           # compute: float32, or bfloat16 (fp32 master weights, autocast)
     sampler_dtype: str = ""          # sampler weights; "" = --dtype (bf16: a copy of the master)
-    compile: str = "auto"            # blocks' training forward compiled: auto (on CUDA), true, false
+    compile: str = "auto"            # blocks' training forward compiled: auto (CUDA), true, false
     compile_cache: str = "runs/compile_cache"  # torch's compile caches, kept for the next run
     # task
     task: str = "tasks:reverse"      # package.module:attr, a Task or a function (task_data) -> Task

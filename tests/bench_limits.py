@@ -240,9 +240,10 @@ def train_part(name: str, lim: dict, device: str = "cuda", compile: bool = True,
     original = grpo.completion_logprobs
     cuda = device == "cuda"
     route = packing.cuda_route(torch.bfloat16, model.config.head_dim) if cuda else ("cpu", "")
-    print(f"\n{name} GRPO forward + backward, {'fp32 master under bf16 autocast' if cuda else 'fp32'}"
-          f", {BP} x {G} x ({P} + {NEW}) longest; attention route {route[0]} {route[1]}; blocks "
-          f"{'compiled' if compile else 'eager'}; matmul {lim['matmul']:,.0f} TFLOP/s\n"
+    precision = "fp32 master under bf16 autocast" if cuda else "fp32"
+    print(f"\n{name} GRPO forward + backward, {precision}, {BP} x {G} x ({P} + {NEW}) longest; "
+          f"attention route {route[0]} {route[1]}; blocks {'compiled' if compile else 'eager'}; "
+          f"matmul {lim['matmul']:,.0f} TFLOP/s\n"
           "| lengths | forward | micro-batches | s | valid / padded tokens | packed / padded | "
           "TFLOP/s | MFU | peak GB |\n|---|---|---|---|---|---|---|---|---|")
     rows = []
@@ -270,7 +271,7 @@ def train_part(name: str, lim: dict, device: str = "cuda", compile: bool = True,
                 seconds[forward] = timed(step, repeats)
             finally:
                 grpo.completion_logprobs = original
-            peak = torch.cuda.max_memory_allocated() / GB if cuda else float("nan")
+            peak = torch.cuda.max_memory_allocated() / GB if cuda else None  # strict JSON
             rate = flops / seconds[forward] / 1e12
             ratio = seconds[forward] / seconds["padded"]  # padded runs first
             rows.append(dict(shape=name, lengths=label, forward=forward, micro_batches=micro,
@@ -279,7 +280,8 @@ def train_part(name: str, lim: dict, device: str = "cuda", compile: bool = True,
                              compiled=compile, route=route[0]))
             over = f"{ratio:.2f} ({ratio / share:.2f}x the share)"
             print(f"| {label} | {forward} | {micro} | {seconds[forward]:.3f} | {share:.2f} | "
-                  f"{over} | {rate:,.0f} | {rate / lim['matmul']:.0%} | {peak:.1f} |", flush=True)
+                  f"{over} | {rate:,.1f} | {rate / lim['matmul']:.0%} | "
+                  f"{'-' if peak is None else f'{peak:.1f}'} |", flush=True)
     uniform, ragged = (next(r for r in rows if r["forward"] == "packed" and r["lengths"] == label)
                        for label in ("uniform", "mean 1/3"))
     print(f"packed / padded: {uniform['over_padded']:.2f} at uniform lengths (goal <= 1.0), "
