@@ -15,11 +15,16 @@ softmax over both = each part weighed by exp(lse_part - lse_all).
   a CPU): a group's tokens folded against its prompt, rows in buckets of like lengths
   (length_buckets, which rollout.py's decode uses for its prompts too), no row padded to the
   longest.
+- VarlenPrefixAttention: the same on CUDA (packing.py's bf16 training forward there), on the packed
+  tokens as they are: three calls of the varlen flash kernel (torch >= 2.10's varlen_attn), the
+  prompts causal, each group's rows as one query sequence against its prompt, each row causal;
+  nothing padded at all. Its CPU twin (the kernel's math in tensor ops) is in the tests.
 
 Leaves out: the KV cache (rollout.py), the model (model.py calls whichever hook it is given).
 Shapes: Bp prompts, G rows per prompt, N = Bp*G, H/Hkv heads (rep = H/Hkv), T query tokens,
 S own keys, P prompt length, D head dim.
-Tested by tests/test_attention.py; benchmarked by tests/bench_shared_prompt.py.
+Tested by tests/test_attention.py (and on CUDA by tests/test_grpo_cuda.py); benchmarked by
+tests/bench_shared_prompt.py.
 """
 
 import math
@@ -278,3 +283,108 @@ def _from_row_slots(x: Tensor, slots: Tensor, rows: int, T: int, H: int) -> Tens
     Hkv = x.shape[1]
     x = x.view(rows, Hkv, H // Hkv, T, *x.shape[3:]).permute(0, 3, 1, 2, *range(4, x.dim() + 1))
     return x.reshape(rows * T, H, *x.shape[4:])[slots]
+
+# -----------------------------------------------------------------------------
+# The same on CUDA: varlen flash kernels over the packed tokens themselves, nothing padded
+
+
+@dataclass
+class Segments:
+    """One varlen kernel call: its sequences' cumulative offsets (S+1,) int32 into the packed
+    queries and keys, the longest of each, and whether each sequence is causal (a query sees the
+    keys up to its own position; the calls here that are causal have as many queries as keys)."""
+    cu_q: Tensor
+    cu_k: Tensor
+    max_q: int
+    max_k: int
+    causal: bool
+
+
+@dataclass
+class VarlenLayout:
+    """The three calls of VarlenPrefixAttention over Lp prompt tokens then the rows' tokens:
+    the prompts causal; the rows of a group folded into one query sequence against their prompt's
+    keys (one segment a group: Hydragen's fold, the prompt K/V read once per group); each row
+    causal on its own keys."""
+    prompt_tokens: int
+    prompts: Segments
+    prefix: Segments
+    own: Segments
+
+
+def flash_varlen(q: Tensor, k: Tensor, v: Tensor, seg: Segments) -> tuple[Tensor, ...]:
+    """CUDA's flash kernel on packed sequences (what torch >= 2.10's varlen_attn calls): q (Tq, H,
+    D), k/v (Tk, Hkv, D) in bf16 or fp16, GQA by head count. Returns out (Tq, H, D), the log-sum-exp
+    (H, Tq) float32, and the two tensors its backward takes back."""
+    out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
+        q, k, v, seg.cu_q, seg.cu_k, seg.max_q, seg.max_k, 0.0, seg.causal, False)
+    return out, lse, rng_state, unused
+
+
+def flash_varlen_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                          seg: Segments, rng_state: Tensor, unused: Tensor) -> tuple[Tensor, ...]:
+    """flash_varlen's backward with the given out and lse (the merged ones: each part's exact
+    share, as SharedPrefixAttention's): dq (Tq, H, D), dk and dv (Tk, Hkv, D)."""
+    return torch.ops.aten._flash_attention_backward(
+        grad, q, k, v, out, lse, seg.cu_q, seg.cu_k, seg.max_q, seg.max_k, 0.0, seg.causal,
+        rng_state, unused)
+
+
+FLASH_VARLEN = (flash_varlen, flash_varlen_backward)  # tests/test_attention.py: its twin
+
+
+def _merge(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
+    """Two partial softmaxes over disjoint keys -> the joint one: out (T, H, D) in out_a's dtype,
+    lse (H, T)."""
+    lse = torch.logaddexp(lse_a, lse_b)  # (H, T)
+    out = (out_a * (lse_a - lse).exp().T[..., None]
+           + out_b * (lse_b - lse).exp().T[..., None]).to(out_a.dtype)  # (T, H, D)
+    return out, lse
+
+
+class VarlenPrefixAttention(torch.autograd.Function):
+    """packing.py's training attention on CUDA, on the packed tokens themselves: q (L, H, D), k/v
+    (L, Hkv, D), the Lp prompt tokens first, then the rows' tokens (a group's rows back to back).
+    Three varlen calls (VarlenLayout): the prompts causal; each group's rows folded into one query
+    sequence against its prompt's keys; each row causal on its own keys; the rows' two parts merged
+    by log-sum-exp. Backward is SharedPrefixAttention's: each part's kernel backward with the merged
+    output and log-sum-exp, so the gradient is exact (the kernel's own autograd would not do:
+    varlen_attn's backward drops the log-sum-exp's gradient, which a merge needs). `kernels` is the
+    (forward, backward) pair: FLASH_VARLEN on CUDA (the tests' math twin on the CPU). Returns
+    (L, H, D)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, layout: VarlenLayout, kernels):
+        forward, _ = kernels
+        Lp = layout.prompt_tokens
+        qp, kp, vp, qr, kr, vr = q[:Lp], k[:Lp], v[:Lp], q[Lp:], k[Lp:], v[Lp:]
+        out_p, lse_p, *rng_p = forward(qp, kp, vp, layout.prompts)  # (Lp, H, D), (H, Lp)
+        saved, rng_r = [out_p, lse_p], []
+        out = out_p
+        if len(qr):
+            out_x, lse_x, *rng_x = forward(qr, kp, vp, layout.prefix)  # (Lc, H, D), (H, Lc)
+            out_s, lse_s, *rng_s = forward(qr, kr, vr, layout.own)
+            out_r, lse_r = _merge(out_x, lse_x, out_s, lse_s)
+            out = torch.cat([out_p, out_r])  # (L, H, D)
+            saved, rng_r = saved + [out_r, lse_r], [rng_x, rng_s]
+        ctx.layout, ctx.kernels, ctx.rng = layout, kernels, [rng_p] + rng_r
+        ctx.save_for_backward(q, k, v, *saved)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out_p, lse_p, *rows = ctx.saved_tensors
+        layout, (_, backward) = ctx.layout, ctx.kernels
+        Lp = layout.prompt_tokens
+        grad = grad.contiguous()
+        qp, kp, vp, qr, kr, vr = q[:Lp], k[:Lp], v[:Lp], q[Lp:], k[Lp:], v[Lp:]
+        dq, dk, dv = backward(grad[:Lp], qp, kp, vp, out_p, lse_p, layout.prompts, *ctx.rng[0])
+        if rows:
+            out_r, lse_r = rows
+            gr = grad[Lp:]
+            dq_x, dk_x, dv_x = backward(gr, qr, kp, vp, out_r, lse_r, layout.prefix, *ctx.rng[1])
+            dq_s, dk_s, dv_s = backward(gr, qr, kr, vr, out_r, lse_r, layout.own, *ctx.rng[2])
+            dq = torch.cat([dq, dq_x + dq_s])
+            dk = torch.cat([dk + dk_x, dk_s])
+            dv = torch.cat([dv + dv_x, dv_s])
+        return dq, dk, dv, None, None

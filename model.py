@@ -174,10 +174,10 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(C, Hkv * D, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(H * D, C, bias=cfg.o_proj_bias)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention: Callable,
-                last: Tensor | None = None) -> Tensor:
-        """(B, T, C) -> (B, T, C), or (B, 1, C) with last: the queries (and o_proj) of position
-        last[b] alone, the keys/values of every position (a prefill's final layer)."""
+    def qkv(self, x: Tensor, cos: Tensor, sin: Tensor,
+            last: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """(B, T, C) -> q (B, H, T, D), k and v (B, Hkv, T, D): projected, q and k rotated, all
+        three in v's dtype. With last, q (B, H, 1, D) is position last[b]'s alone."""
         B, T, _ = x.shape
         xq, cos_q, sin_q = (x, cos, sin) if last is None else (at_last(x, last), at_last(cos, last),
                                                                at_last(sin, last))
@@ -185,13 +185,26 @@ class Attention(nn.Module):
         q = self.q_proj(xq).view(B, xq.shape[1], -1, self.head_dim).transpose(1, 2)  # (B, H, Tq, D)
         k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
-        q = apply_rotary_emb(q, cos_q, sin_q)
-        k = apply_rotary_emb(k, cos, sin)
+        # NOTE a footgun: under bf16 autocast over fp32 weights the rope tables are fp32 (the
+        # embedding's dtype), so q * cos is fp32 while v is the linears' bf16. SDPA's autocast
+        # casts them back, but an attention it does not cover (FlexAttention, varlen_attn, a
+        # hook's own cast to q's dtype) would run in fp32: q and k go back to v's dtype here.
+        q = apply_rotary_emb(q, cos_q, sin_q).to(v.dtype)
+        k = apply_rotary_emb(k, cos, sin).to(v.dtype)
+        return q, k, v
+
+    def output(self, y: Tensor) -> Tensor:
+        """o_proj over the heads: (B, H, T, D) -> (B, T, C)."""
+        return self.o_proj(y.transpose(1, 2).flatten(2))
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention: Callable,
+                last: Tensor | None = None) -> Tensor:
+        """(B, T, C) -> (B, T, C), or (B, 1, C) with last: the queries (and o_proj) of position
+        last[b] alone, the keys/values of every position (a prefill's final layer)."""
+        q, k, v = self.qkv(x, cos, sin, last)
         if last is None:
-            y = attention(self.layer, q, k, v)  # (B, H, T, D)
-        else:
-            y = attention(self.layer, q, k, v, last=last)  # (B, H, 1, D)
-        return self.o_proj(y.transpose(1, 2).reshape(B, xq.shape[1], -1))  # (B, Tq, C)
+            return self.output(attention(self.layer, q, k, v))  # (B, T, C)
+        return self.output(attention(self.layer, q, k, v, last=last))  # (B, 1, C)
 
 
 class MLP(nn.Module):
@@ -218,7 +231,11 @@ class Block(nn.Module):
                 last: Tensor | None = None) -> Tensor:
         # With last only those positions reach the output: their queries, o_proj and MLP run alone.
         y = self.self_attn(self.input_layernorm(x), cos, sin, attention, last)  # (B, T|1, C)
-        x = (x if last is None else at_last(x, last)) + y
+        return self.residual_mlp(x if last is None else at_last(x, last), y)
+
+    def residual_mlp(self, x: Tensor, y: Tensor) -> Tensor:
+        """The block after its attention: x + y (B, T, C), then the MLP's residual."""
+        x = x + y
         return x + self.mlp(self.post_attention_layernorm(x))
 
 

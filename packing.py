@@ -21,9 +21,16 @@ Attention (packed_attention), by device:
   against its prompt's K/V (read once per group, never copied), each row against its own keys in
   buckets of like lengths (ragged_layout): a few padded slots per bucket, none to the batch's
   longest row. Everything (tokens x C)-sized runs on valid tokens only.
-- CUDA: FlexAttention over the packed row under a block mask built from per-token tensors (segment,
-  group, is-prompt, position): no padding at all, each prompt's K/V read once per group. Its values
-  are tested on the CPU (eager flex_attention has no CPU backward), its gradients on CUDA.
+- CUDA (cuda_route, chosen by the dtype the attention meets): in bf16 (or fp16) on torch >= 2.10,
+  the varlen flash kernel on the packed tokens as they lie (attention.VarlenPrefixAttention: the
+  prompts causal, each group's rows folded into one query sequence against its prompt, each row
+  causal on itself, merged by log-sum-exp; varlen_layout's offsets built once per micro-batch):
+  no padding, no prompt copied. Otherwise (float32, older torch) FlexAttention over the packed row
+  under a block mask built from per-token tensors (segment, group, is-prompt, position), compiled
+  once per process, the mask once per micro-batch; without it, padded views of the repeated-prompt
+  twin. A fallback says why in one line (train.py prints it at the first step). The varlen route's
+  fold, merge and backward are tested on the CPU with the kernel's math twin in its place, the
+  flex route's values on the CPU (eager flex_attention has no CPU backward); both on CUDA.
 Twins (tests/test_grpo.py): padded_hidden, the same forward with every prompt right-padded to P
 and every row to T, and naive_hidden, each prompt repeated G times in one causal forward.
 
@@ -33,20 +40,26 @@ length, n predicted (valid) completion tokens, C width, H/Hkv heads (rep = H/Hkv
 Tested by tests/test_grpo.py and tests/test_grpo_cuda.py; benchmarked by tests/bench_ragged.py.
 """
 
+import functools
+import importlib.util
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from attention import (CPU_FLASH, RaggedLayout, RaggedPrefixAttention, SharedPrefixAttention,
-                       length_buckets, repeated_prefix_attention)
+from attention import (CPU_FLASH, FLASH_VARLEN, RaggedLayout, RaggedPrefixAttention, Segments,
+                       SharedPrefixAttention, VarlenLayout, VarlenPrefixAttention, length_buckets,
+                       repeated_prefix_attention)
 from model import causal_attention
 
 try:  # torch >= 2.5; compiled on CUDA, where it has a backward
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 except ImportError:  # pragma: no cover
     flex_attention = None
-FLEX_ON_CUDA = flex_attention is not None  # the CUDA route; tests switch it to compare
+# torch >= 2.10 (varlen_attn): the varlen flash kernel's log-sum-exp comes as (H, Tq), as the merge
+# reads it. Looked up, not imported: importing it loads dynamo, seconds at every start.
+VARLEN = importlib.util.find_spec("torch.nn.attention.varlen") is not None
+FLEX_ON_CUDA = flex_attention is not None  # the CUDA route without varlen; plan.py reads it
 RAGGED_FROM = 1.5  # padded row slots / row tokens from which the CPU's rows run unpadded
 
 # -----------------------------------------------------------------------------
@@ -133,9 +146,9 @@ def ragged_layout(packing: Packing, rep: int, dtype: torch.dtype) -> RaggedLayou
 def shared_prompt_attention(prompt_lens: Tensor, P: int, T: int, rep: int):
     """attention(q, k, v, prompt_k, prompt_v) -> (N, H, T, D) of padded rows on their group's
     prompt K/V: attention.SharedPrefixAttention on the CPU, its repeated-prompt twin elsewhere
-    (CUDA runs flex_attention instead, or this when FLEX_ON_CUDA is off). Its masks are built once
-    for all layers (in v's dtype: bf16 under autocast over fp32 weights): rep*T*T and Bp*P
-    entries."""
+    (the CUDA route runs varlen or FlexAttention instead, cuda_route, or this). Its masks are
+    built once for all layers (in v's dtype: bf16 under autocast over fp32 weights): rep*T*T and
+    Bp*P entries."""
     device = prompt_lens.device
     prompt_valid = torch.arange(P, device=device) < prompt_lens[:, None]  # (Bp, P)
     if device.type != "cpu" or not CPU_FLASH:
@@ -145,8 +158,8 @@ def shared_prompt_attention(prompt_lens: Tensor, P: int, T: int, rep: int):
     biases: dict[torch.dtype, tuple[Tensor, Tensor]] = {}
 
     def attend(q: Tensor, k: Tensor, v: Tensor, pk: Tensor, pv: Tensor) -> Tensor:
-        # Under autocast v is the linears' bf16 while rope left q, k in the weights' fp32: the
-        # flash kernel takes one dtype, v's (what autocast gives SDPA)
+        # The flash kernel takes one dtype, v's (the linears': bf16 under autocast). model.py's
+        # q and k come in it already; a hook's caller may hand others
         q, k, pk, pv = (x.to(v.dtype) for x in (q, k, pk, pv))
         if q.dtype not in biases:
             prompt_bias = torch.zeros(prompt_valid.shape, dtype=q.dtype, device=device)
@@ -204,10 +217,58 @@ def padded_views_attention(packing: Packing, rep: int):
     return attention
 
 
-def flex_packed_attention(packing: Packing):
-    """The CUDA route: one flex_attention call per layer over the packed row, under a block mask
-    of "same segment and not in the future, or a row's look at its group's prompt". The mask is
-    built once per length L (a tail makes it longer) and shared by every layer."""
+def varlen_layout(packing: Packing) -> VarlenLayout:
+    """VarlenPrefixAttention's three calls over the packed prompts and rows: cumulative offsets of
+    the prompts, of each group's tokens (its rows back to back) and of each row, as int32 on the
+    packing's device, and their longest (one host sync a micro-batch, not one a layer)."""
+    Bp, _, N, _ = packing.shape
+    prompt_lens, row_lens = packing.prompt_lens, packing.row_lens
+    group_lens = row_lens.view(Bp, N // Bp).sum(1)  # (Bp,) tokens of a group's rows
+
+    def offsets(lens: Tensor) -> Tensor:  # (S,) -> (S+1,) int32, from 0
+        return torch.nn.functional.pad(torch.cumsum(lens, 0), (1, 0)).to(torch.int32)
+    longest_prompt, longest_group, longest_row = torch.stack(
+        [prompt_lens.max(), group_lens.max(), row_lens.max()]).tolist()
+    prompts, rows = offsets(prompt_lens), offsets(row_lens)
+    return VarlenLayout(
+        len(packing.prompt_at),
+        prompts=Segments(prompts, prompts, longest_prompt, longest_prompt, causal=True),
+        prefix=Segments(offsets(group_lens), prompts, longest_group, longest_prompt, causal=False),
+        own=Segments(rows, rows, longest_row, longest_row, causal=True))
+
+
+def varlen_packed_attention(packing: Packing, kernels=FLASH_VARLEN):
+    """The CUDA route in bf16 (or fp16): attention(layer, q, k, v) on the packed row, (1, H|Hkv,
+    L, D) -> (1, H, L, D), through attention.VarlenPrefixAttention on the valid tokens as they
+    lie (no padding, no copy of a prompt), under one layout for all layers. A tail gets zeros.
+    kernels: the varlen (forward, backward) pair; the tests pass the CPU's math twin."""
+    layout = varlen_layout(packing)
+    valid = len(packing.prompt_at) + len(packing.row_at)
+
+    def attention(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        # (1, h, L, D) -> (valid, h, D): the linears' own layout, so contiguous() copies nothing
+        q, k, v = (x[0, :, :valid].transpose(0, 1).contiguous() for x in (q, k, v))
+        y = VarlenPrefixAttention.apply(q, k, v, layout, kernels)  # (valid, H, D)
+        tail = q.shape[0] - valid
+        if tail:
+            y = torch.cat([y, y.new_zeros(tail, *y.shape[1:])])
+        return y.transpose(0, 1)[None]  # (1, H, L, D)
+    return attention
+
+
+@functools.cache
+def compiled_flex():
+    """flex_attention compiled once per process (a torch.compile in every forward re-traced it),
+    for any length (dynamic): what the block masks call on CUDA."""
+    return torch.compile(flex_attention, dynamic=True)
+
+
+def flex_packed_attention(packing: Packing, kernel=None):
+    """The CUDA route without varlen (float32, or torch < 2.10): one flex_attention call per layer
+    over the packed row, under a block mask of "same segment and not in the future, or a row's look
+    at its group's prompt". The mask is built once per micro-batch and length L (a tail makes it
+    longer) and shared by every layer. kernel: compiled_flex() on CUDA, the eager flex_attention
+    elsewhere (no backward there)."""
     Bp, P, N, T = packing.shape
     device = packing.tokens.device
     Lp, Lc = len(packing.prompt_at), len(packing.row_at)
@@ -215,7 +276,7 @@ def flex_packed_attention(packing: Packing):
     row_of = packing.row_at.div(T, rounding_mode="floor") if T else prompt_of[:0]  # (Lc,)
     masks: dict[int, object] = {}
     on_cuda = device.type == "cuda"
-    kernel = torch.compile(flex_attention, dynamic=True) if on_cuda else flex_attention
+    kernel = kernel or (compiled_flex() if on_cuda else flex_attention)
 
     def block_mask(L: int):
         # Tail tokens, and up to the next 128-token block (torch 2.5 calls the mask there too),
@@ -236,16 +297,57 @@ def flex_packed_attention(packing: Packing):
         L = q.shape[2]
         if L not in masks:
             masks[L] = block_mask(L)
-        return kernel(q, k.to(q.dtype), v.to(q.dtype), block_mask=masks[L],
+        # One dtype, v's (the linears'): under bf16 autocast that is bf16 (model.Attention.qkv)
+        q, k = q.to(v.dtype), k.to(v.dtype)
+        return kernel(q, k, v, block_mask=masks[L],
                       enable_gqa=q.shape[1] != k.shape[1])  # (1, H, L, D)
     return attention
 
 
+def cuda_route(dtype: torch.dtype, head_dim: int) -> tuple[str, str]:
+    """The CUDA training attention for the compute dtype: "varlen" (bf16 or fp16, torch >= 2.10,
+    head_dim a multiple of 8 up to 256, flash kernels built), else "flex" (FlexAttention,
+    compiled), else "padded" (padded views of the repeated-prompt twin); and, when it is not
+    varlen, the one line that says why."""
+    why = ""
+    if dtype not in (torch.bfloat16, torch.float16):
+        why = f"the flash kernel takes bf16 or fp16, not {str(dtype).removeprefix('torch.')}"
+    elif not VARLEN:
+        why = f"torch {torch.__version__} has no varlen_attn (2.10 and later)"
+    elif head_dim % 8 or head_dim > 256:
+        why = f"the flash kernel takes head_dim a multiple of 8 up to 256, not {head_dim}"
+    elif torch.version.hip or not torch.backends.cuda.is_flash_attention_available():
+        why = "this torch build has no CUDA flash attention kernels"
+    elif torch.cuda.get_device_capability() < (8, 0):
+        why = "the flash kernel needs a GPU of compute capability 8.0 or later"
+    if not why:
+        return "varlen", ""
+    if FLEX_ON_CUDA:
+        return "flex", f"training attention: FlexAttention, not varlen_attn: {why}"
+    return "padded", (f"training attention: padded rows, the prompt repeated per row: {why}, and "
+                      "this torch has no FlexAttention")
+
+
+def cuda_packed_attention(packing: Packing, rep: int):
+    """The CUDA route for the dtype the attention meets (known at the first layer's call, under
+    autocast too), chosen by cuda_route and built once for all layers."""
+    routes: dict[torch.dtype, object] = {}
+
+    def attention(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        if v.dtype not in routes:
+            name, _ = cuda_route(v.dtype, v.shape[-1])
+            routes[v.dtype] = (varlen_packed_attention(packing) if name == "varlen" else
+                               flex_packed_attention(packing) if name == "flex" else
+                               padded_views_attention(packing, rep))
+        return routes[v.dtype](layer, q, k, v)
+    return attention
+
+
 def packed_attention(packing: Packing, rep: int):
-    """The route for the packing's device: FlexAttention on CUDA (FLEX_ON_CUDA), padded views of
-    the project's kernels elsewhere."""
-    if packing.tokens.device.type == "cuda" and FLEX_ON_CUDA:
-        return flex_packed_attention(packing)
+    """The route for the packing's device: on CUDA varlen_attn in bf16, FlexAttention otherwise
+    (cuda_route); padded views of the project's kernels elsewhere."""
+    if packing.tokens.device.type == "cuda":
+        return cuda_packed_attention(packing, rep)
     return padded_views_attention(packing, rep)
 
 # -----------------------------------------------------------------------------

@@ -39,8 +39,9 @@ before the update (~1e-7 in float32: the engine's health check) | len: mean comp
 stop token included (a tool's answers too) | calls: tool calls answered per row (a task with a
 tool; errors: calls the tool refused with tools.ToolError) | tok/s: the rollout's new tokens per
 second | roll, lp, train: seconds in the rollout, the old and reference logprobs (mu > 1, beta > 0),
-training | max RSS (CPU) or max allocated (GPU) | eval: mean held-out greedy reward (share fully
-correct), every --eval_every steps"""
+training; compile: of those, the seconds torch.compile took (a step that compiled) | max RSS (CPU)
+or max allocated (GPU) | eval: mean held-out greedy reward (share fully correct), every
+--eval_every steps"""
 
 # -----------------------------------------------------------------------------
 # The step's record and line
@@ -138,9 +139,10 @@ def step_line(record: dict, steps: int, beta: float) -> str:
     if "tool_calls" in record:  # a task with a tool: calls per row (errors: the model's bad calls)
         errors = f" ({record['tool_errors']} errors)" if record["tool_errors"] else ""
         parts.append(f"calls {record['tool_calls']:.2f}{errors}")
+    compiled = f" compile {record['t_compile']:.1f}s" if record.get("t_compile") else ""
     parts += [f"{record['tokens_per_s']:.0f} tok/s",
               f"roll {record['t_rollout']:.2f}s lp {record['t_logprobs']:.2f}s "
-              f"train {record['t_train']:.2f}s"]
+              f"train {record['t_train']:.2f}s{compiled}"]
     if "max_rss_gb" in record:  # the process's, not the memory table's tagged tensors
         parts.append(f"max RSS {record['max_rss_gb']:.2f} GB")
     else:

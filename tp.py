@@ -349,8 +349,8 @@ class TPAttention(Attention):
         q = q.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, H/tp, T, D)
         k = k.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, Hkv/tp, T, D)
         v = v.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, Hkv/tp, T, D)
-        q = apply_rotary_emb(q, cos, sin)
-        k = apply_rotary_emb(k, cos, sin)
+        q = apply_rotary_emb(q, cos, sin).to(v.dtype)  # in v's dtype, as model.Attention.qkv
+        k = apply_rotary_emb(k, cos, sin).to(v.dtype)
         y = attention(self.layer, q, k, v).transpose(1, 2).reshape(B * T, -1)  # (N, H/tp*D)
         return self.o_proj(y, sp)  # g: reduce-scattered to (N/tp, C)
 

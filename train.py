@@ -49,9 +49,11 @@ from tqdm import tqdm
 
 import checkpoint
 import cli
+import compiling
 import dp
 import grpo
 import memory
+import packing
 import plan
 import plot
 import report
@@ -78,6 +80,8 @@ class TrainConfig:
     kv_heads: int = 2                # fresh model: key/value heads (GQA)
     dtype: str = "float32"           # compute: float32, or bfloat16 (fp32 master weights, autocast)
     sampler_dtype: str = ""          # sampler weights; "" = --dtype (bf16: a copy of the master)
+    compile: str = "auto"            # blocks' training forward compiled: auto (CUDA), true, false
+    compile_cache: str = "runs/compile_cache"  # torch's compile caches, kept for the next run
     # task
     task: str = "tasks:reverse"      # package.module:attr, a Task or a function (task_data) -> Task
     task_data: str = ""              # passed to a task factory, e.g. tasks:jsonl_math's JSONL file
@@ -189,6 +193,28 @@ def build_model(cfg: TrainConfig, task: Task, source: str, device: torch.device,
     return model, tokenizer
 
 
+def compile_model(cfg: TrainConfig, model: Llama, device: torch.device,
+                  groups: tp.ParallelGroups) -> list[str]:
+    """--compile: the blocks' training forward compiled once per model (compiling.py), torch's
+    caches in --compile_cache; and on CUDA the training attention's route (packing.cuda_route).
+    Returns the lines the first step prints: what was compiled, or why not, and any fallback."""
+    notes = []
+    if device.type == "cuda":
+        dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else master_dtype(cfg)
+        notes.append(packing.cuda_route(dtype, model.config.head_dim)[1])
+    if cfg.compile == "false" or (cfg.compile == "auto" and device.type != "cuda"):
+        return notes
+    why = compiling.unsupported()
+    if not why and groups.tp_size > 1:
+        why = "a tensor-parallel block has collectives inside it"
+    if why:
+        return notes + [f"--compile: the blocks run eager: {why}"]
+    cache = compiling.use_cache(cfg.compile_cache)
+    compiling.compile_blocks(model.model.layers)
+    return notes + [f"compile: each block's training forward, one graph for every layer and "
+                    f"length, paid at the first step (caches in {cache})"]
+
+
 def master_dtype(cfg: TrainConfig) -> torch.dtype:
     """The trainer's weights and AdamW state: float32 under bf16 (an AdamW step of 1e-6 on a weight
     of 0.02 is below bf16's resolution: bf16 weights would round most updates away)."""
@@ -291,6 +317,7 @@ def setup(values: dict[str, object]) -> Run:
                                       cfg.max_prompt_len, cfgs.rollout.max_new_tokens,
                                       next(sampler.parameters()).dtype, device,
                                       tp_size=groups.tp_size)
+    notes += compile_model(cfg, model, device, groups)
     memory.checkpoint_blocks(model.model.layers, cfgs.memory.activation_checkpoint)
     memory.grads_into_weight(model.model.embed_tokens)
     mem = plan.memory_phases(device, cfgs.memory, model, sampler, cache, optimizer, reference)
@@ -436,6 +463,7 @@ def step(run: Run, step: int) -> tuple[dict, list[dict]]:
     """One GRPO step (the numbered pieces of the module docstring); returns its metrics record
     and the first --show_rollouts of its sampled completions."""
     g, G = run.cfgs.grpo, run.cfgs.rollout.num_samples
+    compiled = compiling.compile_seconds()  # so far in this process: the step's is the difference
     # 1-4. Prompts, rollout, rewards, advantages; with --dynamic_sampling N (DAPO) up to N more
     # rounds, until they hold prompts_per_step informative groups: only those are trained.
     rounds = [sample_round(run, step, 0)]
@@ -465,6 +493,7 @@ def step(run: Run, step: int) -> tuple[dict, list[dict]]:
     scored = int((~all_rewards.isnan()).sum())
     iterations = train_phase(run, batch) if scored else []
     times["train"] = time.perf_counter() - t0
+    times["compile"] = compiling.compile_seconds() - compiled  # inside the times above
     # 7. Metrics, and the completions the log shows (not written to metrics.jsonl).
     return step_record(run, step, all_rewards, counts, iterations, times), shown
 

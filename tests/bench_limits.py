@@ -14,18 +14,23 @@ copy bandwidth. Random weights of the published shapes (tests/bench_bf16.py's SH
    tied lm_head reads the matrix once) + the prompt KV (once per group) + the completion KV
    actually needed (t keys per row, the mean over the steps); over the copy bandwidth.
 2. train: one GRPO forward + backward (grpo.accumulate, GRPOConfig with train.py's logprob chunk
-   on a GPU, plan.GPU_CHUNK_BYTES) over the rollout's shape (16 x 8 x (64 + 256)), fp32 master
-   weights under bf16 autocast (train.py's bf16), shared prompt on and off. Model FLOPs = 3 x the
+   on a GPU, plan.GPU_CHUNK_BYTES), fp32 master weights under bf16 autocast (train.py's bf16), the
+   blocks compiled (train.py's --compile on CUDA; --compile false: eager), by forward: padded
+   (prompts padded to P, rows to NEW), packed (the engine's: valid tokens only) and naive (each
+   prompt repeated per row); at uniform lengths 16 x 8 x (64 + 256) in one micro-batch, and at
+   lengths with a mean of 1/3 of those (bench_ragged.lengths) in 4. Model FLOPs = 3 x the
    forward's matmul FLOPs of the work that must be done (the prompt once per group, the lm_head
-   on completion tokens, causal attention): the same count for both paths, so the repeated
-   prompt shows as lower utilisation.
+   on completion tokens, causal attention): the same count for every forward, so the padding and
+   the repeated prompt show as lower utilisation. Goals: packed <= 1.0x padded at uniform
+   lengths, <= 1.2x the valid tokens' share of it at a mean of 1/3. On a CPU, `--parts train
+   --shapes tiny` runs it in fp32 (a dry run); --json FILE writes its rows.
 3. sleep: train.py's memory phases (plan.memory_phases) over the fp32 master, the bf16 sampler,
    grads, AdamW and the KV cache: seconds and GB/s of each move against the pinned copy, the
    device's free bytes (torch.cuda.mem_get_info) and the allocator's reserved bytes before and
    after, and the weights after a sleep/wake cycle against a copy kept aside.
 4. plan: `train.py --plan` and 3 steps of the same run on a checkpoint of the shape (random bf16
    weights, tests/test_tokenizer.py's BPE and ChatML), each phase's max_memory_allocated.
-Only a CUDA GPU: on a CPU it says so and exits.
+Only a CUDA GPU (but the train part): on a CPU it says so and exits.
 """
 
 import argparse
@@ -34,18 +39,23 @@ import functools
 import json
 import math
 import os
+import random
 import sys
 import tempfile
 import time
+from contextlib import nullcontext
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import compiling  # noqa: E402
 import grpo  # noqa: E402
 import hf  # noqa: E402
+import packing  # noqa: E402
 import plan  # noqa: E402
 from bench_bf16 import SHAPES  # noqa: E402
+from bench_ragged import tiny_model  # noqa: E402
 from memory import MemoryConfig  # noqa: E402
 from model import Llama  # noqa: E402
 from rollout import KVCache, RolloutConfig, generate, sync_weights  # noqa: E402
@@ -54,18 +64,28 @@ BP, G, P, NEW = 16, 8, 64, 256
 GB = 1e9
 
 
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def timed(fn, repeats: int) -> float:
     """Seconds per call: one warm-up, then the mean of `repeats` between two synchronisations."""
     fn()
-    torch.cuda.synchronize()
+    sync()
     start = time.perf_counter()
     for _ in range(repeats):
         fn()
-    torch.cuda.synchronize()
+    sync()
     return (time.perf_counter() - start) / repeats
 
 
 def limits() -> dict:
+    if not torch.cuda.is_available():  # the CPU's fp32 matmul only (a dry run of the parts)
+        x = torch.randn(1024, 1024)
+        mm = 2 * 1024**3 / timed(lambda: x @ x, 10) / 1e12
+        print(f"limits: CPU fp32 matmul {mm * 1e3:,.0f} GFLOP/s")
+        return dict(matmul=mm)
     n = 2**30  # 1 GiB
     a = torch.empty(n, dtype=torch.uint8, device="cuda")
     b = torch.empty_like(a)
@@ -83,11 +103,12 @@ def limits() -> dict:
     return dict(copy=copy, matmul=mm, d2h=d2h, h2d=h2d)
 
 
-def build(name: str, dtype: torch.dtype) -> Llama:
-    """Random weights of a published shape, made on the GPU (init_weights draws on the CPU: minutes
-    for 1B parameters); norms 1, biases 0, as init_weights."""
-    with torch.device("cuda"):
-        model = Llama(SHAPES[name]).to(dtype)
+def build(name: str, dtype: torch.dtype, device: str = "cuda") -> Llama:
+    """Random weights of a published shape (or "tiny", the tests' model, for a run on the CPU),
+    made on the device (init_weights draws on the CPU: minutes for 1B parameters); norms 1, biases
+    0, as init_weights."""
+    with torch.device(device):
+        model = Llama(SHAPES[name] if name != "tiny" else tiny_model().config).to(dtype)
     with torch.no_grad():
         for pname, p in model.named_parameters():
             if pname.endswith("norm.weight"):
@@ -95,7 +116,7 @@ def build(name: str, dtype: torch.dtype) -> Llama:
             elif pname.endswith(".bias"):
                 p.zero_()
             else:
-                p.normal_(0, 0.02, generator=torch.Generator("cuda").manual_seed(len(pname)))
+                p.normal_(0, 0.02, generator=torch.Generator(device).manual_seed(len(pname)))
     return model.eval()
 
 
@@ -168,62 +189,111 @@ def rollout_part(name: str, lim: dict) -> None:
     torch.cuda.empty_cache()
 
 
-def train_flops(model: Llama) -> float:
+def train_flops(model: Llama, prompt_lens: list[int], completion_lens: list[int]) -> float:
     """3 x the forward's matmul FLOPs of the work that must be done: every prompt token once per
-    group, every completion token, the lm_head on completion tokens, causal attention."""
+    group, every completion token, the lm_head on completion tokens, causal attention (a row's
+    tokens on its prompt and on themselves). The same count for every route."""
     c = model.config
+    group = len(completion_lens) // len(prompt_lens)
     body = sum(p.numel() for n, p in model.named_parameters()
                if "layers." in n and n.endswith("proj.weight"))
-    tokens = BP * P + BP * G * NEW
-    head = 2 * c.vocab_size * c.hidden_size * BP * G * NEW
+    tokens = sum(prompt_lens) + sum(completion_lens)
+    head = 2 * c.vocab_size * c.hidden_size * sum(completion_lens)
     width = c.num_attention_heads * c.head_dim
     # QK^T and PV: 4 * width flops per (query, key) pair; causal pairs of the prompt and of each row
-    pairs = BP * P * (P + 1) / 2 + BP * G * (NEW * P + NEW * (NEW + 1) / 2)
+    pairs = sum(p * (p + 1) / 2 for p in prompt_lens) + sum(
+        n * prompt_lens[i // group] + n * (n + 1) / 2 for i, n in enumerate(completion_lens))
     attention = 4 * width * pairs * c.num_hidden_layers
     return 3 * (2 * body * tokens + head + attention)
 
 
-def grpo_batch(V: int) -> grpo.GRPOBatch:
-    gen = torch.Generator().manual_seed(1)
-    prompts = torch.randint(V, (BP, P), generator=gen).tolist()
-    completions = torch.randint(V, (BP * G, NEW), generator=gen).tolist()
-    batch = grpo.GRPOBatch.from_lists(prompts, completions, device="cuda")
-    batch.advantages = torch.randn(BP * G, generator=gen).cuda()
+def grpo_batch(V: int, device: str, mean: float = 1.0) -> grpo.GRPOBatch:
+    """BP prompts of P tokens and BP x G completions of NEW (mean 1), or of lengths whose mean is
+    about `mean` of those (bench_ragged.lengths: the longest present in each, so the padded shape
+    is the uniform one's)."""
+    from bench_ragged import lengths
+    rng = random.Random(1)
+    prompt_lens = [P] * BP if mean == 1 else lengths(BP, P, mean, rng)
+    completion_lens = [NEW] * (BP * G) if mean == 1 else lengths(BP * G, NEW, mean, rng)
+    prompts = [[rng.randrange(3, V) for _ in range(n)] for n in prompt_lens]
+    completions = [[rng.randrange(3, V) for _ in range(n)] for n in completion_lens]
+    batch = grpo.GRPOBatch.from_lists(prompts, completions, device=device)
+    batch.advantages = torch.tensor([rng.gauss(0, 1) for _ in completions], device=device)
     return batch
 
 
-def train_part(name: str, lim: dict) -> None:
-    model = build(name, torch.float32).train()
-    batch = grpo_batch(model.config.vocab_size)
-    cfg = grpo.GRPOConfig(chunk_bytes=plan.GPU_CHUNK_BYTES)  # train.py's on a GPU
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
-    flops = train_flops(model)
-    original = grpo.completion_logprobs
-    print(f"\n{name} GRPO forward + backward, fp32 master under bf16 autocast, {BP} x {G} x "
-          f"({P} + {NEW}), micro_batch_groups {cfg.micro_batch_groups}, logprob chunks of "
-          f"{cfg.chunk_bytes / 2**20:,.0f} MiB; model FLOPs "
-          f"{flops / 1e12:.1f} T; bf16 matmul {lim['matmul']:,.0f} TFLOP/s\n"
-          "| shared prompt | s | completion tokens/s | TFLOP/s | MFU | peak GB |\n|---|---|---|---|---|---|")
-    for shared in (True, False):
-        grpo.completion_logprobs = functools.partial(original, forward="packed" if shared else "naive")
+ROUTES = {"padded": "prompts padded to P, rows to NEW, each prompt once per group",
+          "packed": "the engine's: valid tokens only, each prompt once per group",
+          "naive": "each prompt repeated for its G rows, padded"}
 
-        def step():
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                grpo.accumulate(model, batch, cfg)
-            model.zero_grad(set_to_none=False)
-        step()
-        torch.cuda.reset_peak_memory_stats()
-        seconds = timed(step, 3)
-        peak = torch.cuda.max_memory_allocated() / GB
-        rate = flops / seconds / 1e12
-        print(f"| {'on' if shared else 'off'} | {seconds:.3f} | {BP * G * NEW / seconds:,.0f} | "
-              f"{rate:,.0f} | {rate / lim['matmul']:.0%} | {peak:.1f} |")
-    grpo.completion_logprobs = original
-    opt = timed(optimizer.step, 3)
+
+def train_part(name: str, lim: dict, device: str = "cuda", compile: bool = True,
+               repeats: int = 3) -> list[dict]:
+    """GRPO forward + backward (grpo.accumulate) by route, at uniform lengths (one micro-batch)
+    and at a mean of 1/3 (4 micro-batches), bf16 autocast over the fp32 master on CUDA (fp32 on
+    the CPU), the blocks compiled or not (train.py's --compile): seconds, MFU against the measured
+    matmul rate, and packed against padded beside the valid tokens' share. Returns the rows."""
+    model = build(name, torch.float32, device).train()
+    if compile:
+        compiling.compile_blocks(model.model.layers)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    original = grpo.completion_logprobs
+    cuda = device == "cuda"
+    route = packing.cuda_route(torch.bfloat16, model.config.head_dim) if cuda else ("cpu", "")
+    precision = "fp32 master under bf16 autocast" if cuda else "fp32"
+    print(f"\n{name} GRPO forward + backward, {precision}, {BP} x {G} x ({P} + {NEW}) longest; "
+          f"attention route {route[0]} {route[1]}; blocks {'compiled' if compile else 'eager'}; "
+          f"matmul {lim['matmul']:,.0f} TFLOP/s\n"
+          "| lengths | forward | micro-batches | s | valid / padded tokens | packed / padded | "
+          "TFLOP/s | MFU | peak GB |\n|---|---|---|---|---|---|---|---|---|")
+    rows = []
+    for mean, label in ((1.0, "uniform"), (1 / 3, "mean 1/3")):
+        batch = grpo_batch(model.config.vocab_size, device, mean)
+        prompt_lens = batch.prompt_lens.tolist()
+        completion_lens = batch.mask.sum(1).tolist()
+        flops = train_flops(model, prompt_lens, completion_lens)
+        valid = sum(prompt_lens) + sum(max(n - 1, 0) for n in completion_lens)
+        share = valid / (BP * P + BP * G * (NEW - 1))
+        micro = 1 if mean == 1 else 4
+        cfg = grpo.GRPOConfig(chunk_bytes=plan.GPU_CHUNK_BYTES, micro_batch_groups=BP // micro)
+        seconds = {}
+        for forward in ROUTES:
+            grpo.completion_logprobs = functools.partial(original, forward=forward)
+
+            def step():
+                with torch.autocast("cuda", dtype=torch.bfloat16) if cuda else nullcontext():
+                    grpo.accumulate(model, batch, cfg)
+                model.zero_grad(set_to_none=False)
+            try:
+                step()
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats()
+                seconds[forward] = timed(step, repeats)
+            finally:
+                grpo.completion_logprobs = original
+            peak = torch.cuda.max_memory_allocated() / GB if cuda else None  # strict JSON
+            rate = flops / seconds[forward] / 1e12
+            ratio = seconds[forward] / seconds["padded"]  # padded runs first
+            rows.append(dict(shape=name, lengths=label, forward=forward, micro_batches=micro,
+                             seconds=seconds[forward], tflops=rate, mfu=rate / lim["matmul"],
+                             valid_share=share, over_padded=ratio, peak_gb=peak,
+                             compiled=compile, route=route[0]))
+            over = f"{ratio:.2f} ({ratio / share:.2f}x the share)"
+            print(f"| {label} | {forward} | {micro} | {seconds[forward]:.3f} | {share:.2f} | "
+                  f"{over} | {rate:,.1f} | {rate / lim['matmul']:.0%} | "
+                  f"{'-' if peak is None else f'{peak:.1f}'} |", flush=True)
+    uniform, ragged = (next(r for r in rows if r["forward"] == "packed" and r["lengths"] == label)
+                       for label in ("uniform", "mean 1/3"))
+    print(f"packed / padded: {uniform['over_padded']:.2f} at uniform lengths (goal <= 1.0), "
+          f"{ragged['over_padded'] / ragged['valid_share']:.2f}x the token share "
+          f"{ragged['valid_share']:.2f} at a mean of 1/3 (goal <= 1.2)")
+    opt = timed(optimizer.step, repeats)
     print(f"AdamW step (fp32, {sum(p.numel() for p in model.parameters()) / 1e6:,.0f} M params): "
           f"{opt * 1e3:.1f} ms")
     del model, optimizer
-    torch.cuda.empty_cache()
+    if cuda:
+        torch.cuda.empty_cache()
+    return rows
 
 
 def device_bytes() -> tuple[int, int]:
@@ -322,29 +392,41 @@ def plan_part(name: str, lim: dict) -> None:
 
 
 def main() -> None:
-    global BP, P  # every part's batch: BP prompts x G samples x (P + NEW) tokens
+    global BP, P, NEW  # every part's batch: BP prompts x G samples x (P + NEW) tokens
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", default="Qwen2.5-0.5B,Llama-3.2-1B")
     parser.add_argument("--parts", default="rollout,train,sleep,plan")
     parser.add_argument("--prompts", type=int, default=BP, help="prompts a step (G = 8 each)")
     parser.add_argument("--prompt_len", type=int, default=P, help="tokens a prompt")
+    parser.add_argument("--new", type=int, default=NEW, help="tokens a completion")
+    parser.add_argument("--compile", default="true", help="train: the blocks compiled (true/false)")
+    parser.add_argument("--json", default="", help="write the train part's rows here")
     args = parser.parse_args()
-    BP, P = args.prompts, args.prompt_len
-    if not torch.cuda.is_available():
-        print("bench_limits needs a CUDA GPU; none is visible")
+    BP, P, NEW = args.prompts, args.prompt_len, args.new
+    cuda = torch.cuda.is_available()
+    if not cuda and args.parts != "train":
+        print("bench_limits needs a CUDA GPU; none is visible (on a CPU: --parts train --shapes "
+              "tiny, a dry run of the train part)")
         return
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print(f"{torch.cuda.get_device_name() if cuda else 'CPU'}, torch {torch.__version__}")
     lim = limits()
-    parts = dict(rollout=rollout_part, train=train_part, sleep=sleep_part, plan=plan_part)
+    parts = dict(rollout=rollout_part, sleep=sleep_part, plan=plan_part,
+                 train=functools.partial(train_part, device="cuda" if cuda else "cpu",
+                                         compile=args.compile == "true"))
+    rows = []
     for name in args.shapes.split(","):
         for part in args.parts.split(","):
             try:
-                parts[part](name, lim)
+                rows += parts[part](name, lim) or []
             except Exception as e:  # one part's failure must not hide the others' figures
                 import traceback
                 traceback.print_exc()
                 print(f"{name} {part}: FAILED {type(e).__name__}: {e}")
-                torch.cuda.empty_cache()
+                if cuda:
+                    torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(limits=lim, train=rows), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -6,9 +6,11 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 import attention
 import tolerance
+from attention import Segments
 
 
 def test_prefix_attention_equals_concatenated_keys_values_and_grads():
@@ -117,3 +119,117 @@ def test_ragged_prefix_attention_equals_repeated_prefix_values_and_grads(dtype):
     got = assert_values_and_grads_equal(out, ref, [q, k, v, pk, pv], depth)
     assert got[3][1].abs().max() == 0  # the empty group's prompt gets no gradient
     assert layout.M == 9 + 4 and len(layout.buckets) == 3  # rows of 9, 8 | 4, 2 | 1
+
+# -----------------------------------------------------------------------------
+# The CUDA route's varlen kernels, with their math twin standing in on the CPU
+
+def _segment_mask(seg: Segments, Tq: int, Tk: int) -> Tensor:
+    """(Tq, Tk) bool: a query sees the keys of its own sequence (up to its position if causal)."""
+    cu_q, cu_k = seg.cu_q.long(), seg.cu_k.long()
+    of_q = torch.searchsorted(cu_q, torch.arange(Tq, device=cu_q.device), right=True) - 1
+    of_k = torch.searchsorted(cu_k, torch.arange(Tk, device=cu_k.device), right=True) - 1
+    allowed = of_q[:, None] == of_k[None, :]
+    if seg.causal:  # as many queries as keys: position within the sequence, both sides
+        at_q = torch.arange(Tq, device=cu_q.device) - cu_q[of_q]
+        at_k = torch.arange(Tk, device=cu_k.device) - cu_k[of_k]
+        allowed &= at_k[None, :] <= at_q[:, None]
+    return allowed
+
+
+def math_varlen(q: Tensor, k: Tensor, v: Tensor, seg: Segments) -> tuple[Tensor, ...]:
+    """flash_varlen's slow twin in plain tensor ops, any device and dtype (float64 included): the
+    CPU stands it in for the CUDA kernel to test VarlenPrefixAttention's fold, merge and
+    backward. The log-sum-exp in float32 (float64 for float64), as the kernel's."""
+    dt = torch.promote_types(q.dtype, torch.float32)
+    rep = q.shape[1] // k.shape[1]
+    kr, vr = (x.to(dt).repeat_interleave(rep, 1) for x in (k, v))  # (Tk, H, D)
+    scores = torch.einsum("qhd,khd->hqk", q.to(dt), kr) / math.sqrt(q.shape[-1])  # (H, Tq, Tk)
+    scores = scores.masked_fill(~_segment_mask(seg, q.shape[0], k.shape[0]), -torch.inf)
+    lse = torch.logsumexp(scores, -1)  # (H, Tq)
+    probs = torch.exp(scores - lse.clamp_min(-1e30)[..., None])  # a query with no key: 0
+    out = torch.einsum("hqk,khd->qhd", probs, vr).to(q.dtype)  # (Tq, H, D)
+    return out, lse, None, None
+
+
+def math_varlen_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                         seg: Segments, rng_state=None, unused=None) -> tuple[Tensor, ...]:
+    """flash_varlen_backward's slow twin: the flash backward's formulas with the given out and
+    lse, probabilities exp(scores - lse), dS = P * (dP - rowsum(dO * O))."""
+    dt = torch.promote_types(q.dtype, torch.float32)
+    H, Hkv, scale = q.shape[1], k.shape[1], 1 / math.sqrt(q.shape[-1])
+    rep = H // Hkv
+    qf, gf, of = (x.to(dt) for x in (q, grad, out))
+    kr, vr = (x.to(dt).repeat_interleave(rep, 1) for x in (k, v))  # (Tk, H, D)
+    scores = torch.einsum("qhd,khd->hqk", qf, kr) * scale
+    scores = scores.masked_fill(~_segment_mask(seg, q.shape[0], k.shape[0]), -torch.inf)
+    probs = torch.exp(scores - lse.to(dt).clamp_min(-1e30)[..., None])  # (H, Tq, Tk)
+    dv = torch.einsum("hqk,qhd->khd", probs, gf)  # (Tk, H, D)
+    dprobs = torch.einsum("qhd,khd->hqk", gf, vr)
+    dscores = probs * (dprobs - (gf * of).sum(-1).T[..., None])  # (H, Tq, Tk)
+    dq = torch.einsum("hqk,khd->qhd", dscores, kr) * scale
+    dk = torch.einsum("hqk,qhd->khd", dscores, qf) * scale  # (Tk, H, D)
+
+    def per_kv_head(x: Tensor) -> Tensor:  # (Tk, H, D) -> (Tk, Hkv, D): the rep heads' sum
+        return x.view(x.shape[0], Hkv, rep, -1).sum(2)
+    return dq.to(q.dtype), per_kv_head(dk).to(k.dtype), per_kv_head(dv).to(v.dtype)
+
+
+MATH_VARLEN = (math_varlen, math_varlen_backward)
+
+
+def packed_mask(prompt_lens: list[int], row_lens: list[int], G: int) -> torch.Tensor:
+    """(L, L) bool over [prompts; rows]: a prompt causal on itself, a row on its group's whole
+    prompt and causally on itself (what the packed row's attention must compute)."""
+    segment, group, position = [], [], []
+    for b, n in enumerate(prompt_lens):
+        segment += [b] * n
+        group += [b] * n
+        position += list(range(n))
+    for i, n in enumerate(row_lens):
+        segment += [len(prompt_lens) + i] * n
+        group += [i // G] * n
+        position += list(range(n))
+    segment, group, position = (torch.tensor(x) for x in (segment, group, position))
+    is_prompt = torch.arange(len(segment)) < sum(prompt_lens)
+    own = (segment[:, None] == segment[None, :]) & (position[None, :] <= position[:, None])
+    prefix = ~is_prompt[:, None] & is_prompt[None, :] & (group[:, None] == group[None, :])
+    return own | prefix
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_varlen_prefix_attention_equals_one_masked_softmax_values_and_grads(dtype):
+    """The CUDA route's fold and merge (packing.varlen_layout's three calls: prompts causal, each
+    group's rows against its prompt, each row causal; merged by log-sum-exp; backward with the
+    merged output) with the kernel's math twin in its place, against one masked softmax over the
+    packed tokens: ragged prompts (1 token too), rows of 0 to 9 tokens, a group of empty rows, GQA
+    (rep 2). Tolerances as above: a prompt key's gradient sums its group's queries (< L rep)."""
+    import packing
+    torch.manual_seed(2)
+    Bp, G, H, Hkv, D = 3, 3, 4, 2, 8
+    prompt_lens, row_lens = [7, 3, 1], [9, 0, 4, 0, 0, 0, 2, 8, 1]
+    L = sum(prompt_lens) + sum(row_lens)
+    fake = packing.Packing(torch.zeros(1, L), torch.zeros(1, L), torch.zeros(sum(prompt_lens)),
+                           torch.zeros(sum(row_lens)), torch.zeros(0), torch.tensor(prompt_lens),
+                           torch.tensor(row_lens), (Bp, 7, Bp * G, 9))
+    layout = packing.varlen_layout(fake)
+
+    def leaf(*shape):
+        return torch.randn(*shape, dtype=dtype, requires_grad=True)
+    q, k, v = leaf(L, H, D), leaf(L, Hkv, D), leaf(L, Hkv, D)
+    out = attention.VarlenPrefixAttention.apply(q, k, v, layout, MATH_VARLEN)  # (L, H, D)
+    mask = packed_mask(prompt_lens, row_lens, G)
+    ref = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                         attn_mask=mask, enable_gqa=True).transpose(0, 1)
+    depth = D + max(prompt_lens) + max(row_lens) + (H // Hkv) * L
+
+    def tol(want: torch.Tensor) -> dict:
+        if want.dtype == torch.float64:
+            return dict(rtol=1e-12, atol=1e-12)
+        return tolerance.reordered(depth, want.abs().max())
+    torch.testing.assert_close(out, ref, **tol(ref))
+    w = torch.randn_like(ref)
+    got = torch.autograd.grad((out * w).sum(), [q, k, v])
+    want = torch.autograd.grad((ref * w).sum(), [q, k, v])
+    for name, a, b in zip("qkv", got, want):
+        torch.testing.assert_close(a, b, **tol(b), msg=name)
+    assert (layout.prefix.max_q, layout.own.max_q, layout.prompts.max_k) == (13, 9, 7)

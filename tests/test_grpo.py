@@ -243,6 +243,107 @@ def test_flex_attention_on_the_packed_row_equals_the_padded_forward():
     torch.testing.assert_close(h, want, **tolerance.reordered(depth, want.abs().max()))
 
 
+def varlen_route(monkeypatch, record: list | None = None):
+    """Make the packed forward take the CUDA bf16 route (packing.varlen_packed_attention) on the
+    CPU, the varlen kernel's math twin in its place; record: the dtypes of each q, k, v the kernel
+    gets."""
+    from test_attention import MATH_VARLEN
+    forward, backward = MATH_VARLEN
+
+    def recorded(q, k, v, seg):
+        if record is not None:
+            record.append((q.dtype, k.dtype, v.dtype))
+        return forward(q, k, v, seg)
+    monkeypatch.setattr(packing, "packed_attention", lambda p, rep: packing.varlen_packed_attention(
+        p, (recorded, backward)))
+
+
+@pytest.mark.parametrize("dtype,twin", [(torch.float32, "padded"), (torch.float64, "padded"),
+                                        (torch.float64, "naive")])
+def test_the_cuda_varlen_route_equals_the_padded_and_naive_twins(dtype, twin, monkeypatch):
+    """The CUDA route in bf16 (VarlenPrefixAttention over the packed tokens: the prompts causal,
+    each group's rows folded against its prompt, each row causal, merged by log-sum-exp), with the
+    varlen kernel's math twin standing in for the CUDA kernel, against the padded and the naive
+    twins: logprobs, entropies and every gradient on ragged groups (1-token prompts, empty rows,
+    an all-empty group). float32: the twin's softmax is exp(scores - logsumexp), not the flash
+    kernels' running max, another summation order: logp_tol and GRAD_REL of each gradient's
+    norm; float64: 1e-12, the same math."""
+    varlen_route(monkeypatch)
+    prompts, completions = ragged_groups()
+    m = tiny_model().to(dtype)
+    batch = GRPOBatch.from_lists(prompts, completions, temperature=0.8)
+    out = {}
+    for forward in ("packed", twin):
+        logp, entropy = grpo.completion_logprobs(m, batch, chunk_size=7, forward=forward)
+        (weighted_sum(logp, batch.mask) + weighted_sum(entropy, batch.mask, seed=2)).backward()
+        out[forward] = logp.detach(), entropy.detach(), grads(m)
+        m.zero_grad()
+    float32 = dtype == torch.float32
+    for got, want in zip(out["packed"][:2], out[twin][:2]):
+        torch.testing.assert_close(got, want, **(logp_tol(0.8) if float32 else
+                                                 dict(rtol=1e-12, atol=1e-12)))
+    rel = GRAD_REL if float32 else 1e-12
+    for name, want in out[twin][2].items():
+        error = (out["packed"][2][name] - want).norm() / want.norm()
+        assert error <= rel, (name, float(error))
+
+
+def test_under_bf16_autocast_every_attention_gets_q_k_v_in_bf16(monkeypatch):
+    """Regression: under bf16 autocast over fp32 weights the rope tables are fp32, so q and k left
+    RoPE in fp32 while v was bf16; FlexAttention (not covered by autocast) then ran in fp32, its
+    q's dtype. Now model.Attention.qkv returns all three in v's dtype: the hook, the varlen
+    kernel and FlexAttention all get bf16."""
+    prompts, completions = ragged_groups()
+    m = tiny_model()
+    batch = GRPOBatch.from_lists(prompts, completions)
+    seen = []
+
+    def hook(layer, q, k, v):
+        seen.append((q.dtype, k.dtype, v.dtype))
+        return M.causal_attention(layer, q, k, v)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        m.hidden(batch.prompt_ids, attention=hook)
+    kernel = []
+    varlen_route(monkeypatch, kernel)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        grpo.completion_logprobs(m, batch, chunk_size=0)[0].sum().backward()
+    flex = []
+    if packing.flex_attention is not None:
+        def recorded_flex(q, k, v, **kwargs):
+            flex.append((q.dtype, k.dtype, v.dtype))
+            return packing.flex_attention(q, k, v, **kwargs)
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), \
+                warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # eager flex_attention says it is for debugging
+            packing.packed_hidden(m, batch.prompt_ids, batch.prompt_lens, batch.tokens,
+                                  batch.mask, 3, lambda p, rep: packing.flex_packed_attention(
+                                      p, recorded_flex))
+    assert len(seen) == 2 and len(kernel) == 3 * 2 and len(flex) in (0, 2)
+    assert set(seen + kernel + flex) == {(torch.bfloat16,) * 3}
+
+
+def test_the_cuda_route_falls_back_in_one_line_saying_why(monkeypatch):
+    """cuda_route: varlen_attn where it can run, else FlexAttention, else padded rows, each
+    fallback with one line naming what is missing (train.py prints it at the first step)."""
+    name, why = packing.cuda_route(torch.float32, 64)
+    assert name == "flex" and "bf16 or fp16, not float32" in why and "\n" not in why
+    monkeypatch.setattr(packing, "VARLEN", True)  # as on torch >= 2.10
+    assert "multiple of 8" in packing.cuda_route(torch.bfloat16, 12)[1]
+    monkeypatch.setattr(packing, "VARLEN", False)
+    assert "has no varlen_attn (2.10 and later)" in packing.cuda_route(torch.bfloat16, 64)[1]
+    monkeypatch.setattr(packing, "FLEX_ON_CUDA", False)
+    name, why = packing.cuda_route(torch.bfloat16, 64)
+    assert name == "padded" and "no FlexAttention" in why
+
+
+def test_flex_attention_is_compiled_once_per_process():
+    """Regression: flex_packed_attention wrapped flex_attention in a new torch.compile in every
+    forward (the CUDA route's kernel); it is one per process."""
+    if packing.flex_attention is None:
+        pytest.skip("torch without flex_attention")
+    assert packing.compiled_flex() is packing.compiled_flex()
+
+
 def truncated_prompt_logprobs(m: M.Llama, prompts, completions,
                               G: int) -> tuple[torch.Tensor, torch.Tensor]:
     """What TRL PR #2669 first did: the prompt forward runs under no_grad and its cache is
