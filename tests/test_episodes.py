@@ -61,8 +61,8 @@ def recomputed_episode(model: Llama, prompt: list[int], row: int, budget: int,
             observation = tool(row, tokens)
             if observation is None:
                 return tokens, policy, True, calls
-            calls += 1
-            observation = observation[:budget - len(tokens)]
+            calls += len(observation) <= budget - len(tokens)  # a call counts once its answer
+            observation = observation[:budget - len(tokens)]  # is in the row whole
             seq += observation
             tokens += observation
             policy += [False] * len(observation)
@@ -75,7 +75,8 @@ def recomputed_episode(model: Llama, prompt: list[int], row: int, budget: int,
 @pytest.mark.parametrize("max_turns", [1, 3])
 def test_greedy_episodes_equal_a_full_recompute_turn_by_turn(model, check_every, max_turns):
     """Calls at every check phase (a row decodes past its call until the check, then is cut
-    back), observations cut by the budget, a tool that ends the episode, turns used up."""
+    back), observations cut by the budget (the call not counted), a tool that ends the episode,
+    turns used up."""
     out = rollout.generate(model, PROMPTS, RolloutConfig(num_samples=2, max_new_tokens=20,
                                                          temperature=0, check_every=check_every),
                            stop_ids=STOPS, episodes=episodes(max_turns))
@@ -282,13 +283,13 @@ def test_a_tools_failure_is_one_line_naming_the_task_and_the_input():
     assert tools.call_tools(tasks.lookup, tasks.look_up, [("?", "47")], 1.0) == [("47", False)]
 
 
-def write_tool_task(tmp_path, body: str) -> str:
+def write_tool_task(tmp_path, body: str, budget: int = 7) -> str:
     """mytool:task, the lookup task with the tool `tool` defined by body (and letters enough
     for its error messages)."""
     return write_module(tmp_path, "mytool", "import string, tools\n" + body + "\ntask = tasks.Task("
                         "'mytool', tasks.sample_lookup, tasks.lookup.rewards, alphabet="
-                        "tasks.lookup.alphabet + string.ascii_lowercase + ': ', max_new_tokens=7, "
-                        "tool=tools.Tool(tool, call='?'))\n")
+                        "tasks.lookup.alphabet + string.ascii_lowercase + ': ', max_new_tokens="
+                        f"{budget}, tool=tools.Tool(tool, call='?'))\n")
 
 
 def test_a_tool_that_raises_mid_run_stops_after_a_checkpoint_of_the_last_step(tmp_path, capsys):
@@ -306,7 +307,7 @@ def test_a_run_with_a_tool_logs_its_calls_and_errors_and_false_turns_it_off(tmp_
     spec = write_tool_task(tmp_path, "import tools\ndef tool(text, ref):\n"
                                      "    if len(text) > 1:\n"
                                      "        raise tools.ToolError('call first')\n"
-                                     "    return ref + '='\n")
+                                     "    return ref + '='\n", budget=24)  # "error: call first" fits
     code, out = run(tmp_path, "--task", spec, "--steps", "3", "--eval_every", "0",
                     "--max_turns", "3")
     recs = records(out)
@@ -356,33 +357,80 @@ def test_a_chat_checkpoints_observation_is_the_templates_tool_message(tmp_path):
     path = write_checkpoint(tmp_path / "qwen", "qwen")
     tokenizer = tk.load_tokenizer(path)
     prompt, reference = tasks.chat_calc.sample(__import__("random").Random(0))
-    responder = tools.Responder(tasks.chat_calc, tokenizer, [(prompt, reference)], 1,
+    responder = tools.Responder(tasks.chat_calc, tokenizer, [(prompt, reference)] * 3, 1,
                                 tools.ToolConfig())
     end = tokenizer.tok.token_to_id("<|im_end|>")
     call = tokenizer.encode_text("Let me see. <calc>12 * 3</calc>", add_special_tokens=False)
     plain = tokenizer.encode_text("It is 36.", add_special_tokens=False)
     bad = tokenizer.encode_text("<calc>12 * x</calc>", add_special_tokens=False)
-    answers = responder([(0, call + [end]), (0, plain + [end]), (0, bad + [end])])
+    answers = responder([(0, call + [end]), (1, plain + [end]), (2, bad + [end])])
     turn = "\n<tool_response>\nresult: 36\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
     assert tokenizer.decode(answers[0]) == "\n<|im_start|>user" + turn
-    assert answers[1] is None and responder.errors == 1
+    assert answers[1] is None
     assert "error: '12 * x' is not arithmetic" in tokenizer.decode(answers[2])
+    # the error counts once its answer is in the row (episodes.py's calls), not before
+    assert responder.errors([1, 0, 1]) == 1 and responder.errors([1, 0, 0]) == 0
+    # row 0 goes on: its next call reads its own turn, the tool's answer a part of its own
+    more = tokenizer.encode_text("So <calc>36 + 1</calc>", add_special_tokens=False)
+    episode = responder.completion(0, call + [end] + answers[0] + more + [end])
+    assert episode.observations == [tokenizer.decode(answers[0])]
+    assert episode.answer == "So <calc>36 + 1</calc><|im_end|>"
+    assert tokenizer.decode(responder([(0, call + [end] + answers[0] + more + [end])])[0]) == (
+        "\n<|im_start|>user" + turn.replace("36", "37"))
 
 
-@pytest.mark.parametrize("text,right", [("<calc>412*739</calc>\nresult: 304468\nSo 304468.", 1.0),
-                                         ("<calc>412*739</calc>\nresult: 304468\nI am done.", 0.0),
-                                         ("304468", 1.0), ("", 0.0)])
-def test_chat_calc_scores_what_follows_the_last_result(text, right):
-    """The calculator's result in the episode is not the model's answer."""
-    assert tasks.calc_correct(text, "304468") == right
+RESULT = "\n<|im_start|>tool\nresult: 304468<|im_end|>\n<|im_start|>assistant\n"
 
 
-def test_the_calculator_answers_each_call_once_and_computes_only_arithmetic():
-    assert tasks.calculator("<calc>(2 + 3) * 4</calc>", "") == "result: 20"
-    assert tasks.calculator("<calc>7 / 2</calc>", "") == "result: 3.5"
-    assert tasks.calculator("<calc>1+1</calc> result: 2 so 2", "") is None  # answered already
-    with pytest.raises(tools.ToolError, match="not arithmetic"):
-        tasks.calculator("<calc>__import__('os')</calc>", "")
+@pytest.mark.parametrize("parts,right", [
+    ([("<calc>412*739</calc>", True), (RESULT, False), ("So 304468.", True)], 1.0),
+    ([("<calc>412*739</calc>", True), (RESULT, False), ("I am done.", True)], 0.0),
+    ([("I know: result: 304468", True), (RESULT, False), ("I am done.", True)], 0.0),
+    ([("304468", True)], 1.0), ([("", True)], 0.0)])
+def test_chat_calc_scores_what_the_model_wrote_after_the_last_result(parts, right):
+    """The calculator's result is the tool's text, not the model's answer: only what the model
+    wrote after the tool's last answer is scored (its own "result: N" before the call too)."""
+    completion = tools.Completion("".join(t for t, _ in parts), parts)
+    assert tasks.calc_correct(completion, "304468") == right
+
+
+def test_a_completion_tells_the_models_text_from_the_tools():
+    parts = [("?", True), ("47", False), ("?", True), ("47", False), ("74", True)]
+    c = tools.Completion("?47?4774", parts)
+    assert c == "?47?4774" and c.model_text == "??74" and c.answer == "74"
+    assert c.observations == ["47", "47"] and tools.Completion("31").answer == "31"
+    decode = "".join  # a character tokenizer: ids are characters
+    assert tools.split_parts(decode, list("?47?4774"), [True, False, False, True, False, False,
+                                                         True, True]) == parts
+
+
+@pytest.mark.parametrize("expression", [
+    "1" + "0" * 400 + " / 3",     # OverflowError: an int division too large for a float
+    "1" + "0" * 400 + " * 1.5",   # OverflowError: an int too large to convert to float
+    "9" * 2000 + " * " + "9" * 2500,  # ValueError: an int of over 4300 digits to print
+    "-" * 5000 + "1",             # RecursionError in the parser
+    "-" * 200000 + "1",           # MemoryError in the parser
+    "(" * 300 + "1" + ")" * 300,  # SyntaxError: too many nested parentheses
+    "1e999", "1e999 - 1e999", "1e308 * 10",  # inf and nan: not a number to answer
+    "1\x00", "1 / 0", "__import__('os')", "2 ** 8", "1 +"])
+def test_every_exception_a_malformed_call_can_cause_is_the_models_tool_error(expression):
+    """What the model writes is the model's mistake: the calculator raises ToolError (told to
+    the row), never the exception that stops the run."""
+    with pytest.raises(tools.ToolError):
+        tasks.calculator(tools.Completion(f"<calc>{expression}</calc>"), "")
+
+
+def test_the_calculator_answers_the_turn_that_called_and_computes_only_arithmetic():
+    def calc(text):
+        return tasks.calculator(tools.Completion(text), "")
+    assert calc("<calc>(2 + 3) * 4</calc>") == "result: 20"
+    assert calc("<calc>7 / 2</calc>") == "result: 3.5"
+    assert calc("<calc>2.5e20</calc>") == "result: 250000000000000000000"
+    assert calc("<calc>1 + 1</calc> then <calc>2 * 3</calc>") == "result: 6"  # the turn's last
+    assert calc("no call here") is None
+    answered = tools.Completion("<calc>1+1</calc>result: 2so 2", [("<calc>1+1</calc>", True),
+                                                              ("result: 2", False), ("so 2", True)])
+    assert tasks.calculator(answered, "") is None  # answered already: this turn holds no call
 
 
 def test_chat_calc_runs_on_a_chat_checkpoint_end_to_end(tmp_path):
