@@ -19,6 +19,7 @@ import tools
 from episodes import Episodes
 from model import Llama, ModelConfig
 from rollout import RolloutConfig
+from test_grpo import hf_checkpoint  # noqa: F401 (a fixture)
 from test_train import records, run, write_module
 
 CFG = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
@@ -443,3 +444,53 @@ def test_chat_calc_runs_on_a_chat_checkpoint_end_to_end(tmp_path):
                     "--eval_every", "0", "--max_new_tokens", "16")
     record = records(out)[0]
     assert code == 0 and "tool_calls" in record and record["tool_errors"] == 0
+
+# -----------------------------------------------------------------------------
+# Against TRL 1.16: its multi-turn path (rollout_func with env_mask, the mask its tool loop
+# builds) on our episodes
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_trls_multi_turn_training_on_our_episodes_trains_the_same_tokens_loss_and_gradients(
+        hf_checkpoint, tmp_path, loss_type):
+    """Episodes sampled by our engine on TRL's own checkpoint (a tiny transformers Llama), given
+    to a real trl.GRPOTrainer through rollout_func with env_mask (1 on the policy's tokens, 0 on
+    the tool's: what TRL's own tool loop builds as tool_mask): the tokens its loss trains equal
+    our loss mask, its logprobs of the episodes (observations as context) equal ours and the
+    sampler's, and its loss, metrics and every gradient equal grpo.accumulate's (check_against_trl:
+    mu = 2, off-policy old logprobs, so the clip acts)."""
+    from test_grpo import (LOGP_TOL, TRL_MICRO_BATCHES, TRL_TEMPERATURE, check_against_trl,
+                           our_advantages, trl_batch, trl_scored, trl_trainer)
+    import hf
+    G, budget = 2, 16
+    prompts, _ = trl_batch(G)  # equal lengths: TRL left-pads prompts (trl_batch says why)
+    sampler = hf.load_model(hf_checkpoint[0], dtype=torch.float64).eval()
+    out = rollout.generate(sampler, prompts, RolloutConfig(num_samples=G, max_new_tokens=budget,
+                                                           temperature=TRL_TEMPERATURE),
+                           stop_ids=(1,), seed=11, episodes=episodes(3))
+    rows, policy = out.completions(), out.policy.tolist()
+    env_mask = [[int(p) for p in flags[:len(row)]] for row, flags in zip(rows, policy)]
+    assert sum(out.stats["calls"]) >= 3 and any(0 in m for m in env_mask)  # the case under test
+    trainer = trl_trainer(hf_checkpoint, tmp_path, prompts, rows, env_mask=env_mask,
+                          loss_type=loss_type, num_iterations=2, epsilon=0.2, epsilon_high=0.28,
+                          max_completion_length=budget)
+    scored = trl_scored(trainer, len(rows))
+    ours = hf.load_model(hf_checkpoint[0], dtype=torch.float64)
+    cfg = grpo.GRPOConfig(loss_type=loss_type, eps_low=0.2, eps_high=0.28,
+                          micro_batch_groups=len(prompts) // TRL_MICRO_BATCHES)
+    batch = grpo.GRPOBatch.from_rollout(prompts, out, budget, our_advantages(G, "group"))
+    trained = (scored["completion_mask"] * scored["tool_mask"]).bool()
+    assert torch.equal(trained, batch.loss_mask(cfg))  # the same tokens trained
+    current = grpo.batch_logprobs(ours, batch, cfg)  # (N, Tc)
+    theirs = scored["old_per_token_logps"]  # TRL's softmax statistics are float32
+    torch.testing.assert_close(theirs * trained, (current * trained).to(theirs.dtype), **LOGP_TOL)
+    # the sampler's float64 logprobs, stored in float32: half an ulp of a logprob of -8 is 4.8e-7
+    torch.testing.assert_close(out.logprobs.double() * trained, current * trained, rtol=0,
+                               atol=1e-6)
+    gen = torch.Generator().manual_seed(7)
+    old = current + 0.3 * torch.randn(current.shape, generator=gen, dtype=current.dtype) * trained
+    # TRL's sampler correction acts for vLLM's rollouts alone: here, no sampler logprobs
+    batch.old_logp, batch.sampler_logp = old, None
+    got = check_against_trl(trainer, scored, ours, batch, cfg)
+    assert got["clip_low"] + got["clip_high"] > 0  # the clip acts
+
