@@ -4,6 +4,7 @@ transformers' generate) run turn by turn; the continued cache equals a fresh pre
 row; the sampler's logprobs of the policy's tokens equal the trainer's; observation tokens carry
 no loss; a rollout with no call equals today's; tools that fail stop in one line."""
 
+import json
 import math
 import os
 import time
@@ -434,16 +435,73 @@ def test_the_calculator_answers_the_turn_that_called_and_computes_only_arithmeti
     assert tasks.calculator(answered, "") is None  # answered already: this turn holds no call
 
 
-def test_chat_calc_runs_on_a_chat_checkpoint_end_to_end(tmp_path):
-    """train.py --model (a ChatML checkpoint) --task tasks:chat_calc: the end of the model's turn
-    is the call, the calculator reads the turn (a random model's holds no call: the episode ends),
-    and the run logs its calls."""
+def scripted_chat_checkpoint(path, script: str) -> str:
+    """A ChatML checkpoint (test_tokenizer's, with <calc> and </calc> added as tokens) whose model
+    writes `script` and ends its turn after every generation prompt, sampled or greedy: its layers
+    add nothing to the residual (o_proj and down_proj 0), so the next token is a function of the
+    current one alone, a table written into the embeddings (one-hot rows) and the head."""
+    from tokenizers import Tokenizer
+    import random
+    import hf
     from test_tokenizer import write_checkpoint
-    path = write_checkpoint(tmp_path / "qwen", "qwen")
+    path = write_checkpoint(path, "qwen")
+    tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+    tok.add_tokens(["<calc>", "</calc>"])
+    tok.save(os.path.join(path, "tokenizer.json"))
+    tokenizer = tk.load_tokenizer(path)
+    prompt = tokenizer.encode(tasks.chat_calc.sample(random.Random(0))[0], tk.PromptConfig())
+    chain = [prompt[-1], *tokenizer.encode_text(script, add_special_tokens=False),
+             tokenizer.tok.token_to_id("<|im_end|>")]
+    assert len(set(chain[:-1])) == len(chain) - 1  # one successor a token
+    model = hf.load_model(path)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.embed_tokens.weight.zero_()
+        model.lm_head.weight.zero_()
+        for i, (token, after) in enumerate(zip(chain, chain[1:])):
+            model.model.embed_tokens.weight[token, i] = 1.0
+            model.lm_head.weight[after, i] = 10.0  # a logit of ~57 after the norm: certain
+    hf.save_model(model, path)
+    return path
+
+
+@pytest.mark.parametrize("script,errors", [("<calc>4*9</calc>", 0), ("<calc>4*x</calc>", 1)])
+@pytest.mark.parametrize("max_turns", [1, 2])
+def test_chat_calc_answers_a_chat_checkpoints_calls_end_to_end(tmp_path, script, errors,
+                                                                 max_turns):
+    """train.py --model (a ChatML checkpoint that calls the calculator after every generation
+    prompt, the tool's message's included) --task tasks:chat_calc: every call is answered within
+    the turns (one call a turn; the call past --max_turns ends the row), a malformed one is the
+    model's error, counted; the tool's message is in the row and the reward reads the model's
+    text after it."""
+    path = scripted_chat_checkpoint(tmp_path / "qwen", script)
     code, out = run(tmp_path, "--model", path, "--task", "tasks:chat_calc", "--steps", "1",
-                    "--eval_every", "0", "--max_new_tokens", "16")
+                    "--eval_every", "1", "--eval_prompts", "2", "--max_new_tokens", "256",
+                    "--max_turns", str(max_turns))
     record = records(out)[0]
-    assert code == 0 and "tool_calls" in record and record["tool_errors"] == 0
+    assert code == 0 and record["tool_calls"] == max_turns
+    assert record["tool_errors"] == errors * max_turns * 4 * 4  # every sampled row's calls
+    with open(os.path.join(out, "samples.jsonl")) as f:
+        sample = json.loads(f.readline())
+    answer = "result: 36" if not errors else "error: '4*x' is not arithmetic"
+    assert sample["completion"].count(script) == max_turns + 1
+    assert sample["completion"].count(answer) == max_turns and sample["stopped"]
+    assert sample["reward"] == 0.0  # "4*9" after the last answer: 9 is not the product
+
+def test_a_call_whose_answer_the_budget_cuts_counts_as_no_call_and_no_error(tmp_path):
+    """The call's answer (an error message) does not fit in what is left of the budget: the row
+    ends at the budget with the part that fits, and neither the call nor its error counts."""
+    path = scripted_chat_checkpoint(tmp_path / "qwen", "<calc>4*x</calc>")
+    code, out = run(tmp_path, "--model", path, "--task", "tasks:chat_calc", "--steps", "1",
+                    "--eval_every", "1", "--eval_prompts", "2", "--max_new_tokens", "40")
+    record = records(out)[0]
+    assert code == 0 and record["tool_calls"] == 0 and record["tool_errors"] == 0
+    with open(os.path.join(out, "samples.jsonl")) as f:
+        sample = json.loads(f.readline())
+    assert sample["completion"].startswith("<calc>4*x</calc><|im_end|>\n<|im_start|>user")
+    assert not sample["stopped"]  # the budget ended it
 
 # -----------------------------------------------------------------------------
 # Against TRL 1.16: its multi-turn path (rollout_func with env_mask, the mask its tool loop
