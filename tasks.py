@@ -494,10 +494,11 @@ lookup = Task("lookup", sample_lookup, [(lookup_digits, 0.8), (lookup_exact, 0.2
               alphabet="abcd0123456789=?", max_new_tokens=6,  # "?", "47", the stop, and room
               correct=lookup_exact, tool=Tool(look_up, call="?"))
 
-# Answer-reading tasks: the model calls, reads the tool's answer and writes its own answer from
-# it; the credit reads completion.answer alone (what the model wrote after the tool's last
-# answer), so the tool's text earns nothing. The reference is what the tool knows; each task's
-# `expected` turns it into the answer.
+# Answer-reading tasks: the model calls, reads the tool's answers and writes its own answer from
+# them. The credit reads what the model did, never the tool's text: its answer (completion.answer,
+# what it wrote after the tool's last answer), whether it stopped right after it, and how many of
+# its calls the tool answered (the call is the model's action; the answers' text earns nothing).
+# The reference is what the tool knows; each task's `expected` turns it into the answer.
 
 
 def sample_lookup_pair(rng: random.Random) -> tuple[str, str]:
@@ -513,31 +514,35 @@ def look_up_next(text: Completion, reference: str) -> str | None:
 
 
 def answer_reading(name: str, sample: Callable, tool: Callable, expected: Callable[[str], str],
-                   budget: int) -> Task:
-    """A task whose answer is expected(reference), written by the model after its calls: per
-    position (0.8) and stopping right after it (0.2), as the stop set's credit, on
-    completion.answer only. Without the tool the model can only guess (about 0.28)."""
+                   calls: int, budget: int) -> Task:
+    """A task whose answer is expected(reference), written by the model after `calls` calls: per
+    position of completion.answer (0.6), a stop right after it (0.2: the row stopped, its answer
+    as long as the expected one), and the calls the tool answered, up to `calls` (0.2). Without
+    the tool a guess earns about 0.26."""
     def answer_digits(completion: Completion, reference: str) -> float:
         return digits_correct(completion.answer, expected(reference))
 
     def answer_stops(completion: Completion, reference: str) -> float:
-        return exact_length(completion.answer, expected(reference))
+        return float(completion.stopped and len(completion.answer) == len(expected(reference)))
+
+    def calls_answered(completion: Completion, reference: str) -> float:
+        return min(len(completion.observations), calls) / calls
 
     def answer_right(completion: Completion, reference: str) -> bool:
-        return completion.answer == expected(reference)
-    return Task(name, sample, [(answer_digits, 0.8), (answer_stops, 0.2)],
+        return completion.stopped and completion.answer == expected(reference)
+    return Task(name, sample, [(answer_digits, 0.6), (answer_stops, 0.2), (calls_answered, 0.2)],
                 alphabet="abcd0123456789=?", max_new_tokens=budget, correct=answer_right,
                 tool=Tool(tool, call="?"))
 
 
 # "?" + "47" (the tool's) + "47" (the model's) + the stop, and room: the value written again.
-lookup_copy = answer_reading("lookup_copy", sample_lookup, look_up, lambda ref: ref, 7)
+lookup_copy = answer_reading("lookup_copy", sample_lookup, look_up, lambda ref: ref, 1, 7)
 # "?" + "47" + "74" + the stop, and room: the tool's answer transformed (reversed).
 lookup_reverse = answer_reading("lookup_reverse", sample_lookup, look_up,
-                                lambda ref: ref[::-1], 7)
+                                lambda ref: ref[::-1], 1, 7)
 # "?" + "4" + "?" + "7" + "11" + the stop, and room: two answers of two calls, combined (summed).
 lookup_sum = answer_reading("lookup_sum", sample_lookup_pair, look_up_next,
-                            lambda ref: str(sum(map(int, ref.split("+")))), 9)
+                            lambda ref: str(sum(map(int, ref.split("+")))), 2, 9)
 
 CALC = re.compile(r"<calc>(.*?)</calc>", re.S)
 

@@ -65,12 +65,15 @@ class Completion(str):
     a tool's answers included, the stop token left out) and `parts`, the same text cut where the
     writer changes: (text, True) for what the model sampled, (text, False) for a tool's answer.
     A completion with no tool turn is one part. The parts are decoded one by one: they join to
-    the text unless a character's bytes straddle a boundary (a byte-level tokenizer)."""
+    the text unless a character's bytes straddle a boundary (a byte-level tokenizer). `stopped`:
+    the model ended it with a stop token (False: the budget, or a call past --max_turns)."""
     parts: tuple[tuple[str, bool], ...]
+    stopped: bool
 
-    def __new__(cls, text: str, parts=None):
+    def __new__(cls, text: str, parts=None, stopped: bool = True):
         self = super().__new__(cls, text)
         self.parts = ((str(text), True),) if parts is None else tuple(parts)
+        self.stopped = stopped
         return self
 
     @property
@@ -197,7 +200,7 @@ class Responder:
         for start, end, _ in self.answers.get(row, []):
             own[start:end] = [False] * (end - start)
         decode = self.tokenizer.decode
-        return Completion(decode(tokens), split_parts(decode, tokens, own))
+        return Completion(decode(tokens), split_parts(decode, tokens, own), stopped=False)
 
     def errors(self, calls: list[int]) -> int:
         """The ToolErrors among the calls that counted, calls[row] of each row (episodes.py): a

@@ -396,14 +396,15 @@ def sample(run: Run, prompts: list[list[int]], cfg: rollout.RolloutConfig, seed:
 
 def completion_texts(run: Run, out: rollout.Rollout) -> list:
     """What the reward functions see: each row's text without its stop token; for a task with a
-    tool, a tools.Completion each, the model's text told from the tool's answers."""
+    tool, a tools.Completion each, the model's text told from the tool's answers, and whether the
+    row stopped."""
     ids, stopped = out.completions(), out.stopped.tolist()
     texts = run.tokenizer.decode_completions(ids, stopped)
     if run.task.tool is None:
         return texts
     own = out.policy.tolist() if out.policy is not None else [[True] * len(x) for x in ids]
     return [tools.Completion(text, tools.split_parts(run.tokenizer.decode, x[:len(x) - s],
-                                                     flags[:len(x) - s]))
+                                                     flags[:len(x) - s]), s)
             for text, x, s, flags in zip(texts, ids, stopped, own)]
 
 # -----------------------------------------------------------------------------

@@ -416,6 +416,32 @@ def test_a_completion_tells_the_models_text_from_the_tools():
                                                          True, True]) == parts
 
 
+def episode(*parts: str, stopped: bool = True) -> tools.Completion:
+    """A character-level episode: parts alternate the model's text and the tool's answers."""
+    return tools.Completion("".join(parts), [(p, i % 2 == 0) for i, p in enumerate(parts)],
+                            stopped)
+
+
+@pytest.mark.parametrize("task,reference,right,traps", [
+    (tasks.lookup_copy, "47", episode("?", "47", "47"),
+     [episode("?", "47", "?", "47"), episode("47;?", "47"), episode("?", "47", "47", stopped=False)]),
+    (tasks.lookup_reverse, "47", episode("?", "47", "74"),
+     [episode("?", "47", "?", "47"), episode("74?", "47"), episode("?", "47", "74", stopped=False)]),
+    (tasks.lookup_sum, "4+7", episode("?", "4", "?", "7", "11"),
+     [episode("?", "4", "?", "7", "?", "11"), episode("11?", "4", "?", "7")])])
+def test_answer_reading_rewards_pay_the_models_answer_never_the_tools_text(task, reference,
+                                                                           right, traps):
+    """Full credit for the calls, the model's own answer and its stop; a second call that brings
+    the value in, an answer written before the call, or a row the budget ended earn the calls'
+    credit at most (and a stop they did not make nothing)."""
+    score = tasks.total_rewards(task, [right, *traps], [reference] * (1 + len(traps))).tolist()
+    assert score[0] == pytest.approx(1.0) and tasks.correct_flags(task, [right], [reference])[0]
+    assert all(x <= 0.2 + 1e-12 for x in score[1:3]), score  # the calls' credit alone
+    assert score[3:] == [pytest.approx(0.8)] * len(score[3:])  # the answer, no stop
+    assert not any(tasks.correct_flags(task, traps, [reference] * len(traps)))
+    assert tasks.look_up_next(episode("?", "4", "?", "7", "?"), "4+7") is None  # no third value
+
+
 @pytest.mark.parametrize("expression", [
     "1" + "0" * 400 + " / 3",     # OverflowError: an int division too large for a float
     "1" + "0" * 400 + " * 1.5",   # OverflowError: an int too large to convert to float
