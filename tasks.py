@@ -535,14 +535,24 @@ def answer_reading(name: str, sample: Callable, tool: Callable, expected: Callab
                 tool=Tool(tool, call="?"))
 
 
-# "?" + "47" (the tool's) + "47" (the model's) + the stop, and room: the value written again.
-lookup_copy = answer_reading("lookup_copy", sample_lookup, look_up, lambda ref: ref, 1, 7)
+def look_up_ended(text: Completion, reference: str) -> str:
+    """The prompt's value and a mark that ends it: "47=". Without the mark the model reads the
+    value's last digit when it writes its first, and the default recipe does not learn to write
+    the digit before it instead (docs/measurements.md, the answer-reading tasks)."""
+    return reference + "="
+
+
+# "?" + "47=" (the tool's) + "47" (the model's) + the stop: the value written again.
+lookup_copy = answer_reading("lookup_copy", sample_lookup, look_up_ended, lambda ref: ref, 1, 7)
 # "?" + "47" + "74" + the stop, and room: the tool's answer transformed (reversed).
 lookup_reverse = answer_reading("lookup_reverse", sample_lookup, look_up,
                                 lambda ref: ref[::-1], 1, 7)
 # "?" + "4" + "?" + "7" + "11" + the stop, and room: two answers of two calls, combined (summed).
 lookup_sum = answer_reading("lookup_sum", sample_lookup_pair, look_up_next,
                             lambda ref: str(sum(map(int, ref.split("+")))), 2, 9)
+# "?" + "4" + "?" + "7" + "74" + the stop, and room: two answers of two calls, the last first.
+lookup_pair = answer_reading("lookup_pair", sample_lookup_pair, look_up_next,
+                             lambda ref: ref[::-1].replace("+", ""), 2, 8)
 
 CALC = re.compile(r"<calc>(.*?)</calc>", re.S)
 

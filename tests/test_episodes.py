@@ -423,12 +423,15 @@ def episode(*parts: str, stopped: bool = True) -> tools.Completion:
 
 
 @pytest.mark.parametrize("task,reference,right,traps", [
-    (tasks.lookup_copy, "47", episode("?", "47", "47"),
-     [episode("?", "47", "?", "47"), episode("47;?", "47"), episode("?", "47", "47", stopped=False)]),
+    (tasks.lookup_copy, "47", episode("?", "47=", "47"),
+     [episode("?", "47=", "?", "47="), episode("47;?", "47="),
+      episode("?", "47=", "47", stopped=False)]),
     (tasks.lookup_reverse, "47", episode("?", "47", "74"),
      [episode("?", "47", "?", "47"), episode("74?", "47"), episode("?", "47", "74", stopped=False)]),
     (tasks.lookup_sum, "4+7", episode("?", "4", "?", "7", "11"),
-     [episode("?", "4", "?", "7", "?", "11"), episode("11?", "4", "?", "7")])])
+     [episode("?", "4", "?", "7", "?", "11"), episode("11?", "4", "?", "7")]),
+    (tasks.lookup_pair, "4+7", episode("?", "4", "?", "7", "74"),
+     [episode("?", "4", "?", "7", "?", "74"), episode("74?", "4", "?", "7")])])
 def test_answer_reading_rewards_pay_the_models_answer_never_the_tools_text(task, reference,
                                                                            right, traps):
     """Full credit for the calls, the model's own answer and its stop; a second call that brings
