@@ -5,7 +5,9 @@ A task is a `Task`: a function that draws one (prompt, reference) pair from a ra
 one or more reward functions `reward(completion, reference) -> float | None`, each with a weight.
 The reward of a completion is the weighted sum over the functions; None (or NaN) means "could not
 score": that function is left out, and a completion no function could score is left out of its
-group's statistics (grpo.group_advantages) and counted in the log.
+group's statistics (grpo.group_advantages) and counted in the log. For a task with a tool the
+completion is a tools.Completion: the episode's text, whose parts tell the model's text from the
+tool's answers (a reward scores completion.answer or .model_text, never the tool's text).
 
 train.py loads a task by import path (load_task), `--task package.module:attr`, where attr is a
 Task or a function `attr(data: str) -> Task` that receives `--task_data`, and scores completions
@@ -28,7 +30,9 @@ Built in:
   sum; the reward is 1 for correct, else 0, so eval_reward is the share correct.
 - the stop set (answers of varying length, then the stop) and `tasks:ragged_copy`, below.
 - with a tool (tools.py; a Task's `tool`): `tasks:lookup`, a value only the tool knows (a fresh
-  model), and `tasks:chat_calc`, a product with a calculator (a chat checkpoint).
+  model), the answer-reading tasks built on it (`lookup_reverse`, `lookup_copy`, `lookup_pair`,
+  `lookup_sum`: the model writes its own answer from the tool's, scored on what it wrote:
+  tools.Completion), and `tasks:chat_calc`, a product with a calculator (a chat checkpoint).
 
 The evaluation's prompts (eval_split): a finite dataset's own test split (`--eval_data FILE`, read
 by the same task factory), else distinct prompts held out of the training stream, at most half of a
