@@ -133,13 +133,13 @@ def test_sampled_logprobs_of_the_policys_tokens_equal_the_trainers(dtype):
     """The trainer's forward (grpo.completion_logprobs: observations as context, the loss mask on
     the policy's tokens) scores each sampled token as the sampler did; observation tokens carry
     logprob 0. float64: equal up to the float32 the sampler stores its logprobs in (half an ulp of
-    a logprob of -8 is 4.8e-7; a mean under 2e-7). float32: the two forwards sum in different orders (the decode step's fused
-    attention, the packed training forward), each logit off by about eps * sqrt(C) of its
-    magnitude (C = 64, the dot products' depth), and logp = logit - logsumexp adds two of them:
-    a per-token bound of eps * sqrt(C) * (|logp| + 2 max|logit|), 1e-5 for this model's logits of
-    up to 5.7 (std 0.2; a rollout without a tool measured a mean |d| of 1e-6 and a max of 7.6e-6
-    on one machine, test_rollout.py's bound is 1e-5). A token scored at a wrong position or
-    without its observation is off by far more (0.1 and up)."""
+    a logprob of -8 is 4.8e-7; a mean under 2e-7). float32: the two forwards sum in different
+    orders (the decode step's fused attention, the packed training forward), each logit off by
+    about eps * sqrt(C) of its magnitude (C = 64, the dot products' depth), and logp = logit -
+    logsumexp adds two of them: a per-token bound of eps * sqrt(C) * (|logp| + 2 max|logit|),
+    about 1.4e-5 for this model's logits of up to 5.7 (std 0.2; one machine measured a mean |d|
+    of 1.0e-6 and a max of 4.3e-6). A token scored at a wrong position or without its
+    observation is off by far more (0.1 and up)."""
     model = Llama(CFG).init_weights(seed=0, std=0.2).eval().to(dtype)
     out = rollout.generate(model, PROMPTS, RolloutConfig(num_samples=4, max_new_tokens=24,
                                                          temperature=0.9, check_every=4),
@@ -319,7 +319,8 @@ def test_a_run_with_a_tool_logs_its_calls_and_errors_and_false_turns_it_off(tmp_
     spec = write_tool_task(tmp_path, "import tools\ndef tool(text, ref):\n"
                                      "    if len(text) > 1:\n"
                                      "        raise tools.ToolError('call first')\n"
-                                     "    return ref + '='\n", budget=24)  # "error: call first" fits
+                                     "    return ref + '='\n",
+                           budget=24)  # "error: call first" fits
     code, out = run(tmp_path, "--task", spec, "--steps", "3", "--eval_every", "0",
                     "--max_turns", "3")
     recs = records(out)
@@ -427,7 +428,8 @@ def episode(*parts: str, stopped: bool = True) -> tools.Completion:
      [episode("?", "47=", "?", "47="), episode("47;?", "47="),
       episode("?", "47=", "47", stopped=False)]),
     (tasks.lookup_reverse, "47", episode("?", "47", "74"),
-     [episode("?", "47", "?", "47"), episode("74?", "47"), episode("?", "47", "74", stopped=False)]),
+     [episode("?", "47", "?", "47"), episode("74?", "47"),
+      episode("?", "47", "74", stopped=False)]),
     (tasks.lookup_sum, "4+7", episode("?", "4", "?", "7", "11"),
      [episode("?", "4", "?", "7", "?", "11"), episode("11?", "4", "?", "7")]),
     (tasks.lookup_pair, "4+7", episode("?", "4", "?", "7", "74"),
