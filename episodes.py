@@ -21,7 +21,8 @@ The loop is rollout.py's decode loop with each row at its own length:
    turns left (max_turns): the row ends there, not stopped.
 3. The tools answer (`respond`, one call per check for all waiting rows: train.py runs the task's
    tool there, with its timeout). An observation is written into the row, marked as not sampled
-   (policy False, logprob 0); one that reaches the budget ends the row there.
+   (policy False, logprob 0); one that reaches the budget ends the row there. A call counts (the
+   row's turns and `calls`) once its whole observation is in the row.
 4. Finished rows leave the batch; the answered rows are extended and draw their next token.
 
 Leaves out: tools running concurrently with decoding (they run at the check, while the batch
@@ -104,12 +105,14 @@ def decode_episodes(decoder, out_tokens: Tensor, out_logprobs: Tensor, policy: T
             if observation is None:  # the tool ended the episode (a turn with no call in it)
                 stopped[r] = True
                 continue
-            calls[r] += 1  # answered calls: what a row's turns count
             bad = [t for t in observation if not (isinstance(t, int) and 0 <= t < vocab)]
             if bad:
                 raise ValueError(f"the tool's observation has token id {bad[0]!r} outside the "
                                  f"vocabulary [0, {vocab})")
             room = new - length[r]  # the budget counts observation tokens too
+            # A call counts (a row's turns, the stats) once its whole answer is in the row; one
+            # the budget cuts ends the row, uncounted.
+            calls[r] += len(observation) <= room
             part = observation[:room]
             span = slice(length[r], length[r] + len(part))
             out_tokens[span, r] = torch.tensor(part, dtype=torch.long, device=device)

@@ -17,7 +17,9 @@ correct); --show_rollouts N prints N of the step's sampled completions after eac
 Health: a run stops in one line (after a checkpoint) when for N steps in a row no update was finite
 (--max_bad_steps), no reward was scored (--max_unscored_steps), or every group's rewards were all
 equal (--max_flat_steps): then every advantage is 0 and nothing can learn, which is what an
-all-or-nothing reward does to a model that never earns it.
+all-or-nothing reward does to a model that never earns it. A step whose every sample is fully
+correct, or earns the run's top reward, counts as learned, not stuck; the message says whether
+every sample earned one reward or each prompt's samples one of their own.
 
 Leaves out: wandb and other loggers (metrics.jsonl is the record; plot.py draws it).
 Tested by tests/test_train.py.
@@ -187,23 +189,39 @@ class Health:
     bad: int = 0
     unscored: int = 0
     flat: int = 0
+    best: float = -math.inf   # the highest mean reward of a step so far
+    worst: float = math.inf   # the lowest
 
     def update(self, record: dict) -> str:
         """Counts this step's record; returns why the run must stop, or ""."""
         no_update = record["skipped_updates"] > 0 and record["updates"] == 0
         self.bad = self.bad + 1 if no_update else 0
-        self.unscored = self.unscored + 1 if record["reward"] is None else 0
-        # A task whose every sample is fully correct is learned, not stuck.
-        flat = (record["zero_std"] == 1.0 and record["reward"] is not None
-                and record.get("correct") != 1.0)
-        self.flat = self.flat + 1 if flat else 0
+        reward = record["reward"]
+        self.unscored = self.unscored + 1 if reward is None else 0
+        flat = record["zero_std"] == 1.0 and reward is not None
+        # A task whose every sample is fully correct, or earns the run's top reward (one reward
+        # for the whole batch, none higher on any step before, the run risen to it), is learned,
+        # not stuck, whether its `correct` predicate says so or it has none.
+        same = flat and not record.get("reward_std")
+        top = same and reward >= self.best and reward > self.worst
+        if flat and not top and record.get("correct") != 1.0:
+            self.flat += 1
+        else:
+            self.flat = 0
+        if reward is not None:
+            self.best, self.worst = max(self.best, reward), min(self.worst, reward)
         if self.bad >= self.max_bad_steps:
             return f"{self.bad} steps in a row had no finite update (a non-finite loss or grad)"
         if self.unscored >= self.max_unscored_steps:
             return f"{self.unscored} steps in a row had no reward scored (all returned None)"
         if self.max_flat_steps and self.flat >= self.max_flat_steps:
-            return (f"{self.flat} steps in a row gave every sample of each prompt the same reward "
-                    f"(mean {record['reward']:.3f}): every advantage is 0, so nothing learns. An "
-                    "all-or-nothing reward that no sample earns does this; give partial credit "
-                    "(README, Tasks), or --max_flat_steps 0 to go on")
+            if same:  # one reward for every sample, below the run's best (or flat from the start)
+                return (f"{self.flat} steps in a row gave every sample the same reward "
+                        f"{reward:.3f} (the run's best step: {self.best:.3f}): every advantage is "
+                        "0, so nothing learns. An all-or-nothing reward that no sample earns does "
+                        "this; give partial credit (README, Tasks), or --max_flat_steps 0 to go on")
+            return (f"{self.flat} steps in a row gave every sample of each prompt the same reward, "
+                    f"prompts apart (mean {reward:.3f}): every advantage is 0, so nothing learns; "
+                    "the policy writes one completion per prompt. Sample more widely "
+                    "(--temperature, --entropy_coef), or --max_flat_steps 0 to go on")
         return ""

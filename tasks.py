@@ -5,7 +5,9 @@ A task is a `Task`: a function that draws one (prompt, reference) pair from a ra
 one or more reward functions `reward(completion, reference) -> float | None`, each with a weight.
 The reward of a completion is the weighted sum over the functions; None (or NaN) means "could not
 score": that function is left out, and a completion no function could score is left out of its
-group's statistics (grpo.group_advantages) and counted in the log.
+group's statistics (grpo.group_advantages) and counted in the log. For a task with a tool the
+completion is a tools.Completion: the episode's text, whose parts tell the model's text from the
+tool's answers (a reward scores completion.answer or .model_text, never the tool's text).
 
 train.py loads a task by import path (load_task), `--task package.module:attr`, where attr is a
 Task or a function `attr(data: str) -> Task` that receives `--task_data`, and scores completions
@@ -28,7 +30,9 @@ Built in:
   sum; the reward is 1 for correct, else 0, so eval_reward is the share correct.
 - the stop set (answers of varying length, then the stop) and `tasks:ragged_copy`, below.
 - with a tool (tools.py; a Task's `tool`): `tasks:lookup`, a value only the tool knows (a fresh
-  model), and `tasks:chat_calc`, a product with a calculator (a chat checkpoint).
+  model), the answer-reading tasks built on it (`lookup_reverse`, `lookup_copy`, `lookup_pair`,
+  `lookup_sum`: the model writes its own answer from the tool's, scored on what it wrote:
+  tools.Completion), and `tasks:chat_calc`, a product with a calculator (a chat checkpoint).
 
 The evaluation's prompts (eval_split): a finite dataset's own test split (`--eval_data FILE`, read
 by the same task factory), else distinct prompts held out of the training stream, at most half of a
@@ -52,7 +56,7 @@ import numpy
 import torch
 
 from grpo import combine_rewards
-from tools import Tool, ToolError
+from tools import Completion, Tool, ToolError
 
 Reward = Callable[[str, str], "float | None"]
 
@@ -482,23 +486,86 @@ def lookup_digits(completion: str, reference: str) -> float:
     return digits_correct(lookup_answer(completion), reference)
 
 
-def lookup_exact(completion: str, reference: str) -> bool:
-    """The clean episode: a call, the tool's answer, the stop ("?47")."""
-    return completion == "?" + reference
+def lookup_exact(completion: Completion, reference: str) -> bool:
+    """The clean episode: the model's call, the tool's answer, the stop ("?" + "47")."""
+    return completion.parts == (("?", True), (reference, False))
 
 
-# The credit is per digit of the episode's last two, so the tool's answer counts (0.8), plus
-# the clean episode (0.2): the model must learn to call first, and to stop once the value is in.
+# The credit is per digit of the episode's last two, the tool's answer included on purpose (0.8):
+# the skill is the call itself, what the model writes after it earns nothing more; plus the
+# clean episode (0.2): the model must learn to call first, and to stop once the value is in.
 lookup = Task("lookup", sample_lookup, [(lookup_digits, 0.8), (lookup_exact, 0.2)],
               alphabet="abcd0123456789=?", max_new_tokens=6,  # "?", "47", the stop, and room
               correct=lookup_exact, tool=Tool(look_up, call="?"))
 
+# Answer-reading tasks: the model calls, reads the tool's answers and writes its own answer from
+# them. The credit reads what the model did, never the tool's text: its answer (completion.answer,
+# what it wrote after the tool's last answer), whether it stopped right after it, and how many of
+# its calls the tool answered (the call is the model's action; the answers' text earns nothing).
+# The reference is what the tool knows; each task's `expected` turns it into the answer.
+
+
+def sample_lookup_pair(rng: random.Random) -> tuple[str, str]:
+    """"bdac=" -> "4+7": two 1-digit values for this prompt alone, one per call."""
+    return word(rng, "abcd", 4, 4) + "=", f"{rng.randrange(10)}+{rng.randrange(10)}"
+
+
+def look_up_next(text: Completion, reference: str) -> str | None:
+    """The k-th call gets the k-th value ("4+7": "4", then "7"); a third call ends the episode."""
+    values = reference.split("+")
+    calls = len(text.observations)
+    return values[calls] if calls < len(values) else None
+
+
+def answer_reading(name: str, sample: Callable, tool: Callable, expected: Callable[[str], str],
+                   calls: int, budget: int) -> Task:
+    """A task whose answer is expected(reference), written by the model after `calls` calls: per
+    position of completion.answer (0.6), a stop right after it (0.2: the row stopped, its answer
+    as long as the expected one), and the calls the tool answered, up to `calls` (0.2). Without
+    the tool a guess earns about 0.26."""
+    def answer_digits(completion: Completion, reference: str) -> float:
+        return digits_correct(completion.answer, expected(reference))
+
+    def answer_stops(completion: Completion, reference: str) -> float:
+        return float(completion.stopped and len(completion.answer) == len(expected(reference)))
+
+    def calls_answered(completion: Completion, reference: str) -> float:
+        return min(len(completion.observations), calls) / calls
+
+    def answer_right(completion: Completion, reference: str) -> bool:
+        return completion.stopped and completion.answer == expected(reference)
+    return Task(name, sample, [(answer_digits, 0.6), (answer_stops, 0.2), (calls_answered, 0.2)],
+                alphabet="abcd0123456789=?", max_new_tokens=budget, correct=answer_right,
+                tool=Tool(tool, call="?"))
+
+
+def look_up_ended(text: Completion, reference: str) -> str:
+    """The prompt's value and a mark that ends it: "47=". Without the mark the model reads the
+    value's last digit when it writes its first, and the default recipe does not learn to write
+    the digit before it instead (docs/measurements.md, the answer-reading tasks)."""
+    return reference + "="
+
+
+# "?" + "47=" (the tool's) + "47" (the model's) + the stop: the value written again.
+lookup_copy = answer_reading("lookup_copy", sample_lookup, look_up_ended, lambda ref: ref, 1, 7)
+# "?" + "47" + "74" + the stop, and room: the tool's answer transformed (reversed).
+lookup_reverse = answer_reading("lookup_reverse", sample_lookup, look_up,
+                                lambda ref: ref[::-1], 1, 7)
+# "?" + "4" + "?" + "7" + "11" + the stop, and room: two answers of two calls, combined (summed).
+lookup_sum = answer_reading("lookup_sum", sample_lookup_pair, look_up_next,
+                            lambda ref: str(sum(map(int, ref.split("+")))), 2, 9)
+# "?" + "4" + "?" + "7" + "74" + the stop, and room: two answers of two calls, the last first.
+lookup_pair = answer_reading("lookup_pair", sample_lookup_pair, look_up_next,
+                             lambda ref: ref[::-1].replace("+", ""), 2, 8)
+
 CALC = re.compile(r"<calc>(.*?)</calc>", re.S)
-RESULT = re.compile(r"result: -?[\d.]+")
 
 
-def arithmetic(expression: str) -> float:
-    """+ - * / and brackets on numbers, nothing else (no eval of the model's text)."""
+def arithmetic(expression: str) -> int | float:
+    """+ - * / and brackets on numbers, nothing else (no eval of the model's text). Whatever the
+    expression makes Python raise (bad syntax, a division by 0, a result too large for a float,
+    nesting too deep for the parser) is the model's mistake: a ToolError, as is a result that is
+    not a finite number."""
     ops = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
            ast.Div: operator.truediv, ast.USub: operator.neg, ast.UAdd: operator.pos}
 
@@ -509,45 +576,62 @@ def arithmetic(expression: str) -> float:
             return ops[type(node.op)](value(node.left), value(node.right))
         if isinstance(node, ast.UnaryOp) and type(node.op) in ops:
             return ops[type(node.op)](value(node.operand))
-        raise ToolError(f"{expression!r} is not arithmetic on numbers (+ - * / and brackets)")
+        raise ToolError(f"{short(expression, 40)} is not arithmetic on numbers (+ - * / and "
+                        "brackets)")
     try:
-        return value(ast.parse(expression.replace(",", "").strip(), mode="eval").body)
-    except (SyntaxError, ZeroDivisionError) as e:
-        raise ToolError(f"{expression!r}: {e}") from None
+        result = value(ast.parse(expression.replace(",", "").strip(), mode="eval").body)
+    except (SyntaxError, ValueError, ArithmeticError, RecursionError, MemoryError) as e:
+        # MemoryError and RecursionError: the parser's and value()'s answer to deep nesting
+        raise ToolError(f"{short(expression, 40)}: {str(e) or type(e).__name__}"[:120]) from None
+    if isinstance(result, float) and not math.isfinite(result):
+        raise ToolError(f"{short(expression, 40)} is not a finite number")
+    return result
 
 
-def calculator(text: str, reference: str) -> str | None:
-    """The turn's newest <calc>...</calc> not yet answered, or None: the turn holds no call, the
-    episode ends (each answer is "result: N", so the answered calls are counted in the text)."""
-    calls = CALC.findall(text)
-    if len(calls) <= len(RESULT.findall(text)):
-        return None
-    result = arithmetic(calls[-1])
-    return f"result: {int(result) if float(result).is_integer() else round(result, 6)}"
+def number_text(result: int | float) -> str:
+    """An exact integer as its digits (a float one too: 2.5e20 -> 250000000000000000000), any
+    other float to 6 decimals."""
+    if isinstance(result, float):
+        return str(int(result)) if result.is_integer() else str(round(result, 6))
+    try:
+        return str(result)
+    except ValueError as e:  # Python prints no int of over 4300 digits
+        raise ToolError(str(e)[:120]) from None
 
 
-def final_answer(completion: str) -> str:
-    """What the model wrote after the calculator's last result (all of it without one)."""
-    found = list(RESULT.finditer(completion))
-    return completion[found[-1].end():] if found else completion
+def calculator(text: Completion, reference: str) -> str | None:
+    """The last <calc>...</calc> of the model's turn that called (text.answer: what the model
+    wrote since the tool's last answer), or None: the turn holds no call, the episode ends."""
+    calls = CALC.findall(text.answer)
+    return f"result: {number_text(arithmetic(calls[-1]))}" if calls else None
+
+
+# A one-shot demonstration: the call, the tool's message as the chat template writes it, the
+# answer. The system message alone does not make SmolLM2-135M-Instruct call (it computes, wrongly).
+CALC_SYSTEM = ("You have a calculator. To use it, write <calc>expression</calc> and end your "
+               "turn; the result comes back as a message. Then give the final answer as a number.")
+CALC_EXAMPLE = [{"role": "user", "content": "What is 23 * 47?"},
+                {"role": "assistant", "content": "<calc>23 * 47</calc>"},
+                {"role": "tool", "content": "result: 1081"},
+                {"role": "assistant", "content": "23 * 47 = 1081"}]
 
 
 def sample_chat_calc(rng: random.Random) -> tuple[list[dict], str]:
-    """"What is 412 * 739?" with a calculator the system message explains: 810,000 questions."""
+    """"What is 412 * 739?" after the system message and the example: 810,000 questions."""
     a, b = rng.randrange(100, 1000), rng.randrange(100, 1000)
-    system = ("You have a calculator. To use it, write <calc>expression</calc> and end your turn; "
-              "the result comes back as a message. Then give the final answer as a number.")
-    return [{"role": "system", "content": system},
+    return [{"role": "system", "content": CALC_SYSTEM}, *CALC_EXAMPLE,
             {"role": "user", "content": f"What is {a} * {b}?"}], str(a * b)
 
 
-def calc_correct(completion: str, reference: str) -> float:
-    return answer_correct(final_answer(completion), reference)
+def calc_correct(completion: Completion, reference: str) -> float:
+    """1 when the last number the model wrote after the calculator's last result is the product:
+    the result itself, the tool's text, earns nothing."""
+    return answer_correct(completion.answer, reference)
 
 
 # The call ends the model's turn (call=""): the checkpoint's end-of-turn token, then the
-# template's tool message. 96 tokens hold a call, its result message and the answer.
-chat_calc = Task("chat_calc", sample_chat_calc, [(calc_correct, 1.0)], max_new_tokens=96,
+# template's tool message. 48 tokens hold a call, its result message and the answer.
+chat_calc = Task("chat_calc", sample_chat_calc, [(calc_correct, 1.0)], max_new_tokens=48,
                  correct=lambda c, r: calc_correct(c, r) == 1.0, tool=Tool(calculator, call=""))
 
 # -----------------------------------------------------------------------------

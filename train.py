@@ -420,6 +420,20 @@ def sample(run: Run, prompts: list[list[int]], cfg: rollout.RolloutConfig, seed:
         return rollout.generate(run.sampler, prompts, cfg, stop_ids=run.stop_ids, seed=seed,
                                 cache=run.cache, logits_fn=run.logits_fn, episodes=episodes)
 
+
+def completion_texts(run: Run, out: rollout.Rollout) -> list:
+    """What the reward functions see: each row's text without its stop token; for a task with a
+    tool, a tools.Completion each, the model's text told from the tool's answers, and whether the
+    row stopped."""
+    ids, stopped = out.completions(), out.stopped.tolist()
+    texts = run.tokenizer.decode_completions(ids, stopped)
+    if run.task.tool is None:
+        return texts
+    own = out.policy.tolist() if out.policy is not None else [[True] * len(x) for x in ids]
+    return [tools.Completion(text, tools.split_parts(run.tokenizer.decode, x[:len(x) - s],
+                                                     flags[:len(x) - s]), s)
+            for text, x, s, flags in zip(texts, ids, stopped, own)]
+
 # -----------------------------------------------------------------------------
 # One step
 
@@ -439,10 +453,10 @@ def sample_round(run: Run, step: int, round: int) -> tuple[grpo.GRPOBatch, torch
     counts = dict(rollout=time.perf_counter() - t0, truncated=truncated,
                   lengths=float(out.mask.sum()), new_tokens=float(out.stats["new_tokens"]),
                   tool_calls=sum(out.stats.get("calls", [])),
-                  tool_errors=responder.errors if responder else 0)
+                  tool_errors=responder.errors(out.stats["calls"]) if responder else 0)
     # 3. Rewards: each reward function's score, summed as TRL sums them (None leaves one out).
     stopped = out.stopped.tolist()
-    texts = run.tokenizer.decode_completions(out.completions(), stopped)
+    texts = completion_texts(run, out)
     examples = [example for example in examples for _ in range(G)]  # (N,)
     references = [ref for _, ref in examples]
     rewards = together(run, tasks.total_rewards, run.task, texts, references)
@@ -587,7 +601,7 @@ def evaluate(run: Run) -> tuple[dict, list[dict]]:
         out = together(run, sample, run, prompts[part], greedy, None,
                        episodes_for(run, items[part], 1))
         stopped += out.stopped.tolist()
-        texts += run.tokenizer.decode_completions(out.completions(), stopped[-len(out.stopped):])
+        texts += completion_texts(run, out)
     references = [ref for _, ref in items]
     scores = together(run, tasks.total_rewards, run.task, texts, references)
     correct = together(run, tasks.correct_flags, run.task, texts, references)

@@ -4,6 +4,7 @@ transformers' generate) run turn by turn; the continued cache equals a fresh pre
 row; the sampler's logprobs of the policy's tokens equal the trainer's; observation tokens carry
 no loss; a rollout with no call equals today's; tools that fail stop in one line."""
 
+import json
 import math
 import os
 import time
@@ -20,6 +21,7 @@ import tools
 from episodes import Episodes
 from model import Llama, ModelConfig
 from rollout import RolloutConfig
+from test_grpo import hf_checkpoint  # noqa: F401 (a fixture)
 from test_train import records, run, write_module
 
 CFG = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
@@ -62,8 +64,8 @@ def recomputed_episode(model: Llama, prompt: list[int], row: int, budget: int,
             observation = tool(row, tokens)
             if observation is None:
                 return tokens, policy, True, calls
-            calls += 1
-            observation = observation[:budget - len(tokens)]
+            calls += len(observation) <= budget - len(tokens)  # a call counts once its answer
+            observation = observation[:budget - len(tokens)]  # is in the row whole
             seq += observation
             tokens += observation
             policy += [False] * len(observation)
@@ -76,7 +78,8 @@ def recomputed_episode(model: Llama, prompt: list[int], row: int, budget: int,
 @pytest.mark.parametrize("max_turns", [1, 3])
 def test_greedy_episodes_equal_a_full_recompute_turn_by_turn(model, check_every, max_turns):
     """Calls at every check phase (a row decodes past its call until the check, then is cut
-    back), observations cut by the budget, a tool that ends the episode, turns used up."""
+    back), observations cut by the budget (the call not counted), a tool that ends the episode,
+    turns used up."""
     out = rollout.generate(model, PROMPTS, RolloutConfig(num_samples=2, max_new_tokens=20,
                                                          temperature=0, check_every=check_every),
                            stop_ids=STOPS, episodes=episodes(max_turns))
@@ -292,13 +295,13 @@ def test_a_tools_failure_is_one_line_naming_the_task_and_the_input():
     assert tools.call_tools(tasks.lookup, tasks.look_up, [("?", "47")], 1.0) == [("47", False)]
 
 
-def write_tool_task(tmp_path, body: str) -> str:
+def write_tool_task(tmp_path, body: str, budget: int = 7) -> str:
     """mytool:task, the lookup task with the tool `tool` defined by body (and letters enough
     for its error messages)."""
     return write_module(tmp_path, "mytool", "import string, tools\n" + body + "\ntask = tasks.Task("
                         "'mytool', tasks.sample_lookup, tasks.lookup.rewards, alphabet="
-                        "tasks.lookup.alphabet + string.ascii_lowercase + ': ', max_new_tokens=7, "
-                        "tool=tools.Tool(tool, call='?'))\n")
+                        "tasks.lookup.alphabet + string.ascii_lowercase + ': ', max_new_tokens="
+                        f"{budget}, tool=tools.Tool(tool, call='?'))\n")
 
 
 def test_a_tool_that_raises_mid_run_stops_after_a_checkpoint_of_the_last_step(tmp_path, capsys):
@@ -316,7 +319,8 @@ def test_a_run_with_a_tool_logs_its_calls_and_errors_and_false_turns_it_off(tmp_
     spec = write_tool_task(tmp_path, "import tools\ndef tool(text, ref):\n"
                                      "    if len(text) > 1:\n"
                                      "        raise tools.ToolError('call first')\n"
-                                     "    return ref + '='\n")
+                                     "    return ref + '='\n",
+                           budget=24)  # "error: call first" fits
     code, out = run(tmp_path, "--task", spec, "--steps", "3", "--eval_every", "0",
                     "--max_turns", "3")
     recs = records(out)
@@ -366,42 +370,226 @@ def test_a_chat_checkpoints_observation_is_the_templates_tool_message(tmp_path):
     path = write_checkpoint(tmp_path / "qwen", "qwen")
     tokenizer = tk.load_tokenizer(path)
     prompt, reference = tasks.chat_calc.sample(__import__("random").Random(0))
-    responder = tools.Responder(tasks.chat_calc, tokenizer, [(prompt, reference)], 1,
+    responder = tools.Responder(tasks.chat_calc, tokenizer, [(prompt, reference)] * 3, 1,
                                 tools.ToolConfig())
     end = tokenizer.tok.token_to_id("<|im_end|>")
     call = tokenizer.encode_text("Let me see. <calc>12 * 3</calc>", add_special_tokens=False)
     plain = tokenizer.encode_text("It is 36.", add_special_tokens=False)
     bad = tokenizer.encode_text("<calc>12 * x</calc>", add_special_tokens=False)
-    answers = responder([(0, call + [end]), (0, plain + [end]), (0, bad + [end])])
+    answers = responder([(0, call + [end]), (1, plain + [end]), (2, bad + [end])])
     turn = "\n<tool_response>\nresult: 36\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
     assert tokenizer.decode(answers[0]) == "\n<|im_start|>user" + turn
-    assert answers[1] is None and responder.errors == 1
+    assert answers[1] is None
     assert "error: '12 * x' is not arithmetic" in tokenizer.decode(answers[2])
+    # the error counts once its answer is in the row (episodes.py's calls), not before
+    assert responder.errors([1, 0, 1]) == 1 and responder.errors([1, 0, 0]) == 0
+    # row 0 goes on: its next call reads its own turn, the tool's answer a part of its own
+    more = tokenizer.encode_text("So <calc>36 + 1</calc>", add_special_tokens=False)
+    episode = responder.completion(0, call + [end] + answers[0] + more + [end])
+    assert episode.observations == [tokenizer.decode(answers[0])]
+    assert episode.answer == "So <calc>36 + 1</calc><|im_end|>"
+    assert tokenizer.decode(responder([(0, call + [end] + answers[0] + more + [end])])[0]) == (
+        "\n<|im_start|>user" + turn.replace("36", "37"))
 
 
-@pytest.mark.parametrize("text,right", [("<calc>412*739</calc>\nresult: 304468\nSo 304468.", 1.0),
-                                         ("<calc>412*739</calc>\nresult: 304468\nI am done.", 0.0),
-                                         ("304468", 1.0), ("", 0.0)])
-def test_chat_calc_scores_what_follows_the_last_result(text, right):
-    """The calculator's result in the episode is not the model's answer."""
-    assert tasks.calc_correct(text, "304468") == right
+RESULT = "\n<|im_start|>tool\nresult: 304468<|im_end|>\n<|im_start|>assistant\n"
 
 
-def test_the_calculator_answers_each_call_once_and_computes_only_arithmetic():
-    assert tasks.calculator("<calc>(2 + 3) * 4</calc>", "") == "result: 20"
-    assert tasks.calculator("<calc>7 / 2</calc>", "") == "result: 3.5"
-    assert tasks.calculator("<calc>1+1</calc> result: 2 so 2", "") is None  # answered already
-    with pytest.raises(tools.ToolError, match="not arithmetic"):
-        tasks.calculator("<calc>__import__('os')</calc>", "")
+@pytest.mark.parametrize("parts,right", [
+    ([("<calc>412*739</calc>", True), (RESULT, False), ("So 304468.", True)], 1.0),
+    ([("<calc>412*739</calc>", True), (RESULT, False), ("I am done.", True)], 0.0),
+    ([("I know: result: 304468", True), (RESULT, False), ("I am done.", True)], 0.0),
+    ([("304468", True)], 1.0), ([("", True)], 0.0)])
+def test_chat_calc_scores_what_the_model_wrote_after_the_last_result(parts, right):
+    """The calculator's result is the tool's text, not the model's answer: only what the model
+    wrote after the tool's last answer is scored (its own "result: N" before the call too)."""
+    completion = tools.Completion("".join(t for t, _ in parts), parts)
+    assert tasks.calc_correct(completion, "304468") == right
 
 
-def test_chat_calc_runs_on_a_chat_checkpoint_end_to_end(tmp_path):
-    """train.py --model (a ChatML checkpoint) --task tasks:chat_calc: the end of the model's turn
-    is the call, the calculator reads the turn (a random model's holds no call: the episode ends),
-    and the run logs its calls."""
+def test_a_completion_tells_the_models_text_from_the_tools():
+    parts = [("?", True), ("47", False), ("?", True), ("47", False), ("74", True)]
+    c = tools.Completion("?47?4774", parts)
+    assert c == "?47?4774" and c.model_text == "??74" and c.answer == "74"
+    assert c.observations == ["47", "47"] and tools.Completion("31").answer == "31"
+    decode = "".join  # a character tokenizer: ids are characters
+    assert tools.split_parts(decode, list("?47?4774"), [True, False, False, True, False, False,
+                                                         True, True]) == parts
+
+
+def episode(*parts: str, stopped: bool = True) -> tools.Completion:
+    """A character-level episode: parts alternate the model's text and the tool's answers."""
+    return tools.Completion("".join(parts), [(p, i % 2 == 0) for i, p in enumerate(parts)],
+                            stopped)
+
+
+@pytest.mark.parametrize("task,reference,right,traps", [
+    (tasks.lookup_copy, "47", episode("?", "47=", "47"),
+     [episode("?", "47=", "?", "47="), episode("47;?", "47="),
+      episode("?", "47=", "47", stopped=False)]),
+    (tasks.lookup_reverse, "47", episode("?", "47", "74"),
+     [episode("?", "47", "?", "47"), episode("74?", "47"),
+      episode("?", "47", "74", stopped=False)]),
+    (tasks.lookup_sum, "4+7", episode("?", "4", "?", "7", "11"),
+     [episode("?", "4", "?", "7", "?", "11"), episode("11?", "4", "?", "7")]),
+    (tasks.lookup_pair, "4+7", episode("?", "4", "?", "7", "74"),
+     [episode("?", "4", "?", "7", "?", "74"), episode("74?", "4", "?", "7")])])
+def test_answer_reading_rewards_pay_the_models_answer_never_the_tools_text(task, reference,
+                                                                           right, traps):
+    """Full credit for the calls, the model's own answer and its stop; a second call that brings
+    the value in, an answer written before the call, or a row the budget ended earn the calls'
+    credit at most (and a stop they did not make nothing)."""
+    score = tasks.total_rewards(task, [right, *traps], [reference] * (1 + len(traps))).tolist()
+    assert score[0] == pytest.approx(1.0) and tasks.correct_flags(task, [right], [reference])[0]
+    assert all(x <= 0.2 + 1e-12 for x in score[1:3]), score  # the calls' credit alone
+    assert score[3:] == [pytest.approx(0.8)] * len(score[3:])  # the answer, no stop
+    assert not any(tasks.correct_flags(task, traps, [reference] * len(traps)))
+    assert tasks.look_up_next(episode("?", "4", "?", "7", "?"), "4+7") is None  # no third value
+
+
+@pytest.mark.parametrize("expression", [
+    "1" + "0" * 400 + " / 3",     # OverflowError: an int division too large for a float
+    "1" + "0" * 400 + " * 1.5",   # OverflowError: an int too large to convert to float
+    "9" * 2000 + " * " + "9" * 2500,  # ValueError: an int of over 4300 digits to print
+    "-" * 5000 + "1",             # RecursionError in the parser
+    "-" * 200000 + "1",           # MemoryError in the parser
+    "(" * 300 + "1" + ")" * 300,  # SyntaxError: too many nested parentheses
+    "1e999", "1e999 - 1e999", "1e308 * 10",  # inf and nan: not a number to answer
+    "1\x00", "1 / 0", "__import__('os')", "2 ** 8", "1 +"])
+def test_every_exception_a_malformed_call_can_cause_is_the_models_tool_error(expression):
+    """What the model writes is the model's mistake: the calculator raises ToolError (told to
+    the row), never the exception that stops the run."""
+    with pytest.raises(tools.ToolError):
+        tasks.calculator(tools.Completion(f"<calc>{expression}</calc>"), "")
+
+
+def test_the_calculator_answers_the_turn_that_called_and_computes_only_arithmetic():
+    def calc(text):
+        return tasks.calculator(tools.Completion(text), "")
+    assert calc("<calc>(2 + 3) * 4</calc>") == "result: 20"
+    assert calc("<calc>7 / 2</calc>") == "result: 3.5"
+    assert calc("<calc>2.5e20</calc>") == "result: 250000000000000000000"
+    assert calc("<calc>1 + 1</calc> then <calc>2 * 3</calc>") == "result: 6"  # the turn's last
+    assert calc("no call here") is None
+    answered = tools.Completion("<calc>1+1</calc>result: 2so 2", [("<calc>1+1</calc>", True),
+                                                              ("result: 2", False), ("so 2", True)])
+    assert tasks.calculator(answered, "") is None  # answered already: this turn holds no call
+
+
+def scripted_chat_checkpoint(path, script: str) -> str:
+    """A ChatML checkpoint (test_tokenizer's, with <calc> and </calc> added as tokens) whose model
+    writes `script` and ends its turn after every generation prompt, sampled or greedy: its layers
+    add nothing to the residual (o_proj and down_proj 0), so the next token is a function of the
+    current one alone, a table written into the embeddings (one-hot rows) and the head."""
+    from tokenizers import Tokenizer
+    import random
+    import hf
     from test_tokenizer import write_checkpoint
-    path = write_checkpoint(tmp_path / "qwen", "qwen")
+    path = write_checkpoint(path, "qwen")
+    tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+    tok.add_tokens(["<calc>", "</calc>"])
+    tok.save(os.path.join(path, "tokenizer.json"))
+    tokenizer = tk.load_tokenizer(path)
+    prompt = tokenizer.encode(tasks.chat_calc.sample(random.Random(0))[0], tk.PromptConfig())
+    chain = [prompt[-1], *tokenizer.encode_text(script, add_special_tokens=False),
+             tokenizer.tok.token_to_id("<|im_end|>")]
+    assert len(set(chain[:-1])) == len(chain) - 1  # one successor a token
+    model = hf.load_model(path)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.embed_tokens.weight.zero_()
+        model.lm_head.weight.zero_()
+        for i, (token, after) in enumerate(zip(chain, chain[1:])):
+            model.model.embed_tokens.weight[token, i] = 1.0
+            model.lm_head.weight[after, i] = 10.0  # a logit of ~57 after the norm: certain
+    hf.save_model(model, path)
+    return path
+
+
+@pytest.mark.parametrize("script,errors", [("<calc>4*9</calc>", 0), ("<calc>4*x</calc>", 1)])
+@pytest.mark.parametrize("max_turns", [1, 2])
+def test_chat_calc_answers_a_chat_checkpoints_calls_end_to_end(tmp_path, script, errors,
+                                                                 max_turns):
+    """train.py --model (a ChatML checkpoint that calls the calculator after every generation
+    prompt, the tool's message's included) --task tasks:chat_calc: every call is answered within
+    the turns (one call a turn; the call past --max_turns ends the row), a malformed one is the
+    model's error, counted; the tool's message is in the row and the reward reads the model's
+    text after it."""
+    path = scripted_chat_checkpoint(tmp_path / "qwen", script)
     code, out = run(tmp_path, "--model", path, "--task", "tasks:chat_calc", "--steps", "1",
-                    "--eval_every", "0", "--max_new_tokens", "16")
+                    "--eval_every", "1", "--eval_prompts", "2", "--max_new_tokens", "256",
+                    "--max_turns", str(max_turns))
     record = records(out)[0]
-    assert code == 0 and "tool_calls" in record and record["tool_errors"] == 0
+    assert code == 0 and record["tool_calls"] == max_turns
+    assert record["tool_errors"] == errors * max_turns * 4 * 4  # every sampled row's calls
+    with open(os.path.join(out, "samples.jsonl")) as f:
+        sample = json.loads(f.readline())
+    answer = "result: 36" if not errors else "error: '4*x' is not arithmetic"
+    assert sample["completion"].count(script) == max_turns + 1
+    assert sample["completion"].count(answer) == max_turns and sample["stopped"]
+    assert sample["reward"] == 0.0  # "4*9" after the last answer: 9 is not the product
+
+def test_a_call_whose_answer_the_budget_cuts_counts_as_no_call_and_no_error(tmp_path):
+    """The call's answer (an error message) does not fit in what is left of the budget: the row
+    ends at the budget with the part that fits, and neither the call nor its error counts."""
+    path = scripted_chat_checkpoint(tmp_path / "qwen", "<calc>4*x</calc>")
+    code, out = run(tmp_path, "--model", path, "--task", "tasks:chat_calc", "--steps", "1",
+                    "--eval_every", "1", "--eval_prompts", "2", "--max_new_tokens", "40")
+    record = records(out)[0]
+    assert code == 0 and record["tool_calls"] == 0 and record["tool_errors"] == 0
+    with open(os.path.join(out, "samples.jsonl")) as f:
+        sample = json.loads(f.readline())
+    assert sample["completion"].startswith("<calc>4*x</calc><|im_end|>\n<|im_start|>user")
+    assert not sample["stopped"]  # the budget ended it
+
+# -----------------------------------------------------------------------------
+# Against TRL 1.16: its multi-turn path (rollout_func with env_mask, the mask its tool loop
+# builds) on our episodes
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_trls_multi_turn_training_on_our_episodes_trains_the_same_tokens_loss_and_gradients(
+        hf_checkpoint, tmp_path, loss_type):
+    """Episodes sampled by our engine on TRL's own checkpoint (a tiny transformers Llama), given
+    to a real trl.GRPOTrainer through rollout_func with env_mask (1 on the policy's tokens, 0 on
+    the tool's: what TRL's own tool loop builds as tool_mask): the tokens its loss trains equal
+    our loss mask, its logprobs of the episodes (observations as context) equal ours and the
+    sampler's, and its loss, metrics and every gradient equal grpo.accumulate's (check_against_trl:
+    mu = 2, off-policy old logprobs, so the clip acts)."""
+    from test_grpo import (LOGP_TOL, TRL_MICRO_BATCHES, TRL_TEMPERATURE, check_against_trl,
+                           our_advantages, trl_batch, trl_scored, trl_trainer)
+    import hf
+    G, budget = 2, 16
+    prompts, _ = trl_batch(G)  # equal lengths: TRL left-pads prompts (trl_batch says why)
+    sampler = hf.load_model(hf_checkpoint[0], dtype=torch.float64).eval()
+    out = rollout.generate(sampler, prompts, RolloutConfig(num_samples=G, max_new_tokens=budget,
+                                                           temperature=TRL_TEMPERATURE),
+                           stop_ids=(1,), seed=11, episodes=episodes(3))
+    rows, policy = out.completions(), out.policy.tolist()
+    env_mask = [[int(p) for p in flags[:len(row)]] for row, flags in zip(rows, policy)]
+    assert sum(out.stats["calls"]) >= 3 and any(0 in m for m in env_mask)  # the case under test
+    trainer = trl_trainer(hf_checkpoint, tmp_path, prompts, rows, env_mask=env_mask,
+                          loss_type=loss_type, num_iterations=2, epsilon=0.2, epsilon_high=0.28,
+                          max_completion_length=budget)
+    scored = trl_scored(trainer, len(rows))
+    ours = hf.load_model(hf_checkpoint[0], dtype=torch.float64)
+    cfg = grpo.GRPOConfig(loss_type=loss_type, eps_low=0.2, eps_high=0.28,
+                          micro_batch_groups=len(prompts) // TRL_MICRO_BATCHES)
+    batch = grpo.GRPOBatch.from_rollout(prompts, out, budget, our_advantages(G, "group"))
+    trained = (scored["completion_mask"] * scored["tool_mask"]).bool()
+    assert torch.equal(trained, batch.loss_mask(cfg))  # the same tokens trained
+    current = grpo.batch_logprobs(ours, batch, cfg)  # (N, Tc)
+    theirs = scored["old_per_token_logps"]  # TRL's softmax statistics are float32
+    torch.testing.assert_close(theirs * trained, (current * trained).to(theirs.dtype), **LOGP_TOL)
+    # the sampler's float64 logprobs, stored in float32: half an ulp of a logprob of -8 is 4.8e-7
+    torch.testing.assert_close(out.logprobs.double() * trained, current * trained, rtol=0,
+                               atol=1e-6)
+    gen = torch.Generator().manual_seed(7)
+    old = current + 0.3 * torch.randn(current.shape, generator=gen, dtype=current.dtype) * trained
+    # TRL's sampler correction acts for vLLM's rollouts alone: here, no sampler logprobs
+    batch.old_logp, batch.sampler_logp = old, None
+    got = check_against_trl(trainer, scored, ours, batch, cfg)
+    assert got["clip_low"] + got["clip_high"] > 0  # the clip acts
+

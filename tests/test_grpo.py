@@ -1452,11 +1452,14 @@ def trl_batch(G: int, seed: int = 3) -> tuple[list[list[int]], list[list[int]]]:
 
 
 def trl_trainer(hf_checkpoint, tmp_path, prompts: list[list[int]], completions: list[list[int]],
-                sampler_logp: list[list[float]] | None = None, vllm: bool = False, **trl_config):
+                sampler_logp: list[list[float]] | None = None, vllm: bool = False,
+                env_mask: list[list[int]] | None = None, **trl_config):
     """A real trl.GRPOTrainer on the CPU in float64. Its rollout_func hook returns our prompts and
     completions, the sampler's logprobs (or None) and the reward columns; the two reward
     functions return those columns. vllm: TRL takes the rollout for vLLM's (use_vllm, set after
-    construction: vLLM is not installed), so its vllm_importance_sampling_* code runs."""
+    construction: vLLM is not installed), so its vllm_importance_sampling_* code runs. env_mask:
+    multi-turn rows, TRL's mask of the tokens its loss trains (0 on a tool's or an environment's
+    tokens)."""
     trl = pytest.importorskip("trl")
     import datasets
     import transformers
@@ -1466,9 +1469,12 @@ def trl_trainer(hf_checkpoint, tmp_path, prompts: list[list[int]], completions: 
     G = N // len(prompts)
 
     def rollout_func(prompt_texts: list[str], trainer) -> dict:
-        return {"prompt_ids": [prompts[i // G] for i in range(N)], "completion_ids": completions,
-                "logprobs": sampler_logp, "reward_a": [r[0] for r in TRL_REWARDS],
-                "reward_b": [r[1] for r in TRL_REWARDS]}
+        out = {"prompt_ids": [prompts[i // G] for i in range(N)], "completion_ids": completions,
+               "logprobs": sampler_logp, "reward_a": [r[0] for r in TRL_REWARDS],
+               "reward_b": [r[1] for r in TRL_REWARDS]}
+        if env_mask is not None:  # multi-turn: 1 on the policy's tokens, 0 on the environment's
+            out["env_mask"] = env_mask
+        return out
 
     def reward_a(completions, reward_a, **kwargs):
         return reward_a
@@ -1539,7 +1545,7 @@ def trl_micro_batches(scored: dict, old: torch.Tensor | None, ref: torch.Tensor 
             inputs["old_per_token_logps"] = old[rows]
         if ref is not None:
             inputs["ref_per_token_logps"] = ref[rows]
-        for key in ("sampling_per_token_logps", "importance_sampling_ratio"):
+        for key in ("sampling_per_token_logps", "importance_sampling_ratio", "tool_mask"):
             if key in scored:
                 inputs[key] = scored[key][rows]
         yield inputs
@@ -1558,7 +1564,7 @@ def check_against_trl(trainer, scored: dict, ours: M.Llama, batch: GRPOBatch, cf
         loss = trainer._compute_loss(trainer.model, inputs)
         loss.backward()
         trl_loss += loss.item()
-        tokens.append(float(inputs["completion_mask"].sum()))
+        tokens.append(float((inputs["completion_mask"] * inputs.get("tool_mask", 1)).sum()))
     ours.zero_grad()
     got = grpo.accumulate(ours, batch, cfg)
     # The loss sums terms ~1 that nearly cancel (advantages sum to 0 per group): floor 1. TRL's

@@ -68,3 +68,59 @@ def test_greedy_rows_equal_transformers_generate(models):
         # transformers pads after its eos; the engine's row ends there
         cut = next((i + 1 for i, t in enumerate(want) if t in stop_ids), len(want))
         assert row == want[:cut]
+
+
+@torch.no_grad()
+def test_chat_calc_episodes_equal_transformers_turn_by_turn(models):
+    """tasks:chat_calc greedy with its calculator: each row equals transformers' generate run turn
+    by turn, where a turn that calls gets the tool message as transformers' apply_chat_template
+    renders it (the tokens the full conversation adds after the assistant's end of turn, as TRL's
+    tool loop cuts them) and generation goes on from the concatenated ids."""
+    import random
+    import tasks
+    import tokenizer as tk
+    import tools
+    from episodes import Episodes
+    from transformers import AutoTokenizer
+    ours, ref, _ = models
+    theirs = AutoTokenizer.from_pretrained(DIR)
+    tok = tk.load_tokenizer(DIR, ours.config.vocab_size)
+    stop_ids = hf.stop_token_ids(ours.config, hf.load_generation_config(DIR))
+    rng = random.Random(0)
+    examples = [tasks.chat_calc.sample(rng) for _ in range(6)]
+    prompts = [tok.encode(p, tk.PromptConfig()) for p, _ in examples]
+    responder = tools.Responder(tasks.chat_calc, tok, examples, 1, tools.ToolConfig())
+    new = tasks.chat_calc.max_new_tokens
+    out = generate(ours, prompts, RolloutConfig(num_samples=1, max_new_tokens=new,
+                                                temperature=0.0),
+                   stop_ids=stop_ids, episodes=Episodes(responder, stop_ids, 2))
+    assert sum(out.stats["calls"]) >= 1  # SmolLM2 calls on some of these prompts
+
+    def tool_message(messages: list[dict], turn: str, result: str) -> list[int]:
+        before = messages + [{"role": "assistant", "content": turn}]
+        prefix = list(theirs.apply_chat_template(before, tokenize=True, return_dict=True)
+                      ["input_ids"])
+        full = list(theirs.apply_chat_template(before + [{"role": "tool", "content": result}],
+                                               add_generation_prompt=True, tokenize=True,
+                                               return_dict=True)["input_ids"])
+        end = max(i for i, t in enumerate(prefix) if t in stop_ids) + 1  # the turn's end token
+        assert full[:end] == prefix[:end]
+        return full[end:]
+
+    for (messages, reference), ids, row in zip(examples, prompts, out.completions()):
+        seq, turns = list(ids), 0
+        while len(seq) - len(ids) < new:
+            x = torch.tensor([seq])
+            more = ref.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                                max_new_tokens=new - (len(seq) - len(ids)),
+                                pad_token_id=stop_ids[0])[0, len(seq):].tolist()
+            cut = next((i + 1 for i, t in enumerate(more) if t in stop_ids), len(more))
+            start = len(seq)
+            seq += more[:cut]
+            text = theirs.decode(seq[start:-1])
+            result = tasks.calculator(tools.Completion(text), reference)
+            if cut == len(more) and more[-1] not in stop_ids or result is None or turns == 2:
+                break
+            turns += 1
+            seq += tool_message(messages, text, result)
+        assert row == seq[len(ids):len(ids) + new]

@@ -1237,8 +1237,9 @@ def test_an_all_or_nothing_reward_no_sample_earns_stops_the_run_in_one_line(tmp_
                     "--eval_every", "0")
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
-    assert ("3 steps in a row gave every sample of each prompt the same reward (mean 0.000)"
-            in err[0] and "give partial credit" in err[0] and "--max_flat_steps 0" in err[0])
+    assert ("3 steps in a row gave every sample the same reward 0.000 (the run's best step: "
+            "0.000)" in err[0] and "give partial credit" in err[0]
+            and "--max_flat_steps 0" in err[0])
     assert [r["zero_std"] for r in records(out)] == [1.0] * 3
     assert os.path.isdir(os.path.join(out, "step-000003"))
     code, _ = run(tmp_path, "--task", spec, "--max_flat_steps", "0", "--steps", "4",
@@ -1257,6 +1258,33 @@ def test_flat_steps_count_only_while_something_is_left_to_learn():
     assert health.update(dict(record, reward=0.6, zero_std=0.5, correct=0.6)) == ""  # resets
     assert health.update(dict(record, reward=0.5, correct=0.5)) == ""
     assert "2 steps in a row" in health.update(dict(record, reward=0.5, correct=None))
+
+
+def test_flat_steps_at_the_runs_top_reward_do_not_count_correct_or_not():
+    """Every sample earning the top reward the run has reached is a learned task, whether the
+    task has no `correct` predicate or one stricter than its reward; the same reward below the
+    run's best, or flat from the first step, counts; the message says whether every sample had
+    one reward or each prompt's samples one of their own."""
+    def step(reward, std=0.0, zero_std=1.0, correct=None):
+        return dict(skipped_updates=0, updates=1, reward=reward, reward_std=std,
+                    zero_std=zero_std, correct=correct)
+    health = train.report.Health(max_bad_steps=5, max_unscored_steps=5, max_flat_steps=2)
+    rising = [step(0.2, 0.3, 0.1), step(0.7, 0.2, 0.4)]
+    assert [health.update(r) for r in rising] == ["", ""]
+    # every sample at 1.0, above every step before: learned, with no predicate or a stricter one
+    assert [health.update(step(1.0, correct=c)) for c in (None, 0.0, None, 0.5)] == [""] * 4
+    # a collapse to one reward below the run's best counts, and says so
+    assert health.update(step(0.5)) == ""
+    why = health.update(step(0.5))
+    assert why.startswith("2 steps in a row gave every sample the same reward 0.500 (the run's "
+                          "best step: 1.000)")
+    # groups flat but apart: each prompt's samples all alike (after a step that learned)
+    assert health.update(step(0.6, 0.3, 0.5)) == "" and health.update(step(0.6, std=0.4)) == ""
+    assert "each prompt the same reward, prompts apart (mean 0.600)" in health.update(
+        step(0.6, std=0.4))
+    # a run flat at one reward from its first step has not risen to it: it counts
+    fresh = train.report.Health(max_bad_steps=5, max_unscored_steps=5, max_flat_steps=2)
+    assert fresh.update(step(1.0)) == "" and "2 steps in a row" in fresh.update(step(1.0))
 
 
 def test_each_eval_shows_completions_and_samples_jsonl_holds_them_all(tmp_path):
