@@ -10,9 +10,9 @@ per prompt decoded on top of that one shared prompt KV, finished rows dropped as
    first token (nanochat once broadcast one first token to all G rows).
 3. Decode (decode.py): the attention hook writes each row's key/value into its own completion KV
    and runs attention.prefix_attention: the G rows of a group are folded into the query dimension
-   against the one prompt KV (Hydragen) and merged with the row's own keys by log-sum-exp. Prompt KV memory and
-   reads / G. On the CPU the groups run in buckets of like prompt lengths (length_buckets), each
-   reading its own prompts' keys: a short prompt's padding is not read.
+   against the one prompt KV (Hydragen) and merged with the row's own keys by log-sum-exp. Prompt
+   KV memory and reads / G. On the CPU the groups run in buckets of like prompt lengths
+   (length_buckets), each reading its own prompts' keys: a short prompt's padding is not read.
 4. Every `check_every` steps (the only host sync in the loop) rows that sampled a stop id are
    dropped: the linears run on the N active rows only; attention sees them in a Bp' x G' grid.
 5. Sampling (sampling.py) without host sync; each returned logprob is under the distribution
@@ -28,7 +28,9 @@ decoding, stop strings (stop ids only), prefix sharing across different prompts.
 CPU: the prompt part goes through SDPA's fused kernel, whose log-sum-exp then enters the own keys'
 softmax as one more score: the same merge in fewer kernels (decode.fused_prefix_attention); float32
 linears run on weights prepacked once per call (_packed_linears).
-CUDA: the decode step is a CUDA graph per layout of active rows; the private KV cache is bf16.
+CUDA: the decode step is a CUDA graph per layout of active rows (`cuda_graphs`); in bf16 / fp16 it
+is compiled first (`compile`: torch.compile, once for every layout, its seconds in the stats'
+compile_seconds; graphs.py); the private KV cache is bf16.
 
 Shapes: Bp prompts, G samples per prompt, R = Bp*G rows, N active rows, S = Bp'*G' slots of the
 grid, P longest prompt, Tc completion length, C width, H/Hkv heads, D head dim, V vocab (V/tp when
@@ -67,6 +69,7 @@ class RolloutConfig:
     check_every: int = 8         # decode steps between the host syncs that drop finished rows
     prefill_tokens: int = 2048   # padded prompt tokens per prefill forward (bounds activations)
     cuda_graphs: bool = True     # capture the decode step on CUDA (ignored on the CPU)
+    compile: bool = True         # torch.compile the bf16 / fp16 decode step (CUDA's kernel route)
     packed_linears: bool = True  # CPU, float32: linears via oneDNN, weights prepacked per call
 
     def __post_init__(self):
@@ -256,7 +259,8 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], cfg: RolloutConfi
     out_logprobs = torch.zeros(out_tokens.shape, dtype=torch.float32, device=device)
     policy = torch.ones(out_tokens.shape, dtype=torch.bool, device=device)  # False: observations
     stats = dict(prefill_tokens=sum(lens), prefill_seconds=0.0, decode_steps=0, row_steps=0,
-                 compactions=0, prompt_kv_bytes=0, completion_kv_bytes=0)
+                 compactions=0, prompt_kv_bytes=0, completion_kv_bytes=0, compiles=0,
+                 compile_seconds=0.0)
     if new > 0:
         with _packed_linears(model, len(prompts) * G, cfg.packed_linears):
             views = _carve(model, cache, len(prompts), G, max(lens), new)
@@ -271,7 +275,8 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], cfg: RolloutConfi
             out_tokens[0], out_logprobs[0] = sample(first, cfg.temperature, cfg.top_k, cfg.top_p,
                                                     generator)
             # 3-4. Decode, dropping finished rows.
-            decoder = Decoder(model, views, lens, G, device.type == "cuda" and cfg.cuda_graphs)
+            decoder = Decoder(model, views, lens, G, device.type == "cuda" and cfg.cuda_graphs,
+                              cfg.compile)
             if episodes is None:
                 stats.update(_decode(decoder, out_tokens, out_logprobs, draw, stop_ids,
                                      cfg.check_every))
@@ -282,6 +287,9 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], cfg: RolloutConfi
                                              stop_ids, cfg.check_every,
                                              dataclasses.replace(episodes, respond=respond),
                                              model.config.vocab_size))
+        if decoder.compiled is not None:  # graphs compiled in this call, and their seconds
+            stats.update(compiles=decoder.compiled.compiles,
+                         compile_seconds=decoder.compiled.seconds)
         nbytes = [sum(x.numel() * x.element_size() for x in kind) for kind in views]
         stats.update(prompt_kv_bytes=sum(nbytes[:2]), completion_kv_bytes=sum(nbytes[2:]))
     # 6. Cut each row at its stop id, rows in the caller's prompt order; it stays on the device.

@@ -345,8 +345,10 @@ def test_greedy_on_ragged_prompts_equals_transformers_generate(tmp_path):
 def test_generic_decode_path_equals_fused_path(model, monkeypatch, kernel):
     """The paths CUDA takes, run on the CPU, with rows dropped: float32's (model.prefix_attention
     with a mask) and, with kernel, bf16's (kernel_prefix_attention, the CPU's kernel standing in
-    for CUDA's: called by every layer of every step here)."""
-    kwargs = dict(num_samples=3, max_new_tokens=24, temperature=0.9, stop_ids=(5, 9, 17, 23), seed=5, check_every=2)
+    for CUDA's: called by every layer of every step here; eager: the compiled step has its own
+    tests below)."""
+    kwargs = dict(num_samples=3, max_new_tokens=24, temperature=0.9, stop_ids=(5, 9, 17, 23),
+                  seed=5, check_every=2, compile=False)
     fused = generate(model, PROMPTS, **kwargs)
     monkeypatch.setattr(decode, "_CPU_FLASH", None)
     calls = []

@@ -105,15 +105,16 @@ def test_bf16_decode_attention_runs_the_fused_kernel_and_equals_prefix_attention
     torch.testing.assert_close(got.double(), expected, rtol=0, atol=2e-2)
 
 
-def test_bf16_decode_scores_as_the_trainer_with_graphs_and_without(model):
-    """A bf16 sampler on the GPU (the fused kernel's route, rows dropped and graphs re-captured):
-    each sampled token's logprob equals the bf16 trainer forward's within bf16's rounding of
-    logits of size ~5 (tests/test_rollout.py's bf16 CPU test: 0.1)."""
+@pytest.mark.parametrize("compiled", [True, False])
+def test_bf16_decode_scores_as_the_trainer_with_graphs_and_without(model, compiled):
+    """A bf16 sampler on the GPU (the fused kernel's route, compiled or eager, rows dropped and
+    graphs re-captured): each sampled token's logprob equals the bf16 trainer forward's within
+    bf16's rounding of logits of size ~5 (tests/test_rollout.py's bf16 CPU test: 0.1)."""
     gpu = Llama(CFG).to("cuda", torch.bfloat16)
     gpu.load_state_dict(model.state_dict())
     for graphs in (True, False):
         cfg = RolloutConfig(num_samples=4, max_new_tokens=30, temperature=0.9, check_every=2,
-                            cuda_graphs=graphs)
+                            cuda_graphs=graphs, compile=compiled)
         out = generate(gpu, PROMPTS, cfg, stop_ids=(5, 9, 17, 23, 31), seed=1)
         assert out.stats["compactions"] >= 1
         logprobs = out.logprob_lists()
