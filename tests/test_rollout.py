@@ -527,7 +527,7 @@ def draw(sampler: str, probs: torch.Tensor, rows: int, generator: torch.Generato
     """rows tokens from probs (V,) by one of sampling.py's two samplers."""
     batch = probs.expand(rows, -1)
     if sampler == "exponential_race":
-        return sampling.exponential_race(batch, generator)
+        return sampling.exponential_race(batch, *sampling.race_clocks(batch, 1.0, generator))
     u = torch.rand((rows, 1), generator=generator, dtype=torch.float64)
     return sampling.inverse_cdf(batch, u)
 

@@ -65,9 +65,11 @@ def test_episodes_on_cuda_score_as_the_trainer_with_graphs_and_without(model):
 
 
 def test_sample_on_cuda_draws_the_distribution_by_its_exponential_race():
-    """sample() on CUDA takes sampling.exponential_race (the CPU, inverse_cdf): goodness of fit of
-    200,000 draws against the softmax, as tests/test_rollout.py checks both samplers on the CPU;
-    the logprobs are the softmax's at the drawn tokens."""
+    """sample() on CUDA takes sampling.exponential_race (the CPU, inverse_cdf): the race's tokens
+    on clocks wound from the same seed (it once drew by inverse_cdf on CUDA too), and goodness of
+    fit of 200,000 draws against the softmax; the logprobs are the softmax's at the drawn
+    tokens."""
+    import sampling
     from test_rollout import chi_square_excess
     logits = torch.randn(1000, generator=torch.Generator().manual_seed(0)) * 2
     logits[::7] = float("-inf")
@@ -75,6 +77,8 @@ def test_sample_on_cuda_draws_the_distribution_by_its_exponential_race():
     generator = torch.Generator("cuda").manual_seed(0)
     batch = logits.cuda().expand(20000, -1)
     draws = [sample(batch, 1.0, 0, 1.0, generator) for _ in range(10)]
+    clocks = sampling.race_clocks(batch, 1.0, torch.Generator("cuda").manual_seed(0))
+    assert torch.equal(draws[0][0], sampling.exponential_race(batch.softmax(-1), *clocks))
     tokens = torch.cat([t for t, _ in draws]).cpu()
     assert chi_square_excess(tokens, probs) < 5
     torch.testing.assert_close(torch.cat([lp for _, lp in draws]).cpu(), probs.log()[tokens])
