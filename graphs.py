@@ -16,6 +16,9 @@ CUDA graph that replays all of them in one call.
   step runs eagerly and one line says so, once a process.
 - GraphedStep: a CUDA graph of step(tokens) -> logits for one layout: warm up (the compile, if
   any, happens there) on a side stream, capture, replay.
+rollout.py compiles the draw beside a compiled step (sampling.sample_raced: the logits' float32
+copy, softmax, the race's reductions fused), outside the graph: the race's clocks come from the
+rollout's torch.Generator, which a traced graph cannot hold, so they are wound eagerly before it.
 
 Leaves out: what the step computes (decode.py), when a layout changes (rollout.py).
 Tested by tests/test_rollout.py (the compiled step on the CPU, the CPU's fused attention kernel in
@@ -69,7 +72,7 @@ class CompiledStep:
                 self._refuse(error)
 
     def __call__(self, *args) -> Tensor:
-        if self.compiled is None:
+        if self.compiled is None or CompiledStep.refused is not None:
             return self.fn(*args)
         before = graphs_compiled()
         started = time.perf_counter()

@@ -29,8 +29,8 @@ CPU: the prompt part goes through SDPA's fused kernel, whose log-sum-exp then en
 softmax as one more score: the same merge in fewer kernels (decode.fused_prefix_attention); float32
 linears run on weights prepacked once per call (_packed_linears).
 CUDA: the decode step is a CUDA graph per layout of active rows (`cuda_graphs`); in bf16 / fp16 it
-is compiled first (`compile`: torch.compile, once for every layout, its seconds in the stats'
-compile_seconds; graphs.py); the private KV cache is bf16.
+is compiled first, and the draw beside it (`compile`: torch.compile, once for every layout, its
+seconds in the stats' compile_seconds; graphs.py); the private KV cache is bf16.
 
 Shapes: Bp prompts, G samples per prompt, R = Bp*G rows, N active rows, S = Bp'*G' slots of the
 grid, P longest prompt, Tc completion length, C width, H/Hkv heads, D head dim, V vocab (V/tp when
@@ -51,8 +51,9 @@ from torch import Tensor, nn
 
 from decode import Decoder, KVCache  # noqa: F401 (rollout.KVCache: train.py, plan.py, memory's)
 from episodes import Episodes, decode_episodes
+from graphs import CompiledStep
 from model import ModelConfig, causal_attention
-from sampling import filter_logits, inverse_cdf, sample  # noqa: F401 (rollout.sample: benches)
+from sampling import filter_logits, inverse_cdf, race_clocks, sample, sample_raced  # noqa: F401
 
 # -----------------------------------------------------------------------------
 # Config and result
@@ -253,8 +254,6 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], cfg: RolloutConfi
     else:
         generator.manual_seed(seed)
 
-    def draw(logits: Tensor) -> tuple[Tensor, Tensor]:  # (rows, V') -> tokens, logprobs (rows,)
-        return sample(logits_fn(logits), cfg.temperature, cfg.top_k, cfg.top_p, generator)
     out_tokens = torch.full((new, len(prompts) * G), -1, dtype=torch.long, device=device)  # (Tc, R)
     out_logprobs = torch.zeros(out_tokens.shape, dtype=torch.float32, device=device)
     policy = torch.ones(out_tokens.shape, dtype=torch.bool, device=device)  # False: observations
@@ -277,6 +276,16 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], cfg: RolloutConfi
             # 3-4. Decode, dropping finished rows.
             decoder = Decoder(model, views, lens, G, device.type == "cuda" and cfg.cuda_graphs,
                               cfg.compile)
+            # Beside a compiled step the draw is compiled too (its elementwise work fused): the
+            # race's clocks are wound here, eagerly, as a traced graph holds no torch.Generator.
+            sampler = None if decoder.compiled is None else CompiledStep(sample_raced)
+
+            def draw(logits: Tensor) -> tuple[Tensor, Tensor]:  # (rows, V') -> tokens, logprobs
+                logits = logits_fn(logits)
+                if sampler is None:
+                    return sample(logits, cfg.temperature, cfg.top_k, cfg.top_p, generator)
+                clocks = race_clocks(logits, cfg.temperature, generator)
+                return sampler(logits, cfg.temperature, cfg.top_k, cfg.top_p, clocks)
             if episodes is None:
                 stats.update(_decode(decoder, out_tokens, out_logprobs, draw, stop_ids,
                                      cfg.check_every))
@@ -287,9 +296,9 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], cfg: RolloutConfi
                                              stop_ids, cfg.check_every,
                                              dataclasses.replace(episodes, respond=respond),
                                              model.config.vocab_size))
-        if decoder.compiled is not None:  # graphs compiled in this call, and their seconds
-            stats.update(compiles=decoder.compiled.compiles,
-                         compile_seconds=decoder.compiled.seconds)
+        if sampler is not None:  # graphs compiled in this call, and their seconds
+            stats.update(compiles=decoder.compiled.compiles + sampler.compiles,
+                         compile_seconds=decoder.compiled.seconds + sampler.seconds)
         nbytes = [sum(x.numel() * x.element_size() for x in kind) for kind in views]
         stats.update(prompt_kv_bytes=sum(nbytes[:2]), completion_kv_bytes=sum(nbytes[2:]))
     # 6. Cut each row at its stop id, rows in the caller's prompt order; it stays on the device.

@@ -22,6 +22,7 @@ import torch
 import decode
 import graphs
 import rollout
+import sampling
 from model import Llama
 from rollout import RolloutConfig
 from test_rollout import CFG, PROMPTS, trainer_logprobs
@@ -126,13 +127,30 @@ def test_compiled_bf16_step_equals_the_eager_step_and_compiles_once_a_structure(
                                    atol=tolerance(written))
 
 
+def test_the_compiled_draw_equals_the_eager_race_on_the_same_clocks():
+    """sampling.sample_raced compiled (rollout.py runs it so beside a compiled step) against itself
+    eager on the same clocks, bf16 logits (the compiled step's) with masked ids: greedy,
+    temperature, and temperature with top-k and top-p (a sort and a scatter traced). The same
+    tokens; logprobs within float32 rounding (both work on the logits' float32 copy; the softmax's
+    sum over V = 1000 taken in another order moves them by ~1e-6)."""
+    logits = torch.randn(64, 1000, generator=torch.Generator().manual_seed(0)) * 3
+    logits = logits.to(torch.bfloat16).index_fill_(1, torch.arange(0, 1000, 7), float("-inf"))
+    for knobs in [(0.0, 0, 1.0), (0.8, 0, 1.0), (0.8, 50, 0.9)]:
+        clocks = sampling.race_clocks(logits, knobs[0], torch.Generator().manual_seed(1))
+        step = graphs.CompiledStep(sampling.sample_raced)
+        tokens, logprobs = step(logits, *knobs, clocks)
+        want = sampling.sample_raced(logits, *knobs, clocks)
+        assert step.compiles >= 1 and torch.equal(tokens, want[0])
+        torch.testing.assert_close(logprobs, want[1], rtol=0, atol=1e-5)
+
+
 def test_greedy_generate_compiled_equals_eager_and_compiles_nothing_again(model, wide,
                                                                           kernel_route):
     """generate() on the compiled route, rows dropped at stop ids, against the eager bf16 route: the
     same rows, each up to a near tie of the float64 forward where the two bf16 routes may part; a
-    row's logprobs within LOGPROB_TOL while they agree. At most one compile (the test above
-    compiled each structure; a layout it did not meet may be new), and a second call of the same
-    shapes compiles nothing (compiles 0, compile_seconds 0)."""
+    row's logprobs within LOGPROB_TOL while they agree. At most one compile (the tests above
+    compiled each structure and the draw; a layout they did not meet may be new), and a second
+    call of the same shapes compiles nothing (compiles 0, compile_seconds 0)."""
     knobs = dict(num_samples=3, max_new_tokens=16, temperature=0.0, check_every=2)
     stops = (5, 9, 17, 23, 31)
     runs = [rollout.generate(model, PROMPTS, RolloutConfig(compile=on, **knobs), stop_ids=stops,
