@@ -7,10 +7,12 @@ CUDA graph that replays all of them in one call.
   attention merge become a few kernels around the matmuls and the attention kernels. Its
   batch-like dims (active rows, the grid's groups and slots, the longest prompt) are dynamic, so
   one compile serves every layout of active rows a process meets: a layout is a new CUDA graph,
-  not a new compile (a static compile per layout would recompile at every compaction and at every
-  new longest prompt, seconds each, where a rollout takes about one). What may compile again is a
-  different structure: rows scattered into a grid with empty slots (Layout.slots), prompts with
-  and without padding, a dim of size 1 (torch specializes 0 and 1). It counts its compiles and
+  not a new compile (a static compile per layout would compile again at every compaction and at
+  every new longest prompt, and a compile takes seconds, several on a CPU with a warm cache,
+  where a decode step takes milliseconds). What may compile again is a different structure:
+  rows scattered into a grid with empty slots (Layout.slots), the longest prompt gone (its K/V
+  views no longer whole), prompts with and without padding, a dim of size 1 (torch specializes
+  0 and 1): tests/test_graphs.py meets four structures in one rollout. It counts its compiles and
   the seconds they took; torch's caches (FX graph, AOT) make a later process's compile cheaper.
   Where torch cannot compile (no C++ compiler or Triton, an unsupported platform or torch), the
   step runs eagerly and one line says so, once a process.
@@ -21,8 +23,8 @@ copy, softmax, the race's reductions fused), outside the graph: the race's clock
 rollout's torch.Generator, which a traced graph cannot hold, so they are wound eagerly before it.
 
 Leaves out: what the step computes (decode.py), when a layout changes (rollout.py).
-Tested by tests/test_rollout.py (the compiled step on the CPU, the CPU's fused attention kernel in
-CUDA's place) and tests/test_rollout_cuda.py; kernels counted by tests/bench_rollout.py --kernels.
+Tested by tests/test_graphs.py (the compiled step on the CPU, the CPU's fused attention kernel in
+CUDA's place) and tests/test_graphs_cuda.py; kernels counted by tests/bench_rollout.py --kernels.
 """
 
 import contextlib
@@ -60,7 +62,7 @@ class CompiledStep:
 
     refused: str | None = None  # why torch.compile failed in this process: not tried again
 
-    def __init__(self, fn: Callable[..., Tensor]):
+    def __init__(self, fn: Callable):
         self.fn = fn
         self.compiles = 0
         self.seconds = 0.0
@@ -71,7 +73,7 @@ class CompiledStep:
             except RuntimeError as error:  # a Python or platform torch.compile does not support
                 self._refuse(error)
 
-    def __call__(self, *args) -> Tensor:
+    def __call__(self, *args):
         if self.compiled is None or CompiledStep.refused is not None:
             return self.fn(*args)
         before = graphs_compiled()
