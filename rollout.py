@@ -70,7 +70,7 @@ class RolloutConfig:
     check_every: int = 8         # decode steps between the host syncs that drop finished rows
     prefill_tokens: int = 2048   # padded prompt tokens per prefill forward (bounds activations)
     cuda_graphs: bool = True     # capture the decode step on CUDA (ignored on the CPU)
-    compile: bool = True         # torch.compile the bf16 / fp16 decode step (CUDA's kernel route)
+    compile: bool = True         # torch.compile the bf16 / fp16 decode step and draw (CUDA, no TP)
     packed_linears: bool = True  # CPU, float32: linears via oneDNN, weights prepacked per call
 
     def __post_init__(self):
@@ -239,6 +239,9 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], cfg: RolloutConfi
     cfg = cfg or RolloutConfig()
     stop_ids = tuple(stop_ids)
     check_prompts(prompts, stop_ids, cfg.max_new_tokens, model.config)
+    # A logits_fn is tensor parallelism's vocab gather: tp.py's layers run their collectives in
+    # autograd Functions (mark_dirty), which torch.compile does not trace: the step stays eager.
+    compiled = cfg.compile and logits_fn is None
     logits_fn = logits_fn or (lambda x: x)
     G = cfg.num_samples
     new = cfg.max_new_tokens
@@ -275,7 +278,7 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], cfg: RolloutConfi
                                                     generator)
             # 3-4. Decode, dropping finished rows.
             decoder = Decoder(model, views, lens, G, device.type == "cuda" and cfg.cuda_graphs,
-                              cfg.compile)
+                              compiled)
             # Beside a compiled step the draw is compiled too (its elementwise work fused): the
             # race's clocks are wound here, eagerly, as a traced graph holds no torch.Generator.
             sampler = None if decoder.compiled is None else CompiledStep(sample_raced)

@@ -212,6 +212,18 @@ def test_a_torch_that_cannot_compile_runs_the_step_eagerly_and_says_so_once(mode
         assert out.stats["compiles"] == 0
 
 
+def test_a_logits_fn_keeps_the_step_eager(model, kernel_route, capsys):
+    """A logits_fn (tensor parallelism's vocab gather) keeps the step and the draw eager, bit for
+    bit the compile=False route and without a line: tp.py's layers run their collectives in
+    autograd Functions torch.compile does not trace (it refuses them)."""
+    knobs = dict(num_samples=2, max_new_tokens=6, temperature=0.9)
+    gathered = rollout.generate(model, PROMPTS, RolloutConfig(**knobs), seed=0,
+                                logits_fn=lambda x: x)
+    eager = rollout.generate(model, PROMPTS, RolloutConfig(compile=False, **knobs), seed=0)
+    assert torch.equal(gathered.tokens, eager.tokens)
+    assert torch.equal(gathered.logprobs, eager.logprobs) and capsys.readouterr().out == ""
+
+
 def test_compile_is_on_by_default_and_leaves_float32_and_the_cpu_route_eager():
     """RolloutConfig.compile defaults to on; it applies to the kernel route alone: a float32 model
     (the exact path) and the CPU's own fused route (no kernel) never compile."""
