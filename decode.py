@@ -8,19 +8,26 @@ each row's own keys, the rows that leave, and (for a tool's answer) a row extend
   prompt keys plus its own (attention.prefix_attention: the G rows of a group folded against the one
   prompt K/V, merged by log-sum-exp). Active rows sit in a grid of Bp' groups x G' slots (Layout).
   On the CPU, groups run in buckets of like prompt lengths through SDPA's fused kernel
-  (fused_prefix_attention); on CUDA the step is a CUDA graph per layout (GraphedStep), and in
-  bf16 both parts run in SDPA's memory-efficient kernel, which reads the bf16 cache as it is
+  (fused_prefix_attention); on CUDA the step is a CUDA graph per layout (graphs.GraphedStep), and
+  in bf16 both parts run in SDPA's memory-efficient kernel, which reads the bf16 cache as it is
   (kernel_prefix_attention: no float32 copy of the KV, float32 accumulation inside the kernel).
 - Decoder: the step over the active rows (model.hidden with the attention hook), the dropping of
   finished ones, and extend(): a tool's observation prefilled into a row's own cache at its
-  position (ExtendAttention), rows then at their own lengths (episodes.py).
+  position (ExtendAttention), rows then at their own lengths (episodes.py). On the kernel route
+  (bf16 / fp16 on CUDA) the step is compiled by torch.compile (graphs.CompiledStep: norms, RoPE,
+  the cache writes, residual adds, SwiGLU's product and the merge fused; counted on the CPU, 15
+  launches a layer where the eager step runs 45: tests/bench_rollout.py --kernels), then captured
+  per layout as above; float32 stays the plain exact eager step.
 
-Leaves out: sampling (sampling.py), the prefill and the loop (rollout.py, episodes.py).
+Leaves out: sampling (sampling.py), the prefill and the loop (rollout.py, episodes.py), compiling
+and capturing a step (graphs.py).
 Shapes: Bp prompts, G samples per prompt, R = Bp*G rows, N active rows, S = Bp'*G' slots of the
 grid, P longest prompt, Tc completion length, H/Hkv heads, D head dim, V vocab.
-Tested by tests/test_rollout.py and tests/test_episodes.py.
+Tested by tests/test_rollout.py, tests/test_episodes.py and tests/test_graphs.py (the compiled
+step).
 """
 
+import functools
 import itertools
 import math
 from collections import Counter
@@ -31,6 +38,7 @@ import torch
 from torch import Tensor
 
 from attention import length_buckets, prefix_attention
+from graphs import CompiledStep, GraphedStep
 from model import ModelConfig
 
 # -----------------------------------------------------------------------------
@@ -208,6 +216,9 @@ def kernel_prefix_attention(q: Tensor, k: Tensor, v: Tensor, own_bias: Tensor | 
     S, H, _, D = q.shape
     Hkv = k.shape[1]
     rep = H // Hkv
+    # Under torch.compile this also fixes the cache views' Hkv and D as the model's (their dims
+    # are dynamic there: graphs.CompiledStep).
+    assert prefix_k.shape[1::2] == prefix_v.shape[1::2] == v.shape[1::2] == (Hkv, D)
     out_p, lse_p = prompt_part(q, prefix_k, prefix_v, prefix_bias, attend)  # (Bp,G,Hkv,rep,.)
     grid = out_p.shape[:-1]  # (Bp, G, Hkv, rep): the rows' and heads' order
     out_s, lse_s = attend(q.reshape(S, Hkv, rep, D), k, v, own_bias)  # (S, Hkv, rep, D | -)
@@ -232,8 +243,8 @@ class DecodeAttention:
         self.step = step  # (1,) long: the completion index of the token being fed
         self.own_len = completion_len
         self.key_positions = torch.arange(completion_len, device=step.device)
-        self.fused = step.device.type == "cpu" and _CPU_FLASH is not None
         self.kernel = kernel_for(step.device, self.own_k[0].dtype, self.own_k[0].shape[-1])
+        self.fused = self.kernel is None and step.device.type == "cpu" and _CPU_FLASH is not None
         self.own_bias: Tensor | None = None  # the step's own-key mask, made by layer 0
         self.layout: Layout | None = None
         self.row_pos: Tensor | None = None  # (N,) each row's own index, once rows differ (tools)
@@ -284,8 +295,9 @@ class DecodeAttention:
                        for x in (q, k, v))  # (S, H or Hkv, 1, D)
         own_k = self.own_k[layer][:self.num_slots]
         own_v = self.own_v[layer][:self.num_slots]
-        Bp = len(self.layout.groups)
-        P = self.layout.prompt_len
+        # The layout's groups and longest prompt as a tensor's shape: dims a compiled step keeps
+        # dynamic (Python ints and list lengths would be guarded: a compile per layout).
+        Bp, P = self.prefix_valid.shape
         prefix_k = self.prefix_k[layer][:Bp, :, :P]
         prefix_v = self.prefix_v[layer][:Bp, :, :P]
         if self.row_pos is not None:  # rows at their own lengths (a tool turn moved some on)
@@ -341,34 +353,15 @@ class DecodeAttention:
         return y.index_select(0, self.slots)  # (S, H, 1, D) -> (N, H, 1, D)
 
 
-class GraphedStep:
-    """A CUDA graph of `step(tokens) -> logits` for one layout: warm up on a side stream, capture,
-    replay. Replaying a step that already ran is harmless: it rewrites the same K/V."""
-
-    def __init__(self, step: Callable[[Tensor], Tensor], tokens: Tensor):
-        self.tokens = tokens.clone()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            step(self.tokens)
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.logits = step(self.tokens)
-
-    def __call__(self, tokens: Tensor) -> Tensor:
-        self.tokens.copy_(tokens)
-        self.graph.replay()
-        return self.logits
-
-
 class Decoder:
     """The decode step over the active rows, and the dropping of finished ones. It owns the state
     the steps share: which rows are active (`rows`, global ids), the attention's layout, each row's
-    first position, and the CUDA graph of the current layout."""
+    first position, the compiled step and the CUDA graph of the current layout. `compiled`: the
+    step through torch.compile (graphs.CompiledStep) where the attention takes the kernel route
+    (bf16 / fp16 on CUDA); float32 stays the plain exact eager one."""
 
     def __init__(self, model: torch.nn.Module, views: tuple[list[Tensor], ...],
-                 prompt_lens: list[int], G: int, graphed: bool):
+                 prompt_lens: list[int], G: int, graphed: bool, compiled: bool = False):
         device = views[0][0].device
         self.model = model
         self.prompt_lens = prompt_lens
@@ -383,6 +376,10 @@ class Decoder:
         self.first_position = self.lens[self.rows // G][:, None]  # (N, 1)
         self.graphed = graphed
         self.graph: GraphedStep | None = None
+        # The unbound forward, called with the decoder: a bound one would make a reference cycle
+        # (decoder -> compiled step -> decoder) that keeps the KV views and graphs until a gc.
+        kernel_route = self.attention.kernel is not None
+        self.compiled = CompiledStep(Decoder.forward) if compiled and kernel_route else None
 
     def forward(self, tokens: Tensor) -> Tensor:
         """(N, 1) -> (N, V); every other input is a tensor held here or by the attention."""
@@ -398,12 +395,14 @@ class Decoder:
             self.attention.at_positions(torch.tensor(t, device=tokens.device), max(t) + 1)
             return self.forward(tokens[:, None])
         self.step_index.fill_(t)
+        run = self.forward if self.compiled is None else functools.partial(self.compiled, self)
         if self.graphed:
             if self.graph is None:
-                self.graph = GraphedStep(self.forward, tokens[:, None])
+                self.graph = GraphedStep(run, tokens[:, None])
             return self.graph(tokens[:, None])
-        self.attention.own_len = t + 1  # eager: attend only to the keys written so far
-        return self.forward(tokens[:, None])
+        if self.compiled is None:  # eager: attend only to the keys written so far
+            self.attention.own_len = t + 1
+        return run(tokens[:, None])  # compiled: all Tc keys under the step's mask, as a graph
 
     def drop(self, keep: list[int], filled: int) -> None:
         """Keep the active rows at positions `keep`; `filled` completion KV slots are written."""

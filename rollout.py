@@ -10,9 +10,9 @@ per prompt decoded on top of that one shared prompt KV, finished rows dropped as
    first token (nanochat once broadcast one first token to all G rows).
 3. Decode (decode.py): the attention hook writes each row's key/value into its own completion KV
    and runs attention.prefix_attention: the G rows of a group are folded into the query dimension
-   against the one prompt KV (Hydragen) and merged with the row's own keys by log-sum-exp. Prompt KV memory and
-   reads / G. On the CPU the groups run in buckets of like prompt lengths (length_buckets), each
-   reading its own prompts' keys: a short prompt's padding is not read.
+   against the one prompt KV (Hydragen) and merged with the row's own keys by log-sum-exp. Prompt
+   KV memory and reads / G. On the CPU the groups run in buckets of like prompt lengths
+   (length_buckets), each reading its own prompts' keys: a short prompt's padding is not read.
 4. Every `check_every` steps (the only host sync in the loop) rows that sampled a stop id are
    dropped: the linears run on the N active rows only; attention sees them in a Bp' x G' grid.
 5. Sampling (sampling.py) without host sync; each returned logprob is under the distribution
@@ -28,7 +28,9 @@ decoding, stop strings (stop ids only), prefix sharing across different prompts.
 CPU: the prompt part goes through SDPA's fused kernel, whose log-sum-exp then enters the own keys'
 softmax as one more score: the same merge in fewer kernels (decode.fused_prefix_attention); float32
 linears run on weights prepacked once per call (_packed_linears).
-CUDA: the decode step is a CUDA graph per layout of active rows; the private KV cache is bf16.
+CUDA: the decode step is a CUDA graph per layout of active rows (`cuda_graphs`); in bf16 / fp16 it
+is compiled first, and the draw beside it (`compile`: torch.compile, once for every layout, its
+seconds in the stats' compile_seconds; graphs.py); the private KV cache is bf16.
 
 Shapes: Bp prompts, G samples per prompt, R = Bp*G rows, N active rows, S = Bp'*G' slots of the
 grid, P longest prompt, Tc completion length, C width, H/Hkv heads, D head dim, V vocab (V/tp when
@@ -49,8 +51,9 @@ from torch import Tensor, nn
 
 from decode import Decoder, KVCache  # noqa: F401 (rollout.KVCache: train.py, plan.py, memory's)
 from episodes import Episodes, decode_episodes
+from graphs import CompiledStep
 from model import ModelConfig, causal_attention
-from sampling import filter_logits, inverse_cdf, sample  # noqa: F401 (rollout.sample: benches)
+from sampling import filter_logits, inverse_cdf, race_clocks, sample, sample_raced  # noqa: F401
 
 # -----------------------------------------------------------------------------
 # Config and result
@@ -67,6 +70,7 @@ class RolloutConfig:
     check_every: int = 8         # decode steps between the host syncs that drop finished rows
     prefill_tokens: int = 2048   # padded prompt tokens per prefill forward (bounds activations)
     cuda_graphs: bool = True     # capture the decode step on CUDA (ignored on the CPU)
+    compile: bool = True         # torch.compile the bf16 / fp16 decode step and draw (CUDA, no TP)
     packed_linears: bool = True  # CPU, float32: linears via oneDNN, weights prepacked per call
 
     def __post_init__(self):
@@ -235,6 +239,9 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], cfg: RolloutConfi
     cfg = cfg or RolloutConfig()
     stop_ids = tuple(stop_ids)
     check_prompts(prompts, stop_ids, cfg.max_new_tokens, model.config)
+    # A logits_fn is tensor parallelism's vocab gather: tp.py's layers run their collectives in
+    # autograd Functions (mark_dirty), which torch.compile does not trace: the step stays eager.
+    compiled = cfg.compile and logits_fn is None
     logits_fn = logits_fn or (lambda x: x)
     G = cfg.num_samples
     new = cfg.max_new_tokens
@@ -250,13 +257,12 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], cfg: RolloutConfi
     else:
         generator.manual_seed(seed)
 
-    def draw(logits: Tensor) -> tuple[Tensor, Tensor]:  # (rows, V') -> tokens, logprobs (rows,)
-        return sample(logits_fn(logits), cfg.temperature, cfg.top_k, cfg.top_p, generator)
     out_tokens = torch.full((new, len(prompts) * G), -1, dtype=torch.long, device=device)  # (Tc, R)
     out_logprobs = torch.zeros(out_tokens.shape, dtype=torch.float32, device=device)
     policy = torch.ones(out_tokens.shape, dtype=torch.bool, device=device)  # False: observations
     stats = dict(prefill_tokens=sum(lens), prefill_seconds=0.0, decode_steps=0, row_steps=0,
-                 compactions=0, prompt_kv_bytes=0, completion_kv_bytes=0)
+                 compactions=0, prompt_kv_bytes=0, completion_kv_bytes=0, compiles=0,
+                 compile_seconds=0.0)
     if new > 0:
         with _packed_linears(model, len(prompts) * G, cfg.packed_linears):
             views = _carve(model, cache, len(prompts), G, max(lens), new)
@@ -271,7 +277,18 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], cfg: RolloutConfi
             out_tokens[0], out_logprobs[0] = sample(first, cfg.temperature, cfg.top_k, cfg.top_p,
                                                     generator)
             # 3-4. Decode, dropping finished rows.
-            decoder = Decoder(model, views, lens, G, device.type == "cuda" and cfg.cuda_graphs)
+            decoder = Decoder(model, views, lens, G, device.type == "cuda" and cfg.cuda_graphs,
+                              compiled)
+            # Beside a compiled step the draw is compiled too (its elementwise work fused): the
+            # race's clocks are wound here, eagerly, as a traced graph holds no torch.Generator.
+            sampler = None if decoder.compiled is None else CompiledStep(sample_raced)
+
+            def draw(logits: Tensor) -> tuple[Tensor, Tensor]:  # (rows, V') -> tokens, logprobs
+                logits = logits_fn(logits)
+                if sampler is None:
+                    return sample(logits, cfg.temperature, cfg.top_k, cfg.top_p, generator)
+                clocks = race_clocks(logits, cfg.temperature, generator)
+                return sampler(logits, cfg.temperature, cfg.top_k, cfg.top_p, clocks)
             if episodes is None:
                 stats.update(_decode(decoder, out_tokens, out_logprobs, draw, stop_ids,
                                      cfg.check_every))
@@ -282,6 +299,9 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], cfg: RolloutConfi
                                              stop_ids, cfg.check_every,
                                              dataclasses.replace(episodes, respond=respond),
                                              model.config.vocab_size))
+        if sampler is not None:  # graphs compiled in this call, and their seconds
+            stats.update(compiles=decoder.compiled.compiles + sampler.compiles,
+                         compile_seconds=decoder.compiled.seconds + sampler.seconds)
         nbytes = [sum(x.numel() * x.element_size() for x in kind) for kind in views]
         stats.update(prompt_kv_bytes=sum(nbytes[:2]), completion_kv_bytes=sum(nbytes[2:]))
     # 6. Cut each row at its stop id, rows in the caller's prompt order; it stays on the device.

@@ -9,10 +9,13 @@ float32 mass, then a token of it), so tokens far below float32's ulp near 1 are 
   only reductions (the float64 scan held 5% of an H100's decode step: docs/measurements.md; on
   the CPU the race is 2x slower, 2.6 against 1.2 ms at 128 x 49,152).
 Both draw the same distribution (tests/test_rollout.py's goodness-of-fit test); the draws differ.
+The race's clocks are drawn first (race_clocks) and the rest is a function of the logits and the
+clocks alone (sample_raced), which torch.compile can trace (rollout.py compiles it beside a compiled
+decode step); the CPU's default route draws by the inverse CDF, eagerly.
 
 Leaves out: beam search, repetition penalties, min-p.
 Shapes: rows, V vocab (V/tp after a vocab-parallel head: rollout gathers it first).
-Tested by tests/test_rollout.py.
+Tested by tests/test_rollout.py (and compiled, tests/test_graphs.py).
 """
 
 import math
@@ -46,14 +49,27 @@ def sample(logits: Tensor, temperature: float, top_k: int, top_p: float,
     the CPU, an exponential race on CUDA (module docstring). Greedy (temperature 0) returns the
     argmax's logprob under temperature 1 and the same masks: a point mass (logprob 0) is what no
     trainer forward reproduces."""
-    if temperature == 0:
-        x = filter_logits(logits, temperature, top_k, top_p)
-        tokens = x.argmax(dim=-1)
-        return tokens, x.log_softmax(dim=-1).gather(-1, tokens[:, None])[:, 0]
+    if temperature == 0 or logits.is_cuda:
+        return sample_raced(logits, temperature, top_k, top_p,
+                            race_clocks(logits, temperature, generator))
     # The filtered copy (if any) is freed once softmaxed.
     probs = filter_logits(logits, temperature, top_k, top_p).softmax(dim=-1)  # (rows, V)
     tokens = inverse_cdf(probs, torch.rand((probs.shape[0], 1), generator=generator,
                                            dtype=torch.float64, device=probs.device))
+    return tokens, probs.gather(-1, tokens[:, None])[:, 0].log()
+
+
+def sample_raced(logits: Tensor, temperature: float, top_k: int, top_p: float,
+                 clocks: tuple[Tensor, ...]) -> tuple[Tensor, Tensor]:
+    """sample() by the exponential race on clocks drawn beforehand (race_clocks; none when
+    greedy): no generator inside, so torch.compile can trace it (rollout.py compiles it beside the
+    decode step). logits (rows, V) -> tokens, logprobs (rows,)."""
+    if temperature == 0:
+        x = filter_logits(logits, temperature, top_k, top_p)
+        tokens = x.argmax(dim=-1)
+        return tokens, x.log_softmax(dim=-1).gather(-1, tokens[:, None])[:, 0]
+    probs = filter_logits(logits, temperature, top_k, top_p).softmax(dim=-1)  # (rows, V)
+    tokens = exponential_race(probs, *clocks)
     return tokens, probs.gather(-1, tokens[:, None])[:, 0].log()
 
 
@@ -79,24 +95,37 @@ def inverse_cdf(probs: Tensor, u: Tensor, block: int = 256) -> Tensor:
     return (b * B + torch.searchsorted(inner, v, right=True))[:, 0]
 
 
-def exponential_race(probs: Tensor, generator: torch.Generator | None, block: int = 256) -> Tensor:
+def race_clocks(logits: Tensor, temperature: float, generator: torch.Generator | None,
+                block: int = 256) -> tuple[Tensor, ...]:
+    """The exponential race's clocks for logits (rows, V), E ~ Exp(1) float64: one a block
+    (rows, V/B), then one an id of the block drawn (rows, B); none when greedy."""
+    if temperature == 0:
+        return ()
+    rows, V = logits.shape
+    B = math.gcd(V, block)
+    clocks = [torch.empty(shape, dtype=torch.float64, device=logits.device)
+              for shape in ((rows, V // B), (rows, B))]
+    return tuple(c.exponential_(generator=generator) for c in clocks)
+
+
+def exponential_race(probs: Tensor, block_clocks: Tensor, clocks: Tensor) -> Tensor:
     """A token per row with probability probs / rowsum: probs (rows, V) -> tokens (rows,), never a
     masked token (0). Independent exponential clocks of rates p_i ring first at token i with
     probability p_i / sum(p): argmax p_i / E_i, E_i ~ Exp(1). In inverse_cdf's two levels (the race
-    of the float32 block sums, then of the block drawn): V/B + B clocks a row, not V.
+    of the float32 block sums on block_clocks (rows, V/B), then of the block drawn on clocks
+    (rows, B): race_clocks): V/B + B clocks a row, not V.
     Clocks in float64, as inverse_cdf's uniforms: at V/B + B per row they cost nothing.
     Tested against the distribution (goodness of fit) with inverse_cdf in tests/test_rollout.py."""
     rows, V = probs.shape
-    B = math.gcd(V, block)  # a block size dividing V: no padded copy
+    B = clocks.shape[1]  # a block size dividing V: no padded copy
     blocks = probs.view(rows, V // B, B)  # (rows, V/B, B)
-    b = race(blocks.sum(-1, dtype=torch.float32), generator)  # (rows,): the block
+    b = race(blocks.sum(-1, dtype=torch.float32), block_clocks)  # (rows,): the block
     inner = blocks.gather(1, b[:, None, None].expand(rows, 1, B))[:, 0]  # (rows, B)
-    return b * B + race(inner, generator)
+    return b * B + race(inner, clocks)
 
 
-def race(weights: Tensor, generator: torch.Generator | None) -> Tensor:
-    """argmax of weights / E over the last dim, E ~ Exp(1) float64: (rows, n) -> (rows,). A zero
-    weight never wins (E may be 0 on some builds: 0 / 0 would be NaN, which argmax picks)."""
-    clocks = torch.empty(weights.shape, dtype=torch.float64, device=weights.device)
-    clocks.exponential_(generator=generator)
+def race(weights: Tensor, clocks: Tensor) -> Tensor:
+    """argmax of weights / clocks over the last dim, clocks E ~ Exp(1) float64 of weights' shape:
+    (rows, n) -> (rows,). A zero weight never wins (E may be 0 on some builds: 0 / 0 would be NaN,
+    which argmax picks)."""
     return torch.where(weights > 0, weights / clocks, -1.0).argmax(dim=-1)

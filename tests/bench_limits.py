@@ -8,11 +8,12 @@ Limits (measured first, in the same process): device-to-device copy bandwidth (b
 bytes written over the time), the bf16 matmul rate (8192 x 8192 x 8192), pinned host <-> device
 copy bandwidth. Random weights of the published shapes (tests/bench_bf16.py's SHAPES).
 1. rollout: 16 prompts x 8 samples, 64 prompt tokens (--prompts, --prompt_len), 256 new tokens,
-   no stop id. Decode tokens/s with CUDA graphs on and off, and transformers' generate on the
-   same weights (do_sample, 8 return sequences, min_new_tokens = max_new_tokens) when it is
-   importable. Bytes per decode step: the weights the step reads (the embedding rows aside: a
-   tied lm_head reads the matrix once) + the prompt KV (once per group) + the completion KV
-   actually needed (t keys per row, the mean over the steps); over the copy bandwidth.
+   no stop id. Decode tokens/s compiled and captured (the default), captured alone (--compile
+   false) and eager, and transformers' generate on the same weights (do_sample, 8 return
+   sequences, min_new_tokens = max_new_tokens) when it is importable. Bytes per decode step: the
+   weights the step reads (the embedding rows aside: a tied lm_head reads the matrix once) + the
+   prompt KV (once per group) + the completion KV actually needed (t keys per row, the mean over
+   the steps); over the copy bandwidth.
 2. train: one GRPO forward + backward (grpo.accumulate, GRPOConfig with train.py's logprob chunk
    on a GPU, plan.GPU_CHUNK_BYTES), fp32 master weights under bf16 autocast (train.py's bf16), the
    blocks compiled (train.py's --compile on CUDA; --compile false: eager), by forward: padded
@@ -164,14 +165,19 @@ def rollout_part(name: str, lim: dict) -> None:
     prompts = torch.randint(V, (BP, P), generator=torch.Generator().manual_seed(0)).tolist()
     weights, kv = decode_bytes(model)
     rows = []
-    for graphs in (True, False):
-        cfg = RolloutConfig(num_samples=G, max_new_tokens=NEW, cuda_graphs=graphs)
-        generate(model, prompts, cfg, seed=0)  # warm-up: allocator, cuBLAS, the graph's capture
+    routes = {"engine, compiled + graphs": (True, True), "engine, graphs": (True, False),
+              "engine, eager": (False, False)}
+    for label, (graphs, compiled) in routes.items():
+        cfg = RolloutConfig(num_samples=G, max_new_tokens=NEW, cuda_graphs=graphs,
+                            compile=compiled)
+        warm = generate(model, prompts, cfg, seed=0).stats  # allocator, cuBLAS, compile, capture
         stats = generate(model, prompts, cfg, seed=1).stats
         decode = stats["seconds"] - stats["prefill_seconds"]
         step = decode / stats["decode_steps"]
-        rows.append((f"engine, graphs {'on' if graphs else 'off'}", stats["seconds"],
-                     BP * G * NEW / stats["seconds"], BP * G / step, (weights + kv) / step / GB))
+        if compiled:
+            label += f" (its warm-up compiled {warm['compiles']}, {warm['compile_seconds']:.1f} s)"
+        rows.append((label, stats["seconds"], BP * G * NEW / stats["seconds"], BP * G / step,
+                     (weights + kv) / step / GB))
     hf_seconds = hf_generate_seconds(model, prompts)
     if hf_seconds:
         rows.append(("transformers generate", hf_seconds, BP * G * NEW / hf_seconds, None, None))
@@ -184,7 +190,7 @@ def rollout_part(name: str, lim: dict) -> None:
         extra = f"{dtps:,.0f} | {gbs:,.0f} | {gbs / lim['copy']:.0%}" if dtps else "- | - | -"
         print(f"| {label} | {s:.2f} | {tps:,.0f} | {extra} |")
     if hf_seconds:
-        print(f"engine (graphs on) / transformers: {hf_seconds / rows[0][1]:.1f}x")
+        print(f"engine (compiled + graphs) / transformers: {hf_seconds / rows[0][1]:.1f}x")
     del model
     torch.cuda.empty_cache()
 

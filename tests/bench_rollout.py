@@ -13,8 +13,10 @@ It uses the same `sample` function, so the difference is the KV/prefill design a
     python tests/bench_rollout.py --quick     # P = 64 only, no transformers
     python tests/bench_rollout.py --breakdown # where a CPU decode step's wall clock goes, P = 64 and 512
     python tests/bench_rollout.py --fused     # the CPU's fused prompt attention vs the generic path
+    python tests/bench_rollout.py --compiled  # the bf16 decode step compiled vs eager (CPU: sanity)
     python tests/bench_rollout.py --tools     # a tool turn (episodes.py) against re-prefilling the row
-    python tests/bench_rollout.py --kernels   # ops a decode step launches per layer, on each route
+    python tests/bench_rollout.py --kernels   # kernels of a decode step per layer, on each route
+                                              # (CUDA: a graph replay, --shape Qwen2.5-0.5B)
     python tests/bench_rollout.py --model DIR --rounds 1  # a Hugging Face checkpoint instead (e.g.
                                               # SmolLM2-135M-Instruct), loaded by hf.py and by transformers
 --rounds R sets the interleaved rounds (5); --P 64,512 the prompt lengths (64 alone with --model,
@@ -22,6 +24,8 @@ which also skips the scaling table: a real checkpoint makes them minutes each).
 """
 
 import collections
+import dataclasses
+import functools
 import math
 import os
 import sys
@@ -35,6 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import hf  # noqa: E402
 import decode  # noqa: E402
+import graphs  # noqa: E402
 import rollout  # noqa: E402
 from episodes import Episodes  # noqa: E402
 from model import Llama, ModelConfig  # noqa: E402
@@ -228,6 +233,38 @@ def fused_vs_generic(model: Llama, P: int, rounds: int) -> None:
           f"(best of {rounds})")
 
 
+def compiled_vs_eager(model: Llama, P: int, rounds: int) -> None:
+    """Decode tokens/s of the bf16 kernel route compiled (graphs.CompiledStep) and eager, side by
+    side in interleaved rounds, on the CPU (SDPA's fused CPU kernel in the CUDA kernel's place;
+    the CPU's own bf16 route, the fused path, beside them), after a warm-up that compiles: a
+    sanity figure, not the goal (the compiled route is CUDA's)."""
+    model = model.to(torch.bfloat16)
+    prompts = torch.randint(model.config.vocab_size, (NUM_PROMPTS, P),
+                            generator=torch.Generator().manual_seed(0)).tolist()
+    kernel = decode.kernel_for
+    routes = {"kernel, compiled": (True, True), "kernel, eager": (True, False),
+              "cpu fused (bf16)": (False, False)}
+    best = {name: float("inf") for name in routes}
+    compile_seconds = 0.0
+    try:
+        for attempt in range(rounds + 1):  # 0: the warm-up and the compile
+            for name, (on_kernel, compiled) in routes.items():
+                decode.kernel_for = (lambda device, dtype, head_dim: decode.cpu_flash) if (
+                    on_kernel) else kernel
+                stats = generate(model, prompts, RolloutConfig(num_samples=G, max_new_tokens=NEW,
+                                                               compile=compiled), seed=1).stats
+                compile_seconds += stats["compile_seconds"]
+                if attempt:
+                    best[name] = min(best[name], stats["seconds"] - stats["prefill_seconds"])
+    finally:
+        decode.kernel_for = kernel
+    tokens = NUM_PROMPTS * G * (NEW - 1)
+    print(f"P = {P}, bf16, decode alone (best of {rounds}; the warm-up compiled for "
+          f"{compile_seconds:.1f} s): " + ", ".join(
+              f"{name} {tokens / seconds:,.0f} tokens/s" for name, seconds in best.items())
+          + f"; compiled / eager = {best['kernel, eager'] / best['kernel, compiled']:.2f}x")
+
+
 def tool_turns(model: Llama, P: int, rounds: int) -> None:
     """Greedy episodes of 128 prompts (G = 1), 64 new tokens, a call whenever a row writes one of
     1/16 of the vocabulary, answered by 12 observation tokens, up to 3 turns: the engine (each
@@ -327,49 +364,126 @@ class OpCount(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def step_ops(route: str, layers: int) -> collections.Counter:
-    """The aten ops (kernels on CUDA, less views and bare allocations) of one graph-style decode
-    step (every completion slot attended under the step's mask), 4 prompts x 8 rows, two of them
-    padded, on a Qwen2-shaped model of `layers` blocks. route: "float32" (prefix_attention's plain
-    ops), "bf16 kernel" (CUDA's kernel_prefix_attention; on a CPU, SDPA's fused CPU kernel runs in
-    the CUDA kernel's place through the same code) or "cpu fused" (the CPU's eager path, float32,
-    the written keys alone)."""
-    cfg = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256,
-                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                      architecture="Qwen2ForCausalLM")
-    dtype = torch.bfloat16 if route == "bf16 kernel" else torch.float32
-    model = Llama(cfg).init_weights(0).to(dtype)
-    Bp, G, P, Tc = 4, 8, 16, 32
-    views = decode.KVCache.for_batch(cfg, Bp, G, P, Tc + 1, dtype, "cpu").carve(
-        layers, 2, 32, Bp, G, P, Tc + 1)
+def step_decoder(route: str, cfg: ModelConfig, Bp: int, G: int, P: int, Tc: int,
+                 device: torch.device) -> tuple[decode.Decoder, torch.Tensor]:
+    """A decoder at a graph-style step (every completion slot attended under the step's mask; the
+    CPU's eager route: the written keys alone), Bp prompts x G rows, the last two prompts padded,
+    random weights. route: "float32" (prefix_attention's plain ops), "bf16 kernel" (CUDA's
+    kernel_prefix_attention; on a CPU, SDPA's fused CPU kernel runs in the CUDA kernel's place
+    through the same code), "bf16 kernel, compiled" (the same through torch.compile) or "cpu
+    fused" (the CPU's eager path, float32)."""
+    dtype = torch.bfloat16 if route.startswith("bf16") else torch.float32
+    with torch.device(device):
+        model = Llama(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0, 0.02)
+    model = model.to(dtype).eval()
+    L, Hkv, D = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+    views = decode.KVCache.for_batch(cfg, Bp, G, P, Tc + 1, dtype, device).carve(
+        L, Hkv, D, Bp, G, P, Tc + 1)
     kernel = decode.kernel_for
-    if route == "bf16 kernel" and not torch.cuda.is_available():
+    if route.startswith("bf16") and device.type == "cpu":
         decode.kernel_for = lambda device, dtype, head_dim: decode.cpu_flash
     try:
-        decoder = decode.Decoder(model, views, [P, P, P - 5, P - 9], G, graphed=False)
+        lens = [P] * (Bp - 2) + [P - 5, P - 9]
+        decoder = decode.Decoder(model, views, lens, G, graphed=False,
+                                 compiled=route.endswith("compiled"))
     finally:
         decode.kernel_for = kernel
     decoder.attention.fused = route == "cpu fused"
-    tokens = torch.randint(0, cfg.vocab_size, (Bp * G, 1))
-    with torch.no_grad(), OpCount() as count:
-        decoder.step_index.fill_(3)
-        decoder.attention.own_len = 4 if route == "cpu fused" else Tc
-        decoder.forward(tokens)
-    return count.ops
+    decoder.step_index.fill_(3)
+    decoder.attention.own_len = 4 if route == "cpu fused" else Tc
+    return decoder, torch.randint(0, cfg.vocab_size, (Bp * G, 1), device=device)
+
+
+def launches(decoder: decode.Decoder, tokens: torch.Tensor) -> collections.Counter:
+    """What one decode step launches, by name: on CUDA the kernels of one replay of the step's CUDA
+    graph (torch.profiler's device events); on the CPU the aten ops less views and bare
+    allocations (OpCount: a kernel each on CUDA) of an eager step, and of a compiled one the
+    calls its graph makes (inductor's generated kernels, profiled, and the aten ops it calls:
+    matmuls, attention)."""
+    run = decoder.forward if decoder.compiled is None else functools.partial(decoder.compiled,
+                                                                             decoder)
+    if not tokens.is_cuda and decoder.compiled is None:
+        with torch.no_grad(), OpCount() as count:  # inference mode would show composite ops
+            run(tokens)
+        return count.ops
+    with torch.inference_mode():  # generate's mode: the same compiled graph
+        if tokens.is_cuda:
+            graph = graphs.GraphedStep(run, tokens)
+            activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            with torch.profiler.profile(activities=activities) as prof:
+                graph(tokens)
+                torch.cuda.synchronize()
+            return collections.Counter(event.name for event in prof.events()
+                                       if event.device_type == torch.autograd.DeviceType.CUDA)
+        from torch._inductor import config
+        with config.patch({"cpp.enable_kernel_profile": True}):  # an event for each kernel
+            run(tokens)  # the compile
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                run(tokens)
+    return collections.Counter(
+        "inductor kernel" if "cpp_fused" in event.name else event.name.removeprefix("aten::")
+        for event in prof.events() if event.cpu_parent is not None
+        and event.cpu_parent.name.startswith("## Call CompiledFxGraph"))
+
+
+def kernel_kind(name: str) -> str:
+    """A CUDA kernel's name by what it does, for the table's last column."""
+    for kind, marks in (("inductor", ("triton_",)), ("attention", ("fmha", "attention")),
+                        ("matmul", ("gemm", "gemv", "sm90", "sm80", "cutlass", "splitK")),
+                        ("copy/fill", ("elementwise", "copy", "fill", "Memset", "Memcpy"))):
+        if any(mark in name for mark in marks):
+            return kind
+    return name[:40]
+
+
+def kernels_per_layer(route: str, device: torch.device, shape: str = "") -> tuple[
+        int, int, collections.Counter]:
+    """What one decode step launches per layer (a 2-block model's count less a 1-block model's)
+    and for the rest of the step (embedding, rope tables, final norm, head), on `route`
+    (step_decoder), and the per-layer launches by name. On CUDA a shape of tests/bench_bf16.py
+    (its blocks cut to 1 and 2) at 16 prompts x 8 rows, P = 64, 255 completion slots; on the CPU a
+    Qwen2-shaped tiny model, 4 prompts x 8 rows, P = 16, 32 slots."""
+    if shape:
+        from bench_bf16 import SHAPES
+        base, batch = SHAPES[shape], (16, 8, 64, 255)
+    else:
+        base = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256,
+                           num_attention_heads=4, num_key_value_heads=2,
+                           architecture="Qwen2ForCausalLM")
+        batch = (4, 8, 16, 32)
+    counts = [launches(*step_decoder(route, dataclasses.replace(base, num_hidden_layers=layers),
+                                     *batch, device)) for layers in (1, 2)]
+    layer = counts[1] - counts[0]
+    if device.type == "cuda":
+        layer = collections.Counter({kernel_kind(k): 0 for k in layer}) + collections.Counter(
+            kernel_kind(k) for k, n in layer.items() for _ in range(n))
+    return sum(layer.values()), sum(counts[0].values()) - sum(layer.values()), layer
 
 
 def kernels() -> None:
-    """Ops a decode step launches: per layer (a 2-block model's count less a 1-block model's) and
-    for the rest of the step (embedding, rope tables, final norm, head)."""
-    print("ops of one decode step (aten ops less views: a kernel each on CUDA)")
+    """Kernels a decode step launches per layer and for the rest of the step, on each route: on
+    the CPU counted as launches (see launches()), on CUDA from the profiler."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    shape = option("--shape", "Qwen2.5-0.5B") if device.type == "cuda" else ""
+    routes = ("bf16 kernel", "bf16 kernel, compiled")
+    if device.type == "cpu":
+        routes = ("float32", *routes, "cpu fused")
+        print("launches of one decode step (on the CPU: aten ops less views, a kernel each on "
+              "CUDA; compiled: inductor's kernels and the aten ops its graph calls)")
+    else:
+        print(f"CUDA kernels of one replay of the decode step's graph, {shape} shape")
     print("| route | per layer | rest of the step | per layer, by op |")
     print("|---|---|---|---|")
-    for route in ("float32", "bf16 kernel", "cpu fused"):
-        one, two = step_ops(route, 1), step_ops(route, 2)
-        layer = two - one
+    for route in routes:
+        per_layer, rest, layer = kernels_per_layer(route, device, shape)
         top = ", ".join(f"{name} {n}" for name, n in layer.most_common(8))
-        print(f"| {route} | {sum(layer.values())} | {sum(one.values()) - sum(layer.values())} "
-              f"| {top} |")
+        print(f"| {route} | {per_layer} | {rest} | {top} |", flush=True)
 
 
 def option(name: str, default: str) -> str:
@@ -394,6 +508,10 @@ def main() -> None:
     if "--tools" in sys.argv:
         for P in lengths:
             tool_turns(model, P, rounds)
+        return
+    if "--compiled" in sys.argv:
+        for P in lengths:
+            compiled_vs_eager(model, P, rounds)
         return
     if "--fused" in sys.argv:
         for P in lengths:

@@ -365,8 +365,10 @@ def test_greedy_on_ragged_prompts_equals_transformers_generate(tmp_path):
 def test_generic_decode_path_equals_fused_path(model, monkeypatch, kernel):
     """The paths CUDA takes, run on the CPU, with rows dropped: float32's (model.prefix_attention
     with a mask) and, with kernel, bf16's (kernel_prefix_attention, the CPU's kernel standing in
-    for CUDA's: called by every layer of every step here)."""
-    kwargs = dict(num_samples=3, max_new_tokens=24, temperature=0.9, stop_ids=(5, 9, 17, 23), seed=5, check_every=2)
+    for CUDA's: called by every layer of every step here; eager: the compiled step has its own
+    tests below)."""
+    kwargs = dict(num_samples=3, max_new_tokens=24, temperature=0.9, stop_ids=(5, 9, 17, 23),
+                  seed=5, check_every=2, compile=False)
     fused = generate(model, PROMPTS, **kwargs)
     monkeypatch.setattr(decode, "_CPU_FLASH", None)
     calls = []
@@ -546,7 +548,7 @@ def draw(sampler: str, probs: torch.Tensor, rows: int, generator: torch.Generato
     """rows tokens from probs (V,) by one of sampling.py's two samplers."""
     batch = probs.expand(rows, -1)
     if sampler == "exponential_race":
-        return sampling.exponential_race(batch, generator)
+        return sampling.exponential_race(batch, *sampling.race_clocks(batch, 1.0, generator))
     u = torch.rand((rows, 1), generator=generator, dtype=torch.float64)
     return sampling.inverse_cdf(batch, u)
 

@@ -66,9 +66,11 @@ def test_episodes_on_cuda_score_as_the_trainer_with_graphs_and_without(model):
 
 
 def test_sample_on_cuda_draws_the_distribution_by_its_exponential_race():
-    """sample() on CUDA takes sampling.exponential_race (the CPU, inverse_cdf): goodness of fit of
-    200,000 draws against the softmax, as tests/test_rollout.py checks both samplers on the CPU;
-    the logprobs are the softmax's at the drawn tokens."""
+    """sample() on CUDA takes sampling.exponential_race (the CPU, inverse_cdf): the race's tokens
+    on clocks wound from the same seed (it once drew by inverse_cdf on CUDA too), and goodness of
+    fit of 200,000 draws against the softmax; the logprobs are the softmax's at the drawn
+    tokens."""
+    import sampling
     from test_rollout import chi_square_excess
     logits = torch.randn(1000, generator=torch.Generator().manual_seed(0)) * 2
     logits[::7] = float("-inf")
@@ -76,6 +78,8 @@ def test_sample_on_cuda_draws_the_distribution_by_its_exponential_race():
     generator = torch.Generator("cuda").manual_seed(0)
     batch = logits.cuda().expand(20000, -1)
     draws = [sample(batch, 1.0, 0, 1.0, generator) for _ in range(10)]
+    clocks = sampling.race_clocks(batch, 1.0, torch.Generator("cuda").manual_seed(0))
+    assert torch.equal(draws[0][0], sampling.exponential_race(batch.softmax(-1), *clocks))
     tokens = torch.cat([t for t, _ in draws]).cpu()
     assert chi_square_excess(tokens, probs) < 5
     torch.testing.assert_close(torch.cat([lp for _, lp in draws]).cpu(), probs.log()[tokens])
@@ -106,15 +110,16 @@ def test_bf16_decode_attention_runs_the_fused_kernel_and_equals_prefix_attention
     torch.testing.assert_close(got.double(), expected, rtol=0, atol=2e-2)
 
 
-def test_bf16_decode_scores_as_the_trainer_with_graphs_and_without(model):
-    """A bf16 sampler on the GPU (the fused kernel's route, rows dropped and graphs re-captured):
-    each sampled token's logprob equals the bf16 trainer forward's within bf16's rounding of
-    logits of size ~5 (tests/test_rollout.py's bf16 CPU test: 0.1)."""
+@pytest.mark.parametrize("compiled", [True, False])
+def test_bf16_decode_scores_as_the_trainer_with_graphs_and_without(model, compiled):
+    """A bf16 sampler on the GPU (the fused kernel's route, compiled or eager, rows dropped and
+    graphs re-captured): each sampled token's logprob equals the bf16 trainer forward's within
+    bf16's rounding of logits of size ~5 (tests/test_rollout.py's bf16 CPU test: 0.1)."""
     gpu = Llama(CFG).to("cuda", torch.bfloat16)
     gpu.load_state_dict(model.state_dict())
     for graphs in (True, False):
         cfg = RolloutConfig(num_samples=4, max_new_tokens=30, temperature=0.9, check_every=2,
-                            cuda_graphs=graphs)
+                            cuda_graphs=graphs, compile=compiled)
         out = generate(gpu, PROMPTS, cfg, stop_ids=(5, 9, 17, 23, 31), seed=1)
         assert out.stats["compactions"] >= 1
         logprobs = out.logprob_lists()

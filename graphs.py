@@ -1,0 +1,121 @@
+"""
+The decode step as few launches: compiled by torch.compile into fused kernels, then captured in a
+CUDA graph that replays all of them in one call.
+
+- CompiledStep: torch.compile of a step, fullgraph (one graph or an error, never a silent split)
+  and inductor's fusion: norms, RoPE, the cache writes, residual adds, SwiGLU's product and the
+  attention merge become a few kernels around the matmuls and the attention kernels. Its
+  batch-like dims (active rows, the grid's groups and slots, the longest prompt) are dynamic, so
+  one compile serves every layout of active rows a process meets: a layout is a new CUDA graph,
+  not a new compile (a static compile per layout would compile again at every compaction and at
+  every new longest prompt, and a compile takes seconds, several on a CPU with a warm cache,
+  where a decode step takes milliseconds). What may compile again is a different structure:
+  rows scattered into a grid with empty slots (Layout.slots), the longest prompt gone (its K/V
+  views no longer whole), prompts with and without padding, a dim of size 1 (torch specializes
+  0 and 1): tests/test_graphs.py meets four structures in one rollout. It counts its compiles and
+  the seconds they took; torch's caches (FX graph, AOT) make a later process's compile cheaper.
+  Where torch cannot compile (no C++ compiler or Triton, an unsupported platform or torch), the
+  step runs eagerly and one line says so, once a process.
+- GraphedStep: a CUDA graph of step(tokens) -> logits for one layout: warm up (the compile, if
+  any, happens there) on a side stream, capture, replay.
+rollout.py compiles the draw beside a compiled step (sampling.sample_raced: the logits' float32
+copy, softmax, the race's reductions fused), outside the graph: the race's clocks come from the
+rollout's torch.Generator, which a traced graph cannot hold, so they are wound eagerly before it.
+
+Leaves out: what the step computes (decode.py), when a layout changes (rollout.py).
+Tested by tests/test_graphs.py (the compiled step on the CPU, the CPU's fused attention kernel in
+CUDA's place) and tests/test_graphs_cuda.py; kernels counted by tests/bench_rollout.py --kernels.
+"""
+
+import contextlib
+import time
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+
+def compile_settings() -> contextlib.ExitStack:
+    """torch's settings while a step compiles (read when it traces): no equalities between sizes
+    that happen to be equal then (torch's "duck shapes": the first layout's rows equal the cache's
+    slots, its longest prompt the carved one: a later layout would fail those guards and compile
+    again), and room for the structures of the module docstring (torch's limit, 8, would run the
+    ninth eagerly for the rest of the process)."""
+    from torch.fx.experimental import _config as shapes
+    settings = contextlib.ExitStack()
+    if hasattr(shapes, "use_duck_shape"):
+        settings.enter_context(shapes.patch(use_duck_shape=False))
+    settings.enter_context(torch._dynamo.config.patch(cache_size_limit=64))  # 2.5's name too
+    return settings
+
+
+def graphs_compiled() -> int:
+    """Graphs torch.compile compiled so far in this process (dynamo's counter; a cache hit counts:
+    the graph was traced again)."""
+    from torch._dynamo.utils import counters
+    return counters["stats"]["unique_graphs"]
+
+
+class CompiledStep:
+    """fn compiled once for all layouts (module docstring), called like fn. `compiles` and
+    `seconds`: the graphs compiled during its calls and the wall clock of those calls."""
+
+    refused: str | None = None  # why torch.compile failed in this process: not tried again
+
+    def __init__(self, fn: Callable):
+        self.fn = fn
+        self.compiles = 0
+        self.seconds = 0.0
+        self.compiled = None
+        if CompiledStep.refused is None:
+            try:
+                self.compiled = torch.compile(fn, fullgraph=True, dynamic=True)
+            except RuntimeError as error:  # a Python or platform torch.compile does not support
+                self._refuse(error)
+
+    def __call__(self, *args):
+        if self.compiled is None or CompiledStep.refused is not None:
+            return self.fn(*args)
+        before = graphs_compiled()
+        started = time.perf_counter()
+        try:
+            with compile_settings():
+                out = self.compiled(*args)
+        except torch._dynamo.exc.TorchDynamoException as error:  # raised while compiling
+            self._refuse(error)
+            return self.fn(*args)
+        if graphs_compiled() > before:
+            self.compiles += graphs_compiled() - before
+            self.seconds += time.perf_counter() - started
+        return out
+
+    def _refuse(self, error: Exception) -> None:
+        self.compiled = None
+        if CompiledStep.refused is None:
+            inner = getattr(error, "inner_exception", error)  # the backend's own error
+            first = (str(inner).strip().splitlines() or [""])[0][:200]
+            reason = f"{type(inner).__name__}: {first}"
+            CompiledStep.refused = reason
+            print(f"torch.compile cannot compile the decode step here ({reason}): it runs "
+                  f"eagerly (--compile false skips the attempt)", flush=True)
+
+
+class GraphedStep:
+    """A CUDA graph of `step(tokens) -> logits` for one layout: warm up on a side stream, capture,
+    replay. Replaying a step that already ran is harmless: it rewrites the same K/V."""
+
+    def __init__(self, step: Callable[[Tensor], Tensor], tokens: Tensor):
+        self.tokens = tokens.clone()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            step(self.tokens)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = step(self.tokens)
+
+    def __call__(self, tokens: Tensor) -> Tensor:
+        self.tokens.copy_(tokens)
+        self.graph.replay()
+        return self.logits

@@ -1,0 +1,234 @@
+"""
+Tests of graphs.py on the CPU: the compiled decode step (CUDA's bf16 kernel route, SDPA's fused CPU
+kernel standing in for CUDA's memory-efficient kernel, as tests/test_rollout.py runs it) against
+the same step run eagerly and against the float64 forward of the same bf16 weights, and its
+compiles.
+
+Tolerances: the compiled step computes what the eager one computes, rounded elsewhere: inductor
+keeps a fused kernel's intermediates in float32 where eager bf16 rounds every op's output (the
+norms' casts, RoPE's products, the merge). Each bf16 route is a few bf16 ulps (2^-7 of the power
+of two below a value) from the float64 forward: every op's output rounded, some twenty a layer;
+4 ulps of the largest logit at most, measured here on either route, so ULPS = 8. Greedy picks may
+then differ only at near ties (the float64 forward's top two within two routes' errors).
+The compiles are torch's, seconds to a minute each here: the first test compiles the step once for
+each of its four structures, and the tests after it reuse those compiles.
+"""
+
+import math
+
+import pytest
+import torch
+
+import decode
+import graphs
+import rollout
+import sampling
+from model import Llama
+from rollout import RolloutConfig
+from test_rollout import CFG, PROMPTS, trainer_logprobs
+
+ULPS = 8  # bf16 ulps of the largest logit (module docstring); 4 at most measured here
+LOGPROB_TOL = ULPS * 2.0 ** -5  # logprobs move as the logits do: this model's stay in (4, 8)
+
+
+@pytest.fixture(scope="module")
+def model() -> Llama:
+    return Llama(CFG).init_weights(seed=0, std=0.2).to(torch.bfloat16).eval()
+
+
+@pytest.fixture
+def kernel_route(monkeypatch):
+    """CUDA's bf16 kernel route on the CPU: SDPA's fused CPU kernel in the CUDA kernel's place."""
+    monkeypatch.setattr(decode, "kernel_for", lambda device, dtype, head_dim: decode.cpu_flash)
+
+
+def tolerance(logits: torch.Tensor) -> float:
+    """ULPS bf16 ulps at the largest |logit| (an ulp is 2^-7 of the power of two below it)."""
+    return ULPS * 2.0 ** (math.floor(math.log2(logits.abs().max().item())) - 7)
+
+
+@pytest.fixture(scope="module")
+def wide(model):
+    """The slow twin: the same bf16 weights in float64, whole sequences recomputed."""
+    twin = Llama(CFG).double().eval()
+    twin.load_state_dict(model.state_dict())
+    return twin
+
+
+def near_tie(wide: Llama, seq: list[int], a: int, b: int, tol: float) -> bool:
+    """Tokens a and b are within tol of each other after seq in the float64 forward of the bf16
+    weights: either is a right greedy pick in bf16."""
+    with torch.no_grad():
+        logits = wide(torch.tensor([seq]))[0, -1]
+    return abs(logits[a] - logits[b]).item() < tol
+
+
+def decoders(model: Llama, G: int, new: int) -> tuple[decode.Decoder, decode.Decoder, torch.Tensor]:
+    """A compiled and an eager decoder over the same prefilled prompts (longest first, as generate
+    sorts them), and the first token of each row (the prompt's greedy pick)."""
+    prompts = sorted(PROMPTS, key=len, reverse=True)
+    lens = [len(p) for p in prompts]
+    pair = []
+    with torch.inference_mode():
+        for compiled in (True, False):
+            views = rollout._carve(model, None, len(prompts), G, max(lens), new)
+            logits = rollout._prefill(model, prompts, views[0], views[1], 2048, "cpu")
+            pair.append(decode.Decoder(model, views, lens, G, graphed=False, compiled=compiled))
+        first = logits.argmax(-1).repeat_interleave(G)  # an inference tensor, as generate's
+    return *pair, first
+
+
+def test_compiled_bf16_step_equals_the_eager_step_and_compiles_once_a_structure(model, wide,
+                                                                               kernel_route):
+    """Step by step through six layouts: four structures (every row in its slot or rows scattered
+    into a grid with empty slots; the longest prompt still there or gone), each of two a second
+    time with fewer rows and groups: the compiled step's logits and the eager bf16 step's each
+    within ULPS of the float64 forward of each row's whole sequence (the slow twin), the compiled
+    step's greedy picks the float64 forward's (near ties aside), and the K/V it wrote into the
+    cache, in place, the eager step's. It compiles once a structure, on its first layout's first
+    step: never on a later step, nor for a structure's second layout."""
+    G, new = 4, 13  # rows 0-3 hold prompt 0 (the longest, 11 tokens), 4-7 prompt 1, ...
+    compiled, eager, tokens = decoders(model, G, new)
+    assert compiled.compiled is not None and eager.compiled is None
+    seqs = [list(p) for p in sorted(PROMPTS, key=len, reverse=True) for _ in range(G)]
+    survivors = {2: [0, 1, 2, 4, 5, 6, 8, 9, 10, 12, 13, 14],  # as at first, a row a prompt less
+                 4: [0, 1, 4, 5, 6, 8, 9, 10, 12, 13, 14],     # a slot of prompt 0 empty
+                 6: [4, 5, 8, 9, 10, 12, 13, 14],              # prompt 0 gone, a slot empty
+                 8: [4, 5, 8, 9, 12, 13],                      # two rows a prompt: slots full
+                 10: [8, 9, 12, 13]}                           # the same, with two prompts
+    counts = []
+    with torch.inference_mode():
+        for t in range(new - 1):
+            if t in survivors:
+                keep = [i for i, r in enumerate(compiled.layout.rows) if r in survivors[t]]
+                for d in (compiled, eager):
+                    d.drop(keep, filled=t)
+                tokens = tokens[torch.tensor(keep)]
+            for i, r in enumerate(compiled.layout.rows):
+                seqs[r].append(int(tokens[i]))
+            got, want = compiled.step(tokens, t).double(), eager.step(tokens, t).double()
+            exact = torch.stack([wide(torch.tensor([seqs[r]]))[0, -1]
+                                 for r in compiled.layout.rows])  # (N, V)
+            for logits in (got, want):
+                torch.testing.assert_close(logits, exact, rtol=0, atol=tolerance(exact))
+            top2 = exact.topk(2, dim=-1).values
+            near = top2[:, 0] - top2[:, 1] < 2 * tolerance(exact)  # either pick is right in bf16
+            assert ((got.argmax(-1) == exact.argmax(-1)) | near).all()
+            tokens = got.argmax(-1)
+            counts.append(compiled.compiled.compiles)
+    assert compiled.attention.slots is None and compiled.attention.prefix_valid.shape == (2, 2)
+    assert counts[0] == 1 and compiled.compiled.seconds > 0
+    for t in range(1, new - 1):
+        assert counts[t] - counts[t - 1] <= (1 if t in (4, 6, 8) else 0), counts
+    for mine, theirs in zip(compiled.attention.own_k + compiled.attention.own_v,
+                            eager.attention.own_k + eager.attention.own_v):
+        written = theirs[:, :, :new - 1].float()  # every slot's keys so far (dropped rows' too)
+        torch.testing.assert_close(mine[:, :, :new - 1].float(), written, rtol=0,
+                                   atol=tolerance(written))
+
+
+def test_the_compiled_draw_equals_the_eager_race_on_the_same_clocks():
+    """sampling.sample_raced compiled (rollout.py runs it so beside a compiled step) against itself
+    eager on the same clocks, bf16 logits (the compiled step's) with masked ids: greedy,
+    temperature, and temperature with top-k and top-p (a sort and a scatter traced). The same
+    tokens; logprobs within float32 rounding (both work on the logits' float32 copy; the softmax's
+    sum over V = 1000 taken in another order moves them by ~1e-6)."""
+    logits = torch.randn(64, 1000, generator=torch.Generator().manual_seed(0)) * 3
+    logits = logits.to(torch.bfloat16).index_fill_(1, torch.arange(0, 1000, 7), float("-inf"))
+    for knobs in [(0.0, 0, 1.0), (0.8, 0, 1.0), (0.8, 50, 0.9)]:
+        clocks = sampling.race_clocks(logits, knobs[0], torch.Generator().manual_seed(1))
+        step = graphs.CompiledStep(sampling.sample_raced)
+        tokens, logprobs = step(logits, *knobs, clocks)
+        want = sampling.sample_raced(logits, *knobs, clocks)
+        assert step.compiles >= 1 and torch.equal(tokens, want[0])
+        torch.testing.assert_close(logprobs, want[1], rtol=0, atol=1e-5)
+
+
+def test_greedy_generate_compiled_equals_eager_and_compiles_nothing_again(model, wide,
+                                                                          kernel_route):
+    """generate() on the compiled route, rows dropped at stop ids, against the eager bf16 route: the
+    same rows, each up to a near tie of the float64 forward where the two bf16 routes may part; a
+    row's logprobs within LOGPROB_TOL while they agree. At most one compile (the tests above
+    compiled each structure and the draw; a layout they did not meet may be new), and a second
+    call of the same shapes compiles nothing (compiles 0, compile_seconds 0)."""
+    knobs = dict(num_samples=3, max_new_tokens=16, temperature=0.0, check_every=2)
+    stops = (5, 9, 17, 23, 31)
+    runs = [rollout.generate(model, PROMPTS, RolloutConfig(compile=on, **knobs), stop_ids=stops,
+                             seed=0) for on in (True, True, False)]
+    first, again, eager = runs
+    assert eager.stats["compiles"] == 0 and first.stats["compactions"] >= 1
+    assert first.stats["compiles"] <= 1 and again.stats["compiles"] == 0
+    assert again.stats["compile_seconds"] == 0.0
+    assert torch.equal(first.tokens, again.tokens)
+    parted = 0
+    for row, (a, b) in enumerate(zip(first.completions(), eager.completions())):
+        same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        if a != b:
+            parted += 1
+            prompt = PROMPTS[row // 3]
+            assert same < min(len(a), len(b)), "one row ends at a stop where the other goes on"
+            assert near_tie(wide, prompt + a[:same], a[same], b[same], 2 * LOGPROB_TOL), \
+                f"row {row} parts at token {same} without a near tie"
+        torch.testing.assert_close(first.logprobs[row, :same], eager.logprobs[row, :same],
+                                   rtol=0, atol=LOGPROB_TOL)
+    assert parted <= len(PROMPTS), "most rows agree token for token"
+
+
+def test_sampled_tokens_on_the_compiled_route_score_as_the_trainer(model, kernel_route):
+    """Sampling after the compiled step: each token's logprob is the bf16 trainer forward's within
+    bf16's rounding of logits of size ~5 (tests/test_rollout.py's bf16 test: 0.1). Temperature
+    alone: a top-k or top-p boundary may fall between two roundings of the same logits."""
+    cfg = RolloutConfig(num_samples=3, max_new_tokens=12, temperature=0.8, check_every=2)
+    out = rollout.generate(model, PROMPTS, cfg, stop_ids=(5, 9, 17), seed=3)
+    assert out.stats["compiles"] <= 1
+    for row, completion in enumerate(out.completions()):
+        expected = trainer_logprobs(model, PROMPTS[row // 3], completion, 0.8, 0, 1.0).float()
+        torch.testing.assert_close(torch.tensor(out.logprob_lists()[row]), expected, rtol=0,
+                                   atol=0.1)
+
+
+def test_a_torch_that_cannot_compile_runs_the_step_eagerly_and_says_so_once(model, kernel_route,
+                                                                              monkeypatch, capsys):
+    """torch.compile failing (here a stand-in that raises as a missing C++ compiler does, through
+    dynamo) leaves the step eager, bit for bit the compile=False route, with one line for the
+    process; later decoders do not try again."""
+    tries = []
+
+    def failing_compile(fn, **options):
+        def compiled(*args):
+            tries.append(1)
+            raise torch._dynamo.exc.TorchDynamoException("no working C++ compiler found")
+        return compiled
+    monkeypatch.setattr(graphs.CompiledStep, "refused", None)
+    monkeypatch.setattr(graphs.torch, "compile", failing_compile)
+    knobs = dict(num_samples=2, max_new_tokens=6, temperature=0.0)
+    outs = [rollout.generate(model, PROMPTS, RolloutConfig(**knobs), seed=0) for _ in range(2)]
+    eager = rollout.generate(model, PROMPTS, RolloutConfig(compile=False, **knobs), seed=0)
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 1 and "no working C++ compiler found" in lines[0]
+    assert len(tries) == 1 and graphs.CompiledStep.refused is not None
+    for out in outs:
+        assert torch.equal(out.tokens, eager.tokens) and torch.equal(out.logprobs, eager.logprobs)
+        assert out.stats["compiles"] == 0
+
+
+def test_a_logits_fn_keeps_the_step_eager(model, kernel_route, capsys):
+    """A logits_fn (tensor parallelism's vocab gather) keeps the step and the draw eager, bit for
+    bit the compile=False route and without a line: tp.py's layers run their collectives in
+    autograd Functions torch.compile does not trace (it refuses them)."""
+    knobs = dict(num_samples=2, max_new_tokens=6, temperature=0.9)
+    gathered = rollout.generate(model, PROMPTS, RolloutConfig(**knobs), seed=0,
+                                logits_fn=lambda x: x)
+    eager = rollout.generate(model, PROMPTS, RolloutConfig(compile=False, **knobs), seed=0)
+    assert torch.equal(gathered.tokens, eager.tokens)
+    assert torch.equal(gathered.logprobs, eager.logprobs) and capsys.readouterr().out == ""
+
+
+def test_compile_is_on_by_default_and_leaves_float32_and_the_cpu_route_eager():
+    """RolloutConfig.compile defaults to on; it applies to the kernel route alone: a float32 model
+    (the exact path) and the CPU's own fused route (no kernel) never compile."""
+    assert RolloutConfig().compile is True
+    for dtype in (torch.float32, torch.bfloat16):
+        m = Llama(CFG).init_weights(seed=0, std=0.2).to(dtype).eval()
+        out = rollout.generate(m, PROMPTS, RolloutConfig(num_samples=2, max_new_tokens=4), seed=0)
+        assert out.stats["compiles"] == 0 and out.stats["compile_seconds"] == 0.0
