@@ -398,8 +398,8 @@ def test_packed_linears_equal_f_linear_and_are_undone(model):
             with rollout._packed_linears(layers, 12, enabled=True):
                 assert all("forward" in vars(m) for m in layers)
                 got = [m(x) for m in layers]
-            for g, w in zip(got, want):
-                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5 * w.abs().max().item())
+            for g, w in zip(got, want):  # 64 terms a dot product, in another order
+                torch.testing.assert_close(g, w, **tolerance.reordered(64, w.abs().max()))
     assert not any("forward" in vars(m) for m in layers)
     kwargs = dict(num_samples=3, max_new_tokens=24, temperature=0.9, stop_ids=(5, 9), seed=3)
     packed = generate(model, PROMPTS, **kwargs)
