@@ -177,9 +177,9 @@ def check_config(cfgs) -> None:
         if cfg.dim % (2 * cfg.heads):
             raise ValueError(f"--dim {cfg.dim} must be a multiple of 2 x --heads {cfg.heads} "
                              "(an even head width for rotary embeddings)")
-    if cfg.compile not in ("auto", "true", "false"):
-        raise ValueError(f"--compile must be auto (on CUDA only), true or false, got "
-                         f"{cfg.compile!r}")
+    if cfg.compile_blocks not in ("auto", "true", "false"):
+        raise ValueError(f"--compile_blocks must be auto (on CUDA only), true or false, got "
+                         f"{cfg.compile_blocks!r}")
     dtypes = ("float32", "bfloat16", "float16")
     for name, allowed in (("dtype", dtypes[:2]), ("sampler_dtype", ("", *dtypes))):
         if getattr(cfg, name) not in allowed:

@@ -97,7 +97,7 @@ class CompiledStep:
             reason = f"{type(inner).__name__}: {first}"
             CompiledStep.refused = reason
             print(f"torch.compile cannot compile the decode step here ({reason}): it runs "
-                  f"eagerly (--compile false skips the attempt)", flush=True)
+                  f"eagerly (--compile_decode false skips the attempt)", flush=True)
 
 
 class GraphedStep:

@@ -29,7 +29,7 @@ CPU: the prompt part goes through SDPA's fused kernel, whose log-sum-exp then en
 softmax as one more score: the same merge in fewer kernels (decode.fused_prefix_attention); float32
 linears run on weights prepacked once per call (_packed_linears).
 CUDA: the decode step is a CUDA graph per layout of active rows (`cuda_graphs`); in bf16 / fp16 it
-is compiled first, and the draw beside it (`compile`: torch.compile, once for every layout, its
+is compiled first, and the draw beside it (`compile_decode`: torch.compile, once for every layout, its
 seconds in the stats' compile_seconds; graphs.py); the private KV cache is bf16.
 
 Shapes: Bp prompts, G samples per prompt, R = Bp*G rows, N active rows, S = Bp'*G' slots of the
@@ -70,7 +70,7 @@ class RolloutConfig:
     check_every: int = 8         # decode steps between the host syncs that drop finished rows
     prefill_tokens: int = 2048   # padded prompt tokens per prefill forward (bounds activations)
     cuda_graphs: bool = True     # capture the decode step on CUDA (ignored on the CPU)
-    compile: bool = True         # torch.compile the bf16 / fp16 decode step and draw (CUDA, no TP)
+    compile_decode: bool = True  # torch.compile the bf16 / fp16 decode step and draw (CUDA, no TP)
     packed_linears: bool = True  # CPU, float32: linears via oneDNN, weights prepacked per call
 
     def __post_init__(self):
@@ -241,7 +241,7 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], cfg: RolloutConfi
     check_prompts(prompts, stop_ids, cfg.max_new_tokens, model.config)
     # A logits_fn is tensor parallelism's vocab gather: tp.py's layers run their collectives in
     # autograd Functions (mark_dirty), which torch.compile does not trace: the step stays eager.
-    compiled = cfg.compile and logits_fn is None
+    compiled = cfg.compile_decode and logits_fn is None
     logits_fn = logits_fn or (lambda x: x)
     G = cfg.num_samples
     new = cfg.max_new_tokens

@@ -80,7 +80,7 @@ class TrainConfig:
     kv_heads: int = 2                # fresh model: key/value heads (GQA)
     dtype: str = "float32"           # compute: float32, or bfloat16 (fp32 master weights, autocast)
     sampler_dtype: str = ""          # sampler weights; "" = --dtype (bf16: a copy of the master)
-    compile: str = "auto"            # blocks' training forward compiled: auto (CUDA), true, false
+    compile_blocks: str = "auto"     # blocks' training forward compiled: auto (CUDA), true, false
     compile_cache: str = "runs/compile_cache"  # torch's compile caches, kept for the next run
     # task
     task: str = "tasks:reverse"      # package.module:attr, a Task or a function (task_data) -> Task
@@ -195,21 +195,22 @@ def build_model(cfg: TrainConfig, task: Task, source: str, device: torch.device,
 
 def compile_model(cfg: TrainConfig, model: Llama, device: torch.device,
                   groups: tp.ParallelGroups) -> list[str]:
-    """--compile: the blocks' training forward compiled once per model (compiling.py), torch's
-    caches in --compile_cache; and on CUDA the training attention's route (packing.cuda_route).
-    Returns the lines the first step prints: what was compiled, or why not, and any fallback."""
+    """--compile_blocks: the blocks' training forward compiled once per model (compiling.py); torch's
+    caches in --compile_cache (for the decode step's compile too: --compile_decode, rollout.py);
+    and on CUDA the training attention's route (packing.cuda_route). Returns the lines the first
+    step prints: what was compiled, or why not, and any fallback."""
+    cache = compiling.use_cache(cfg.compile_cache)
     notes = []
     if device.type == "cuda":
         dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else master_dtype(cfg)
         notes.append(packing.cuda_route(dtype, model.config.head_dim)[1])
-    if cfg.compile == "false" or (cfg.compile == "auto" and device.type != "cuda"):
+    if cfg.compile_blocks == "false" or (cfg.compile_blocks == "auto" and device.type != "cuda"):
         return notes
     why = compiling.unsupported()
     if not why and groups.tp_size > 1:
         why = "a tensor-parallel block has collectives inside it"
     if why:
-        return notes + [f"--compile: the blocks run eager: {why}"]
-    cache = compiling.use_cache(cfg.compile_cache)
+        return notes + [f"--compile_blocks: the blocks run eager: {why}"]
     compiling.compile_blocks(model.model.layers)
     return notes + [f"compile: each block's training forward, one graph for every layer and "
                     f"length, paid at the first step (caches in {cache})"]

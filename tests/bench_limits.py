@@ -16,7 +16,7 @@ copy bandwidth. Random weights of the published shapes (tests/bench_bf16.py's SH
    the steps); over the copy bandwidth.
 2. train: one GRPO forward + backward (grpo.accumulate, GRPOConfig with train.py's logprob chunk
    on a GPU, plan.GPU_CHUNK_BYTES), fp32 master weights under bf16 autocast (train.py's bf16), the
-   blocks compiled (train.py's --compile on CUDA; --compile false: eager), by forward: padded
+   blocks compiled (train.py's --compile_blocks on CUDA; this bench's --compile false: eager), by forward: padded
    (prompts padded to P, rows to NEW), packed (the engine's: valid tokens only) and naive (each
    prompt repeated per row); at uniform lengths 16 x 8 x (64 + 256) in one micro-batch, and at
    lengths with a mean of 1/3 of those (bench_ragged.lengths) in 4. Model FLOPs = 3 x the
@@ -169,7 +169,7 @@ def rollout_part(name: str, lim: dict) -> None:
               "engine, eager": (False, False)}
     for label, (graphs, compiled) in routes.items():
         cfg = RolloutConfig(num_samples=G, max_new_tokens=NEW, cuda_graphs=graphs,
-                            compile=compiled)
+                            compile_decode=compiled)
         warm = generate(model, prompts, cfg, seed=0).stats  # allocator, cuBLAS, compile, capture
         stats = generate(model, prompts, cfg, seed=1).stats
         decode = stats["seconds"] - stats["prefill_seconds"]
@@ -237,7 +237,7 @@ def train_part(name: str, lim: dict, device: str = "cuda", compile: bool = True,
                repeats: int = 3) -> list[dict]:
     """GRPO forward + backward (grpo.accumulate) by route, at uniform lengths (one micro-batch)
     and at a mean of 1/3 (4 micro-batches), bf16 autocast over the fp32 master on CUDA (fp32 on
-    the CPU), the blocks compiled or not (train.py's --compile): seconds, MFU against the measured
+    the CPU), the blocks compiled or not (train.py's --compile_blocks): seconds, MFU against the measured
     matmul rate, and packed against padded beside the valid tokens' share. Returns the rows."""
     model = build(name, torch.float32, device).train()
     if compile:

@@ -251,8 +251,8 @@ def compiled_vs_eager(model: Llama, P: int, rounds: int) -> None:
             for name, (on_kernel, compiled) in routes.items():
                 decode.kernel_for = (lambda device, dtype, head_dim: decode.cpu_flash) if (
                     on_kernel) else kernel
-                stats = generate(model, prompts, RolloutConfig(num_samples=G, max_new_tokens=NEW,
-                                                               compile=compiled), seed=1).stats
+                cfg = RolloutConfig(num_samples=G, max_new_tokens=NEW, compile_decode=compiled)
+                stats = generate(model, prompts, cfg, seed=1).stats
                 compile_seconds += stats["compile_seconds"]
                 if attempt:
                     best[name] = min(best[name], stats["seconds"] - stats["prefill_seconds"])

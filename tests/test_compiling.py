@@ -1,5 +1,5 @@
 """compiling.py: the blocks' compiled training forward against the eager one (values and gradients),
-one graph per region for every length, and train.py's --compile: the step that compiled says so,
+one graph per region for every length, and train.py's --compile_blocks: the step that compiled says so,
 the caches land in --compile_cache."""
 
 import copy
@@ -75,7 +75,7 @@ def test_compile_blocks_refuses_what_it_cannot_compile():
 
 def test_a_compiled_run_says_which_step_compiled_and_fills_the_cache(tmp_path, capsys,
                                                                      monkeypatch, request):
-    """train.py --compile true on the CPU (inductor, the real compile) against the same run eager:
+    """train.py --compile_blocks true on the CPU (inductor, the real compile) against the same run eager:
     its first step compiles (t_compile > 0, `compile` on its step line), its later steps (other
     packed lengths) do not, torch's caches are written under --compile_cache, and the metrics
     equal the eager run's: loss and entropy within 1e-5 (float32, fused kernels round in another
@@ -89,7 +89,7 @@ def test_a_compiled_run_says_which_step_compiled_and_fills_the_cache(tmp_path, c
     runs = {}
     for mode in ("false", "true"):
         out = str(tmp_path / mode)
-        assert train.main(FAST + ["--steps", "3", "--out", out, "--compile", mode,
+        assert train.main(FAST + ["--steps", "3", "--out", out, "--compile_blocks", mode,
                                   "--compile_cache", str(cache)]) == 0
         with open(os.path.join(out, "metrics.jsonl")) as f:
             runs[mode] = [json.loads(line) for line in f]

@@ -155,7 +155,7 @@ def test_greedy_generate_compiled_equals_eager_and_compiles_nothing_again(model,
     call of the same shapes compiles nothing (compiles 0, compile_seconds 0)."""
     knobs = dict(num_samples=3, max_new_tokens=16, temperature=0.0, check_every=2)
     stops = (5, 9, 17, 23, 31)
-    runs = [rollout.generate(model, PROMPTS, RolloutConfig(compile=on, **knobs), stop_ids=stops,
+    runs = [rollout.generate(model, PROMPTS, RolloutConfig(compile_decode=on, **knobs), stop_ids=stops,
                              seed=0) for on in (True, True, False)]
     first, again, eager = runs
     assert eager.stats["compiles"] == 0 and first.stats["compactions"] >= 1
@@ -192,7 +192,7 @@ def test_sampled_tokens_on_the_compiled_route_score_as_the_trainer(model, kernel
 def test_a_torch_that_cannot_compile_runs_the_step_eagerly_and_says_so_once(model, kernel_route,
                                                                               monkeypatch, capsys):
     """torch.compile failing (here a stand-in that raises as a missing C++ compiler does, through
-    dynamo) leaves the step eager, bit for bit the compile=False route, with one line for the
+    dynamo) leaves the step eager, bit for bit the compile_decode=False route, with one line for the
     process; later decoders do not try again."""
     tries = []
 
@@ -205,7 +205,7 @@ def test_a_torch_that_cannot_compile_runs_the_step_eagerly_and_says_so_once(mode
     monkeypatch.setattr(graphs.torch, "compile", failing_compile)
     knobs = dict(num_samples=2, max_new_tokens=6, temperature=0.0)
     outs = [rollout.generate(model, PROMPTS, RolloutConfig(**knobs), seed=0) for _ in range(2)]
-    eager = rollout.generate(model, PROMPTS, RolloutConfig(compile=False, **knobs), seed=0)
+    eager = rollout.generate(model, PROMPTS, RolloutConfig(compile_decode=False, **knobs), seed=0)
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 1 and "no working C++ compiler found" in lines[0]
     assert len(tries) == 1 and graphs.CompiledStep.refused is not None
@@ -216,12 +216,12 @@ def test_a_torch_that_cannot_compile_runs_the_step_eagerly_and_says_so_once(mode
 
 def test_a_logits_fn_keeps_the_step_eager(model, kernel_route, capsys):
     """A logits_fn (tensor parallelism's vocab gather) keeps the step and the draw eager, bit for
-    bit the compile=False route and without a line: tp.py's layers run their collectives in
+    bit the compile_decode=False route and without a line: tp.py's layers run their collectives in
     autograd Functions torch.compile does not trace (it refuses them)."""
     knobs = dict(num_samples=2, max_new_tokens=6, temperature=0.9)
     gathered = rollout.generate(model, PROMPTS, RolloutConfig(**knobs), seed=0,
                                 logits_fn=lambda x: x)
-    eager = rollout.generate(model, PROMPTS, RolloutConfig(compile=False, **knobs), seed=0)
+    eager = rollout.generate(model, PROMPTS, RolloutConfig(compile_decode=False, **knobs), seed=0)
     assert torch.equal(gathered.tokens, eager.tokens)
     assert torch.equal(gathered.logprobs, eager.logprobs) and capsys.readouterr().out == ""
 

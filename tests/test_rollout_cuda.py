@@ -119,7 +119,7 @@ def test_bf16_decode_scores_as_the_trainer_with_graphs_and_without(model, compil
     gpu.load_state_dict(model.state_dict())
     for graphs in (True, False):
         cfg = RolloutConfig(num_samples=4, max_new_tokens=30, temperature=0.9, check_every=2,
-                            cuda_graphs=graphs, compile=compiled)
+                            cuda_graphs=graphs, compile_decode=compiled)
         out = generate(gpu, PROMPTS, cfg, stop_ids=(5, 9, 17, 23, 31), seed=1)
         assert out.stats["compactions"] >= 1
         logprobs = out.logprob_lists()
