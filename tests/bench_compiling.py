@@ -2,7 +2,7 @@
 one, and the compiled step against the eager one.
 
 Each measurement runs in a fresh process (a child of this script): build the model, compile its
-blocks (compiling.compile_blocks, train.py's --compile), run one GRPO forward + backward
+blocks (compiling.compile_blocks, train.py's --compile_blocks), run one GRPO forward + backward
 (grpo.accumulate, one micro-batch) and read compiling.compile_seconds(), dynamo's own count; then
 time the same step compiled and eager (best of --rounds, after the first). The cold child compiles
 into an empty --compile_cache directory, the warm child reads what the cold one wrote: their ratio
@@ -59,6 +59,7 @@ def child(args) -> None:
     Prints one JSON line."""
     device = torch.device("cuda" if args.shape != "tiny" else "cpu")
     torch.set_num_threads(args.threads)
+    compiling.BACKEND = args.backend
     compiling.use_cache(args.compile_cache)
     model = build(args.shape, device)
     batch = batch_for(model.config.vocab_size, args.prompts, args.G, args.P, args.new, device)
@@ -89,14 +90,16 @@ def child(args) -> None:
 
 
 def cold_and_warm(shape: str = "tiny", prompts: int = 16, G: int = 8, P: int = 64, new: int = 64,
-                  rounds: int = 3, threads: int = 1) -> dict:
+                  rounds: int = 3, threads: int = 1, backend: str = "inductor") -> dict:
     """Two fresh processes on one new cache directory: the first compiles cold, the second warm.
-    Returns both children's figures and the ratios."""
+    Returns both children's figures and the ratios. backend "aot_eager" generates no code (a quick
+    dry run of the measurement)."""
     with tempfile.TemporaryDirectory() as tmp:
         cache = os.path.join(tmp, "compile_cache")
         argv = [sys.executable, os.path.abspath(__file__), "--child", "--shape", shape,
                 "--prompts", str(prompts), "--G", str(G), "--P", str(P), "--new", str(new),
-                "--rounds", str(rounds), "--threads", str(threads), "--compile_cache", cache]
+                "--rounds", str(rounds), "--threads", str(threads), "--compile_cache", cache,
+                "--backend", backend]
         runs = []
         for _ in ("cold", "warm"):
             done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, check=True)
@@ -116,6 +119,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--compile_cache", default="", help="a child's cache directory")
+    parser.add_argument("--backend", default="inductor", help="torch.compile's backend")
     parser.add_argument("--child", action="store_true", help="one measurement (cold_and_warm's)")
     args = parser.parse_args()
     if args.child:

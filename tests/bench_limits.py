@@ -8,30 +8,30 @@ Limits (measured first, in the same process): device-to-device copy bandwidth (b
 bytes written over the time), the bf16 matmul rate (8192 x 8192 x 8192), pinned host <-> device
 copy bandwidth. Random weights of the published shapes (tests/bench_bf16.py's SHAPES).
 1. rollout: 16 prompts x 8 samples, 64 prompt tokens (--prompts, --prompt_len), 256 new tokens,
-   no stop id. Decode tokens/s compiled and captured (the default), captured alone (--compile
-   false) and eager, and transformers' generate on the same weights (do_sample, 8 return
+   no stop id. Decode tokens/s compiled and captured (the default), captured alone
+   (--compile_decode false) and eager, and transformers' generate on the same weights (do_sample, 8 return
    sequences, min_new_tokens = max_new_tokens) when it is importable. Bytes per decode step: the
    weights the step reads (the embedding rows aside: a tied lm_head reads the matrix once) + the
    prompt KV (once per group) + the completion KV actually needed (t keys per row, the mean over
    the steps); over the copy bandwidth.
 2. train: one GRPO forward + backward (grpo.accumulate, GRPOConfig with train.py's logprob chunk
    on a GPU, plan.GPU_CHUNK_BYTES), fp32 master weights under bf16 autocast (train.py's bf16), the
-   blocks compiled (train.py's --compile_blocks on CUDA; this bench's --compile false: eager), by forward: padded
-   (prompts padded to P, rows to NEW), packed (the engine's: valid tokens only) and naive (each
+   blocks compiled (train.py's --compile_blocks on CUDA; this bench's --compile false: eager), by
+   forward: padded (prompts padded to P, rows to NEW), packed (the engine's: valid tokens only) and naive (each
    prompt repeated per row); at uniform lengths 16 x 8 x (64 + 256) in one micro-batch, and at
    lengths with a mean of 1/3 of those (bench_ragged.lengths) in 4. Model FLOPs = 3 x the
    forward's matmul FLOPs of the work that must be done (the prompt once per group, the lm_head
    on completion tokens, causal attention): the same count for every forward, so the padding and
    the repeated prompt show as lower utilisation. Goals: packed <= 1.0x padded at uniform
-   lengths, <= 1.2x the valid tokens' share of it at a mean of 1/3. On a CPU, `--parts train
-   --shapes tiny` runs it in fp32 (a dry run); --json FILE writes its rows.
+   lengths, <= 1.2x the valid tokens' share of it at a mean of 1/3.
 3. sleep: train.py's memory phases (plan.memory_phases) over the fp32 master, the bf16 sampler,
    grads, AdamW and the KV cache: seconds and GB/s of each move against the pinned copy, the
    device's free bytes (torch.cuda.mem_get_info) and the allocator's reserved bytes before and
    after, and the weights after a sleep/wake cycle against a copy kept aside.
 4. plan: `train.py --plan` and 3 steps of the same run on a checkpoint of the shape (random bf16
    weights, tests/test_tokenizer.py's BPE and ChatML), each phase's max_memory_allocated.
-Only a CUDA GPU (but the train part): on a CPU it says so and exits.
+On a CPU, `--parts rollout,train --shapes tiny` runs those two parts on the tests' tiny model (a
+dry run: tests/gpu_check.py's); the others need a CUDA GPU. --json FILE writes the rows.
 """
 
 import argparse
@@ -82,11 +82,14 @@ def timed(fn, repeats: int) -> float:
 
 
 def limits() -> dict:
-    if not torch.cuda.is_available():  # the CPU's fp32 matmul only (a dry run of the parts)
+    if not torch.cuda.is_available():  # the CPU's fp32 matmul and copy (a dry run of the parts)
         x = torch.randn(1024, 1024)
         mm = 2 * 1024**3 / timed(lambda: x @ x, 10) / 1e12
-        print(f"limits: CPU fp32 matmul {mm * 1e3:,.0f} GFLOP/s")
-        return dict(matmul=mm)
+        a = torch.empty(2**26, dtype=torch.uint8)
+        b = torch.empty_like(a)
+        copy = 2 * a.numel() / timed(lambda: b.copy_(a), 10) / GB
+        print(f"limits: CPU fp32 matmul {mm * 1e3:,.0f} GFLOP/s, copy {copy:,.1f} GB/s")
+        return dict(matmul=mm, copy=copy)
     n = 2**30  # 1 GiB
     a = torch.empty(n, dtype=torch.uint8, device="cuda")
     b = torch.empty_like(a)
@@ -139,60 +142,74 @@ def hf_generate_seconds(model: Llama, prompts: list[list[int]]) -> float | None:
     except ImportError:
         print("transformers is not installed: its row is skipped")
         return None
+    device = next(model.parameters()).device
     with tempfile.TemporaryDirectory() as tmp:
         hf.save_model(model, tmp)
         theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.bfloat16)
-    theirs = theirs.cuda().eval()
-    ids = torch.tensor(prompts, device="cuda")
+    theirs = theirs.to(device).eval()
+    ids = torch.tensor(prompts, device=device)
     kw = dict(attention_mask=torch.ones_like(ids), do_sample=True, num_return_sequences=G,
               max_new_tokens=NEW, min_new_tokens=NEW, top_k=0, top_p=1.0, temperature=1.0,
               pad_token_id=0, eos_token_id=None)
     out = theirs.generate(ids, **kw)  # warm-up
     assert out.shape == (BP * G, P + NEW), out.shape
-    torch.cuda.synchronize()
+    sync()
     start = time.perf_counter()
     theirs.generate(ids, **kw)
-    torch.cuda.synchronize()
+    sync()
     seconds = time.perf_counter() - start
     del theirs
-    torch.cuda.empty_cache()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     return seconds
 
 
-def rollout_part(name: str, lim: dict) -> None:
-    model = build(name, torch.bfloat16)
+ROLLOUT_ROUTES = {"engine, compiled + graphs": (True, True), "engine, graphs": (True, False),
+                  "engine, eager": (False, False)}  # (cuda_graphs, compile_decode)
+
+
+def rollout_part(name: str, lim: dict, device: str = "cuda",
+                 routes: tuple[str, ...] = tuple(ROLLOUT_ROUTES)) -> list[dict]:
+    """Decode tokens/s of each route and transformers' generate on the same weights and prompts,
+    and the share of the copy-bandwidth floor a decode step reaches. Returns the rows."""
+    model = build(name, torch.bfloat16, device)
     V = model.config.vocab_size
     prompts = torch.randint(V, (BP, P), generator=torch.Generator().manual_seed(0)).tolist()
     weights, kv = decode_bytes(model)
     rows = []
-    routes = {"engine, compiled + graphs": (True, True), "engine, graphs": (True, False),
-              "engine, eager": (False, False)}
-    for label, (graphs, compiled) in routes.items():
+    for label in routes:
+        graphs, compiled = ROLLOUT_ROUTES[label]
         cfg = RolloutConfig(num_samples=G, max_new_tokens=NEW, cuda_graphs=graphs,
                             compile_decode=compiled)
         warm = generate(model, prompts, cfg, seed=0).stats  # allocator, cuBLAS, compile, capture
         stats = generate(model, prompts, cfg, seed=1).stats
-        decode = stats["seconds"] - stats["prefill_seconds"]
-        step = decode / stats["decode_steps"]
-        if compiled:
-            label += f" (its warm-up compiled {warm['compiles']}, {warm['compile_seconds']:.1f} s)"
-        rows.append((label, stats["seconds"], BP * G * NEW / stats["seconds"], BP * G / step,
-                     (weights + kv) / step / GB))
+        step = (stats["seconds"] - stats["prefill_seconds"]) / stats["decode_steps"]
+        rows.append(dict(shape=name, P=P, route=label, seconds=stats["seconds"],
+                         tokens_s=BP * G * NEW / stats["seconds"], decode_tokens_s=BP * G / step,
+                         step_ms=step * 1e3, floor_share=(weights + kv) / lim["copy"] / GB / step,
+                         compiles=warm["compiles"], compile_seconds=warm["compile_seconds"]))
     hf_seconds = hf_generate_seconds(model, prompts)
     if hf_seconds:
-        rows.append(("transformers generate", hf_seconds, BP * G * NEW / hf_seconds, None, None))
+        rows.append(dict(shape=name, P=P, route="transformers generate", seconds=hf_seconds,
+                         tokens_s=BP * G * NEW / hf_seconds))
+        for row in rows[:-1]:
+            row["over_generate"] = hf_seconds / row["seconds"]
     print(f"\n{name} rollout, bf16, {BP} prompts x {G} samples, P = {P}, {NEW} new tokens; bytes per"
           f" decode step {weights / GB:.3f} GB weights + {kv / GB:.3f} GB KV (mean); device copy "
           f"{lim['copy']:,.0f} GB/s")
-    print("| | s | tokens/s (whole rollout) | decode tokens/s | decode GB/s | of copy bandwidth |"
+    print("| | s | tokens/s (whole rollout) | decode tokens/s | of the copy floor | x generate |"
           "\n|---|---|---|---|---|---|")
-    for label, s, tps, dtps, gbs in rows:
-        extra = f"{dtps:,.0f} | {gbs:,.0f} | {gbs / lim['copy']:.0%}" if dtps else "- | - | -"
-        print(f"| {label} | {s:.2f} | {tps:,.0f} | {extra} |")
-    if hf_seconds:
-        print(f"engine (compiled + graphs) / transformers: {hf_seconds / rows[0][1]:.1f}x")
+    for r in rows:
+        extra = "- | -" if "step_ms" not in r else f"{r['decode_tokens_s']:,.0f} | " \
+            f"{r['floor_share']:.0%}"
+        label = r["route"] + (f" (its warm-up compiled {r['compiles']}, "
+                              f"{r['compile_seconds']:.1f} s)" if r.get("compiles") else "")
+        print(f"| {label} | {r['seconds']:.2f} | {r['tokens_s']:,.0f} | {extra} | "
+              f"{r.get('over_generate', 1):.1f}x |")
     del model
-    torch.cuda.empty_cache()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return rows
 
 
 def train_flops(model: Llama, prompt_lens: list[int], completion_lens: list[int]) -> float:
@@ -406,17 +423,18 @@ def main() -> None:
     parser.add_argument("--prompt_len", type=int, default=P, help="tokens a prompt")
     parser.add_argument("--new", type=int, default=NEW, help="tokens a completion")
     parser.add_argument("--compile", default="true", help="train: the blocks compiled (true/false)")
-    parser.add_argument("--json", default="", help="write the train part's rows here")
+    parser.add_argument("--json", default="", help="write the rollout and train parts' rows here")
     args = parser.parse_args()
     BP, P, NEW = args.prompts, args.prompt_len, args.new
     cuda = torch.cuda.is_available()
-    if not cuda and args.parts != "train":
-        print("bench_limits needs a CUDA GPU; none is visible (on a CPU: --parts train --shapes "
-              "tiny, a dry run of the train part)")
+    if not cuda and not set(args.parts.split(",")) <= {"rollout", "train"}:
+        print("bench_limits needs a CUDA GPU; none is visible (on a CPU: --parts rollout,train "
+              "--shapes tiny, a dry run of those parts)")
         return
     print(f"{torch.cuda.get_device_name() if cuda else 'CPU'}, torch {torch.__version__}")
     lim = limits()
-    parts = dict(rollout=rollout_part, sleep=sleep_part, plan=plan_part,
+    parts = dict(rollout=functools.partial(rollout_part, device="cuda" if cuda else "cpu"),
+                 sleep=sleep_part, plan=plan_part,
                  train=functools.partial(train_part, device="cuda" if cuda else "cpu",
                                          compile=args.compile == "true"))
     rows = []
@@ -432,7 +450,7 @@ def main() -> None:
                     torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(limits=lim, train=rows), f, indent=1)
+            json.dump(dict(limits=lim, rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":
