@@ -227,9 +227,9 @@ def test_a_logits_fn_keeps_the_step_eager(model, kernel_route, capsys):
 
 
 def test_compile_is_on_by_default_and_leaves_float32_and_the_cpu_route_eager():
-    """RolloutConfig.compile defaults to on; it applies to the kernel route alone: a float32 model
+    """RolloutConfig.compile_decode defaults to on; it applies to the kernel route alone: a float32 model
     (the exact path) and the CPU's own fused route (no kernel) never compile."""
-    assert RolloutConfig().compile is True
+    assert RolloutConfig().compile_decode is True
     for dtype in (torch.float32, torch.bfloat16):
         m = Llama(CFG).init_weights(seed=0, std=0.2).to(dtype).eval()
         out = rollout.generate(m, PROMPTS, RolloutConfig(num_samples=2, max_new_tokens=4), seed=0)
