@@ -9,10 +9,11 @@ per prompt decoded on top of that one shared prompt KV, finished rows dropped as
 2. Fan-out: each prompt's last-position logits are repeated G times and every row draws its own
    first token (nanochat once broadcast one first token to all G rows).
 3. Decode (decode.py): the attention hook writes each row's key/value into its own completion KV
-   and runs attention.prefix_attention: the G rows of a group are folded into the query dimension
-   against the one prompt KV (Hydragen) and merged with the row's own keys by log-sum-exp. Prompt
-   KV memory and reads / G. On the CPU the groups run in buckets of like prompt lengths
-   (length_buckets), each reading its own prompts' keys: a short prompt's padding is not read.
+   and runs shared-prompt attention (attention.py): the G rows of a group are folded into the
+   query dimension against the one prompt KV (Hydragen) and merged with the row's own keys by
+   log-sum-exp. Prompt KV memory and reads / G. On the CPU the groups run in buckets of like
+   prompt lengths (length_buckets), each reading its own prompts' keys: a short prompt's padding
+   is not read.
 4. Every `check_every` steps (the only host sync in the loop) rows that sampled a stop id are
    dropped: the linears run on the N active rows only; attention sees them in a Bp' x G' grid.
 5. Sampling (sampling.py) without host sync; each returned logprob is under the distribution
@@ -25,12 +26,13 @@ loop, and a tool's answer is prefilled into the row's own KV cache (Decoder.exte
 
 Leaves out: paged KV and continuous batching (a GRPO rollout is one static batch), speculative
 decoding, stop strings (stop ids only), prefix sharing across different prompts.
-CPU: the prompt part goes through SDPA's fused kernel, whose log-sum-exp then enters the own keys'
-softmax as one more score: the same merge in fewer kernels (decode.fused_prefix_attention); float32
-linears run on weights prepacked once per call (_packed_linears).
+CPU: the prompt part goes through SDPA's fused kernel, whose log-sum-exp then enters the own
+part's softmax as one more score: the same merge in fewer kernels
+(decode.shared_prompt_attention_decode_cpu); float32 linears run on weights prepacked once per call
+for oneDNN (_prepacked_linears).
 CUDA: the decode step is a CUDA graph per layout of active rows (`cuda_graphs`); in bf16 / fp16 it
-is compiled first, and the draw beside it (`compile_decode`: torch.compile, once for every layout, its
-seconds in the stats' compile_seconds; graphs.py); the private KV cache is bf16.
+is compiled first, and the draw beside it (`compile_decode`: torch.compile, once for every layout,
+its seconds in the stats' compile_seconds; graphs.py); the private KV cache is bf16.
 
 Shapes: Bp prompts, G samples per prompt, R = Bp*G rows, N active rows, S = Bp'*G' slots of the
 grid, P longest prompt, Tc completion length, C width, H/Hkv heads, D head dim, V vocab (V/tp when
@@ -62,16 +64,16 @@ from sampling import filter_logits, inverse_cdf, race_clocks, sample, sample_rac
 @dataclass
 class RolloutConfig:
     """The sampling knobs: the one home of each (GRPO scores under this same temperature)."""
-    num_samples: int = 16        # G completions per prompt (the GRPO group)
-    max_new_tokens: int = 0      # completion budget; 0 in train.py: the task's own (or 256)
-    temperature: float = 1.0     # 0 = greedy (evaluation only: GRPO needs distinct samples)
-    top_k: int = 0               # 0 = off
-    top_p: float = 1.0           # 1 = off; keeps the smallest set of tokens whose mass reaches p
-    check_every: int = 8         # decode steps between the host syncs that drop finished rows
-    prefill_tokens: int = 2048   # padded prompt tokens per prefill forward (bounds activations)
-    cuda_graphs: bool = True     # capture the decode step on CUDA (ignored on the CPU)
-    compile_decode: bool = True  # torch.compile the bf16 / fp16 decode step and draw (CUDA, no TP)
-    packed_linears: bool = True  # CPU, float32: linears via oneDNN, weights prepacked per call
+    num_samples: int = 16           # G completions per prompt (the GRPO group)
+    max_new_tokens: int = 0         # completion budget; 0 in train.py: the task's own (or 256)
+    temperature: float = 1.0        # 0 = greedy (evaluation only: GRPO needs distinct samples)
+    top_k: int = 0                  # 0 = off
+    top_p: float = 1.0              # 1 = off; keeps the smallest set of tokens whose mass reaches p
+    check_every: int = 8            # decode steps between the host syncs that drop finished rows
+    prefill_tokens: int = 2048      # padded prompt tokens per prefill forward (bounds activations)
+    cuda_graphs: bool = True        # capture the decode step on CUDA (ignored on the CPU)
+    compile_decode: bool = True     # torch.compile the bf16/fp16 decode step and draw (CUDA, no TP)
+    prepacked_linears: bool = True  # CPU, float32: linears via oneDNN, weights prepacked per call
 
     def __post_init__(self):
         checks = dict(num_samples=1, max_new_tokens=0, top_k=0, check_every=1, prefill_tokens=1)
@@ -111,22 +113,23 @@ class Rollout:
 # generate
 
 
-_PACK = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
-_PACK = _PACK if torch.backends.mkldnn.is_available() else None
+_PREPACK = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
+_PREPACK = _PREPACK if torch.backends.mkldnn.is_available() else None
 
 
 @contextlib.contextmanager
-def _packed_linears(model: torch.nn.Module, rows: int, enabled: bool):
+def _prepacked_linears(model: torch.nn.Module, rows: int, enabled: bool):
     """Meanwhile each float32 nn.Linear of a CPU model runs through oneDNN on its weight reordered
-    once (for `rows` rows) into the kernel's blocked layout; F.linear (MKL) packs it on every call,
-    a large share of the matmul at decode's 128 rows. The cost: a second copy of the linear weights
-    while it runs. Outputs equal F.linear's up to summation order (tests/test_rollout.py)."""
-    linears = [m for m in model.modules() if enabled and _PACK is not None and type(m) is nn.Linear
+    once (for `rows` rows) into the kernel's blocked layout (prepacked); F.linear (MKL) reorders
+    it on every call, a large share of the matmul at decode's 128 rows. The cost: a second copy of
+    the linear weights while it runs. Outputs equal F.linear's up to summation order (tests/test_rollout.py)."""
+    linears = [m for m in model.modules()
+               if enabled and _PREPACK is not None and type(m) is nn.Linear
                and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32]
     try:
         for m in linears:  # an instance attribute shadows the class's forward
             m.forward = functools.partial(torch.ops.mkldnn._linear_pointwise, B=m.bias, attr="none",
-                                          W=_PACK(m.weight.detach(), rows), scalars=[],
+                                          W=_PREPACK(m.weight.detach(), rows), scalars=[],
                                           algorithm="")  # (..., in) -> (..., out)
         yield
     finally:
@@ -171,8 +174,8 @@ def prefill_chunks(lens: list[int], prefill_tokens: int) -> list[tuple[int, int]
     return chunks
 
 
-def _prefill(model: torch.nn.Module, prompts: list[list[int]], prefix_k: list[Tensor],
-             prefix_v: list[Tensor], prefill_tokens: int, device: torch.device) -> Tensor:
+def _prefill(model: torch.nn.Module, prompts: list[list[int]], prompt_k: list[Tensor],
+             prompt_v: list[Tensor], prefill_tokens: int, device: torch.device) -> Tensor:
     """Run the prompts a chunk at a time (prefill_chunks), right-padded to the chunk's longest (the
     views beyond stay zero, masked), storing each layer's K/V into the shared prompt views. Returns
     the logits (Bp, V) at each prompt's last position."""
@@ -184,8 +187,8 @@ def _prefill(model: torch.nn.Module, prompts: list[list[int]], prefix_k: list[Te
 
         def store_kv(layer: int, q: Tensor, k: Tensor, v: Tensor, last: Tensor | None = None):
             # k, v (b, Hkv, width or more, D): sequence parallelism may pad the rows' ends
-            prefix_k[layer][rows, :, :width] = k[:, :, :width]
-            prefix_v[layer][rows, :, :width] = v[:, :, :width]
+            prompt_k[layer][rows, :, :width] = k[:, :, :width]
+            prompt_v[layer][rows, :, :width] = v[:, :, :width]
             return causal_attention(layer, q, k, v, last)
         tokens = torch.tensor([p + [0] * (width - len(p)) for p in part], device=device)  # (b, P)
         last = torch.tensor([len(p) - 1 for p in part], device=device)  # final layer's queries
@@ -264,7 +267,7 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], cfg: RolloutConfi
                  compactions=0, prompt_kv_bytes=0, completion_kv_bytes=0, compiles=0,
                  compile_seconds=0.0)
     if new > 0:
-        with _packed_linears(model, len(prompts) * G, cfg.packed_linears):
+        with _prepacked_linears(model, len(prompts) * G, cfg.prepacked_linears):
             views = _carve(model, cache, len(prompts), G, max(lens), new)
             # 1. Prefill each prompt once.
             logits = _prefill(model, prompts, views[0], views[1], cfg.prefill_tokens, device)

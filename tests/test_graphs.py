@@ -117,7 +117,7 @@ def test_compiled_bf16_step_equals_the_eager_step_and_compiles_once_a_structure(
             assert ((got.argmax(-1) == exact.argmax(-1)) | near).all()
             tokens = got.argmax(-1)
             counts.append(compiled.compiled.compiles)
-    assert compiled.attention.slots is None and compiled.attention.prefix_valid.shape == (2, 2)
+    assert compiled.attention.slots is None and compiled.attention.prompt_valid.shape == (2, 2)
     assert counts[0] == 1 and compiled.compiled.seconds > 0
     for t in range(1, new - 1):
         assert counts[t] - counts[t - 1] <= (1 if t in (4, 6, 8) else 0), counts
@@ -227,9 +227,9 @@ def test_a_logits_fn_keeps_the_step_eager(model, kernel_route, capsys):
 
 
 def test_compile_is_on_by_default_and_leaves_float32_and_the_cpu_route_eager():
-    """RolloutConfig.compile defaults to on; it applies to the kernel route alone: a float32 model
+    """RolloutConfig.compile_decode defaults to on; it applies to the kernel route alone: a float32 model
     (the exact path) and the CPU's own fused route (no kernel) never compile."""
-    assert RolloutConfig().compile is True
+    assert RolloutConfig().compile_decode is True
     for dtype in (torch.float32, torch.bfloat16):
         m = Llama(CFG).init_weights(seed=0, std=0.2).to(dtype).eval()
         out = rollout.generate(m, PROMPTS, RolloutConfig(num_samples=2, max_new_tokens=4), seed=0)

@@ -85,28 +85,28 @@ def test_sample_on_cuda_draws_the_distribution_by_its_exponential_race():
     torch.testing.assert_close(torch.cat([lp for _, lp in draws]).cpu(), probs.log()[tokens])
 
 
-def test_bf16_decode_attention_runs_the_fused_kernel_and_equals_prefix_attention():
-    """In bf16 the decode step's attention is decode.kernel_prefix_attention through SDPA's
+def test_bf16_decode_attention_runs_the_fused_kernel_and_equals_the_plain_merge():
+    """In bf16 the decode step's attention is decode.shared_prompt_attention_decode_cuda through SDPA's
     memory-efficient kernel (decode.efficient_attention) at the Qwen2.5-0.5B head shape, ragged
-    prompts (the 16-aligned bias) and own keys past the step masked: against prefix_attention in
+    prompts (the 16-aligned bias) and own keys past the step masked: against shared_prompt_attention in
     float64 on the same bf16 inputs. Tolerance: the kernel's bf16 partial outputs."""
     import decode
-    from attention import prefix_attention
+    from attention import shared_prompt_attention
     gen = torch.Generator().manual_seed(0)
     Bp, G, H, Hkv, D, P, T, t = 3, 4, 14, 2, 64, 70, 40, 25
     q, k, v = (torch.randn(shape, generator=gen).to("cuda", torch.bfloat16)
                for shape in [(Bp * G, H, 1, D)] + [(Bp * G, Hkv, T, D)] * 2)
-    prefix_k, prefix_v = torch.randn(2, Bp, Hkv, P, D, generator=gen).to("cuda", torch.bfloat16)
+    prompt_k, prompt_v = torch.randn(2, Bp, Hkv, P, D, generator=gen).to("cuda", torch.bfloat16)
     valid = torch.arange(P, device="cuda") < torch.tensor([70, 33, 1], device="cuda")[:, None]
     bias = torch.zeros(Bp, 80, dtype=torch.bfloat16, device="cuda")[:, :P]
     bias = bias.masked_fill_(~valid, float("-inf"))[:, None, None]
     unwritten = torch.arange(T, device="cuda") > t
     own_bias = torch.zeros(T, dtype=torch.bfloat16, device="cuda")
     own_bias = own_bias.masked_fill_(unwritten, float("-inf"))[None, None, None]
-    got = decode.kernel_prefix_attention(q, k, v, own_bias, prefix_k, prefix_v, bias,
+    got = decode.shared_prompt_attention_decode_cuda(q, k, v, own_bias, prompt_k, prompt_v, bias,
                                          decode.efficient_attention)
-    wide = [x.double() for x in (q, k, v, prefix_k, prefix_v)]
-    expected = prefix_attention(*wide[:3], ~unwritten[None, None], *wide[3:], valid)
+    wide = [x.double() for x in (q, k, v, prompt_k, prompt_v)]
+    expected = shared_prompt_attention(*wide[:3], ~unwritten[None, None], *wide[3:], valid)
     torch.testing.assert_close(got.double(), expected, rtol=0, atol=2e-2)
 
 

@@ -196,6 +196,8 @@ def test_tp2_gloo_matches_tp1_and_writes_the_same_tensors(tmp_path):
     (["--per_device_train_batch_size", "8"], "did you mean --prompts_per_step (prompts per step, "
                                              "each sampled --num_samples times"),
     (["--setps", "3"], "unknown option --setps; did you mean --steps?"),
+    (["--packed_linears", "false"], "unknown option --packed_linears (renamed): did you mean "
+                                    "--prepacked_linears?"),
     (["--overwrite"], "--overwrite takes a value: --overwrite true or --overwrite false"),
     (["--overwrite", "--steps", "3"], "--overwrite takes a value: --overwrite true or"),
     (["--task", "tasks:jsonl_math", "--task_data", "/no/file.jsonl"], "/no/file.jsonl: file not found"),
