@@ -41,6 +41,34 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
+def merge(out_p: Tensor, lse_p: Tensor, out_o: Tensor,
+          lse_o: Tensor) -> tuple[Tensor, Tensor]:
+    """The log-sum-exp merge of the prompt part and the own part (two partial softmaxes over
+    disjoint keys) into the joint one: softmax over both = each part weighed by
+    exp(lse_part - lse_all). out (..., D), lse (...) of like shapes; out comes back in float32
+    (float64 for float64), the caller casts it."""
+    lse = torch.logaddexp(lse_p, lse_o)  # (...)
+    out = out_p * (lse_p - lse).exp()[..., None] + out_o * (lse_o - lse).exp()[..., None]
+    return out, lse
+
+
+def padding_bias(valid: Tensor, dtype: torch.dtype, align: int = 1) -> Tensor:
+    """The prompt part's mask for a fused kernel: (Bp, P) bool, True on a prompt's tokens ->
+    (Bp, 1, 1, P) additive, 0 there and -inf on the padding, in dtype; each row at a stride that is
+    a multiple of `align` elements (decode.efficient_attention's kernel wants 16)."""
+    Bp, P = valid.shape
+    bias = torch.zeros(Bp, -(-P // align) * align, dtype=dtype, device=valid.device)[:, :P]
+    return bias.masked_fill_(~valid, float("-inf"))[:, None, None]
+
+
+def causal_bias(T: int, rep: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """The own part's mask for a fused kernel on rows of T tokens with the rep query heads of a kv
+    head folded into the query length: (1, 1, rep*T, T) additive, each head causal."""
+    future = torch.ones(T, T, dtype=torch.bool, device=device).triu(1)  # (T, T)
+    bias = torch.zeros(T, T, dtype=dtype, device=device).masked_fill(future, float("-inf"))
+    return bias.repeat(rep, 1)[None, None]
+
+
 def attention_with_lse(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor) -> tuple[Tensor, Tensor]:
     """Softmax attention that also returns its log-sum-exp, so partial results can be merged.
     q (B, Hkv, M, D), k/v (B, Hkv, S, D), allowed broadcastable to (B, Hkv, M, S) bool.
@@ -82,10 +110,7 @@ def shared_prompt_attention(q: Tensor, k: Tensor, v: Tensor, own_allowed: Tensor
     out_o, lse_o = attention_with_lse(qo, k, v, allowed)
     out_o = out_o.view(N, H, T, D)
     lse_o = lse_o.view(N, H, T)
-    # Merge: softmax over [prompt keys, own keys] = each part weighed by exp(lse_part - lse_all).
-    lse = torch.logaddexp(lse_p, lse_o)  # (Bp*G, H, T)
-    out = out_p * torch.exp(lse_p - lse)[..., None] + out_o * torch.exp(lse_o - lse)[..., None]
-    return out.to(q.dtype)
+    return merge(out_p, lse_p, out_o, lse_o)[0].to(q.dtype)
 
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _CPU_FLASH_BACKWARD = getattr(torch.ops.aten,
@@ -132,9 +157,8 @@ class SharedPromptAttentionPadded(torch.autograd.Function):
         out_p, lse_p = _by_row(out_p, N, H), _by_row(lse_p, N, H)  # (N, H, T, D), (N, H, T)
         out_o, lse_o = _CPU_FLASH(q.reshape(N, Hkv, -1, D), k, v, attn_mask=own_bias)
         out_o, lse_o = out_o.reshape(N, H, T, D), lse_o.reshape(N, H, T)
-        lse = torch.logaddexp(lse_p, lse_o)  # (N, H, T) float32 (float64 for float64)
-        out = (out_p * (lse_p - lse).exp()[..., None]
-               + out_o * (lse_o - lse).exp()[..., None]).to(q.dtype)  # (N, H, T, D)
+        out, lse = merge(out_p, lse_p, out_o, lse_o)  # (N, H, T, D), (N, H, T) float32 or 64
+        out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, prompt_k, prompt_v, prompt_bias, own_bias, out, lse)
         return out
 
@@ -234,9 +258,8 @@ class SharedPromptAttentionRagged(torch.autograd.Function):
             o, lse = _CPU_FLASH(qb, kb, vb, attn_mask=bias)  # (rows, Hkv, rep*T, D)
             out_o[tokens] = _from_row_slots(o, slots, rows, T, H)
             lse_o[tokens] = _from_row_slots(lse, slots, rows, T, H)
-        lse = torch.logaddexp(lse_p, lse_o)  # (n, H) float32 (float64 for float64)
-        out = (out_p * (lse_p - lse).exp()[..., None]
-               + out_o * (lse_o - lse).exp()[..., None]).to(q.dtype)  # (n, H, D)
+        out, lse = merge(out_p, lse_p, out_o, lse_o)  # (n, H, D), (n, H) float32 or 64
+        out = out.to(q.dtype)
         ctx.layout = layout
         ctx.save_for_backward(q, k, v, prompt_k, prompt_v, prompt_bias, out, lse)
         return out
@@ -343,15 +366,6 @@ def flash_varlen_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
 FLASH_VARLEN = (flash_varlen, flash_varlen_backward)  # tests/test_attention.py: its twin
 
 
-def _merge(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
-    """Two partial softmaxes over disjoint keys -> the joint one: out (T, H, D) in out_a's dtype,
-    lse (H, T)."""
-    lse = torch.logaddexp(lse_a, lse_b)  # (H, T)
-    out = (out_a * (lse_a - lse).exp().T[..., None]
-           + out_b * (lse_b - lse).exp().T[..., None]).to(out_a.dtype)  # (T, H, D)
-    return out, lse
-
-
 class SharedPromptAttentionVarlen(torch.autograd.Function):
     """Shared-prompt attention in CUDA's varlen flash kernel, on the packed row's tokens themselves
     (packing.py's training attention on CUDA): q (L, H, D), k/v (L, Hkv, D), the Lp prompt tokens
@@ -375,7 +389,10 @@ class SharedPromptAttentionVarlen(torch.autograd.Function):
         if len(qr):
             out_p, lse_p, *rng_p = forward(qr, kp, vp, layout.prompt_part)  # (Lc, H, D), (H, Lc)
             out_o, lse_o, *rng_o = forward(qr, kr, vr, layout.own_part)
-            out_r, lse_r = _merge(out_p, lse_p, out_o, lse_o)
+            # merge() on the kernel's (H, Lc) log-sum-exps seen as (Lc, H): elementwise, the
+            # result's memory stays (H, Lc), as the kernel's backward takes it back.
+            out_r, lse_r = merge(out_p, lse_p.T, out_o, lse_o.T)
+            out_r, lse_r = out_r.to(out_p.dtype), lse_r.T
             out = torch.cat([out_c, out_r])  # (L, H, D)
             saved, rng_r = saved + [out_r, lse_r], [rng_p, rng_o]
         ctx.layout, ctx.kernels, ctx.rng = layout, kernels, [rng_c] + rng_r

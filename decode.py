@@ -39,7 +39,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from attention import length_buckets, shared_prompt_attention
+from attention import length_buckets, padding_bias, shared_prompt_attention
 from graphs import CompiledStep, GraphedStep
 from model import ModelConfig
 
@@ -125,6 +125,12 @@ class Layout:
         slots = [i * group_size + j for i, n in enumerate(counts.values()) for j in range(n)]
         prompt_len = max(prompt_lens[p] for p in counts)
         return cls(rows, list(counts), group_size, slots, prompt_len)
+
+
+def to_grid(x: Tensor, slots: Tensor, num_slots: int, fill: int = 0) -> Tensor:
+    """(N, ...) active rows -> (S, ...) the grid: row i at slots[i], `fill` in the empty slots.
+    Its inverse is x.index_select(0, slots)."""
+    return x.new_full((num_slots, *x.shape[1:]), fill).index_copy_(0, slots, x)
 
 
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
@@ -282,12 +288,8 @@ class DecodeAttention:
         self.buckets = length_buckets(lens_list)
         self.prompt_valid = torch.arange(P, device=device) < lens[:, None]
         self.prompt_bias = None  # no padding: the fused kernel skips its mask
-        if not self.prompt_valid.all():
-            # Rows 16-aligned in memory (efficient_attention's kernel needs it): (Bp', P) in a
-            # (Bp', P rounded up to 16) buffer, filled in place.
-            bias = torch.zeros(Bp, -(-P // 16) * 16, dtype=self.prompt_k[0].dtype,
-                               device=device)[:, :P]
-            self.prompt_bias = bias.masked_fill_(~self.prompt_valid, float("-inf"))[:, None, None]
+        if not self.prompt_valid.all():  # rows 16-aligned: efficient_attention's kernel wants it
+            self.prompt_bias = padding_bias(self.prompt_valid, self.prompt_k[0].dtype, align=16)
         # Each bucket's slice of the mask, or None where its prompts fill all its keys.
         self.bucket_bias = [None if self.prompt_bias is None or min(lens_list[first:stop]) == keys
                             else self.prompt_bias[first:stop, ..., :keys]
@@ -295,8 +297,8 @@ class DecodeAttention:
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         if self.slots is not None:  # scatter the N rows into the grid; empty slots get zeros
-            q, k, v = (x.new_zeros((self.num_slots,) + x.shape[1:]).index_copy_(0, self.slots, x)
-                       for x in (q, k, v))  # (S, H or Hkv, 1, D)
+            q, k, v = (to_grid(x, self.slots, self.num_slots)
+                       for x in (q, k, v))  # (S, H|Hkv, 1, D)
         own_k = self.own_k[layer][:self.num_slots]
         own_v = self.own_v[layer][:self.num_slots]
         # The layout's groups and longest prompt as a tensor's shape: dims a compiled step keeps
@@ -348,8 +350,8 @@ class DecodeAttention:
         grid's positions and own-key mask, once per step for every layer."""
         self.row_pos = row_pos
         self.own_len = own_len
-        self.slot_pos = row_pos if self.slots is None else row_pos.new_zeros(
-            self.num_slots).index_copy_(0, self.slots, row_pos)  # (S,); empty slots 0
+        self.slot_pos = (row_pos if self.slots is None
+                         else to_grid(row_pos, self.slots, self.num_slots))  # (S,); empty: 0
         self.slot_allowed = self.key_positions[:own_len] <= self.slot_pos[:, None, None]
 
     def _gather(self, y: Tensor) -> Tensor:
@@ -462,9 +464,8 @@ class ExtendAttention:
         self.cache_slots = [layout.slots[i] for i in picks]  # each row's slot in the cache views
         self.grid = torch.tensor(grid.slots, device=device)  # (k,) each row's slot in the grid
         self.num_slots = len(grid.groups) * grid.group_size
-        cache_of_slot = torch.zeros(self.num_slots, dtype=torch.long, device=device)  # empty: 0
-        self.cache_of_slot = cache_of_slot.index_copy_(
-            0, self.grid, torch.tensor(self.cache_slots, device=device))  # (S,)
+        self.cache_of_slot = to_grid(torch.tensor(self.cache_slots, device=device), self.grid,
+                                     self.num_slots)  # (S,); empty slots: 0
         self.groups = torch.tensor([group_of[g] for g in grid.groups], device=device)  # (Bp_e,)
         self.prompt_len = grid.prompt_len
         self.keys = max(a + n for a, n in zip(self.starts, counts))  # own keys any row reaches
@@ -483,8 +484,8 @@ class ExtendAttention:
         if last is not None:
             index = self.start + last[:, None]  # (k, 1): the last fed token's queries alone
         S = self.num_slots
-        q = q.new_zeros(S, *q.shape[1:]).index_copy_(0, self.grid, q)  # (S, H, Tq, D)
-        index = index.new_full((S, index.shape[1]), -1).index_copy_(0, self.grid, index)
+        q = to_grid(q, self.grid, S)  # (S, H, Tq, D)
+        index = to_grid(index, self.grid, S, fill=-1)  # (S, Tq): empty slots see no own key
         own_allowed = torch.arange(self.keys, device=q.device) <= index[:, :, None]  # (S, Tq, .)
         y = shared_prompt_attention(q, own_k[self.cache_of_slot, :, :self.keys],
                                     own_v[self.cache_of_slot, :, :self.keys], own_allowed,

@@ -54,7 +54,7 @@ from torch import Tensor
 
 from attention import (CPU_FLASH, FLASH_VARLEN, RaggedLayout, Segments, SharedPromptAttentionPadded,
                        SharedPromptAttentionRagged, SharedPromptAttentionVarlen, VarlenLayout,
-                       length_buckets, shared_prompt_attention_repeated)
+                       causal_bias, length_buckets, padding_bias, shared_prompt_attention_repeated)
 from model import causal_attention
 
 try:  # torch >= 2.5; compiled on CUDA, where it has a backward
@@ -84,6 +84,12 @@ class Packing:
     shape: tuple[int, int, int, int]  # Bp, P, N, Ti
 
 
+def row_positions(prompt_lens: Tensor, G: int, Ti: int) -> Tensor:
+    """(N, Ti) the rope positions of the rows' inputs: a row goes on after its prompt, so token t
+    of row i sits at len(prompt i // G) + t."""
+    return prompt_lens.repeat_interleave(G)[:, None] + torch.arange(Ti, device=prompt_lens.device)
+
+
 def pack(prompt_ids: Tensor, prompt_lens: Tensor, tokens: Tensor, mask: Tensor,
          G: int) -> Packing:
     """prompt_ids (Bp, P) right-padded, prompt_lens (Bp,), tokens and mask (N, Tr) (each row's mask
@@ -95,9 +101,8 @@ def pack(prompt_ids: Tensor, prompt_lens: Tensor, tokens: Tensor, mask: Tensor,
     device = tokens.device
     prompt_valid = torch.arange(P, device=device) < prompt_lens[:, None]  # (Bp, P)
     inputs_valid = mask[:, 1:]  # (N, Ti): token t feeds the state predicting token t + 1
-    row_start = prompt_lens.repeat_interleave(G)[:, None]  # (N, 1): a row goes on after its prompt
     positions = torch.cat([torch.arange(P, device=device).expand(Bp, P)[prompt_valid],
-                           (row_start + torch.arange(Ti, device=device))[inputs_valid]])
+                           row_positions(prompt_lens, G, Ti)[inputs_valid]])
     packed = torch.cat([prompt_ids[prompt_valid], tokens[:, :Ti][inputs_valid]])  # (L,)
     Lp = int(prompt_lens.sum())
     # Token 0 of row i is predicted by its prompt's last position, token t >= 1 by input t - 1.
@@ -138,10 +143,8 @@ def ragged_layout(packing: Packing, rep: int, dtype: torch.dtype) -> RaggedLayou
         rank[rows] = torch.arange(stop - first, device=device)
         in_bucket.zero_()[rows] = True
         tokens = in_bucket[row_of].nonzero()[:, 0]  # (m,) this bucket's packed tokens
-        future = torch.ones(T, T, dtype=torch.bool, device=device).triu(1)
-        bias = torch.zeros(T, T, dtype=dtype, device=device).masked_fill(future, -torch.inf)
         buckets.append((tokens, rank[row_of[tokens]] * T + position[tokens], stop - first, T,
-                        bias.repeat(rep, 1)[None, None]))  # bias (1, 1, rep*T, T)
+                        causal_bias(T, rep, dtype, device)))  # bias (1, 1, rep*T, T)
     return RaggedLayout(fold, M, buckets)
 
 # -----------------------------------------------------------------------------
@@ -159,20 +162,15 @@ def padded_rows_attention(prompt_lens: Tensor, P: int, Ti: int, rep: int):
     if device.type != "cpu" or not CPU_FLASH:
         return lambda q, k, v, pk, pv: shared_prompt_attention_repeated(q, k, v, pk, pv,
                                                                         prompt_valid)
-    arange = torch.arange(Ti, device=device)
-    future = arange[:, None] < arange[None, :]  # (Ti, Ti)
     biases: dict[torch.dtype, tuple[Tensor, Tensor]] = {}
 
     def attend(q: Tensor, k: Tensor, v: Tensor, pk: Tensor, pv: Tensor) -> Tensor:
         # The flash kernel takes one dtype, v's (the linears': bf16 under autocast). model.py's
         # q and k come in it already; a hook's caller may hand others
         q, k, pk, pv = (x.to(v.dtype) for x in (q, k, pk, pv))
-        if q.dtype not in biases:
-            prompt_bias = torch.zeros(prompt_valid.shape, dtype=q.dtype, device=device)
-            prompt_bias = prompt_bias.masked_fill(~prompt_valid, -torch.inf)  # (Bp, P)
-            own_bias = torch.zeros(Ti, Ti, dtype=q.dtype, device=device)
-            own_bias = own_bias.masked_fill(future, -torch.inf).repeat(rep, 1)  # each head causal
-            biases[q.dtype] = prompt_bias[:, None, None], own_bias[None, None]
+        if q.dtype not in biases:  # (Bp, 1, 1, P) and (1, 1, rep*Ti, Ti)
+            biases[q.dtype] = (padding_bias(prompt_valid, q.dtype),
+                               causal_bias(Ti, rep, q.dtype, device))
         return SharedPromptAttentionPadded.apply(q, k, v, pk, pv, *biases[q.dtype])
     return attend
 
@@ -211,8 +209,7 @@ def packed_attention_cpu(packing: Packing, rep: int):
             rq, rk, rv = (x[Lp:Lp + Lc].to(v.dtype) for x in (q, k, v))  # autocast: v's dtype
             if v.dtype not in layouts:
                 prompt_valid = torch.arange(P, device=v.device) < packing.prompt_lens[:, None]
-                bias = torch.zeros(Bp, P, dtype=v.dtype, device=v.device).masked_fill(
-                    ~prompt_valid, -torch.inf)[:, None, None]  # (Bp, 1, 1, P)
+                bias = padding_bias(prompt_valid, v.dtype)  # (Bp, 1, 1, P)
                 layouts[v.dtype] = ragged_layout(packing, q.shape[1] // k.shape[1], v.dtype), bias
             layout, bias = layouts[v.dtype]
             out.append(SharedPromptAttentionRagged.apply(rq, rk, rv, pk.to(v.dtype), pv, bias,
@@ -409,9 +406,8 @@ def padded_hidden(model, prompt_ids: Tensor, prompt_lens: Tensor, inputs: Tensor
         return torch.cat([y, y.new_zeros(y.shape[0], tail, y.shape[2])], 1)[None]
 
     tokens = torch.cat([prompt_ids.reshape(-1), inputs.reshape(-1)])[None]  # (1, L)
-    row_start = prompt_lens.repeat_interleave(G)[:, None]  # (N, 1): a row goes on after its prompt
     positions = torch.cat([torch.arange(P, device=device).repeat(Bp),  # (1, L)
-                           (row_start + torch.arange(Ti, device=device)).reshape(-1)])[None]
+                           row_positions(prompt_lens, G, Ti).reshape(-1)])[None]
     h = model.hidden(tokens, positions, padded_attention)[0]  # (L, C)
     last = h[:split].view(Bp, P, -1)[torch.arange(Bp, device=device), prompt_lens - 1]  # (Bp, C)
     first = last.repeat_interleave(G, 0)[:, None]  # (N, 1, C): N*C floats, not G copies
