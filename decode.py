@@ -13,7 +13,8 @@ each row's own keys, the rows that leave, and (for a tool's answer) a row extend
   memory-efficient kernel, which reads the bf16 cache as it is
   (shared_prompt_attention_decode_cuda: no float32 copy of the KV, float32 accumulation inside
   the kernel). Float32 elsewhere: attention.shared_prompt_attention, the plain ops.
-- Decoder: the step over the active rows (model.hidden with the attention hook), the dropping of
+- Decoder: the step over the active rows (model.hidden with the attention hook), each row's
+  completion index (one for all in lockstep, each row's own after a tool turn), the dropping of
   finished ones, and extend(): a tool's observation prefilled into a row's own cache at its
   position (ExtendAttention), rows then at their own lengths (episodes.py). On the kernel route
   (bf16 / fp16 on CUDA) the step is compiled by torch.compile (graphs.CompiledStep: norms, RoPE,
@@ -21,8 +22,8 @@ each row's own keys, the rows that leave, and (for a tool's answer) a row extend
   launches a layer where the eager step runs 45: tests/bench_rollout.py --kernels), then captured
   per layout as above; float32 stays the plain exact eager step.
 
-Leaves out: sampling (sampling.py), the prefill and the loop (rollout.py, episodes.py), compiling
-and capturing a step (graphs.py).
+Leaves out: sampling (sampling.py), the prefill and the loop (rollout.py), which rows end and
+what a tool answers (episodes.py), compiling and capturing a step (graphs.py).
 Shapes: Bp prompts, G samples per prompt, R = Bp*G rows, N active rows, S = Bp'*G' slots of the
 grid, P longest prompt, Tc completion length, H/Hkv heads, D head dim, V vocab.
 Tested by tests/test_rollout.py, tests/test_episodes.py and tests/test_graphs.py (the compiled
@@ -345,9 +346,9 @@ class DecodeAttention:
         return self._gather(y)
 
     def at_positions(self, row_pos: Tensor, own_len: int) -> None:
-        """Rows at their own lengths (episodes.py): active row i writes its key at its own index
-        row_pos[i] (N,) and attends to its own keys up to it; own_len = max(row_pos) + 1. The
-        grid's positions and own-key mask, once per step for every layer."""
+        """Rows at their own lengths (after a tool turn, Decoder.seek): active row i writes its
+        key at its own index row_pos[i] (N,) and attends to its own keys up to it; own_len =
+        max(row_pos) + 1. The grid's positions and own-key mask, once per step for every layer."""
         self.row_pos = row_pos
         self.own_len = own_len
         self.slot_pos = (row_pos if self.slots is None
@@ -363,7 +364,8 @@ class DecodeAttention:
 class Decoder:
     """The decode step over the active rows, and the dropping of finished ones. It owns the state
     the steps share: which rows are active (`rows`, global ids), the attention's layout, each row's
-    first position, the compiled step and the CUDA graph of the current layout. `compiled`: the
+    first position and completion index (`t`, every row's in lockstep; `at`, each row's own after
+    a tool turn), the compiled step and the CUDA graph of the current layout. `compiled`: the
     step through torch.compile (graphs.CompiledStep) where the attention takes the kernel route
     (bf16 / fp16 on CUDA); float32 stays the plain exact eager one."""
 
@@ -381,6 +383,10 @@ class Decoder:
         self.attention.set_layout(self.layout, self.lens)
         self.rows = torch.arange(len(prompt_lens) * G, device=device)  # (N,)
         self.first_position = self.lens[self.rows // G][:, None]  # (N, 1)
+        self.lockstep = True  # every active row at one index, t: no tool turn yet (extend)
+        self.t = 0  # the index the next step feeds: every row's in lockstep, else the furthest's
+        self.at: Tensor | None = None  # (N,) each row's own next index once rows differ (seek)
+        self.fed = self.step_index  # (1,) or (N,): where the last step fed each row
         self.graphed = graphed
         self.graph: GraphedStep | None = None
         # The unbound forward, called with the decoder: a bound one would make a reference cycle
@@ -395,11 +401,16 @@ class Decoder:
         positions = self.first_position + index  # completion token t sits at len + t
         return self.model.head(self.model.hidden(tokens, positions, self.attention)[:, -1])
 
-    def step(self, tokens: Tensor, t: int | list[int]) -> Tensor:
-        """Feed completion token t of each active row, tokens (N,) -> logits (N, V); t a list:
-        each row's own index (rows at different lengths: episodes.py), in eager mode."""
-        if isinstance(t, list):
-            self.attention.at_positions(torch.tensor(t, device=tokens.device), max(t) + 1)
+    def step(self, tokens: Tensor) -> Tensor:
+        """Feed each active row its next token at its own completion index, tokens (N,) -> logits
+        (N, V), and move every row on by one: the token drawn from a row's logits goes at
+        fed + 1. In lockstep every row is at index t, a tensor a CUDA graph replays; once a tool
+        turn moved rows apart, each is at its own (seek), in eager mode."""
+        t = self.t
+        self.t += 1
+        if not self.lockstep:
+            self.attention.at_positions(self.at, t + 1)
+            self.fed, self.at = self.at, self.at + 1
             return self.forward(tokens[:, None])
         self.step_index.fill_(t)
         run = self.forward if self.compiled is None else functools.partial(self.compiled, self)
@@ -410,6 +421,11 @@ class Decoder:
         if self.compiled is None:  # eager: attend only to the keys written so far
             self.attention.own_len = t + 1
         return run(tokens[:, None])  # compiled: all Tc keys under the step's mask, as a graph
+
+    def seek(self, at: list[int]) -> None:
+        """Rows at their own lengths: active row i feeds its next token at index at[i]."""
+        self.at = torch.tensor(at, device=self.rows.device)  # (N,)
+        self.t = max(at)
 
     def drop(self, keep: list[int], filled: int) -> None:
         """Keep the active rows at positions `keep`; `filled` completion KV slots are written."""
@@ -424,7 +440,10 @@ class Decoder:
         """Feed active row picks[i] the tokens feeds[i] at its completion indices starts[i]...
         (a tool's observation after the token that called it) in one forward: their K/V go into
         the row's own cache, no earlier token is recomputed. Returns the logits (k, V) after each
-        row's last fed token."""
+        row's last fed token. From the first, rows are at their own lengths (seek)."""
+        if self.lockstep:
+            self.lockstep = False
+            self._plain_linears()
         device = self.rows.device
         width = max(map(len, feeds))
         tokens = torch.tensor([f + [0] * (width - len(f)) for f in feeds], device=device)  # (k, M)
@@ -436,11 +455,11 @@ class Decoder:
         last = torch.tensor([len(f) - 1 for f in feeds], device=device)
         return self.model.head(self.model.hidden(tokens, positions, attention, last)[:, 0])
 
-    def plain_linears(self) -> None:
-        """F.linear from here on (episodes.py, after the first tool turn): rows at their own
-        lengths come in new counts and shapes at every check, and rollout._prepacked_linears'
-        oneDNN keeps a primitive for each (a tasks:lookup run grew by 0.5 GB in 100 steps). Undone
-        with the rest at the end of generate."""
+    def _plain_linears(self) -> None:
+        """F.linear from here on (after the first tool turn): rows at their own lengths come in
+        new counts and shapes at every check, and rollout._prepacked_linears' oneDNN keeps a
+        primitive for each (a tasks:lookup run grew by 0.5 GB in 100 steps). Undone with the rest
+        at the end of generate."""
         for m in self.model.modules():
             m.__dict__.pop("forward", None)
 

@@ -65,6 +65,29 @@ def test_episodes_on_cuda_score_as_the_trainer_with_graphs_and_without(model):
             torch.testing.assert_close(got[policy], want[policy], **logprob_tol(model, 0.9))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rollout_without_a_call_equals_the_tool_less_one_with_graphs_and_without(model, dtype):
+    """Issue 43, item 5: the episode loop dropped finished rows at every check (a graph re-capture
+    each) where the tool-less rollout keeps them until 1/8 of the rows have ended: the rows, and
+    then the draws, differed on CUDA. One loop, one rule: a task's tool that is never called
+    leaves the rollout as it was, bit for bit, graphed (compiled in bf16) and eager, with the
+    same drops."""
+    from episodes import Episodes
+    from test_episodes import STOPS
+    gpu = Llama(CFG).to("cuda", dtype)
+    gpu.load_state_dict(model.state_dict())
+    never = Episodes(lambda calls: [[9] for _ in calls], (127,), 2)  # an id nobody samples here
+    for graphs in (True, False):
+        cfg = RolloutConfig(num_samples=4, max_new_tokens=30, temperature=1.0, check_every=2,
+                            cuda_graphs=graphs)
+        plain = generate(gpu, PROMPTS, cfg, stop_ids=STOPS, seed=5)
+        with_tool = generate(gpu, PROMPTS, cfg, stop_ids=STOPS, seed=5, episodes=never)
+        assert sum(with_tool.stats["calls"]) == 0 and plain.stats["compactions"] > 0
+        assert with_tool.stats["compactions"] == plain.stats["compactions"]
+        for key in ("tokens", "mask", "logprobs", "stopped"):
+            assert torch.equal(getattr(plain, key), getattr(with_tool, key)), (graphs, key)
+
+
 def test_sample_on_cuda_draws_the_distribution_by_its_exponential_race():
     """sample() on CUDA takes sampling.exponential_race (the CPU, inverse_cdf): the race's tokens
     on clocks wound from the same seed (it once drew by inverse_cdf on CUDA too), and goodness of
