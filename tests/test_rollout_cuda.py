@@ -73,15 +73,18 @@ def test_a_rollout_without_a_call_equals_the_tool_less_one_with_graphs_and_witho
     leaves the rollout as it was, bit for bit, graphed (compiled in bf16) and eager, with the
     same drops."""
     from episodes import Episodes
-    from test_episodes import STOPS
     gpu = Llama(CFG).to("cuda", dtype)
     gpu.load_state_dict(model.state_dict())
-    never = Episodes(lambda calls: [[9] for _ in calls], (127,), 2)  # an id nobody samples here
+    cache = KVCache.for_batch(CFG, len(PROMPTS), 4, 11, 30, dtype, "cuda")
+    # A call id outside the vocabulary: no row can sample it, whatever the GPU's draws.
+    never = Episodes(lambda calls: [[9] for _ in calls], (CFG.vocab_size,), 2)
+    stops = (5, 9, 17, 23, 31)  # most rows stop within 30 tokens: rows are dropped
     for graphs in (True, False):
         cfg = RolloutConfig(num_samples=4, max_new_tokens=30, temperature=1.0, check_every=2,
                             cuda_graphs=graphs)
-        plain = generate(gpu, PROMPTS, cfg, stop_ids=STOPS, seed=5)
-        with_tool = generate(gpu, PROMPTS, cfg, stop_ids=STOPS, seed=5, episodes=never)
+        plain = generate(gpu, PROMPTS, cfg, stop_ids=stops, seed=5, cache=cache)
+        with_tool = generate(gpu, PROMPTS, cfg, stop_ids=stops, seed=5, cache=cache,
+                             episodes=never)
         assert sum(with_tool.stats["calls"]) == 0 and plain.stats["compactions"] > 0
         assert with_tool.stats["compactions"] == plain.stats["compactions"]
         for key in ("tokens", "mask", "logprobs", "stopped"):
