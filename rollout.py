@@ -352,7 +352,7 @@ def _decode(decoder: Decoder, rows: Rows, draw: Callable[[Tensor], tuple[Tensor,
             rows.write(decoder.fed + 1, decoder.rows, tokens, logprobs)
             drew_end |= torch.isin(tokens, ends)
             if stop_at_calls and torch.isin(tokens, calls).any():
-                break
+                break  # a row called: on a CPU the check costs no sync, decoding past it does
         rows.moved_on(active, ran)
         stats["decode_steps"] += ran
         stats["row_steps"] += ran * len(active)
@@ -390,15 +390,16 @@ def _extend(decoder: Decoder, rows: Rows, feeds: list[tuple[int, list[int], int]
     device = tokens.device
     place = {r: i for i, r in enumerate(decoder.layout.rows)}
     answered = [r for r, _, _ in feeds]
-    picks = torch.tensor([place[r] for r in answered], device=device)  # (k,)
-    logits = decoder.extend(picks.tolist(), [f for _, f, _ in feeds], [j for _, _, j in feeds])
+    picks = [place[r] for r in answered]  # each answered row's place among the active
+    logits = decoder.extend(picks, [f for _, f, _ in feeds], [j for _, _, j in feeds])
     drawn, logprobs = draw(logits)  # (k,)
     at = torch.tensor([rows.length[r] for r in answered], device=device)
     rows.write(at, torch.tensor(answered, device=device), drawn, logprobs)
     rows.moved_on(answered, 1)
-    drew_end = torch.zeros_like(tokens, dtype=torch.bool).index_copy_(0, picks,
+    places = torch.tensor(picks, device=device)  # (k,)
+    drew_end = torch.zeros_like(tokens, dtype=torch.bool).index_copy_(0, places,
                                                                       torch.isin(drawn, ends))
-    return tokens.index_copy(0, picks, drawn), drew_end
+    return tokens.index_copy(0, places, drawn), drew_end
 
 
 # -----------------------------------------------------------------------------
