@@ -1,26 +1,32 @@
 """
-Attention over a prompt shared by a group of rows: the prompt's keys and values exist once per
-group and are never copied G times (Hydragen, arXiv:2402.05099).
+Shared-prompt attention: the G rows of a group attend to their group's one prompt K/V plus their
+own keys, and the prompt's keys and values exist once per group, never copied G times (Hydragen,
+arXiv:2402.05099).
 
-Every row of a group attends to [the group's prompt keys; its own keys]. The G rows of a group
-(and the rep query heads of a kv head) are folded into the query length against the one prompt
-K/V, and the two partial softmaxes (prompt part, own part) are merged by their log-sum-exp:
-softmax over both = each part weighed by exp(lse_part - lse_all).
-- prefix_attention: the merge in plain tensor ops, any device, no gradient kernel of its own
-  (rollout.py's decode and prefill).
-- SharedPrefixAttention: the same in two fused CPU flash kernels, forward and backward, on rows
-  padded to one length (packing.py's padded twin); repeated_prefix_attention is its slow twin and
-  the path elsewhere (the prompt repeated per row, one SDPA call under an (N, 1, T, P + T) mask).
-- RaggedPrefixAttention: the same on packed rows of any lengths (packing.py's training forward on
-  a CPU): a group's tokens folded against its prompt, rows in buckets of like lengths
-  (length_buckets, which rollout.py's decode uses for its prompts too), no row padded to the
-  longest.
-- VarlenPrefixAttention: the same on CUDA (packing.py's bf16 training forward there), on the packed
-  tokens as they are: three calls of the varlen flash kernel (torch >= 2.10's varlen_attn), the
-  prompts causal, each group's rows as one query sequence against its prompt, each row causal;
-  nothing padded at all. Its CPU twin (the kernel's math in tensor ops) is in the tests.
+Every row of a group attends to [the group's prompt keys; its own keys], in two parts: the prompt
+part (the G rows of a group, and the rep query heads of a kv head, folded into the query length
+against the one prompt K/V) and the own part (each row against its own keys). Their two partial
+softmaxes are merged by their log-sum-exp: softmax over both = each part weighed by
+exp(lse_part - lse_all). One name, a suffix per implementation (docs/design.md's glossary):
+- shared_prompt_attention: the merge in plain tensor ops, any device, no gradient kernel of its
+  own (decode.py's float32 step and a tool's extend); the decode kernels' reference.
+- shared_prompt_attention_repeated: the slow twin (the prompt repeated per row, one SDPA call
+  under an (N, 1, T, P + T) mask), and the path of padded rows off the CPU.
+- SharedPromptAttentionPadded: the CPU's two fused flash kernels, forward and backward, on rows
+  padded to one length (packing.py's padded twin).
+- SharedPromptAttentionRagged: the same kernels on the packed row's rows at any lengths
+  (packing.py's training forward on a CPU): a group's tokens folded against its prompt, rows in
+  buckets of like lengths (length_buckets, which decode.py uses for its prompts too), no row
+  padded to the longest.
+- SharedPromptAttentionVarlen: CUDA's varlen flash kernel (torch >= 2.10's varlen_attn) on the
+  packed row's tokens as they are (packing.py's bf16 training forward there): three calls, the
+  prompts causal, each group's rows as one query sequence against its prompt (the prompt part),
+  each row causal (the own part); nothing padded at all. Its CPU twin (the kernel's math in tensor
+  ops) is in the tests.
+The decode step's kernels (one query token per row) are decode.py's
+shared_prompt_attention_decode_cpu and _decode_cuda.
 
-Leaves out: the KV cache (rollout.py), the model (model.py calls whichever hook it is given).
+Leaves out: the KV cache (decode.py), the model (model.py calls whichever hook it is given).
 Shapes: Bp prompts, G rows per prompt, N = Bp*G, H/Hkv heads (rep = H/Hkv), T query tokens,
 S own keys, P prompt length, D head dim.
 Tested by tests/test_attention.py (and on CUDA by tests/test_grpo_cuda.py); benchmarked by
@@ -33,6 +39,34 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+
+def merge(out_p: Tensor, lse_p: Tensor, out_o: Tensor,
+          lse_o: Tensor) -> tuple[Tensor, Tensor]:
+    """The log-sum-exp merge of the prompt part and the own part (two partial softmaxes over
+    disjoint keys) into the joint one: softmax over both = each part weighed by
+    exp(lse_part - lse_all). out (..., D), lse (...) of like shapes; out comes back in float32
+    (float64 for float64), the caller casts it."""
+    lse = torch.logaddexp(lse_p, lse_o)  # (...)
+    out = out_p * (lse_p - lse).exp()[..., None] + out_o * (lse_o - lse).exp()[..., None]
+    return out, lse
+
+
+def padding_bias(valid: Tensor, dtype: torch.dtype, align: int = 1) -> Tensor:
+    """The prompt part's mask for a fused kernel: (Bp, P) bool, True on a prompt's tokens ->
+    (Bp, 1, 1, P) additive, 0 there and -inf on the padding, in dtype; each row at a stride that is
+    a multiple of `align` elements (decode.efficient_attention's kernel wants 16)."""
+    Bp, P = valid.shape
+    bias = torch.zeros(Bp, -(-P // align) * align, dtype=dtype, device=valid.device)[:, :P]
+    return bias.masked_fill_(~valid, float("-inf"))[:, None, None]
+
+
+def causal_bias(T: int, rep: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """The own part's mask for a fused kernel on rows of T tokens with the rep query heads of a kv
+    head folded into the query length: (1, 1, rep*T, T) additive, each head causal."""
+    future = torch.ones(T, T, dtype=torch.bool, device=device).triu(1)  # (T, T)
+    bias = torch.zeros(T, T, dtype=dtype, device=device).masked_fill(future, float("-inf"))
+    return bias.repeat(rep, 1)[None, None]
 
 
 def attention_with_lse(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor) -> tuple[Tensor, Tensor]:
@@ -48,42 +82,40 @@ def attention_with_lse(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor) -> tupl
     return probs @ v.to(dt), lse
 
 
-def prefix_attention(q: Tensor, k: Tensor, v: Tensor, own_allowed: Tensor,
-                     prefix_k: Tensor, prefix_v: Tensor, prefix_valid: Tensor) -> Tensor:
-    """Exact attention of Bp*G rows to one shared prefix per group plus their own keys (Hydragen).
+def shared_prompt_attention(q: Tensor, k: Tensor, v: Tensor, own_allowed: Tensor,
+                            prompt_k: Tensor, prompt_v: Tensor, prompt_valid: Tensor) -> Tensor:
+    """Exact attention of Bp*G rows to their group's one prompt plus their own keys (Hydragen),
+    in plain tensor ops.
 
     q (Bp*G, H, T, D); k/v (Bp*G, Hkv, S, D) each row's own keys; own_allowed (Bp*G or 1, T, S)
-    bool. prefix_k/v (Bp, Hkv, P, D) computed once per group; prefix_valid (Bp, P) bool (False =
-    padding). The G rows are folded into the query dimension, so the prefix KV is read once per
+    bool. prompt_k/v (Bp, Hkv, P, D) computed once per group; prompt_valid (Bp, P) bool (False =
+    padding). The G rows are folded into the query dimension, so the prompt K/V is read once per
     group and never copied G times; the two partial softmaxes are merged by their log-sum-exp.
     Returns (Bp*G, H, T, D).
     """
     N, H, T, D = q.shape
-    Bp, Hkv, P, _ = prefix_k.shape
+    Bp, Hkv, P, _ = prompt_k.shape
     G = N // Bp
     rep = H // Hkv
-    assert N == Bp * G and k.shape[0] == N and prefix_valid.shape == (Bp, P), "shapes do not match"
-    # Part 1: all G rows of a group (and the rep query heads of a kv head) against the prefix.
+    assert N == Bp * G and k.shape[0] == N and prompt_valid.shape == (Bp, P), "shapes do not match"
+    # The prompt part: all G rows of a group (and the rep query heads of a kv head) against it.
     qp = q.view(Bp, G, Hkv, rep, T, D).transpose(1, 2).reshape(Bp, Hkv, G * rep * T, D)
-    out_p, lse_p = attention_with_lse(qp, prefix_k, prefix_v, prefix_valid[:, None, None, :])
+    out_p, lse_p = attention_with_lse(qp, prompt_k, prompt_v, prompt_valid[:, None, None, :])
     out_p = out_p.view(Bp, Hkv, G, rep, T, D).transpose(1, 2).reshape(N, H, T, D)  # (Bp*G, H, T, D)
     lse_p = lse_p.view(Bp, Hkv, G, rep, T).transpose(1, 2).reshape(N, H, T)  # (Bp*G, H, T)
-    # Part 2: each row against its own keys (GQA by folding the rep heads into the query dimension).
-    qs = q.reshape(N, Hkv, rep * T, D)  # (Bp*G, Hkv, rep*T, D)
+    # The own part: each row against its own keys (GQA: the rep heads folded into the queries).
+    qo = q.reshape(N, Hkv, rep * T, D)  # (Bp*G, Hkv, rep*T, D)
     allowed = own_allowed[:, None, None].expand(-1, Hkv, rep, -1, -1)
     allowed = allowed.reshape(-1, Hkv, rep * T, k.shape[2])  # (Bp*G or 1, Hkv, rep*T, S)
-    out_s, lse_s = attention_with_lse(qs, k, v, allowed)
-    out_s = out_s.view(N, H, T, D)
-    lse_s = lse_s.view(N, H, T)
-    # Merge: softmax over [prefix keys, own keys] = each part weighed by exp(lse_part - lse_all).
-    lse = torch.logaddexp(lse_p, lse_s)  # (Bp*G, H, T)
-    out = out_p * torch.exp(lse_p - lse)[..., None] + out_s * torch.exp(lse_s - lse)[..., None]
-    return out.to(q.dtype)
+    out_o, lse_o = attention_with_lse(qo, k, v, allowed)
+    out_o = out_o.view(N, H, T, D)
+    lse_o = lse_o.view(N, H, T)
+    return merge(out_p, lse_p, out_o, lse_o)[0].to(q.dtype)
 
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _CPU_FLASH_BACKWARD = getattr(torch.ops.aten,
                               "_scaled_dot_product_flash_attention_for_cpu_backward", None)
-CPU_FLASH = _CPU_FLASH is not None and _CPU_FLASH_BACKWARD is not None  # SharedPrefixAttention runs
+CPU_FLASH = _CPU_FLASH is not None and _CPU_FLASH_BACKWARD is not None  # the CPU's classes run
 
 
 def _by_group(x: Tensor, Bp: int, Hkv: int) -> Tensor:
@@ -101,13 +133,15 @@ def _by_row(x: Tensor, N: int, H: int) -> Tensor:
     return x.reshape(N, H, *x.shape[4:])
 
 
-class SharedPrefixAttention(torch.autograd.Function):
-    """Each completion row attends to [its group's prompt keys; its own keys, causally], with the
-    prompt's K/V read once per group: no G-fold copy, no (N, T, P + T) mask. Two fused CPU flash
-    calls: the G rows of a group (and the rep query heads of a kv head) folded into the query
-    length against the prompt's (Bp, Hkv, P, D), non-causal; each row against its own keys, the rep
-    heads folded too. Their outputs merge by log-sum-exp (model.prefix_attention's merge). Backward
-    runs the flash backward on each part with the MERGED output and log-sum-exp: it rebuilds the
+class SharedPromptAttentionPadded(torch.autograd.Function):
+    """Shared-prompt attention on rows padded to one length, in the CPU's flash kernels: each
+    completion row attends to [its group's prompt keys; its own keys, causally], with the prompt's
+    K/V read once per group: no G-fold copy, no (N, T, P + T) mask. Two fused CPU flash calls: the
+    prompt part (the G rows of a group and the rep query heads of a kv head folded into the query
+    length against the prompt's (Bp, Hkv, P, D), non-causal) and the own part (each row against its
+    own keys, the rep heads folded too). They merge by log-sum-exp (shared_prompt_attention's
+    merge). Backward runs the flash backward on each part with the MERGED output and log-sum-exp: it
+    rebuilds the
     probabilities as exp(scores - lse) and uses rowsum(dout * out), so with the joint lse and out
     these are the joint softmax's, restricted to that part's keys: each part's share of the exact
     gradient (the two dq add up). Saves q, k, v, out and the lse, not the
@@ -121,11 +155,10 @@ class SharedPrefixAttention(torch.autograd.Function):
         Bp, Hkv = prompt_k.shape[:2]
         out_p, lse_p = _CPU_FLASH(_by_group(q, Bp, Hkv), prompt_k, prompt_v, attn_mask=prompt_bias)
         out_p, lse_p = _by_row(out_p, N, H), _by_row(lse_p, N, H)  # (N, H, T, D), (N, H, T)
-        out_s, lse_s = _CPU_FLASH(q.reshape(N, Hkv, -1, D), k, v, attn_mask=own_bias)
-        out_s, lse_s = out_s.reshape(N, H, T, D), lse_s.reshape(N, H, T)
-        lse = torch.logaddexp(lse_p, lse_s)  # (N, H, T) float32 (float64 for float64)
-        out = (out_p * (lse_p - lse).exp()[..., None]
-               + out_s * (lse_s - lse).exp()[..., None]).to(q.dtype)  # (N, H, T, D)
+        out_o, lse_o = _CPU_FLASH(q.reshape(N, Hkv, -1, D), k, v, attn_mask=own_bias)
+        out_o, lse_o = out_o.reshape(N, H, T, D), lse_o.reshape(N, H, T)
+        out, lse = merge(out_p, lse_p, out_o, lse_o)  # (N, H, T, D), (N, H, T) float32 or 64
+        out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, prompt_k, prompt_v, prompt_bias, own_bias, out, lse)
         return out
 
@@ -144,18 +177,18 @@ class SharedPrefixAttention(torch.autograd.Function):
         dq_p, dprompt_k, dprompt_v = _CPU_FLASH_BACKWARD(
             by_group(grad), by_group(q), prompt_k, prompt_v, by_group(out), by_group(lse),
             0.0, False, attn_mask=prompt_bias)
-        dq_s, dk, dv = _CPU_FLASH_BACKWARD(
+        dq_o, dk, dv = _CPU_FLASH_BACKWARD(
             heads_folded(grad), heads_folded(q), k, v, heads_folded(out), heads_folded(lse),
             0.0, False, attn_mask=own_bias)
-        dq = dq_s.reshape(N, H, T, D) + _by_row(dq_p, N, H)
+        dq = dq_o.reshape(N, H, T, D) + _by_row(dq_p, N, H)
         return dq, dk, dv, dprompt_k, dprompt_v, None, None
 
 
-def repeated_prefix_attention(q: Tensor, k: Tensor, v: Tensor, prompt_k: Tensor,
-                              prompt_v: Tensor, prompt_valid: Tensor) -> Tensor:
-    """SharedPrefixAttention's slow twin, and the path off the CPU: the prompt's K/V repeated for
-    each of the G rows of its group and one SDPA call under an (N, 1, T, P + T) bool mask.
-    prompt_valid (Bp, P) bool. Returns (N, H, T, D)."""
+def shared_prompt_attention_repeated(q: Tensor, k: Tensor, v: Tensor, prompt_k: Tensor,
+                                     prompt_v: Tensor, prompt_valid: Tensor) -> Tensor:
+    """The slow twin (of SharedPromptAttentionPadded and _Ragged), and padded rows' path off the
+    CPU: the prompt's K/V repeated for each of the G rows of its group and one SDPA call under an
+    (N, 1, T, P + T) bool mask. prompt_valid (Bp, P) bool. Returns (N, H, T, D)."""
     N, _, T, _ = q.shape
     Bp, _, P, _ = prompt_k.shape
     G = N // Bp
@@ -202,14 +235,15 @@ def _slots(x: Tensor, index: Tensor, count: int) -> Tensor:
     return x.new_zeros(count, *x.shape[1:]).index_put_((index,), x)
 
 
-class RaggedPrefixAttention(torch.autograd.Function):
-    """SharedPrefixAttention on packed rows: q (n, H, D), k/v (n, Hkv, D) the rows' tokens back to
-    back, prompt_k/v (Bp, Hkv, P, D), prompt_bias (Bp, 1, 1, P) its padding. The prompt part is one
-    flash call with every group's tokens (and the rep query heads) folded into the query length,
-    padded to the largest group's token count, not to G rows x the longest row; the own part one
-    causal call per bucket of rows of like lengths. Merge and backward are SharedPrefixAttention's
-    (each part's flash backward with the merged output and log-sum-exp), so the gradient is exact.
-    Returns (n, H, D)."""
+class SharedPromptAttentionRagged(torch.autograd.Function):
+    """Shared-prompt attention on the packed row's rows at any lengths, in the CPU's flash kernels:
+    q (n, H, D), k/v (n, Hkv, D) the rows' tokens back to back, prompt_k/v (Bp, Hkv, P, D),
+    prompt_bias (Bp, 1, 1, P) its padding. The prompt part is one flash call with every group's
+    tokens (and the rep query heads) folded into the query length, padded to the largest group's
+    token count, not to G rows x the longest row; the own part one causal call per bucket of rows
+    of like lengths. Merge and backward are SharedPromptAttentionPadded's (each part's flash
+    backward with the merged output and log-sum-exp), so the gradient is exact. Returns
+    (n, H, D)."""
 
     @staticmethod
     def forward(ctx, q, k, v, prompt_k, prompt_v, prompt_bias, layout: RaggedLayout):
@@ -218,15 +252,14 @@ class RaggedPrefixAttention(torch.autograd.Function):
         out_p, lse_p = _CPU_FLASH(_fold(q, layout, Bp, Hkv), prompt_k, prompt_v,
                                   attn_mask=prompt_bias)
         out_p, lse_p = _unfold(out_p, layout, H), _unfold(lse_p, layout, H)  # (n, H, D), (n, H)
-        out_s, lse_s = torch.zeros_like(out_p), torch.zeros_like(lse_p)
+        out_o, lse_o = torch.zeros_like(out_p), torch.zeros_like(lse_p)
         for tokens, slots, rows, T, bias in layout.buckets:
             qb, kb, vb = (_by_row_slots(x[tokens], slots, rows, T, Hkv) for x in (q, k, v))
             o, lse = _CPU_FLASH(qb, kb, vb, attn_mask=bias)  # (rows, Hkv, rep*T, D)
-            out_s[tokens] = _from_row_slots(o, slots, rows, T, H)
-            lse_s[tokens] = _from_row_slots(lse, slots, rows, T, H)
-        lse = torch.logaddexp(lse_p, lse_s)  # (n, H) float32 (float64 for float64)
-        out = (out_p * (lse_p - lse).exp()[..., None]
-               + out_s * (lse_s - lse).exp()[..., None]).to(q.dtype)  # (n, H, D)
+            out_o[tokens] = _from_row_slots(o, slots, rows, T, H)
+            lse_o[tokens] = _from_row_slots(lse, slots, rows, T, H)
+        out, lse = merge(out_p, lse_p, out_o, lse_o)  # (n, H, D), (n, H) float32 or 64
+        out = out.to(q.dtype)
         ctx.layout = layout
         ctx.save_for_backward(q, k, v, prompt_k, prompt_v, prompt_bias, out, lse)
         return out
@@ -302,14 +335,14 @@ class Segments:
 
 @dataclass
 class VarlenLayout:
-    """The three calls of VarlenPrefixAttention over Lp prompt tokens then the rows' tokens:
-    the prompts causal; the rows of a group folded into one query sequence against their prompt's
-    keys (one segment a group: Hydragen's fold, the prompt K/V read once per group); each row
-    causal on its own keys."""
+    """The three calls of SharedPromptAttentionVarlen over Lp prompt tokens then the rows' tokens:
+    the prompts causal; the prompt part, the rows of a group folded into one query sequence against
+    their prompt's keys (one segment a group: Hydragen's fold, the prompt K/V read once per group);
+    the own part, each row causal on its own keys."""
     prompt_tokens: int
     prompts: Segments
-    prefix: Segments
-    own: Segments
+    prompt_part: Segments
+    own_part: Segments
 
 
 def flash_varlen(q: Tensor, k: Tensor, v: Tensor, seg: Segments) -> tuple[Tensor, ...]:
@@ -324,7 +357,7 @@ def flash_varlen(q: Tensor, k: Tensor, v: Tensor, seg: Segments) -> tuple[Tensor
 def flash_varlen_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                           seg: Segments, rng_state: Tensor, unused: Tensor) -> tuple[Tensor, ...]:
     """flash_varlen's backward with the given out and lse (the merged ones: each part's exact
-    share, as SharedPrefixAttention's): dq (Tq, H, D), dk and dv (Tk, Hkv, D)."""
+    share, as SharedPromptAttentionPadded's): dq (Tq, H, D), dk and dv (Tk, Hkv, D)."""
     return torch.ops.aten._flash_attention_backward(
         grad, q, k, v, out, lse, seg.cu_q, seg.cu_k, seg.max_q, seg.max_k, 0.0, seg.causal,
         rng_state, unused)
@@ -333,22 +366,14 @@ def flash_varlen_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
 FLASH_VARLEN = (flash_varlen, flash_varlen_backward)  # tests/test_attention.py: its twin
 
 
-def _merge(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
-    """Two partial softmaxes over disjoint keys -> the joint one: out (T, H, D) in out_a's dtype,
-    lse (H, T)."""
-    lse = torch.logaddexp(lse_a, lse_b)  # (H, T)
-    out = (out_a * (lse_a - lse).exp().T[..., None]
-           + out_b * (lse_b - lse).exp().T[..., None]).to(out_a.dtype)  # (T, H, D)
-    return out, lse
-
-
-class VarlenPrefixAttention(torch.autograd.Function):
-    """packing.py's training attention on CUDA, on the packed tokens themselves: q (L, H, D), k/v
-    (L, Hkv, D), the Lp prompt tokens first, then the rows' tokens (a group's rows back to back).
-    Three varlen calls (VarlenLayout): the prompts causal; each group's rows folded into one query
-    sequence against its prompt's keys; each row causal on its own keys; the rows' two parts merged
-    by log-sum-exp. Backward is SharedPrefixAttention's: each part's kernel backward with the merged
-    output and log-sum-exp, so the gradient is exact (the kernel's own autograd would not do:
+class SharedPromptAttentionVarlen(torch.autograd.Function):
+    """Shared-prompt attention in CUDA's varlen flash kernel, on the packed row's tokens themselves
+    (packing.py's training attention on CUDA): q (L, H, D), k/v (L, Hkv, D), the Lp prompt tokens
+    first, then the rows' tokens (a group's rows back to back). Three varlen calls (VarlenLayout):
+    the prompts causal; the prompt part (each group's rows folded into one query sequence against
+    its prompt's keys); the own part (each row causal on its own keys); the rows' two parts merged
+    by log-sum-exp. Backward is SharedPromptAttentionPadded's: each part's kernel backward with the
+    merged output and log-sum-exp, so the gradient is exact (the kernel's own autograd would not do:
     varlen_attn's backward drops the log-sum-exp's gradient, which a merge needs). `kernels` is the
     (forward, backward) pair: FLASH_VARLEN on CUDA (the tests' math twin on the CPU). Returns
     (L, H, D)."""
@@ -358,33 +383,38 @@ class VarlenPrefixAttention(torch.autograd.Function):
         forward, _ = kernels
         Lp = layout.prompt_tokens
         qp, kp, vp, qr, kr, vr = q[:Lp], k[:Lp], v[:Lp], q[Lp:], k[Lp:], v[Lp:]
-        out_p, lse_p, *rng_p = forward(qp, kp, vp, layout.prompts)  # (Lp, H, D), (H, Lp)
-        saved, rng_r = [out_p, lse_p], []
-        out = out_p
+        out_c, lse_c, *rng_c = forward(qp, kp, vp, layout.prompts)  # (Lp, H, D), (H, Lp) causal
+        saved, rng_r = [out_c, lse_c], []
+        out = out_c
         if len(qr):
-            out_x, lse_x, *rng_x = forward(qr, kp, vp, layout.prefix)  # (Lc, H, D), (H, Lc)
-            out_s, lse_s, *rng_s = forward(qr, kr, vr, layout.own)
-            out_r, lse_r = _merge(out_x, lse_x, out_s, lse_s)
-            out = torch.cat([out_p, out_r])  # (L, H, D)
-            saved, rng_r = saved + [out_r, lse_r], [rng_x, rng_s]
-        ctx.layout, ctx.kernels, ctx.rng = layout, kernels, [rng_p] + rng_r
+            out_p, lse_p, *rng_p = forward(qr, kp, vp, layout.prompt_part)  # (Lc, H, D), (H, Lc)
+            out_o, lse_o, *rng_o = forward(qr, kr, vr, layout.own_part)
+            # merge() on the kernel's (H, Lc) log-sum-exps seen as (Lc, H): elementwise, the
+            # result's memory stays (H, Lc), as the kernel's backward takes it back.
+            out_r, lse_r = merge(out_p, lse_p.T, out_o, lse_o.T)
+            out_r, lse_r = out_r.to(out_p.dtype), lse_r.T
+            out = torch.cat([out_c, out_r])  # (L, H, D)
+            saved, rng_r = saved + [out_r, lse_r], [rng_p, rng_o]
+        ctx.layout, ctx.kernels, ctx.rng = layout, kernels, [rng_c] + rng_r
         ctx.save_for_backward(q, k, v, *saved)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, out_p, lse_p, *rows = ctx.saved_tensors
+        q, k, v, out_c, lse_c, *rows = ctx.saved_tensors
         layout, (_, backward) = ctx.layout, ctx.kernels
         Lp = layout.prompt_tokens
         grad = grad.contiguous()
         qp, kp, vp, qr, kr, vr = q[:Lp], k[:Lp], v[:Lp], q[Lp:], k[Lp:], v[Lp:]
-        dq, dk, dv = backward(grad[:Lp], qp, kp, vp, out_p, lse_p, layout.prompts, *ctx.rng[0])
+        dq, dk, dv = backward(grad[:Lp], qp, kp, vp, out_c, lse_c, layout.prompts, *ctx.rng[0])
         if rows:
             out_r, lse_r = rows
             gr = grad[Lp:]
-            dq_x, dk_x, dv_x = backward(gr, qr, kp, vp, out_r, lse_r, layout.prefix, *ctx.rng[1])
-            dq_s, dk_s, dv_s = backward(gr, qr, kr, vr, out_r, lse_r, layout.own, *ctx.rng[2])
-            dq = torch.cat([dq, dq_x + dq_s])
-            dk = torch.cat([dk + dk_x, dk_s])
-            dv = torch.cat([dv + dv_x, dv_s])
+            dq_p, dk_p, dv_p = backward(gr, qr, kp, vp, out_r, lse_r, layout.prompt_part,
+                                        *ctx.rng[1])
+            dq_o, dk_o, dv_o = backward(gr, qr, kr, vr, out_r, lse_r, layout.own_part,
+                                        *ctx.rng[2])
+            dq = torch.cat([dq, dq_p + dq_o])
+            dk = torch.cat([dk + dk_p, dk_o])
+            dv = torch.cat([dv + dv_p, dv_o])
         return dq, dk, dv, None, None

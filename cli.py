@@ -9,7 +9,8 @@ rollout.RolloutConfig, grpo.GRPOConfig, memory.MemoryConfig, tp.ParallelConfig).
 config's source is its documentation). This file is given the sections; it imports no engine file.
 
 A flag it does not know gets the nearest one it does, and TRL's GRPOConfig names (TRL_NAMES) get
-this engine's: `--learning_rate` is `--lr` here. A boolean flag always takes its value.
+this engine's: `--learning_rate` is `--lr` here; so do this engine's former names (OLD_NAMES). A
+boolean flag always takes its value.
 
 Leaves out: short flags, config files, environment variables.
 Tested by tests/test_train.py.
@@ -87,12 +88,19 @@ TRL_NAMES = {
     "model_name_or_path": "--model",
     "max_tool_calling_iterations": "--max_turns",
 }
+# This engine's former flag names: the one each became.
+OLD_NAMES = {
+    "packed_linears": "--prepacked_linears",  # "packed" is the training forward's row of tokens
+}
 
 
 def unknown_option(name: str, owners: dict[str, str]) -> str:
-    """The line for a flag no section declares: TRL's name for it, or the nearest spelling."""
+    """The line for a flag no section declares: TRL's name for it, its new name, or the nearest
+    spelling."""
     if name in TRL_NAMES:
         return f"unknown option --{name} (TRL's name): did you mean {TRL_NAMES[name]}?"
+    if name in OLD_NAMES:
+        return f"unknown option --{name} (renamed): did you mean {OLD_NAMES[name]}?"
     close = difflib.get_close_matches(name, list(owners), n=1, cutoff=0.6)
     hint = f"did you mean --{close[0]}? " if close else ""
     return f"unknown option --{name}; {hint}(--help lists every option)"

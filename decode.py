@@ -5,13 +5,16 @@ each row's own keys, the rows that leave, and (for a tool's answer) a row extend
 - KVCache: one flat preallocated buffer (memory.py frees and re-creates it whole), carved per call
   into the shared prompt K/V (Bp, Hkv, P, D) and each row's completion K/V (R, Hkv, Tc, D).
 - DecodeAttention: each row writes its key at its own completion index and attends to its group's
-  prompt keys plus its own (attention.prefix_attention: the G rows of a group folded against the one
-  prompt K/V, merged by log-sum-exp). Active rows sit in a grid of Bp' groups x G' slots (Layout).
-  On the CPU, groups run in buckets of like prompt lengths through SDPA's fused kernel
-  (fused_prefix_attention); on CUDA the step is a CUDA graph per layout (graphs.GraphedStep), and
-  in bf16 both parts run in SDPA's memory-efficient kernel, which reads the bf16 cache as it is
-  (kernel_prefix_attention: no float32 copy of the KV, float32 accumulation inside the kernel).
-- Decoder: the step over the active rows (model.hidden with the attention hook), the dropping of
+  prompt keys plus its own (shared-prompt attention, attention.py: the prompt part, the G rows of
+  a group folded against the one prompt K/V, and the own part, merged by log-sum-exp). Active rows
+  sit in a grid of Bp' groups x G' slots (Layout). On the CPU, groups run in buckets of like
+  prompt lengths through SDPA's fused kernel (shared_prompt_attention_decode_cpu); on CUDA the
+  step is a CUDA graph per layout (graphs.GraphedStep), and in bf16 both parts run in SDPA's
+  memory-efficient kernel, which reads the bf16 cache as it is
+  (shared_prompt_attention_decode_cuda: no float32 copy of the KV, float32 accumulation inside
+  the kernel). Float32 elsewhere: attention.shared_prompt_attention, the plain ops.
+- Decoder: the step over the active rows (model.hidden with the attention hook), each row's
+  completion index (one for all in lockstep, each row's own after a tool turn), the dropping of
   finished ones, and extend(): a tool's observation prefilled into a row's own cache at its
   position (ExtendAttention), rows then at their own lengths (episodes.py). On the kernel route
   (bf16 / fp16 on CUDA) the step is compiled by torch.compile (graphs.CompiledStep: norms, RoPE,
@@ -19,8 +22,8 @@ each row's own keys, the rows that leave, and (for a tool's answer) a row extend
   launches a layer where the eager step runs 45: tests/bench_rollout.py --kernels), then captured
   per layout as above; float32 stays the plain exact eager step.
 
-Leaves out: sampling (sampling.py), the prefill and the loop (rollout.py, episodes.py), compiling
-and capturing a step (graphs.py).
+Leaves out: sampling (sampling.py), the prefill and the loop (rollout.py), which rows end and
+what a tool answers (episodes.py), compiling and capturing a step (graphs.py).
 Shapes: Bp prompts, G samples per prompt, R = Bp*G rows, N active rows, S = Bp'*G' slots of the
 grid, P longest prompt, Tc completion length, H/Hkv heads, D head dim, V vocab.
 Tested by tests/test_rollout.py, tests/test_episodes.py and tests/test_graphs.py (the compiled
@@ -37,7 +40,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from attention import length_buckets, prefix_attention
+from attention import length_buckets, padding_bias, shared_prompt_attention
 from graphs import CompiledStep, GraphedStep
 from model import ModelConfig
 
@@ -106,9 +109,10 @@ class KVCache:
 
 @dataclass
 class Layout:
-    """Where the N active rows sit. prefix_attention wants G' query rows per group; once rows
-    finish, groups hold different counts, so attention sees the rows scattered into a grid of Bp'
-    groups x G' slots (G' = the largest count); empty slots compute garbage that nobody reads."""
+    """Where the N active rows sit. Shared-prompt attention wants G' query rows per group; once
+    rows finish, groups hold different counts, so attention sees the rows scattered into a grid of
+    Bp' groups x G' slots (G' = the largest count); empty slots compute garbage that nobody
+    reads."""
     rows: list[int]          # global row id (prompt * G + sample) of each active row, ascending
     groups: list[int]        # the prompt of each of the Bp' groups
     group_size: int          # G'
@@ -124,6 +128,12 @@ class Layout:
         return cls(rows, list(counts), group_size, slots, prompt_len)
 
 
+def to_grid(x: Tensor, slots: Tensor, num_slots: int, fill: int = 0) -> Tensor:
+    """(N, ...) active rows -> (S, ...) the grid: row i at slots[i], `fill` in the empty slots.
+    Its inverse is x.index_select(0, slots)."""
+    return x.new_full((num_slots, *x.shape[1:]), fill).index_copy_(0, slots, x)
+
+
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
@@ -132,7 +142,7 @@ def cpu_flash(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None) -> tuple[Ten
     return _CPU_FLASH(q, k, v, attn_mask=bias)
 
 
-def prompt_part(q: Tensor, prefix_k: Tensor, prefix_v: Tensor, prefix_bias: Tensor | None,
+def prompt_part(q: Tensor, prompt_k: Tensor, prompt_v: Tensor, prompt_bias: Tensor | None,
                 attend: Callable) -> tuple[Tensor, Tensor]:
     """The prompt's share of one decode step's attention, in one call of a fused kernel that returns
     its log-sum-exp, attend(q, k, v, bias) -> (out, lse) (cpu_flash, efficient_attention): the G
@@ -141,33 +151,33 @@ def prompt_part(q: Tensor, prefix_k: Tensor, prefix_v: Tensor, prefix_bias: Tens
     rep, D) in the kernel's dtype, lse (Bp, G, Hkv, rep) float32: the rows' order (S = Bp*G,
     H = Hkv*rep) as strided views, not copied back: the merge's elementwise ops read them so."""
     S, H, _, D = q.shape
-    Bp, Hkv = prefix_k.shape[:2]
+    Bp, Hkv = prompt_k.shape[:2]
     G, rep = S // Bp, H // Hkv
     qp = q.reshape(Bp, G, Hkv, rep, D).transpose(1, 2).reshape(Bp, Hkv, G * rep, D)  # a copy
-    out, lse = attend(qp, prefix_k, prefix_v, prefix_bias)  # (Bp, Hkv, G*rep, D | -)
+    out, lse = attend(qp, prompt_k, prompt_v, prompt_bias)  # (Bp, Hkv, G*rep, D | -)
     return out.view(Bp, Hkv, G, rep, D).transpose(1, 2), lse.view(Bp, Hkv, G, rep).transpose(1, 2)
 
 
-def fused_prefix_attention(q: Tensor, k: Tensor, v: Tensor, prefix_k: Tensor, prefix_v: Tensor,
-                            prefix_bias: Tensor | None) -> Tensor:
-    """prefix_attention for one token per row, all of k/v allowed, on the CPU, in few kernels
-    (per-op overhead and memory latency, not FLOPs, are what cost here). The prompt part goes
-    through SDPA's fused kernel, which also returns its log-sum-exp lse_p. The own part then merges
+def shared_prompt_attention_decode_cpu(q: Tensor, k: Tensor, v: Tensor, prompt_k: Tensor,
+                                       prompt_v: Tensor, prompt_bias: Tensor | None) -> Tensor:
+    """Shared-prompt attention for one token per row, all of k/v allowed, on the CPU, in few
+    kernels (per-op overhead and memory latency, not FLOPs, are what cost here). The prompt part
+    goes through SDPA's fused kernel, which also returns its log-sum-exp lse_p. The own part merges
     it as one more key: softmax over [own scores, lse_p] weighs the prompt part's output exactly as
     the log-sum-exp merge does, and sums to 1 with the own keys.
-    q (S, H, 1, D), k/v (S, Hkv, T, D) views of the cache, prefix_bias (Bp, 1, 1, P) 0 / -inf, or
+    q (S, H, 1, D), k/v (S, Hkv, T, D) views of the cache, prompt_bias (Bp, 1, 1, P) 0 / -inf, or
     None: no padding."""
     S, H, _, D = q.shape
     Hkv, T = k.shape[1], k.shape[2]
     rep = H // Hkv
-    out_p, lse_p = prompt_part(q, prefix_k, prefix_v, prefix_bias, cpu_flash)  # (Bp,G,Hkv,rep,.)
+    out_p, lse_p = prompt_part(q, prompt_k, prompt_v, prompt_bias, cpu_flash)  # (Bp,G,Hkv,rep,.)
     grid = out_p.shape[:-1]  # (Bp, G, Hkv, rep): the rows' and heads' order
     dt = torch.promote_types(q.dtype, torch.float32)  # bf16 accumulates in float32
-    # Own part: GQA by folding the rep heads into the query dimension (2 bmm; SDPA is 2x slower).
-    qs = q.reshape(S * Hkv, rep, D).to(dt) * D ** -0.5
+    # The own part: GQA by folding the rep heads into the queries (2 bmm; SDPA is 2x slower).
+    qo = q.reshape(S * Hkv, rep, D).to(dt) * D ** -0.5
     own_k = k.reshape(S * Hkv, T, D).to(dt)
     own_v = v.reshape(S * Hkv, T, D).to(dt)
-    scores = torch.bmm(qs, own_k.transpose(1, 2)).view(*grid, T)
+    scores = torch.bmm(qo, own_k.transpose(1, 2)).view(*grid, T)
     probs = torch.cat((scores, lse_p[..., None]), dim=-1).softmax(dim=-1)  # (Bp, G, Hkv, rep, T+1)
     # probs first: its layout (the rows' order) is the product's, and bf16 * float32 is float32
     y = torch.baddbmm((probs[..., T:] * out_p).view(S * Hkv, rep, D),
@@ -193,42 +203,43 @@ def efficient_attention(q: Tensor, k: Tensor, v: Tensor,
 
 
 def kernel_for(device: torch.device, dtype: torch.dtype, head_dim: int) -> Callable | None:
-    """The fused kernel DecodeAttention's step runs both parts through, or None: prefix_attention
-    in plain float32 ops. SDPA's memory-efficient kernel on CUDA in bf16 / fp16, for head dims it
-    takes (multiples of 8); float32 keeps the plain ops (the engine's exact path: the logits equal
-    transformers')."""
+    """The fused kernel DecodeAttention's step runs both parts through, or None:
+    attention.shared_prompt_attention in plain float32 ops. SDPA's memory-efficient kernel on CUDA
+    in bf16 / fp16, for head dims it takes (multiples of 8); float32 keeps the plain ops (the
+    engine's exact path: the logits equal transformers')."""
     half = dtype in (torch.bfloat16, torch.float16)
     if device.type == "cuda" and half and head_dim % 8 == 0 and _EFFICIENT:
         return efficient_attention
     return None
 
 
-def kernel_prefix_attention(q: Tensor, k: Tensor, v: Tensor, own_bias: Tensor | None,
-                            prefix_k: Tensor, prefix_v: Tensor, prefix_bias: Tensor | None,
-                            attend: Callable) -> Tensor:
-    """prefix_attention for one token per row, each part in one call of a fused kernel that
-    returns its log-sum-exp, attend(q, k, v, bias) -> (out, lse) (kernel_for): the prompt part
-    (prompt_part), then the rep heads of a row against its own keys; the kernel reads the K/V in
+def shared_prompt_attention_decode_cuda(q: Tensor, k: Tensor, v: Tensor, own_bias: Tensor | None,
+                                        prompt_k: Tensor, prompt_v: Tensor,
+                                        prompt_bias: Tensor | None, attend: Callable) -> Tensor:
+    """Shared-prompt attention for one token per row, each part in one call of a fused kernel that
+    returns its log-sum-exp, attend(q, k, v, bias) -> (out, lse) (kernel_for: CUDA's, in bf16): the
+    prompt part (prompt_part), then the own part, the rep heads of a row against its own keys; the
+    kernel reads the K/V in
     their dtype and accumulates in float32, and only the two partial outputs (S, H, D) are merged
     in float32, by their log-sum-exp. q (S, H, 1, D), k/v (S, Hkv, T, D) the rows' own keys,
-    own_bias (1, 1, 1, T) 0 / -inf or None, prefix_k/v (Bp, Hkv, P, D), prefix_bias (Bp, 1, 1, P)
+    own_bias (1, 1, 1, T) 0 / -inf or None, prompt_k/v (Bp, Hkv, P, D), prompt_bias (Bp, 1, 1, P)
     or None."""
     S, H, _, D = q.shape
     Hkv = k.shape[1]
     rep = H // Hkv
     # Under torch.compile this also fixes the cache views' Hkv and D as the model's (their dims
     # are dynamic there: graphs.CompiledStep).
-    assert prefix_k.shape[1::2] == prefix_v.shape[1::2] == v.shape[1::2] == (Hkv, D)
-    out_p, lse_p = prompt_part(q, prefix_k, prefix_v, prefix_bias, attend)  # (Bp,G,Hkv,rep,.)
+    assert prompt_k.shape[1::2] == prompt_v.shape[1::2] == v.shape[1::2] == (Hkv, D)
+    out_p, lse_p = prompt_part(q, prompt_k, prompt_v, prompt_bias, attend)  # (Bp,G,Hkv,rep,.)
     grid = out_p.shape[:-1]  # (Bp, G, Hkv, rep): the rows' and heads' order
-    out_s, lse_s = attend(q.reshape(S, Hkv, rep, D), k, v, own_bias)  # (S, Hkv, rep, D | -)
-    # The prompt part's weight exp(lse_p) / (exp(lse_p) + exp(lse_s)) is a sigmoid of the
+    out_o, lse_o = attend(q.reshape(S, Hkv, rep, D), k, v, own_bias)  # (S, Hkv, rep, D | -)
+    # The prompt part's weight exp(lse_p) / (exp(lse_p) + exp(lse_o)) is a sigmoid of the
     # difference: 5 small kernels for the merge where a logaddexp, two exps and the cast took 9.
-    share = (lse_p - lse_s.view(grid)).sigmoid_()[..., None]  # (Bp, G, Hkv, rep, 1) float32
+    share = (lse_p - lse_o.view(grid)).sigmoid_()[..., None]  # (Bp, G, Hkv, rep, 1) float32
     # Computed in float32 and written once, rounded, into a (S, H, 1, D) tensor of q's dtype: the
-    # kernel's outputs come in its own strided layouts (out_s (S, rep, Hkv, D) in memory on CUDA).
+    # kernel's outputs come in its own strided layouts (out_o (S, rep, Hkv, D) in memory on CUDA).
     y = q.new_empty(S, H, 1, D)
-    torch.addcmul(out_s.view(*grid, D) * (1 - share), out_p, share, out=y.view(*grid, D))
+    torch.addcmul(out_o.view(*grid, D) * (1 - share), out_p, share, out=y.view(*grid, D))
     return y
 
 
@@ -239,7 +250,7 @@ class DecodeAttention:
     step + 1 written ones in eager mode."""
 
     def __init__(self, views: tuple[list[Tensor], ...], step: Tensor, completion_len: int):
-        self.prefix_k, self.prefix_v, self.own_k, self.own_v = views
+        self.prompt_k, self.prompt_v, self.own_k, self.own_v = views
         self.step = step  # (1,) long: the completion index of the token being fed
         self.own_len = completion_len
         self.key_positions = torch.arange(completion_len, device=step.device)
@@ -263,7 +274,7 @@ class DecodeAttention:
             old_groups = torch.tensor([group_of[p] for p in layout.groups], device=device)
             old_slots = torch.tensor([slot_of[r] for r in layout.rows], device=device)
             new_slots = torch.tensor(layout.slots, device=device)
-            for x in self.prefix_k + self.prefix_v:
+            for x in self.prompt_k + self.prompt_v:
                 x[:Bp, :, :P] = x[:len(old.groups), :, :P].index_select(0, old_groups)
             for x in self.own_k + self.own_v:
                 old_part = x[:len(old.groups) * old.group_size, :, :filled]
@@ -276,36 +287,32 @@ class DecodeAttention:
         lens = prompt_lens[layout.groups]  # (Bp',) longest first: generate() sorts the prompts
         lens_list = lens.tolist()
         self.buckets = length_buckets(lens_list)
-        self.prefix_valid = torch.arange(P, device=device) < lens[:, None]
-        self.prefix_bias = None  # no padding: the fused kernel skips its mask
-        if not self.prefix_valid.all():
-            # Rows 16-aligned in memory (efficient_attention's kernel needs it): (Bp', P) in a
-            # (Bp', P rounded up to 16) buffer, filled in place.
-            bias = torch.zeros(Bp, -(-P // 16) * 16, dtype=self.prefix_k[0].dtype,
-                               device=device)[:, :P]
-            self.prefix_bias = bias.masked_fill_(~self.prefix_valid, float("-inf"))[:, None, None]
+        self.prompt_valid = torch.arange(P, device=device) < lens[:, None]
+        self.prompt_bias = None  # no padding: the fused kernel skips its mask
+        if not self.prompt_valid.all():  # rows 16-aligned: efficient_attention's kernel wants it
+            self.prompt_bias = padding_bias(self.prompt_valid, self.prompt_k[0].dtype, align=16)
         # Each bucket's slice of the mask, or None where its prompts fill all its keys.
-        self.bucket_bias = [None if self.prefix_bias is None or min(lens_list[first:stop]) == keys
-                            else self.prefix_bias[first:stop, ..., :keys]
+        self.bucket_bias = [None if self.prompt_bias is None or min(lens_list[first:stop]) == keys
+                            else self.prompt_bias[first:stop, ..., :keys]
                             for first, stop, keys in self.buckets]
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         if self.slots is not None:  # scatter the N rows into the grid; empty slots get zeros
-            q, k, v = (x.new_zeros((self.num_slots,) + x.shape[1:]).index_copy_(0, self.slots, x)
-                       for x in (q, k, v))  # (S, H or Hkv, 1, D)
+            q, k, v = (to_grid(x, self.slots, self.num_slots)
+                       for x in (q, k, v))  # (S, H|Hkv, 1, D)
         own_k = self.own_k[layer][:self.num_slots]
         own_v = self.own_v[layer][:self.num_slots]
         # The layout's groups and longest prompt as a tensor's shape: dims a compiled step keeps
         # dynamic (Python ints and list lengths would be guarded: a compile per layout).
-        Bp, P = self.prefix_valid.shape
-        prefix_k = self.prefix_k[layer][:Bp, :, :P]
-        prefix_v = self.prefix_v[layer][:Bp, :, :P]
+        Bp, P = self.prompt_valid.shape
+        prompt_k = self.prompt_k[layer][:Bp, :, :P]
+        prompt_v = self.prompt_v[layer][:Bp, :, :P]
         if self.row_pos is not None:  # rows at their own lengths (a tool turn moved some on)
             every = torch.arange(self.num_slots, device=q.device)
             own_k[every, :, self.slot_pos] = k[:, :, 0].to(own_k.dtype)  # each at its own index
             own_v[every, :, self.slot_pos] = v[:, :, 0].to(own_v.dtype)
-            y = prefix_attention(q, own_k[:, :, :self.own_len], own_v[:, :, :self.own_len],
-                                 self.slot_allowed, prefix_k, prefix_v, self.prefix_valid)
+            y = shared_prompt_attention(q, own_k[:, :, :self.own_len], own_v[:, :, :self.own_len],
+                                        self.slot_allowed, prompt_k, prompt_v, self.prompt_valid)
             return self._gather(y)
         if self.fused and q.dtype == own_k.dtype:
             # Eager CPU: write at a Python index, attend to the written keys only, and to each
@@ -317,9 +324,9 @@ class DecodeAttention:
             parts = []
             for (first, stop, keys), bias in zip(self.buckets, self.bucket_bias):
                 slots = slice(first * G, stop * G)
-                parts.append(fused_prefix_attention(
+                parts.append(shared_prompt_attention_decode_cpu(
                     q[slots], own_k[slots, :, :t + 1], own_v[slots, :, :t + 1],
-                    prefix_k[first:stop, :, :keys], prefix_v[first:stop, :, :keys], bias))
+                    prompt_k[first:stop, :, :keys], prompt_v[first:stop, :, :keys], bias))
             return self._gather(torch.cat(parts) if len(parts) > 1 else parts[0])
         own_k.index_copy_(2, self.step, k.to(own_k.dtype))  # a tensor index: a graph replays it
         own_v.index_copy_(2, self.step, v.to(own_v.dtype))
@@ -330,21 +337,22 @@ class DecodeAttention:
                 unwritten = self.key_positions[:self.own_len] > self.step
                 bias = torch.zeros(unwritten.shape, dtype=q.dtype, device=q.device)
                 self.own_bias = bias.masked_fill_(unwritten, float("-inf"))[None, None, None]
-            y = kernel_prefix_attention(q, own_k, own_v, self.own_bias, prefix_k, prefix_v,
-                                        self.prefix_bias, self.kernel)
+            y = shared_prompt_attention_decode_cuda(q, own_k, own_v, self.own_bias, prompt_k,
+                                                    prompt_v, self.prompt_bias, self.kernel)
             return self._gather(y)
         own_allowed = (self.key_positions[:self.own_len] <= self.step)[None, None]  # (1, 1, Tc)
-        y = prefix_attention(q, own_k, own_v, own_allowed, prefix_k, prefix_v, self.prefix_valid)
+        y = shared_prompt_attention(q, own_k, own_v, own_allowed, prompt_k, prompt_v,
+                                    self.prompt_valid)
         return self._gather(y)
 
     def at_positions(self, row_pos: Tensor, own_len: int) -> None:
-        """Rows at their own lengths (episodes.py): active row i writes its key at its own index
-        row_pos[i] (N,) and attends to its own keys up to it; own_len = max(row_pos) + 1. The
-        grid's positions and own-key mask, once per step for every layer."""
+        """Rows at their own lengths (after a tool turn, Decoder.seek): active row i writes its
+        key at its own index row_pos[i] (N,) and attends to its own keys up to it; own_len =
+        max(row_pos) + 1. The grid's positions and own-key mask, once per step for every layer."""
         self.row_pos = row_pos
         self.own_len = own_len
-        self.slot_pos = row_pos if self.slots is None else row_pos.new_zeros(
-            self.num_slots).index_copy_(0, self.slots, row_pos)  # (S,); empty slots 0
+        self.slot_pos = (row_pos if self.slots is None
+                         else to_grid(row_pos, self.slots, self.num_slots))  # (S,); empty: 0
         self.slot_allowed = self.key_positions[:own_len] <= self.slot_pos[:, None, None]
 
     def _gather(self, y: Tensor) -> Tensor:
@@ -356,7 +364,8 @@ class DecodeAttention:
 class Decoder:
     """The decode step over the active rows, and the dropping of finished ones. It owns the state
     the steps share: which rows are active (`rows`, global ids), the attention's layout, each row's
-    first position, the compiled step and the CUDA graph of the current layout. `compiled`: the
+    first position and completion index (`t`, every row's in lockstep; `at`, each row's own after
+    a tool turn), the compiled step and the CUDA graph of the current layout. `compiled`: the
     step through torch.compile (graphs.CompiledStep) where the attention takes the kernel route
     (bf16 / fp16 on CUDA); float32 stays the plain exact eager one."""
 
@@ -374,6 +383,10 @@ class Decoder:
         self.attention.set_layout(self.layout, self.lens)
         self.rows = torch.arange(len(prompt_lens) * G, device=device)  # (N,)
         self.first_position = self.lens[self.rows // G][:, None]  # (N, 1)
+        self.lockstep = True  # every active row at one index, t: no tool turn yet (extend)
+        self.t = 0  # the index the next step feeds: every row's in lockstep, else the furthest's
+        self.at: Tensor | None = None  # (N,) each row's own next index once rows differ (seek)
+        self.fed = self.step_index  # (1,) or (N,): where the last step fed each row
         self.graphed = graphed
         self.graph: GraphedStep | None = None
         # The unbound forward, called with the decoder: a bound one would make a reference cycle
@@ -388,11 +401,16 @@ class Decoder:
         positions = self.first_position + index  # completion token t sits at len + t
         return self.model.head(self.model.hidden(tokens, positions, self.attention)[:, -1])
 
-    def step(self, tokens: Tensor, t: int | list[int]) -> Tensor:
-        """Feed completion token t of each active row, tokens (N,) -> logits (N, V); t a list:
-        each row's own index (rows at different lengths: episodes.py), in eager mode."""
-        if isinstance(t, list):
-            self.attention.at_positions(torch.tensor(t, device=tokens.device), max(t) + 1)
+    def step(self, tokens: Tensor) -> Tensor:
+        """Feed each active row its next token at its own completion index, tokens (N,) -> logits
+        (N, V), and move every row on by one: the token drawn from a row's logits goes at
+        fed + 1. In lockstep every row is at index t, a tensor a CUDA graph replays; once a tool
+        turn moved rows apart, each is at its own (seek), in eager mode."""
+        t = self.t
+        self.t += 1
+        if not self.lockstep:
+            self.attention.at_positions(self.at, t + 1)
+            self.fed, self.at = self.at, self.at + 1
             return self.forward(tokens[:, None])
         self.step_index.fill_(t)
         run = self.forward if self.compiled is None else functools.partial(self.compiled, self)
@@ -403,6 +421,11 @@ class Decoder:
         if self.compiled is None:  # eager: attend only to the keys written so far
             self.attention.own_len = t + 1
         return run(tokens[:, None])  # compiled: all Tc keys under the step's mask, as a graph
+
+    def seek(self, at: list[int]) -> None:
+        """Rows at their own lengths: active row i feeds its next token at index at[i]."""
+        self.at = torch.tensor(at, device=self.rows.device)  # (N,)
+        self.t = max(at)
 
     def drop(self, keep: list[int], filled: int) -> None:
         """Keep the active rows at positions `keep`; `filled` completion KV slots are written."""
@@ -417,7 +440,10 @@ class Decoder:
         """Feed active row picks[i] the tokens feeds[i] at its completion indices starts[i]...
         (a tool's observation after the token that called it) in one forward: their K/V go into
         the row's own cache, no earlier token is recomputed. Returns the logits (k, V) after each
-        row's last fed token."""
+        row's last fed token. From the first, rows are at their own lengths (seek)."""
+        if self.lockstep:
+            self.lockstep = False
+            self._plain_linears()
         device = self.rows.device
         width = max(map(len, feeds))
         tokens = torch.tensor([f + [0] * (width - len(f)) for f in feeds], device=device)  # (k, M)
@@ -429,11 +455,11 @@ class Decoder:
         last = torch.tensor([len(f) - 1 for f in feeds], device=device)
         return self.model.head(self.model.hidden(tokens, positions, attention, last)[:, 0])
 
-    def plain_linears(self) -> None:
-        """F.linear from here on (episodes.py, after the first tool turn): rows at their own
-        lengths come in new counts and shapes at every check, and _packed_linears' oneDNN keeps a
-        primitive for each (a tasks:lookup run grew by 0.5 GB in 100 steps). Undone with the
-        rest at the end of generate."""
+    def _plain_linears(self) -> None:
+        """F.linear from here on (after the first tool turn): rows at their own lengths come in
+        new counts and shapes at every check, and rollout._prepacked_linears' oneDNN keeps a
+        primitive for each (a tasks:lookup run grew by 0.5 GB in 100 steps). Undone with the rest
+        at the end of generate."""
         for m in self.model.modules():
             m.__dict__.pop("forward", None)
 
@@ -457,9 +483,8 @@ class ExtendAttention:
         self.cache_slots = [layout.slots[i] for i in picks]  # each row's slot in the cache views
         self.grid = torch.tensor(grid.slots, device=device)  # (k,) each row's slot in the grid
         self.num_slots = len(grid.groups) * grid.group_size
-        cache_of_slot = torch.zeros(self.num_slots, dtype=torch.long, device=device)  # empty: 0
-        self.cache_of_slot = cache_of_slot.index_copy_(
-            0, self.grid, torch.tensor(self.cache_slots, device=device))  # (S,)
+        self.cache_of_slot = to_grid(torch.tensor(self.cache_slots, device=device), self.grid,
+                                     self.num_slots)  # (S,); empty slots: 0
         self.groups = torch.tensor([group_of[g] for g in grid.groups], device=device)  # (Bp_e,)
         self.prompt_len = grid.prompt_len
         self.keys = max(a + n for a, n in zip(self.starts, counts))  # own keys any row reaches
@@ -472,16 +497,16 @@ class ExtendAttention:
             own_k[slot, :, first:first + n] = k[i, :, :n].to(own_k.dtype)
             own_v[slot, :, first:first + n] = v[i, :, :n].to(own_v.dtype)
         P = self.prompt_len
-        prefix_k = d.prefix_k[layer][self.groups, :, :P]  # (Bp_e, Hkv, P, D): once per group
-        prefix_v = d.prefix_v[layer][self.groups, :, :P]
+        prompt_k = d.prompt_k[layer][self.groups, :, :P]  # (Bp_e, Hkv, P, D): once per group
+        prompt_v = d.prompt_v[layer][self.groups, :, :P]
         index = self.start + torch.arange(q.shape[2], device=q.device)  # (k, Tq) own indices
         if last is not None:
             index = self.start + last[:, None]  # (k, 1): the last fed token's queries alone
         S = self.num_slots
-        q = q.new_zeros(S, *q.shape[1:]).index_copy_(0, self.grid, q)  # (S, H, Tq, D)
-        index = index.new_full((S, index.shape[1]), -1).index_copy_(0, self.grid, index)
+        q = to_grid(q, self.grid, S)  # (S, H, Tq, D)
+        index = to_grid(index, self.grid, S, fill=-1)  # (S, Tq): empty slots see no own key
         own_allowed = torch.arange(self.keys, device=q.device) <= index[:, :, None]  # (S, Tq, .)
-        y = prefix_attention(q, own_k[self.cache_of_slot, :, :self.keys],
-                             own_v[self.cache_of_slot, :, :self.keys], own_allowed, prefix_k,
-                             prefix_v, d.prefix_valid[self.groups, :P])
+        y = shared_prompt_attention(q, own_k[self.cache_of_slot, :, :self.keys],
+                                    own_v[self.cache_of_slot, :, :self.keys], own_allowed,
+                                    prompt_k, prompt_v, d.prompt_valid[self.groups, :P])
         return y.index_select(0, self.grid)  # (k, H, Tq, D)

@@ -25,6 +25,20 @@ def all_reduce(values: list[float], groups, device: torch.device, op=None) -> li
     return t.tolist()
 
 
+def reduce_metrics(m: dict, tokens: float, groups, device: torch.device) -> dict:
+    """One optimizer iteration's metrics (grpo.accumulate's) over the dp ranks: the loss summed
+    (each rank's is normalised by global counts), the min of *_min and the max of *_max, the rest
+    means weighted by each rank's `tokens`; grad_norm, updated and finite are already global."""
+    extremes = {k: -1 if k.endswith("_min") else 1 for k in sorted(m) if k[-4:] in ("_min", "_max")}
+    keys = sorted(k for k in m if k not in ("loss", "tokens", "grad_norm", "updated", "finite",
+                                            *extremes))
+    sums = all_reduce([m["loss"], tokens] + [m[k] * tokens for k in keys], groups, device)
+    peaks = all_reduce([s * m[k] for k, s in extremes.items()], groups, device, dist.ReduceOp.MAX)
+    return dict(loss=sums[0], grad_norm=m["grad_norm"], updated=m["updated"], finite=m["finite"],
+                **{k: s / max(sums[1], 1.0) for k, s in zip(keys, sums[2:])},
+                **{k: s * p for (k, s), p in zip(extremes.items(), peaks)})
+
+
 def gather(t: torch.Tensor, groups) -> torch.Tensor:
     """Every dp rank's tensor, concatenated in dp-rank order (the same on every rank)."""
     if groups.dp_group is None:

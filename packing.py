@@ -12,31 +12,36 @@ the segments apart:
   tokens), attends to nothing that matters and is dropped.
 The state predicting completion token t of row i is prompt g's last position for t = 0 and the
 row's own position t - 1 after it: a row of c_i tokens feeds its first c_i - 1 (its last predicts
-nothing). The forward runs sum(p_g) + sum(c_i - 1) tokens where the padded one ran Bp*P + N*(T-1),
+nothing). The forward runs sum(p_g) + sum(c_i - 1) tokens where the padded one ran Bp*P + N*Ti,
 and the prompt stays in the graph: the gradients of all G rows sum into it (TRL PR #2669, exact).
 
-Attention (packed_attention), by device:
-- CPU: the project's flash kernels. The prompts are scattered into (Bp, H, P, D) and run causal
-  SDPA; the rows go to attention.RaggedPrefixAttention as they are: each group's tokens folded
-  against its prompt's K/V (read once per group, never copied), each row against its own keys in
-  buckets of like lengths (ragged_layout): a few padded slots per bucket, none to the batch's
-  longest row. Everything (tokens x C)-sized runs on valid tokens only.
-- CUDA (cuda_route, chosen by the dtype the attention meets): in bf16 (or fp16) on torch >= 2.10,
-  the varlen flash kernel on the packed tokens as they lie (attention.VarlenPrefixAttention: the
-  prompts causal, each group's rows folded into one query sequence against its prompt, each row
-  causal on itself, merged by log-sum-exp; varlen_layout's offsets built once per micro-batch):
-  no padding, no prompt copied. Otherwise (float32, older torch) FlexAttention over the packed row
-  under a block mask built from per-token tensors (segment, group, is-prompt, position), compiled
-  once per process, the mask once per micro-batch; without it, padded views of the repeated-prompt
-  twin. A fallback says why in one line (train.py prints it at the first step). The varlen route's
-  fold, merge and backward are tested on the CPU with the kernel's math twin in its place, the
-  flex route's values on the CPU (eager flex_attention has no CPU backward); both on CUDA.
+Attention over the packed row (packed_attention, a suffix per device): the prompts causal, the
+rows in shared-prompt attention (attention.py: the prompt part and the own part, merged by
+log-sum-exp).
+- packed_attention_cpu: the project's flash kernels. The prompts are scattered into (Bp, H, P, D)
+  and run causal SDPA; the rows go to attention.SharedPromptAttentionRagged as they are: each
+  group's tokens folded against its prompt's K/V (read once per group, never copied), each row
+  against its own keys in buckets of like lengths (ragged_layout): a few padded slots per bucket,
+  none to the batch's longest row. Everything (tokens x C)-sized runs on valid tokens only.
+- packed_attention_cuda (cuda_route, chosen by the dtype the attention meets): in bf16 (or fp16)
+  on torch >= 2.10 packed_attention_varlen, the varlen flash kernel on the packed tokens as they
+  lie (attention.SharedPromptAttentionVarlen: the prompts causal, each group's rows folded into one
+  query sequence against its prompt, each row causal on itself, merged by log-sum-exp;
+  varlen_layout's offsets built once per micro-batch): no padding, no prompt copied. Otherwise
+  (float32, older torch) packed_attention_flex, FlexAttention over the packed row under a block
+  mask built from per-token tensors (segment, group, is-prompt, position), compiled once per
+  process, the mask once per micro-batch; without it, packed_attention_cpu with padded views of
+  the repeated-prompt twin. A fallback says why in one line (train.py prints it at the first
+  step). The varlen route's fold, merge and backward are tested on the CPU with the kernel's math
+  twin in its place, the flex route's values on the CPU (eager flex_attention has no CPU
+  backward); both on CUDA.
 Twins (tests/test_grpo.py): padded_hidden, the same forward with every prompt right-padded to P
-and every row to T, and naive_hidden, each prompt repeated G times in one causal forward.
+and every row to Ti, and naive_hidden, each prompt repeated G times in one causal forward.
 
 Leaves out: packing several micro-batches' rows across groups (a micro-batch is whole groups).
-Shapes: Bp prompts, G rows per prompt, N = Bp*G, P longest prompt, T longest row input, L packed
-length, n predicted (valid) completion tokens, C width, H/Hkv heads (rep = H/Hkv), D head dim.
+Shapes: Bp prompts, G rows per prompt, N = Bp*G, P longest prompt, Tr completion length, Ti = Tr - 1
+the longest row's inputs (a row feeds its tokens but the last), L packed length, n predicted
+(valid) completion tokens, C width, H/Hkv heads (rep = H/Hkv), D head dim.
 Tested by tests/test_grpo.py and tests/test_grpo_cuda.py; benchmarked by tests/bench_ragged.py.
 """
 
@@ -47,9 +52,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from attention import (CPU_FLASH, FLASH_VARLEN, RaggedLayout, RaggedPrefixAttention, Segments,
-                       SharedPrefixAttention, VarlenLayout, VarlenPrefixAttention, length_buckets,
-                       repeated_prefix_attention)
+from attention import (CPU_FLASH, FLASH_VARLEN, RaggedLayout, Segments, SharedPromptAttentionPadded,
+                       SharedPromptAttentionRagged, SharedPromptAttentionVarlen, VarlenLayout,
+                       causal_bias, length_buckets, padding_bias, shared_prompt_attention_repeated)
 from model import causal_attention
 
 try:  # torch >= 2.5; compiled on CUDA, where it has a backward
@@ -72,11 +77,17 @@ class Packing:
     tokens: Tensor       # (1, L) ids: the prompts' valid tokens, then the rows' inputs
     positions: Tensor    # (1, L) rope positions: a prompt from 0, a row from its prompt's length
     prompt_at: Tensor    # (Lp,) each packed prompt token's index in the padded (Bp*P)
-    row_at: Tensor       # (Lc,) each packed row input's index in the padded (N*T)
+    row_at: Tensor       # (Lc,) each packed row input's index in the padded (N*Ti)
     predict: Tensor      # (n,) the packed index of the state predicting each valid token
     prompt_lens: Tensor  # (Bp,)
     row_lens: Tensor     # (N,) each row's inputs (its c_i - 1 fed tokens)
-    shape: tuple[int, int, int, int]  # Bp, P, N, T
+    shape: tuple[int, int, int, int]  # Bp, P, N, Ti
+
+
+def row_positions(prompt_lens: Tensor, G: int, Ti: int) -> Tensor:
+    """(N, Ti) the rope positions of the rows' inputs: a row goes on after its prompt, so token t
+    of row i sits at len(prompt i // G) + t."""
+    return prompt_lens.repeat_interleave(G)[:, None] + torch.arange(Ti, device=prompt_lens.device)
 
 
 def pack(prompt_ids: Tensor, prompt_lens: Tensor, tokens: Tensor, mask: Tensor,
@@ -86,30 +97,29 @@ def pack(prompt_ids: Tensor, prompt_lens: Tensor, tokens: Tensor, mask: Tensor,
     order of tokens[mask]."""
     Bp, P = prompt_ids.shape
     N, Tr = tokens.shape
-    T = max(Tr - 1, 0)
+    Ti = max(Tr - 1, 0)
     device = tokens.device
     prompt_valid = torch.arange(P, device=device) < prompt_lens[:, None]  # (Bp, P)
-    inputs_valid = mask[:, 1:]  # (N, T): token t feeds the state predicting token t + 1
-    row_start = prompt_lens.repeat_interleave(G)[:, None]  # (N, 1): a row goes on after its prompt
+    inputs_valid = mask[:, 1:]  # (N, Ti): token t feeds the state predicting token t + 1
     positions = torch.cat([torch.arange(P, device=device).expand(Bp, P)[prompt_valid],
-                           (row_start + torch.arange(T, device=device))[inputs_valid]])
-    packed = torch.cat([prompt_ids[prompt_valid], tokens[:, :T][inputs_valid]])  # (L,)
+                           row_positions(prompt_lens, G, Ti)[inputs_valid]])
+    packed = torch.cat([prompt_ids[prompt_valid], tokens[:, :Ti][inputs_valid]])  # (L,)
     Lp = int(prompt_lens.sum())
     # Token 0 of row i is predicted by its prompt's last position, token t >= 1 by input t - 1.
     prompt_last = torch.cumsum(prompt_lens, 0) - 1  # (Bp,)
-    input_index = Lp + torch.cumsum(inputs_valid.flatten(), 0).view(N, T) - 1  # (N, T)
+    input_index = Lp + torch.cumsum(inputs_valid.flatten(), 0).view(N, Ti) - 1  # (N, Ti)
     first = prompt_last.repeat_interleave(G)[:, None]  # (N, 1)
     predict = torch.cat([first, input_index], 1)[:, :Tr][mask]  # (n,); Tr = 0: none
     return Packing(packed[None], positions[None], prompt_valid.flatten().nonzero()[:, 0],
                    inputs_valid.flatten().nonzero()[:, 0], predict, prompt_lens,
-                   inputs_valid.sum(1), (Bp, P, N, T))
+                   inputs_valid.sum(1), (Bp, P, N, Ti))
 
 
 def ragged_layout(packing: Packing, rep: int, dtype: torch.dtype) -> RaggedLayout:
-    """Where the packed row inputs go in RaggedPrefixAttention's rectangles: each group's tokens
-    (its rows back to back) folded in (Bp, M) slots, M the largest group's count; each row in a
-    bucket of like lengths (attention.length_buckets over the rows, longest first), its tokens in
-    T_b slots under a causal bias (in dtype, repeated for the rep folded query heads)."""
+    """Where the packed row inputs go in SharedPromptAttentionRagged's rectangles: each group's
+    tokens (its rows back to back) folded in (Bp, M) slots, M the largest group's count; each row
+    in a bucket of like lengths (attention.length_buckets over the rows, longest first), its tokens
+    in T_b slots under a causal bias (in dtype, repeated for the rep folded query heads)."""
     Bp, _, N, _ = packing.shape
     G = N // Bp
     lens = packing.row_lens  # (N,)
@@ -133,57 +143,52 @@ def ragged_layout(packing: Packing, rep: int, dtype: torch.dtype) -> RaggedLayou
         rank[rows] = torch.arange(stop - first, device=device)
         in_bucket.zero_()[rows] = True
         tokens = in_bucket[row_of].nonzero()[:, 0]  # (m,) this bucket's packed tokens
-        future = torch.ones(T, T, dtype=torch.bool, device=device).triu(1)
-        bias = torch.zeros(T, T, dtype=dtype, device=device).masked_fill(future, -torch.inf)
         buckets.append((tokens, rank[row_of[tokens]] * T + position[tokens], stop - first, T,
-                        bias.repeat(rep, 1)[None, None]))  # bias (1, 1, rep*T, T)
+                        causal_bias(T, rep, dtype, device)))  # bias (1, 1, rep*T, T)
     return RaggedLayout(fold, M, buckets)
 
 # -----------------------------------------------------------------------------
 # Attention over the packed row
 
 
-def shared_prompt_attention(prompt_lens: Tensor, P: int, T: int, rep: int):
-    """attention(q, k, v, prompt_k, prompt_v) -> (N, H, T, D) of padded rows on their group's
-    prompt K/V: attention.SharedPrefixAttention on the CPU, its repeated-prompt twin elsewhere
-    (the CUDA route runs varlen or FlexAttention instead, cuda_route, or this). Its masks are
-    built once for all layers (in v's dtype: bf16 under autocast over fp32 weights): rep*T*T and
-    Bp*P entries."""
+def padded_rows_attention(prompt_lens: Tensor, P: int, Ti: int, rep: int):
+    """attention(q, k, v, prompt_k, prompt_v) -> (N, H, Ti, D): shared-prompt attention of rows
+    padded to Ti on their group's prompt K/V: attention.SharedPromptAttentionPadded on the CPU, its
+    repeated-prompt twin elsewhere (the CUDA route runs varlen or FlexAttention instead,
+    cuda_route, or this). Its masks are built once for all layers (in v's dtype: bf16 under
+    autocast over fp32 weights): rep*Ti*Ti and Bp*P entries."""
     device = prompt_lens.device
     prompt_valid = torch.arange(P, device=device) < prompt_lens[:, None]  # (Bp, P)
     if device.type != "cpu" or not CPU_FLASH:
-        return lambda q, k, v, pk, pv: repeated_prefix_attention(q, k, v, pk, pv, prompt_valid)
-    arange = torch.arange(T, device=device)
-    future = arange[:, None] < arange[None, :]  # (T, T)
+        return lambda q, k, v, pk, pv: shared_prompt_attention_repeated(q, k, v, pk, pv,
+                                                                        prompt_valid)
     biases: dict[torch.dtype, tuple[Tensor, Tensor]] = {}
 
     def attend(q: Tensor, k: Tensor, v: Tensor, pk: Tensor, pv: Tensor) -> Tensor:
         # The flash kernel takes one dtype, v's (the linears': bf16 under autocast). model.py's
         # q and k come in it already; a hook's caller may hand others
         q, k, pk, pv = (x.to(v.dtype) for x in (q, k, pk, pv))
-        if q.dtype not in biases:
-            prompt_bias = torch.zeros(prompt_valid.shape, dtype=q.dtype, device=device)
-            prompt_bias = prompt_bias.masked_fill(~prompt_valid, -torch.inf)  # (Bp, P)
-            own_bias = torch.zeros(T, T, dtype=q.dtype, device=device)
-            own_bias = own_bias.masked_fill(future, -torch.inf).repeat(rep, 1)  # each head causal
-            biases[q.dtype] = prompt_bias[:, None, None], own_bias[None, None]
-        return SharedPrefixAttention.apply(q, k, v, pk, pv, *biases[q.dtype])
+        if q.dtype not in biases:  # (Bp, 1, 1, P) and (1, 1, rep*Ti, Ti)
+            biases[q.dtype] = (padding_bias(prompt_valid, q.dtype),
+                               causal_bias(Ti, rep, q.dtype, device))
+        return SharedPromptAttentionPadded.apply(q, k, v, pk, pv, *biases[q.dtype])
     return attend
 
 
-def padded_views_attention(packing: Packing, rep: int):
+def packed_attention_cpu(packing: Packing, rep: int):
     """The CPU route: attention(layer, q, k, v) on the packed row, (1, H|Hkv, L, D) -> (1, H, L,
-    D): the prompts through padded views, the rows through RaggedPrefixAttention (or, off the CPU
-    without FlexAttention, padded views of the repeated-prompt twin). Tokens past the prompts and
-    rows (a tail) get zeros."""
-    Bp, P, N, T = packing.shape
+    D): the prompts through padded views, the rows through SharedPromptAttentionRagged, or padded
+    views of SharedPromptAttentionPadded (rows of like lengths), or, off the CPU without
+    FlexAttention, padded views of the repeated-prompt twin. Tokens past the prompts and rows (a
+    tail) get zeros."""
+    Bp, P, N, Ti = packing.shape
     Lp, Lc = len(packing.prompt_at), len(packing.row_at)
     # The ragged kernel where the rows' padding is worth its extra calls: when padded rows would
     # hold 1.5x their tokens or more. Below that (rows of like lengths: the default task's 1-4
     # tokens) padded views cost less than its bookkeeping (tests/bench_ragged.py, docs).
     ragged = (CPU_FLASH and packing.tokens.device.type == "cpu"
-              and N * T >= RAGGED_FROM * max(Lc, 1))
-    attend_rows = shared_prompt_attention(packing.prompt_lens, P, T, rep) if T and not ragged \
+              and N * Ti >= RAGGED_FROM * max(Lc, 1))
+    attend_rows = padded_rows_attention(packing.prompt_lens, P, Ti, rep) if Ti and not ragged \
         else None
     layouts: dict[torch.dtype, tuple[RaggedLayout, Tensor]] = {}  # built once, for all layers
 
@@ -204,13 +209,13 @@ def padded_views_attention(packing: Packing, rep: int):
             rq, rk, rv = (x[Lp:Lp + Lc].to(v.dtype) for x in (q, k, v))  # autocast: v's dtype
             if v.dtype not in layouts:
                 prompt_valid = torch.arange(P, device=v.device) < packing.prompt_lens[:, None]
-                bias = torch.zeros(Bp, P, dtype=v.dtype, device=v.device).masked_fill(
-                    ~prompt_valid, -torch.inf)[:, None, None]  # (Bp, 1, 1, P)
+                bias = padding_bias(prompt_valid, v.dtype)  # (Bp, 1, 1, P)
                 layouts[v.dtype] = ragged_layout(packing, q.shape[1] // k.shape[1], v.dtype), bias
             layout, bias = layouts[v.dtype]
-            out.append(RaggedPrefixAttention.apply(rq, rk, rv, pk.to(v.dtype), pv, bias, layout))
+            out.append(SharedPromptAttentionRagged.apply(rq, rk, rv, pk.to(v.dtype), pv, bias,
+                                                         layout))
         elif Lc:
-            rows = [padded(x[Lp:Lp + Lc], packing.row_at, N, T) for x in (q, k, v)]
+            rows = [padded(x[Lp:Lp + Lc], packing.row_at, N, Ti) for x in (q, k, v)]
             out.append(packed(attend_rows(*rows, pk, pv), packing.row_at))  # (Lc, H, D)
         out.append(q.new_zeros(q.shape[0] - Lp - Lc, *q.shape[1:]))  # a tail, if any
         return torch.cat(out).transpose(0, 1)[None]  # (1, H, L, D)
@@ -218,9 +223,10 @@ def padded_views_attention(packing: Packing, rep: int):
 
 
 def varlen_layout(packing: Packing) -> VarlenLayout:
-    """VarlenPrefixAttention's three calls over the packed prompts and rows: cumulative offsets of
-    the prompts, of each group's tokens (its rows back to back) and of each row, as int32 on the
-    packing's device, and their longest (one host sync a micro-batch, not one a layer)."""
+    """SharedPromptAttentionVarlen's three calls over the packed prompts and rows: cumulative
+    offsets of the prompts, of each group's tokens (its rows back to back) and of each row, as
+    int32 on the packing's device, and their longest (one host sync a micro-batch, not one a
+    layer)."""
     Bp, _, N, _ = packing.shape
     prompt_lens, row_lens = packing.prompt_lens, packing.row_lens
     group_lens = row_lens.view(Bp, N // Bp).sum(1)  # (Bp,) tokens of a group's rows
@@ -233,13 +239,14 @@ def varlen_layout(packing: Packing) -> VarlenLayout:
     return VarlenLayout(
         len(packing.prompt_at),
         prompts=Segments(prompts, prompts, longest_prompt, longest_prompt, causal=True),
-        prefix=Segments(offsets(group_lens), prompts, longest_group, longest_prompt, causal=False),
-        own=Segments(rows, rows, longest_row, longest_row, causal=True))
+        prompt_part=Segments(offsets(group_lens), prompts, longest_group, longest_prompt,
+                             causal=False),
+        own_part=Segments(rows, rows, longest_row, longest_row, causal=True))
 
 
-def varlen_packed_attention(packing: Packing, kernels=FLASH_VARLEN):
+def packed_attention_varlen(packing: Packing, kernels=FLASH_VARLEN):
     """The CUDA route in bf16 (or fp16): attention(layer, q, k, v) on the packed row, (1, H|Hkv,
-    L, D) -> (1, H, L, D), through attention.VarlenPrefixAttention on the valid tokens as they
+    L, D) -> (1, H, L, D), through attention.SharedPromptAttentionVarlen on the valid tokens as they
     lie (no padding, no copy of a prompt), under one layout for all layers. A tail gets zeros.
     kernels: the varlen (forward, backward) pair; the tests pass the CPU's math twin."""
     layout = varlen_layout(packing)
@@ -248,7 +255,7 @@ def varlen_packed_attention(packing: Packing, kernels=FLASH_VARLEN):
     def attention(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         # (1, h, L, D) -> (valid, h, D): the linears' own layout, so contiguous() copies nothing
         q, k, v = (x[0, :, :valid].transpose(0, 1).contiguous() for x in (q, k, v))
-        y = VarlenPrefixAttention.apply(q, k, v, layout, kernels)  # (valid, H, D)
+        y = SharedPromptAttentionVarlen.apply(q, k, v, layout, kernels)  # (valid, H, D)
         tail = q.shape[0] - valid
         if tail:
             y = torch.cat([y, y.new_zeros(tail, *y.shape[1:])])
@@ -263,17 +270,17 @@ def compiled_flex():
     return torch.compile(flex_attention, dynamic=True)
 
 
-def flex_packed_attention(packing: Packing, kernel=None):
+def packed_attention_flex(packing: Packing, kernel=None):
     """The CUDA route without varlen (float32, or torch < 2.10): one flex_attention call per layer
     over the packed row, under a block mask of "same segment and not in the future, or a row's look
     at its group's prompt". The mask is built once per micro-batch and length L (a tail makes it
     longer) and shared by every layer. kernel: compiled_flex() on CUDA, the eager flex_attention
     elsewhere (no backward there)."""
-    Bp, P, N, T = packing.shape
+    Bp, P, N, Ti = packing.shape
     device = packing.tokens.device
     Lp, Lc = len(packing.prompt_at), len(packing.row_at)
     prompt_of = packing.prompt_at.div(P, rounding_mode="floor")  # (Lp,) prompt b of each token
-    row_of = packing.row_at.div(T, rounding_mode="floor") if T else prompt_of[:0]  # (Lc,)
+    row_of = packing.row_at.div(Ti, rounding_mode="floor") if Ti else prompt_of[:0]  # (Lc,)
     masks: dict[int, object] = {}
     on_cuda = device.type == "cuda"
     kernel = kernel or (compiled_flex() if on_cuda else flex_attention)
@@ -328,7 +335,7 @@ def cuda_route(dtype: torch.dtype, head_dim: int) -> tuple[str, str]:
                       "this torch has no FlexAttention")
 
 
-def cuda_packed_attention(packing: Packing, rep: int):
+def packed_attention_cuda(packing: Packing, rep: int):
     """The CUDA route for the dtype the attention meets (known at the first layer's call, under
     autocast too), chosen by cuda_route and built once for all layers."""
     routes: dict[torch.dtype, object] = {}
@@ -336,19 +343,19 @@ def cuda_packed_attention(packing: Packing, rep: int):
     def attention(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         if v.dtype not in routes:
             name, _ = cuda_route(v.dtype, v.shape[-1])
-            routes[v.dtype] = (varlen_packed_attention(packing) if name == "varlen" else
-                               flex_packed_attention(packing) if name == "flex" else
-                               padded_views_attention(packing, rep))
+            routes[v.dtype] = (packed_attention_varlen(packing) if name == "varlen" else
+                               packed_attention_flex(packing) if name == "flex" else
+                               packed_attention_cpu(packing, rep))
         return routes[v.dtype](layer, q, k, v)
     return attention
 
 
 def packed_attention(packing: Packing, rep: int):
-    """The route for the packing's device: on CUDA varlen_attn in bf16, FlexAttention otherwise
-    (cuda_route); padded views of the project's kernels elsewhere."""
+    """Attention over the packed row, the route for the packing's device: packed_attention_cuda
+    (varlen_attn in bf16, FlexAttention otherwise: cuda_route), packed_attention_cpu elsewhere."""
     if packing.tokens.device.type == "cuda":
-        return cuda_packed_attention(packing, rep)
-    return padded_views_attention(packing, rep)
+        return packed_attention_cuda(packing, rep)
+    return packed_attention_cpu(packing, rep)
 
 # -----------------------------------------------------------------------------
 # The forwards: packed, and its two twins
@@ -368,20 +375,20 @@ def packed_hidden(model, prompt_ids: Tensor, prompt_lens: Tensor, tokens: Tensor
 
 def padded_hidden(model, prompt_ids: Tensor, prompt_lens: Tensor, inputs: Tensor,
                   G: int) -> Tensor:
-    """The padded twin: (N, T+1, C) for inputs (N, T) = completions without their last token.
+    """The padded twin: (N, Ti+1, C) for inputs (N, Ti) = completions without their last token.
     Row i's first state is its prompt's last valid position; the rest come from the completions
     attending to their prompt's keys/values, which stay in the graph. The prompts right-padded to
-    P and the rows to T are packed into one row of Bp*P + N*T tokens: every linear and norm runs
+    P and the rows to Ti are packed into one row of Bp*P + N*Ti tokens: every linear and norm runs
     over the padding too."""
     Bp, P = prompt_ids.shape
-    N, T = inputs.shape
-    if T == 0:  # only the prompt's last state: the final block's queries and MLP run there alone
+    N, Ti = inputs.shape
+    if Ti == 0:  # only the prompt's last state: the final block's queries and MLP run there alone
         last = model.hidden(prompt_ids, None, causal_attention, last=prompt_lens - 1)  # (Bp, 1, C)
         return last[:, 0].repeat_interleave(G, 0)[:, None]  # (N, 1, C)
     device = inputs.device
     config = model.config
-    attend = shared_prompt_attention(prompt_lens, P, T, config.num_attention_heads //
-                                     config.num_key_value_heads)
+    attend = padded_rows_attention(prompt_lens, P, Ti, config.num_attention_heads //
+                                   config.num_key_value_heads)
     split = Bp * P  # packed: [prompt 0 .. prompt Bp-1 (right-padded to P); row 0 .. row N-1]
 
     def unpack(x: Tensor, first: int, rows: int, length: int) -> Tensor:
@@ -392,20 +399,19 @@ def padded_hidden(model, prompt_ids: Tensor, prompt_lens: Tensor, inputs: Tensor
         # the prompts causal (right padding comes after valid tokens); each completion on its
         # group's prompt K/V and its own keys, causal. (1, H, L, D) -> (1, H, L, D)
         pq, pk, pv = (unpack(x, 0, Bp, P) for x in (q, k, v))  # (Bp, H|Hkv, P, D)
-        cq, ck, cv = (unpack(x, split, N, T) for x in (q, k, v))  # (N, H|Hkv, T, D)
+        cq, ck, cv = (unpack(x, split, N, Ti) for x in (q, k, v))  # (N, H|Hkv, Ti, D)
         y = [causal_attention(layer, pq, pk, pv), attend(cq, ck, cv, pk, pv)]
-        y = torch.cat([part.transpose(0, 1).flatten(1, 2) for part in y], 1)  # (H, Bp*P + N*T, D)
+        y = torch.cat([part.transpose(0, 1).flatten(1, 2) for part in y], 1)  # (H, Bp*P+N*Ti, D)
         tail = q.shape[2] - y.shape[1]  # tensor parallelism's, if any
         return torch.cat([y, y.new_zeros(y.shape[0], tail, y.shape[2])], 1)[None]
 
     tokens = torch.cat([prompt_ids.reshape(-1), inputs.reshape(-1)])[None]  # (1, L)
-    row_start = prompt_lens.repeat_interleave(G)[:, None]  # (N, 1): a row goes on after its prompt
     positions = torch.cat([torch.arange(P, device=device).repeat(Bp),  # (1, L)
-                           (row_start + torch.arange(T, device=device)).reshape(-1)])[None]
+                           row_positions(prompt_lens, G, Ti).reshape(-1)])[None]
     h = model.hidden(tokens, positions, padded_attention)[0]  # (L, C)
     last = h[:split].view(Bp, P, -1)[torch.arange(Bp, device=device), prompt_lens - 1]  # (Bp, C)
     first = last.repeat_interleave(G, 0)[:, None]  # (N, 1, C): N*C floats, not G copies
-    return torch.cat([first, h[split:split + N * T].view(N, T, -1)], 1)  # (N, T+1, C)
+    return torch.cat([first, h[split:split + N * Ti].view(N, Ti, -1)], 1)  # (N, Ti+1, C)
 
 
 def naive_hidden(model, prompts: list[list[int]], completions: list[list[int]], G: int,

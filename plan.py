@@ -52,10 +52,11 @@ def rollout_memory(config: ModelConfig, num_prompts: int, prompt_len: int, cfg: 
                                            their float32 filtered copy (4) and softmax (4) (see
                                            sample: its cdf is a few bytes per row);
                                            a decode step's block (R*a*(3C + 3I/tp)) is far smaller
-        packed    4*(L*(2CQ + 2CK + 3CI) + VC)/tp   (Q = H*D, K = Hkv*D) on a CPU, float32, with
-                                           cfg.packed_linears: the linear weights prepacked for
+        prepacked 4*(L*(2CQ + 2CK + 3CI) + VC)/tp   (Q = H*D, K = Hkv*D) on a CPU, float32, with
+                                           cfg.prepacked_linears: the linear weights prepacked for
                                            oneDNN, held through generate
-    Returns {"prefill": outputs + prefill + packed, "sampling": outputs + sampling + packed}."""
+    Returns {"prefill": outputs + prefill + prepacked, "sampling": outputs + sampling +
+    prepacked}."""
     a = torch.empty((), dtype=dtype).element_size()
     C = config.hidden_size
     I = config.intermediate_size // tp_size
@@ -69,8 +70,8 @@ def rollout_memory(config: ModelConfig, num_prompts: int, prompt_len: int, cfg: 
     sampling = max(R * V * (a + 8) + num_prompts * V * a, decode_block + R * V * (a + 8))
     Q, K = config.num_attention_heads * D, config.num_key_value_heads * D
     linears = config.num_hidden_layers * (2 * C * Q + 2 * C * K + 3 * C * config.intermediate_size)
-    packed = 4 * (linears + V * C) // tp_size if cpu and cfg.packed_linears and a == 4 else 0
-    return {"prefill": outputs + prefill + packed, "sampling": outputs + sampling + packed}
+    prepacked = 4 * (linears + V * C) // tp_size if cpu and cfg.prepacked_linears and a == 4 else 0
+    return {"prefill": outputs + prefill + prepacked, "sampling": outputs + sampling + prepacked}
 
 # -----------------------------------------------------------------------------
 # Training: what one micro-batch allocates, forward and backward
@@ -110,7 +111,7 @@ def micro_batch_memory(config: ModelConfig, groups: float, G: int, prompt_len: i
     block_bytes' per-token terms:
         prompt tokens      full blocks
         completion tokens  full blocks; with repeated_prompt (the attention off the CPU without
-                           FlexAttention, packing.shared_prompt_attention) also each row's copy of
+                           FlexAttention, packing.padded_rows_attention) also each row's copy of
                            its prompt's keys and values, 2a*K/tp*P, and a bool (T, P + T) mask per
                            row
     With activation checkpointing a block keeps only its input (a*C) and backward recomputes one

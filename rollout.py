@@ -8,34 +8,42 @@ per prompt decoded on top of that one shared prompt KV, finished rows dropped as
    D).
 2. Fan-out: each prompt's last-position logits are repeated G times and every row draws its own
    first token (nanochat once broadcast one first token to all G rows).
-3. Decode (decode.py): the attention hook writes each row's key/value into its own completion KV
-   and runs attention.prefix_attention: the G rows of a group are folded into the query dimension
-   against the one prompt KV (Hydragen) and merged with the row's own keys by log-sum-exp. Prompt
-   KV memory and reads / G. On the CPU the groups run in buckets of like prompt lengths
-   (length_buckets), each reading its own prompts' keys: a short prompt's padding is not read.
-4. Every `check_every` steps (the only host sync in the loop) rows that sampled a stop id are
-   dropped: the linears run on the N active rows only; attention sees them in a Bp' x G' grid.
-5. Sampling (sampling.py) without host sync; each returned logprob is under the distribution
-   actually sampled from, after temperature, top-k, top-p (trl#4159, trl#6789: otherwise the GRPO
-   ratio is not 1).
-6. The result stays on the device as tensors: tokens, mask and logprobs (R, Tc). GRPO trains on
-   them as they are; only the text for the rewards is decoded on the host (train.py).
-With a tool (generate(episodes=...)), rows are multi-turn episodes: episodes.py runs the decode
-loop, and a tool's answer is prefilled into the row's own KV cache (Decoder.extend).
+3. Decode (decode.py), one loop (_decode) for plain and multi-turn rows: the attention hook
+   writes each row's key/value into its own completion KV and runs shared-prompt attention
+   (attention.py): the G rows of a group are folded into the query dimension against the one
+   prompt KV (Hydragen) and merged with the row's own keys by log-sum-exp. Prompt KV memory and
+   reads / G. On the CPU the groups run in buckets of like prompt lengths (length_buckets), each
+   reading its own prompts' keys: a short prompt's padding is not read. Sampling (sampling.py)
+   has no host sync; each returned logprob is under the distribution actually sampled from, after
+   temperature, top-k, top-p (trl#4159, trl#6789: otherwise the GRPO ratio is not 1).
+4. The check, every `check_every` steps (the loop's only host sync; on the CPU, where it costs
+   none, also as soon as a row samples a tool's call): each row that sampled a stop id or a call
+   is cut just after it (episodes.Rows.check), and finished rows are dropped: the linears run on
+   the N active rows only; attention sees them in a Bp' x G' grid. While the step replays a CUDA
+   graph, rows are dropped only once 1/8 of them have finished: a re-capture costs about a step.
+5. A tool's turn (generate(episodes=...)): each row that called gets the tool's answer
+   (episodes.Rows.answer), prefilled into the row's own KV cache at its position
+   (Decoder.extend); from the first turn on, each row decodes at its own length. A plain row is an
+   episode with no call: a rollout with no call is the tool-less rollout, bit for bit.
+6. The result stays on the device as tensors: tokens, mask and logprobs (R, Tc), each row cut at
+   its length. GRPO trains on them as they are; only the text for the rewards is decoded on the
+   host (train.py).
 
 Leaves out: paged KV and continuous batching (a GRPO rollout is one static batch), speculative
 decoding, stop strings (stop ids only), prefix sharing across different prompts.
-CPU: the prompt part goes through SDPA's fused kernel, whose log-sum-exp then enters the own keys'
-softmax as one more score: the same merge in fewer kernels (decode.fused_prefix_attention); float32
-linears run on weights prepacked once per call (_packed_linears).
+CPU: the prompt part goes through SDPA's fused kernel, whose log-sum-exp then enters the own
+part's softmax as one more score: the same merge in fewer kernels
+(decode.shared_prompt_attention_decode_cpu); float32 linears run on weights prepacked once per call
+for oneDNN (_prepacked_linears).
 CUDA: the decode step is a CUDA graph per layout of active rows (`cuda_graphs`); in bf16 / fp16 it
-is compiled first, and the draw beside it (`compile_decode`: torch.compile, once for every layout, its
-seconds in the stats' compile_seconds; graphs.py); the private KV cache is bf16.
+is compiled first, and the draw beside it (`compile_decode`: torch.compile, once for every layout,
+its seconds in the stats' compile_seconds; graphs.py); the private KV cache is bf16.
 
 Shapes: Bp prompts, G samples per prompt, R = Bp*G rows, N active rows, S = Bp'*G' slots of the
 grid, P longest prompt, Tc completion length, C width, H/Hkv heads, D head dim, V vocab (V/tp when
 the lm_head is split by tensor parallelism), L layers.
-Tested by tests/test_rollout.py; benchmarked by tests/bench_rollout.py.
+Tested by tests/test_rollout.py and tests/test_episodes.py (multi-turn rows); benchmarked by
+tests/bench_rollout.py.
 """
 
 import contextlib
@@ -50,7 +58,7 @@ import torch
 from torch import Tensor, nn
 
 from decode import Decoder, KVCache  # noqa: F401 (rollout.KVCache: train.py, plan.py, memory's)
-from episodes import Episodes, decode_episodes
+from episodes import Episodes, Rows
 from graphs import CompiledStep
 from model import ModelConfig, causal_attention
 from sampling import filter_logits, inverse_cdf, race_clocks, sample, sample_raced  # noqa: F401
@@ -62,16 +70,16 @@ from sampling import filter_logits, inverse_cdf, race_clocks, sample, sample_rac
 @dataclass
 class RolloutConfig:
     """The sampling knobs: the one home of each (GRPO scores under this same temperature)."""
-    num_samples: int = 16        # G completions per prompt (the GRPO group)
-    max_new_tokens: int = 0      # completion budget; 0 in train.py: the task's own (or 256)
-    temperature: float = 1.0     # 0 = greedy (evaluation only: GRPO needs distinct samples)
-    top_k: int = 0               # 0 = off
-    top_p: float = 1.0           # 1 = off; keeps the smallest set of tokens whose mass reaches p
-    check_every: int = 8         # decode steps between the host syncs that drop finished rows
-    prefill_tokens: int = 2048   # padded prompt tokens per prefill forward (bounds activations)
-    cuda_graphs: bool = True     # capture the decode step on CUDA (ignored on the CPU)
-    compile_decode: bool = True  # torch.compile the bf16 / fp16 decode step and draw (CUDA, no TP)
-    packed_linears: bool = True  # CPU, float32: linears via oneDNN, weights prepacked per call
+    num_samples: int = 16           # G completions per prompt (the GRPO group)
+    max_new_tokens: int = 0         # completion budget; 0 in train.py: the task's own (or 256)
+    temperature: float = 1.0        # 0 = greedy (evaluation only: GRPO needs distinct samples)
+    top_k: int = 0                  # 0 = off
+    top_p: float = 1.0              # 1 = off; keeps the smallest set of tokens whose mass reaches p
+    check_every: int = 8            # decode steps between the host syncs that drop finished rows
+    prefill_tokens: int = 2048      # padded prompt tokens per prefill forward (bounds activations)
+    cuda_graphs: bool = True        # capture the decode step on CUDA (ignored on the CPU)
+    compile_decode: bool = True     # torch.compile the bf16/fp16 decode step and draw (CUDA, no TP)
+    prepacked_linears: bool = True  # CPU, float32: linears via oneDNN, weights prepacked per call
 
     def __post_init__(self):
         checks = dict(num_samples=1, max_new_tokens=0, top_k=0, check_every=1, prefill_tokens=1)
@@ -111,22 +119,24 @@ class Rollout:
 # generate
 
 
-_PACK = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
-_PACK = _PACK if torch.backends.mkldnn.is_available() else None
+_PREPACK = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
+_PREPACK = _PREPACK if torch.backends.mkldnn.is_available() else None
 
 
 @contextlib.contextmanager
-def _packed_linears(model: torch.nn.Module, rows: int, enabled: bool):
+def _prepacked_linears(model: torch.nn.Module, rows: int, enabled: bool):
     """Meanwhile each float32 nn.Linear of a CPU model runs through oneDNN on its weight reordered
-    once (for `rows` rows) into the kernel's blocked layout; F.linear (MKL) packs it on every call,
-    a large share of the matmul at decode's 128 rows. The cost: a second copy of the linear weights
-    while it runs. Outputs equal F.linear's up to summation order (tests/test_rollout.py)."""
-    linears = [m for m in model.modules() if enabled and _PACK is not None and type(m) is nn.Linear
+    once (for `rows` rows) into the kernel's blocked layout (prepacked); F.linear (MKL) reorders
+    it on every call, a large share of the matmul at decode's 128 rows. The cost: a second copy of
+    the linear weights while it runs. Outputs equal F.linear's up to summation order
+    (tests/test_rollout.py)."""
+    linears = [m for m in model.modules()
+               if enabled and _PREPACK is not None and type(m) is nn.Linear
                and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32]
     try:
         for m in linears:  # an instance attribute shadows the class's forward
             m.forward = functools.partial(torch.ops.mkldnn._linear_pointwise, B=m.bias, attr="none",
-                                          W=_PACK(m.weight.detach(), rows), scalars=[],
+                                          W=_PREPACK(m.weight.detach(), rows), scalars=[],
                                           algorithm="")  # (..., in) -> (..., out)
         yield
     finally:
@@ -171,8 +181,8 @@ def prefill_chunks(lens: list[int], prefill_tokens: int) -> list[tuple[int, int]
     return chunks
 
 
-def _prefill(model: torch.nn.Module, prompts: list[list[int]], prefix_k: list[Tensor],
-             prefix_v: list[Tensor], prefill_tokens: int, device: torch.device) -> Tensor:
+def _prefill(model: torch.nn.Module, prompts: list[list[int]], prompt_k: list[Tensor],
+             prompt_v: list[Tensor], prefill_tokens: int, device: torch.device) -> Tensor:
     """Run the prompts a chunk at a time (prefill_chunks), right-padded to the chunk's longest (the
     views beyond stay zero, masked), storing each layer's K/V into the shared prompt views. Returns
     the logits (Bp, V) at each prompt's last position."""
@@ -184,29 +194,14 @@ def _prefill(model: torch.nn.Module, prompts: list[list[int]], prefix_k: list[Te
 
         def store_kv(layer: int, q: Tensor, k: Tensor, v: Tensor, last: Tensor | None = None):
             # k, v (b, Hkv, width or more, D): sequence parallelism may pad the rows' ends
-            prefix_k[layer][rows, :, :width] = k[:, :, :width]
-            prefix_v[layer][rows, :, :width] = v[:, :, :width]
+            prompt_k[layer][rows, :, :width] = k[:, :, :width]
+            prompt_v[layer][rows, :, :width] = v[:, :, :width]
             return causal_attention(layer, q, k, v, last)
         tokens = torch.tensor([p + [0] * (width - len(p)) for p in part], device=device)  # (b, P)
         last = torch.tensor([len(p) - 1 for p in part], device=device)  # final layer's queries
         h = model.hidden(tokens, None, store_kv, last)[:, 0]  # (b, C)
         last_logits.append(model.head(h))  # (b, V)
     return torch.cat(last_logits)  # (Bp, V)
-
-
-def _cut_at_stop(tokens: Tensor, logprobs: Tensor, stop_ids: tuple[int, ...]) -> tuple[Tensor, ...]:
-    """Each row ends at its first stop id (rows decode on until the next check): tokens, logprobs
-    (R, T) -> tokens (R, Tc) with 0 after the end, mask, logprobs with 0 after the end, and
-    stopped (R,); Tc is the longest row. One host sync (Tc)."""
-    stop_t = torch.tensor(stop_ids, dtype=torch.long, device=tokens.device)
-    is_stop = torch.isin(tokens, stop_t)  # (R, T)
-    after_stop = (is_stop.cumsum(1) - is_stop.long()) > 0  # strictly after the first stop
-    mask = ~after_stop & (tokens >= 0)  # -1: never sampled (the row was dropped or all had stopped)
-    Tc = int(mask.sum(1).max())
-    mask = mask[:, :Tc]
-    tokens = tokens[:, :Tc].masked_fill(~mask, 0)
-    logprobs = logprobs[:, :Tc].masked_fill(~mask, 0.0)
-    return tokens, mask, logprobs, (is_stop & ~after_stop).any(1)
 
 
 def _carve(model: torch.nn.Module, cache: KVCache | None, num_prompts: int, G: int, P: int,
@@ -239,12 +234,7 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], cfg: RolloutConfi
     cfg = cfg or RolloutConfig()
     stop_ids = tuple(stop_ids)
     check_prompts(prompts, stop_ids, cfg.max_new_tokens, model.config)
-    # A logits_fn is tensor parallelism's vocab gather: tp.py's layers run their collectives in
-    # autograd Functions (mark_dirty), which torch.compile does not trace: the step stays eager.
-    compiled = cfg.compile_decode and logits_fn is None
-    logits_fn = logits_fn or (lambda x: x)
-    G = cfg.num_samples
-    new = cfg.max_new_tokens
+    G, new = cfg.num_samples, cfg.max_new_tokens
     # Longest prompt first (a stable sort: equal lengths keep their order): prefill chunks and
     # decode's attention buckets then hold like lengths. Rows go back to the caller's order at 6.
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
@@ -256,15 +246,14 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], cfg: RolloutConfi
         generator.seed()
     else:
         generator.manual_seed(seed)
-
-    out_tokens = torch.full((new, len(prompts) * G), -1, dtype=torch.long, device=device)  # (Tc, R)
-    out_logprobs = torch.zeros(out_tokens.shape, dtype=torch.float32, device=device)
-    policy = torch.ones(out_tokens.shape, dtype=torch.bool, device=device)  # False: observations
+    if episodes is not None:  # the tool answers the caller's rows
+        respond = functools.partial(_callers_rows, episodes.respond, order, G)
+        episodes = dataclasses.replace(episodes, respond=respond)
     stats = dict(prefill_tokens=sum(lens), prefill_seconds=0.0, decode_steps=0, row_steps=0,
                  compactions=0, prompt_kv_bytes=0, completion_kv_bytes=0, compiles=0,
                  compile_seconds=0.0)
     if new > 0:
-        with _packed_linears(model, len(prompts) * G, cfg.packed_linears):
+        with _prepacked_linears(model, len(prompts) * G, cfg.prepacked_linears):
             views = _carve(model, cache, len(prompts), G, max(lens), new)
             # 1. Prefill each prompt once.
             logits = _prefill(model, prompts, views[0], views[1], cfg.prefill_tokens, device)
@@ -273,98 +262,144 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], cfg: RolloutConfi
             stats["prefill_seconds"] = time.perf_counter() - started
             # 2. Fan out: each of the G rows of a prompt draws its own first token (logits_fn once
             # per prompt, then repeated).
-            first = logits_fn(logits).repeat_interleave(G, dim=0)  # (R, V')
-            out_tokens[0], out_logprobs[0] = sample(first, cfg.temperature, cfg.top_k, cfg.top_p,
-                                                    generator)
-            # 3-4. Decode, dropping finished rows.
+            first = (logits_fn or _same)(logits).repeat_interleave(G, dim=0)  # (R, V')
+            rows = Rows.empty(new, len(prompts) * G, device)
+            rows.tokens[0], rows.logprobs[0] = sample(first, cfg.temperature, cfg.top_k,
+                                                      cfg.top_p, generator)
+            # 3-5. Decode, finished rows dropped, a tool's answers extended into their rows. A
+            # logits_fn is tensor parallelism's vocab gather: tp.py's layers run their collectives
+            # in autograd Functions (mark_dirty), which torch.compile does not trace: eager.
             decoder = Decoder(model, views, lens, G, device.type == "cuda" and cfg.cuda_graphs,
-                              compiled)
-            # Beside a compiled step the draw is compiled too (its elementwise work fused): the
-            # race's clocks are wound here, eagerly, as a traced graph holds no torch.Generator.
-            sampler = None if decoder.compiled is None else CompiledStep(sample_raced)
-
-            def draw(logits: Tensor) -> tuple[Tensor, Tensor]:  # (rows, V') -> tokens, logprobs
-                logits = logits_fn(logits)
-                if sampler is None:
-                    return sample(logits, cfg.temperature, cfg.top_k, cfg.top_p, generator)
-                clocks = race_clocks(logits, cfg.temperature, generator)
-                return sampler(logits, cfg.temperature, cfg.top_k, cfg.top_p, clocks)
-            if episodes is None:
-                stats.update(_decode(decoder, out_tokens, out_logprobs, draw, stop_ids,
-                                     cfg.check_every))
-            else:  # multi-turn rows: each at its own length (episodes.py)
-                def respond(calls):  # the decoder's (sorted) row ids -> the caller's
-                    return episodes.respond([(order[r // G] * G + r % G, t) for r, t in calls])
-                stats.update(decode_episodes(decoder, out_tokens, out_logprobs, policy, draw,
-                                             stop_ids, cfg.check_every,
-                                             dataclasses.replace(episodes, respond=respond),
-                                             model.config.vocab_size))
-        if sampler is not None:  # graphs compiled in this call, and their seconds
-            stats.update(compiles=decoder.compiled.compiles + sampler.compiles,
-                         compile_seconds=decoder.compiled.seconds + sampler.seconds)
-        nbytes = [sum(x.numel() * x.element_size() for x in kind) for kind in views]
-        stats.update(prompt_kv_bytes=sum(nbytes[:2]), completion_kv_bytes=sum(nbytes[2:]))
-    # 6. Cut each row at its stop id, rows in the caller's prompt order; it stays on the device.
+                              cfg.compile_decode and logits_fn is None)
+            draw = Draw(cfg, generator, logits_fn or _same, decoder.compiled is not None)
+            stats.update(_decode(decoder, rows, draw, stop_ids, cfg.check_every, episodes))
+        stats.update(_kv_and_compile_stats(views, decoder.compiled, draw.compiled))
+    else:  # nothing to sample: every row is empty
+        rows = Rows.empty(0, len(prompts) * G, device)
+    # 6. Each row cut at its length, rows in the caller's prompt order; it stays on the device.
     rank = sorted(range(len(order)), key=order.__getitem__)  # each prompt's place in the sort
     where = [rank[i // G] * G + i % G for i in range(len(order) * G)]  # each row's sorted row
-    rows = torch.tensor(where, device=device)
-    if episodes is None:
-        tokens, mask, logprobs, stopped = _cut_at_stop(out_tokens.T[rows], out_logprobs.T[rows],
-                                                       stop_ids)
-        sampled = None
-    else:  # each row's length and end as the episode loop left them (nothing when new = 0)
-        ends = {key: stats.pop(key, [0] * len(where)) for key in ("lengths", "stopped", "calls")}
-        lengths = torch.tensor([ends["lengths"][r] for r in where], device=device)  # (R,)
-        Tc = int(lengths.max())
-        mask = torch.arange(Tc, device=device) < lengths[:, None]  # (R, Tc)
-        tokens = out_tokens.T[rows, :Tc].masked_fill(~mask, 0)
-        sampled = policy.T[rows, :Tc] & mask
-        logprobs = out_logprobs.T[rows, :Tc].masked_fill(~sampled, 0.0)
-        stopped = torch.tensor([bool(ends["stopped"][r]) for r in where], device=device)
-        stats["calls"] = [ends["calls"][r] for r in where]
-    stats.update(new_tokens=int(mask.sum()), seconds=time.perf_counter() - started)
-    with torch.inference_mode(False):  # normal tensors: training may index with them (autograd)
-        tokens, mask, logprobs, stopped = (t.clone() for t in (tokens, mask, logprobs, stopped))
-        sampled = None if sampled is None else sampled.clone()
-    return Rollout(tokens, mask, logprobs, stopped, cfg.temperature, stats, sampled)
+    tokens, mask, logprobs, stopped, policy = rows.cut(where)
+    if episodes is not None:
+        stats["calls"] = [rows.calls[r] for r in where]
+    stats.update(new_tokens=sum(rows.length), seconds=time.perf_counter() - started)
+    return Rollout(tokens, mask, logprobs, stopped, cfg.temperature, stats,
+                   policy if episodes is not None else None)
 
 
-def _decode(decoder: Decoder, out_tokens: Tensor, out_logprobs: Tensor,
-            draw: Callable[[Tensor], tuple[Tensor, Tensor]], stop_ids: tuple[int, ...],
-            check_every: int) -> dict:
-    """Feed completion token t and sample token t + 1 for every active row until every row has
-    stopped or the budget is spent; out_tokens/out_logprobs (Tc, R) are filled in place."""
-    new = out_tokens.shape[0]
-    stop_t = torch.tensor(stop_ids, dtype=torch.long, device=out_tokens.device)
-    tokens = out_tokens[0]  # (N,)
-    finished = torch.isin(tokens, stop_t)  # (N,)
-    decode_steps = row_steps = compactions = 0
-    for t in range(new - 1):
-        logits = decoder.step(tokens, t)  # (N, V)
-        tokens, logprobs = draw(logits)  # (N,)
-        out_tokens[t + 1].index_copy_(0, decoder.rows, tokens)
-        out_logprobs[t + 1].index_copy_(0, decoder.rows, logprobs)
-        decode_steps += 1
-        row_steps += len(decoder.layout.rows)
-        if not stop_ids:
-            continue
-        finished |= torch.isin(tokens, stop_t)
-        if (t + 2) % check_every or t + 2 == new:
-            continue
-        # The occasional host sync: drop finished rows. A graph re-capture costs about a step, so
-        # on the GPU rows are dropped only once at least 1/8 of them are finished.
-        keep = (~finished).nonzero()[:, 0].tolist()
+def _same(logits: Tensor) -> Tensor:
+    return logits
+
+
+def _kv_and_compile_stats(views: tuple[list[Tensor], ...], *steps: CompiledStep | None) -> dict:
+    """The KV cache's bytes this call carved, and the graphs its compiled steps compiled (the
+    decode step, the draw) with their seconds."""
+    nbytes = [sum(x.numel() * x.element_size() for x in kind) for kind in views]
+    compiled = [step for step in steps if step is not None]
+    return dict(prompt_kv_bytes=sum(nbytes[:2]), completion_kv_bytes=sum(nbytes[2:]),
+                compiles=sum(step.compiles for step in compiled),
+                compile_seconds=sum((step.seconds for step in compiled), 0.0))
+
+
+def _callers_rows(respond: Callable, order: list[int], G: int, calls: list) -> list:
+    """episodes.respond on the caller's row ids: the decode loop's rows are the sorted prompts'."""
+    return respond([(order[r // G] * G + r % G, tokens) for r, tokens in calls])
+
+
+class Draw:
+    """Logits to tokens and their logprobs, (rows, V') -> (rows,), (rows,): logits_fn, then
+    sampling.sample under the config's temperature, top-k and top-p. Beside a compiled decode step
+    the draw is compiled too (sampling.sample_raced: its elementwise work fused), its race's clocks
+    wound eagerly before it: a traced graph holds no torch.Generator."""
+
+    def __init__(self, cfg: RolloutConfig, generator: torch.Generator,
+                 logits_fn: Callable[[Tensor], Tensor], compiled: bool):
+        self.cfg, self.generator, self.logits_fn = cfg, generator, logits_fn
+        self.compiled = CompiledStep(sample_raced) if compiled else None
+
+    def __call__(self, logits: Tensor) -> tuple[Tensor, Tensor]:
+        logits = self.logits_fn(logits)
+        cfg = self.cfg
+        if self.compiled is None:
+            return sample(logits, cfg.temperature, cfg.top_k, cfg.top_p, self.generator)
+        clocks = race_clocks(logits, cfg.temperature, self.generator)
+        return self.compiled(logits, cfg.temperature, cfg.top_k, cfg.top_p, clocks)
+
+
+def _decode(decoder: Decoder, rows: Rows, draw: Callable[[Tensor], tuple[Tensor, Tensor]],
+            stop_ids: tuple[int, ...], check_every: int, episodes: Episodes | None) -> dict:
+    """Steps 3-5 of the module docstring, one loop for plain and multi-turn rows, filling rows in
+    place: feed each active row its last token and draw its next, until every row has ended. The
+    check comes every check_every steps (on a CPU also as soon as a row draws a call: a check
+    costs no sync there, decoding past the call does). Returns the stats."""
+    device = rows.tokens.device
+    calls = torch.tensor(episodes.call_ids if episodes else (), dtype=torch.long, device=device)
+    ends = torch.cat([torch.tensor(stop_ids, dtype=torch.long, device=device), calls])
+    every = check_every if len(ends) else len(rows.tokens)  # nothing to look for: no check
+    stop_at_calls = device.type == "cpu" and len(calls) > 0
+    tokens = rows.tokens[0].clone()  # (N,) each active row's last token
+    drew_end = torch.isin(tokens, ends)  # (N,) drew a call or a stop since the last check
+    stats = dict(decode_steps=0, row_steps=0, compactions=0)
+    if episodes:
+        stats["tool_turns"] = 0
+    while True:
+        # 1. Decode every active row up to the next check, within every row's budget.
+        active = decoder.layout.rows
+        steps = min(every - (stats["decode_steps"] + 1) % every, rows.budget(active))
+        ran = 0
+        for ran in range(1, steps + 1):
+            tokens, logprobs = draw(decoder.step(tokens))  # (N,)
+            rows.write(decoder.fed + 1, decoder.rows, tokens, logprobs)
+            drew_end |= torch.isin(tokens, ends)
+            if stop_at_calls and torch.isin(tokens, calls).any():
+                break  # a row called: on a CPU the check costs no sync, decoding past it does
+        rows.moved_on(active, ran)
+        stats["decode_steps"] += ran
+        stats["row_steps"] += ran * len(active)
+        # 2. The check (the only host sync): each row that drew a call or a stop is cut after it.
+        waiting = rows.check(active, drew_end.nonzero()[:, 0].tolist(), stop_ids, episodes)
+        # 3. The tool answers the rows that called.
+        feeds = rows.answer(waiting, episodes, decoder.model.config.vocab_size) if waiting else []
+        # 4. Ended rows leave. A CUDA graph's re-capture costs about a step: while the rows
+        # replay one (in lockstep, no tool turn), they leave once 1/8 of them have ended.
+        keep = [i for i, r in enumerate(active) if not rows.ended[r]]
         if not keep:
             break
-        active = len(decoder.layout.rows)
-        if len(keep) == active or (decoder.graphed and len(keep) > active * 7 // 8):
-            continue
-        decoder.drop(keep, filled=t + 1)
-        compactions += 1
-        keep_t = torch.tensor(keep, device=tokens.device)
-        tokens = tokens[keep_t]
-        finished = finished[keep_t]
-    return dict(decode_steps=decode_steps, row_steps=row_steps, compactions=compactions)
+        graph = decoder.graphed and decoder.lockstep and not waiting
+        if len(keep) < len(active) and not (graph and len(keep) > len(active) * 7 // 8):
+            decoder.drop(keep, filled=max(rows.length[active[i]] for i in keep) - 1)
+            tokens = tokens[torch.tensor(keep, device=device)]
+            stats["compactions"] += 1
+        drew_end = torch.zeros_like(tokens, dtype=torch.bool)
+        # 5. The answered rows are extended and draw their next token.
+        if feeds:
+            tokens, drew_end = _extend(decoder, rows, feeds, tokens, draw, ends)
+            stats["tool_turns"] += len(feeds)
+            stats["row_steps"] += len(feeds)
+        if not decoder.lockstep:  # each row goes on from its own last token
+            decoder.seek([rows.length[r] - 1 for r in decoder.layout.rows])
+    return stats
+
+
+def _extend(decoder: Decoder, rows: Rows, feeds: list[tuple[int, list[int], int]],
+            tokens: Tensor, draw: Callable, ends: Tensor) -> tuple[Tensor, Tensor]:
+    """Step 5: each answered row's [call token; observation] prefilled into its own cache at its
+    place (Decoder.extend), and its next token drawn from the last one's logits. tokens (N,) each
+    active row's last token -> the same with the answered rows' drawn ones, and which drew a
+    call or a stop."""
+    device = tokens.device
+    place = {r: i for i, r in enumerate(decoder.layout.rows)}
+    answered = [r for r, _, _ in feeds]
+    picks = [place[r] for r in answered]  # each answered row's place among the active
+    logits = decoder.extend(picks, [f for _, f, _ in feeds], [j for _, _, j in feeds])
+    drawn, logprobs = draw(logits)  # (k,)
+    at = torch.tensor([rows.length[r] for r in answered], device=device)
+    rows.write(at, torch.tensor(answered, device=device), drawn, logprobs)
+    rows.moved_on(answered, 1)
+    places = torch.tensor(picks, device=device)  # (k,)
+    drew_end = torch.zeros_like(tokens, dtype=torch.bool).index_copy_(0, places,
+                                                                      torch.isin(drawn, ends))
+    return tokens.index_copy(0, places, drawn), drew_end
 
 
 # -----------------------------------------------------------------------------

@@ -2,13 +2,13 @@
 GRPO training, end to end: `python train.py` on a CPU, `torchrun --nproc_per_node=N train.py` on
 GPUs.
 
-setup() builds everything once: process groups, the task, tokenizer and model (plus a sampler copy
-in another dtype and a frozen reference when asked), the optimizer and the memory phases. step() is
-one GRPO step, docs/design.md's data flow in numbered pieces:
+setup() builds everything once: process groups, the task, the policy (policy.py: the trainer and
+its tokenizer, a sampler copy in another dtype and a frozen reference when asked), the optimizer and
+the memory phases. step() is one GRPO step, docs/design.md's data flow in numbered pieces:
 
     1. draw the step's prompts (a function of seed and step: a resumed run draws the same ones)
     2. rollout phase: sync the sampler's weights from the trainer, sample G completions per prompt
-       (with a task's tool, multi-turn episodes: tools.py answers, episodes.py continues the row)
+       (with a task's tool, multi-turn episodes: tools.py answers, rollout.py continues the row)
     3. decode the completions and score them with the task's reward functions
     4. group advantages over every dp rank's rewards; --dynamic_sampling repeats 1-4 (DAPO)
     5. old logprobs (mu > 1; at mu = 1 they are the loss's logp.detach()), reference (beta > 0)
@@ -21,19 +21,20 @@ plot.py), and clean stops (Ctrl-C or SIGTERM: finish the step, checkpoint, exit 
 run going nowhere: one line and a checkpoint).
 
 Parallelism: world = tp x dp. The tp ranks of a dp group hold one sharded model (tp.py) and see the
-same prompts and tokens; each dp group takes its own slice of the prompts; gradients are summed over
-dp (dp.py gathers rewards and sums counts). Loss normalisers count the whole generation batch on
-all ranks, so the update does not depend on how the batch is split.
+same prompts and tokens (the first calls the task's tool: tp.on_first_rank); each dp group takes its
+own slice of the prompts; gradients are summed over dp (dp.py gathers rewards and sums counts and
+metrics). Loss normalisers count the whole generation batch on all ranks, so the update does not
+depend on how the batch is split.
 
 Each knob lives in the dataclass of the file that uses it; `--field value` is routed to its owner
-(cli.py). --dtype bfloat16: fp32 master weights and AdamW state, bf16 autocast, a bf16 sampler.
+(cli.py). --dtype bfloat16: fp32 master weights and AdamW state, bf16 autocast, a bf16 sampler
+(policy.py).
 Leaves out: pipeline parallelism, multi-node launch details, wandb.
 Shapes: Bp prompts, G samples per prompt, N = Bp*G completions, Tr completion length.
 Tested by tests/test_train.py.
 """
 
 import contextlib
-import copy
 import dataclasses
 import math
 import os
@@ -53,17 +54,17 @@ import compiling
 import dp
 import grpo
 import memory
-import packing
 import plan
 import plot
+import policy
 import report
 import rollout
 import tools
 import tp
 import tasks
 import tokenizer as tk
-from hf import load_config, load_generation_config, load_model, stop_token_ids
-from model import Llama, ModelConfig
+from hf import load_config, load_generation_config, stop_token_ids
+from model import Llama
 from tasks import Task
 
 # -----------------------------------------------------------------------------
@@ -164,73 +165,6 @@ def together(run, fn, *args):
     return result
 
 
-def build_model(cfg: TrainConfig, task: Task, source: str, device: torch.device,
-                groups: tp.ParallelGroups) -> tuple[Llama, tk.PromptTokenizer]:
-    """From a HF directory (--model, or a checkpoint being resumed: its fp32 master/ when it has
-    one), or fresh: a char tokenizer for the task's alphabet and a tiny Llama initialised from the
-    seed (the same on every rank). In the trainer's dtype: float32 under bf16 mixed precision."""
-    dtype = master_dtype(cfg)
-    if source:
-        weights = checkpoint.master_dir(source) or source
-        if groups.tp_size > 1:
-            model = tp.load_sharded(weights, groups, device, dtype)  # each rank reads its slice
-        else:
-            model = load_model(weights, device=device, dtype=dtype)
-        return model, tk.load_tokenizer(source, model.config.vocab_size)
-    if not task.alphabet:
-        raise ValueError(f"task {task.name} has no alphabet for a fresh tokenizer: pass --model "
-                         "DIR")
-    tokenizer = tk.PromptTokenizer(tk.build_char_tokenizer(task.alphabet))
-    mcfg = ModelConfig(vocab_size=tokenizer.num_ids, hidden_size=cfg.dim,
-                       intermediate_size=cfg.dim * 11 // 4, num_hidden_layers=cfg.layers,
-                       num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
-                       max_position_embeddings=1024,
-                       bos_token_id=tokenizer.tok.token_to_id("<bos>"),
-                       eos_token_id=tokenizer.tok.token_to_id("<eos>"))
-    model = Llama(mcfg).init_weights(cfg.seed).to(device=device, dtype=dtype)  # same on every rank
-    if groups.tp_size > 1:
-        tp.shard_model(model, groups)
-    return model, tokenizer
-
-
-def compile_model(cfg: TrainConfig, model: Llama, device: torch.device,
-                  groups: tp.ParallelGroups) -> list[str]:
-    """--compile_blocks: the blocks' training forward compiled once per model (compiling.py); torch's
-    caches in --compile_cache (for the decode step's compile too: --compile_decode, rollout.py);
-    and on CUDA the training attention's route (packing.cuda_route). Returns the lines the first
-    step prints: what was compiled, or why not, and any fallback."""
-    cache = compiling.use_cache(cfg.compile_cache)
-    notes = []
-    if device.type == "cuda":
-        dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else master_dtype(cfg)
-        notes.append(packing.cuda_route(dtype, model.config.head_dim)[1])
-    if cfg.compile_blocks == "false" or (cfg.compile_blocks == "auto" and device.type != "cuda"):
-        return notes
-    why = compiling.unsupported()
-    if not why and groups.tp_size > 1:
-        why = "a tensor-parallel block has collectives inside it"
-    if why:
-        return notes + [f"--compile_blocks: the blocks run eager: {why}"]
-    compiling.compile_blocks(model.model.layers)
-    return notes + [f"compile: each block's training forward, one graph for every layer and "
-                    f"length, paid at the first step (caches in {cache})"]
-
-
-def master_dtype(cfg: TrainConfig) -> torch.dtype:
-    """The trainer's weights and AdamW state: float32 under bf16 (an AdamW step of 1e-6 on a weight
-    of 0.02 is below bf16's resolution: bf16 weights would round most updates away)."""
-    return torch.float32 if cfg.dtype == "bfloat16" else getattr(torch, cfg.dtype)
-
-
-def autocast(run: "Run"):
-    """bf16 forward and backward from the fp32 master (FSDP's and Megatron's mixed precision).
-    Autocast, not a bf16 working copy refreshed after each step: tests/bench_bf16.py measures both
-    (docs/measurements.md); autocast keeps the gradients fp32 across micro-batches and ranks."""
-    if run.cfgs.train.dtype != "bfloat16":
-        return contextlib.nullcontext()
-    return torch.autocast(run.device.type, dtype=torch.bfloat16)
-
-
 def learning_rate(cfg: TrainConfig, opt_step: int, total: int) -> float:
     """Linear warmup, then cosine decay to min_lr_ratio * lr."""
     if opt_step < cfg.warmup_steps:
@@ -300,14 +234,12 @@ def setup(values: dict[str, object]) -> Run:
     budget = cfgs.rollout.max_new_tokens or task.max_new_tokens or 256  # 0: the task's own
     cfgs.rollout = dataclasses.replace(cfgs.rollout, max_new_tokens=budget)
     cli.check_budget(budget, load_config(source).max_position_embeddings if source else 1024)
-    model, tokenizer = build_model(cfg, task, source, device, groups)
+    # The trainer, the sampler and the reference (the initial policy: built before any checkpoint
+    # is loaded), compiled and checkpointed as the flags say.
+    model, tokenizer, sampler, reference, built = policy.build(cfgs, task, source, resume_dir,
+                                                               device, groups)
+    notes += built
     generation_config = load_generation_config(source) if source else None
-    # The reference is the initial policy (built before any checkpoint is loaded).
-    reference = None
-    if cfgs.grpo.beta > 0:  # on resume, rebuilt from --model (or the seed): the initial policy
-        reference = (build_model(cfg, task, cfg.model, device, groups)[0] if resume_dir
-                     else copy.deepcopy(model)).requires_grad_(False)
-    sampler = rollout.sampler_for(model, getattr(torch, cfg.sampler_dtype or cfg.dtype))
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.99),
                                   weight_decay=cfg.weight_decay, fused=True)  # plan.py's NOTE
     start = 0
@@ -318,9 +250,6 @@ def setup(values: dict[str, object]) -> Run:
                                       cfg.max_prompt_len, cfgs.rollout.max_new_tokens,
                                       next(sampler.parameters()).dtype, device,
                                       tp_size=groups.tp_size)
-    notes += compile_model(cfg, model, device, groups)
-    memory.checkpoint_blocks(model.model.layers, cfgs.memory.activation_checkpoint)
-    memory.grads_into_weight(model.model.embed_tokens)
     mem = plan.memory_phases(device, cfgs.memory, model, sampler, cache, optimizer, reference)
     plan.fit(mem, cfgs, model, sampler, reference, local_prompts, groups.tp_size, device.type,
              explicit)  # --memory_budget's micro-batch and chunk, or the default's bound
@@ -392,29 +321,14 @@ def episodes_for(run: Run, examples: list[tuple], G: int) -> tools.Responder | N
     return tools.Responder(run.task, run.tokenizer, examples, G, run.cfgs.tools, run.cfgs.prompt)
 
 
-def tp_tool_answers(run: Run, responder: tools.Responder, calls: list) -> list:
-    """The tool's answers under tensor parallelism: the tp ranks hold the same rows, so the first
-    calls the tool and broadcasts its answers, or its failure (a tool need not be
-    deterministic)."""
-    answer = [None]
-    if run.groups.tp_rank == 0:
-        try:
-            answer = [responder(calls)]
-        except tools.ToolFailure as e:
-            answer = [str(e)]
-    first = dist.get_global_rank(run.groups.tp_group, 0)
-    dist.broadcast_object_list(answer, src=first, group=run.groups.tp_group)
-    if isinstance(answer[0], str):  # said once, by the rank that called
-        raise tools.ToolFailure(answer[0] if run.groups.tp_rank == 0 else "")
-    return answer[0]
-
-
 def sample(run: Run, prompts: list[list[int]], cfg: rollout.RolloutConfig, seed: int | None,
            responder: tools.Responder | None) -> rollout.Rollout:
     """rollout.generate with this run's sampler, cache and stops, and the task's tool."""
     episodes = None
     if responder is not None:
-        respond = responder if run.groups.tp_size == 1 else partial(tp_tool_answers, run, responder)
+        # Under tensor parallelism the first tp rank calls the tool, the others get its answers.
+        respond = responder if run.groups.tp_size == 1 else partial(
+            tp.on_first_rank, responder, run.groups, tools.ToolFailure)
         episodes = rollout.Episodes(respond, run.call_ids, run.cfgs.tools.max_turns)
     with run.phase("rollout"):
         rollout.sync_weights(run.sampler, run.model)
@@ -496,10 +410,10 @@ def step(run: Run, step: int) -> tuple[dict, list[dict]]:
     # 5. Old and reference logprobs, without grad.
     t0 = time.perf_counter()
     if g.mu > 1:  # at mu = 1 the ratio is to the current policy: logp.detach() in the loss
-        with autocast(run):
+        with policy.autocast(run.cfgs.train, run.device):
             batch.old_logp = grpo.batch_logprobs(run.model, batch, g, logprob_fn=run.logprob_fn)
     if run.reference is not None:
-        with run.phase("reference"), autocast(run):
+        with run.phase("reference"), policy.autocast(run.cfgs.train, run.device):
             batch.ref_logp = grpo.batch_logprobs(run.reference, batch, g,
                                                  logprob_fn=run.logprob_fn)
     times = {"rollout": counts.pop("rollout"), "logprobs": time.perf_counter() - t0}
@@ -529,7 +443,7 @@ def train_phase(run: Run, batch: grpo.GRPOBatch) -> list[dict]:
             run.optimizer.zero_grad(set_to_none=True)
             sp = (tp.sequence_parallel(run.model, cfgs.parallel.sequence_parallel)
                   if run.groups.tp_size > 1 else contextlib.nullcontext())
-            with sp, run.mem.activations(run.model), autocast(run):
+            with sp, run.mem.activations(run.model), policy.autocast(cfgs.train, run.device):
                 m = grpo.accumulate(run.model, batch, cfgs.grpo, logprob_fn=run.logprob_fn,
                                     num_seqs=int(num_seqs), num_tokens=max(1, int(num_tokens)),
                                     before_backward=trim)  # the CPU's heap: memory.py
@@ -550,23 +464,8 @@ def train_phase(run: Run, batch: grpo.GRPOBatch) -> list[dict]:
                 run.optimizer.step()
             run.opt_step += 1
             run.optimizer.zero_grad(set_to_none=True)
-            iterations.append(reduce_iteration(run, m, m["tokens"]))
+            iterations.append(dp.reduce_metrics(m, m["tokens"], run.groups, run.device))
     return iterations
-
-
-def reduce_iteration(run: Run, m: dict, tokens: float) -> dict:
-    """One iteration's metrics over the dp ranks: the loss summed (each is normalised by global
-    counts), the min of *_min and max of *_max, token-weighted means of the rest."""
-    extremes = {k: -1 if k.endswith("_min") else 1 for k in sorted(m) if k[-4:] in ("_min", "_max")}
-    keys = sorted(k for k in m if k not in ("loss", "tokens", "grad_norm", "updated", "finite",
-                                            *extremes))
-    sums = dp.all_reduce([m["loss"], tokens] + [m[k] * tokens for k in keys], run.groups,
-                         run.device)
-    peaks = dp.all_reduce([s * m[k] for k, s in extremes.items()], run.groups, run.device,
-                          dist.ReduceOp.MAX)
-    return dict(loss=sums[0], grad_norm=m["grad_norm"], updated=m["updated"], finite=m["finite"],
-                **{k: s / max(sums[1], 1.0) for k, s in zip(keys, sums[2:])},
-                **{k: s * p for (k, s), p in zip(extremes.items(), peaks)})
 
 
 def step_record(run: Run, step: int, rewards: torch.Tensor, counts: dict,
@@ -630,14 +529,9 @@ def print_plan(argv: list[str]) -> int:
     world = int(os.environ.get("WORLD_SIZE", 1))
     groups = tp.ParallelGroups(None, None, tp_size=cfgs.parallel.tp,
                                dp_size=max(1, world // cfgs.parallel.tp))
-    with torch.device("meta"):  # shapes only
-        if cfg.model:
-            model = tp.shard_model(Llama(load_config(cfg.model)).to(master_dtype(cfg)), groups)
-        else:
-            model = build_model(cfg, task, "", torch.device("meta"), groups)[0]
     budget = cfgs.rollout.max_new_tokens or task.max_new_tokens or 256  # as setup()
     cfgs.rollout = dataclasses.replace(cfgs.rollout, max_new_tokens=budget)
-    sampler = rollout.sampler_for(model, getattr(torch, cfg.sampler_dtype or cfg.dtype))
+    model, sampler = policy.shapes(cfg, task, groups)
     plan.print_run_plan(cfgs, model, sampler, groups.tp_size, groups.dp_size, values)
     return 0
 

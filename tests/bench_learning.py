@@ -205,7 +205,8 @@ def supervised(name: str, steps: int, seed: int = 0) -> tuple[float, float]:
     t0 = time.perf_counter()
     task = tasks.load_task(task_spec(name), "")
     cfg = train.TrainConfig(seed=seed)
-    model, tokenizer = train.build_model(cfg, task, "", torch.device("cpu"), tp.make_groups(1))
+    model, tokenizer = train.policy.build_model(cfg, task, "", torch.device("cpu"),
+                                                tp.make_groups(1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.99))
     bos = model.config.bos_token_id
     eos = model.config.eos_token_id

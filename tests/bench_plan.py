@@ -23,7 +23,7 @@ phase is also a torch.profiler.record_function range.
 Below the table: train.py --plan with the same flags, and its peak against the measured one.
 
 Below the table: the bytes the completions' attention over the shared prompt saves for backward
-as K/V copied per row and as masks (0 with attention.SharedPrefixAttention; --repeated_prompt runs
+as K/V copied per row and as masks (0 with attention.SharedPromptAttentionPadded; --repeated_prompt runs
 its repeated-prompt twin instead, the baseline of that row).
 
 Run: python tests/bench_plan.py [--P 64,512] [--steps 2] [--repeated_prompt] [--model DIR]
@@ -188,15 +188,15 @@ class AttentionSaves:
     """Bytes the completions' prompt attention saves for backward, summed over the layers of a
     micro-batch (the largest micro-batch kept): keys and values longer than the row's own tokens
     (the prompt's K/V copied per row) and masks (bool or additive, one head wide). `repeated`
-    runs the repeated-prompt twin (attention.repeated_prefix_attention) in place of
-    attention.SharedPrefixAttention."""
+    runs the repeated-prompt twin (attention.shared_prompt_attention_repeated) in place of
+    attention.SharedPromptAttentionPadded."""
 
     def __init__(self, repeated: bool):
         import packing
         self.totals = {"prompt K/V per row": 0, "mask": 0}
         self.current = dict(self.totals)
         packing.CPU_FLASH = packing.CPU_FLASH and not repeated
-        build = packing.shared_prompt_attention
+        build = packing.padded_rows_attention
 
         def counted(*args, **kwargs):
             attend = build(*args, **kwargs)
@@ -210,7 +210,7 @@ class AttentionSaves:
                         lambda t: self.count(t, q.shape) or t.detach(), lambda t: t):
                     return attend(q, k, v, pk, pv)
             return hooked
-        packing.shared_prompt_attention = counted
+        packing.padded_rows_attention = counted
 
     def count(self, t, q_shape) -> None:
         N, _, T, _ = q_shape

@@ -113,14 +113,14 @@ def engine(model: Llama, prompts: list[list[int]], num_samples: int, seed: int) 
     return out.stats
 
 
-def linear_roofline(model: Llama, rows: int, repeats: int = 20, packed: bool = False) -> tuple[float, float]:
+def linear_roofline(model: Llama, rows: int, repeats: int = 20, prepacked: bool = False) -> tuple[float, float]:
     """Measured GFLOP/s of the decode linears (all layers + lm_head) at `rows` rows, and the tokens/s
-    ceiling that rate allows if everything else were free. packed: the same linears as generate runs
-    them on the CPU (rollout._packed_linears: oneDNN, weights prepacked), else F.linear."""
+    ceiling that rate allows if everything else were free. prepacked: the same linears as generate runs
+    them on the CPU (rollout._prepacked_linears: oneDNN, weights prepacked), else F.linear."""
     device = next(model.parameters()).device
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     x = {m.weight.shape[1]: torch.randn(rows, m.weight.shape[1], device=device) for m in linears}
-    with torch.inference_mode(), rollout._packed_linears(torch.nn.ModuleList(linears), rows, packed):
+    with torch.inference_mode(), rollout._prepacked_linears(torch.nn.ModuleList(linears), rows, prepacked):
         for _ in range(2):
             [m(x[m.weight.shape[1]]) for m in linears]
         sync(device)
@@ -216,8 +216,8 @@ def breakdown(model: Llama, P: int, rounds: int = 3) -> None:
 
 
 def fused_vs_generic(model: Llama, P: int, rounds: int) -> None:
-    """Decode tokens/s of the CPU's fused prompt attention (decode.fused_prefix_attention) next to
-    the generic path (attention.prefix_attention with a mask, what CUDA runs), interleaved rounds."""
+    """Decode tokens/s of the CPU's fused prompt attention (decode.shared_prompt_attention_decode_cpu) next to
+    the generic path (attention.shared_prompt_attention with a mask, what CUDA runs), interleaved rounds."""
     prompts = torch.randint(model.config.vocab_size, (NUM_PROMPTS, P), generator=torch.Generator().manual_seed(0)).tolist()
     fused = decode._CPU_FLASH
     best = {"fused": float("inf"), "generic": float("inf")}
@@ -368,8 +368,8 @@ def step_decoder(route: str, cfg: ModelConfig, Bp: int, G: int, P: int, Tc: int,
                  device: torch.device) -> tuple[decode.Decoder, torch.Tensor]:
     """A decoder at a graph-style step (every completion slot attended under the step's mask; the
     CPU's eager route: the written keys alone), Bp prompts x G rows, the last two prompts padded,
-    random weights. route: "float32" (prefix_attention's plain ops), "bf16 kernel" (CUDA's
-    kernel_prefix_attention; on a CPU, SDPA's fused CPU kernel runs in the CUDA kernel's place
+    random weights. route: "float32" (shared_prompt_attention's plain ops), "bf16 kernel" (CUDA's
+    shared_prompt_attention_decode_cuda; on a CPU, SDPA's fused CPU kernel runs in the CUDA kernel's place
     through the same code), "bf16 kernel, compiled" (the same through torch.compile) or "cpu
     fused" (the CPU's eager path, float32)."""
     dtype = torch.bfloat16 if route.startswith("bf16") else torch.float32
@@ -537,10 +537,10 @@ def main() -> None:
     for P in lengths:
         prompts = torch.randint(model.config.vocab_size, (NUM_PROMPTS, P), generator=gen).tolist()
         engine(model, prompts, G, 0)  # warm-up: first calls of every shape are slow on the CPU
-        runs: dict[str, list] = {"engine": [], "naive": [], "hf": [], "ceiling": [], "packed": []}
+        runs: dict[str, list] = {"engine": [], "naive": [], "hf": [], "ceiling": [], "prepacked": []}
         for _ in range(rounds):
             runs["ceiling"].append(linear_roofline(model, NUM_PROMPTS * G))
-            runs["packed"].append(linear_roofline(model, NUM_PROMPTS * G, packed=True))
+            runs["prepacked"].append(linear_roofline(model, NUM_PROMPTS * G, prepacked=True))
             runs["engine"].append(engine(model, prompts, G, 1))
             runs["naive"].append(naive_generate(model, prompts, G, NEW, 1))
             if hf_model is not None:
@@ -551,7 +551,7 @@ def main() -> None:
         e, n = (min(runs[k], key=lambda r: r["seconds"]) for k in ("engine", "naive"))
         h = min(runs["hf"], key=lambda r: r["seconds"]) if runs["hf"] else None
         gflops, ceiling = max(runs["ceiling"])
-        table.append((P, e, n, h, gflops, ceiling, max(runs["packed"])[0]))
+        table.append((P, e, n, h, gflops, ceiling, max(runs["prepacked"])[0]))
 
     print("\n  P | engine tok/s | naive tok/s | HF tok/s | engine/naive | engine/HF | prompt KV engine | naive")
     for P, e, n, h, gflops, ceiling, _ in table:
@@ -560,13 +560,13 @@ def main() -> None:
         print(f"{P:4d} | {new_tokens / e['seconds']:12,.0f} | {new_tokens / n['seconds']:11,.0f} | {hf_cell}"
               f"{n['seconds'] / e['seconds']:11.1f}x | {hf_ratio} | {e['prompt_kv_bytes'] / 2**20:13.2f} MiB | "
               f"{n['prompt_kv_bytes'] / 2**20:.2f} MiB")
-    for P, e, n, h, gflops, ceiling, packed in table:
+    for P, e, n, h, gflops, ceiling, prepacked in table:
         decode = new_tokens * (NEW - 1) / NEW / (e["seconds"] - e["prefill_seconds"])
         print(f"P = {P}: engine prefill {e['prefill_seconds']:.3f}s of {e['seconds']:.3f}s; decode alone "
               f"{decode:,.0f} tokens/s, {decode / ceiling * gflops:.0f} GFLOP/s in its linears = {decode / ceiling:.0%}"
               f" of the same linears' matmuls alone (F.linear) at {NUM_PROMPTS * G} rows, measured in the same "
               f"rounds ({gflops:.0f} GFLOP/s -> {ceiling:,.0f} tokens/s); "
-              f"{decode / ceiling * gflops / packed:.0%} of them prepacked as generate runs them ({packed:.0f} GFLOP/s)")
+              f"{decode / ceiling * gflops / prepacked:.0%} of them prepacked as generate runs them ({prepacked:.0f} GFLOP/s)")
     print(f"load average {os.getloadavg()[0]:.1f} at the end")
     if quick or model_dir:
         return

@@ -1,10 +1,10 @@
 """The completions' attention over their group's shared prompt, forward + backward, three ways:
 
-- repeated: attention.repeated_prefix_attention, the prompt's K/V repeated for each of the G rows of
+- repeated: attention.shared_prompt_attention_repeated, the prompt's K/V repeated for each of the G rows of
   its group and one fused SDPA call under an (N, 1, T, P + T) mask (the baseline, the slow twin);
-- lse merge: attention.prefix_attention, the G rows folded into the query length against the one
+- lse merge: attention.shared_prompt_attention, the G rows folded into the query length against the one
   prompt K/V, two plain softmaxes merged by log-sum-exp (autograd through matmuls);
-- flash: attention.SharedPrefixAttention, the same folding in two fused CPU flash kernels, merged by
+- flash: attention.SharedPromptAttentionPadded, the same folding in two fused CPU flash kernels, merged by
   log-sum-exp, backward through the flash backward (what grpo.shared_prompt_hidden runs).
 An expanded stride-0 view of the prompt is no fourth way: SDPA takes one key tensor, and
 [prompt; own] keys in one tensor is a concatenation, a copy whatever the prompt's strides (and
@@ -42,9 +42,9 @@ def variants(P: int) -> dict:
     prompt_bias = torch.zeros(Bp, 1, 1, P)
     own_bias = torch.zeros(T, T).masked_fill(~own, -math.inf).repeat(H // Hkv, 1)[None, None]
     return {
-        "repeated": lambda q, k, v, pk, pv: attention.repeated_prefix_attention(q, k, v, pk, pv, valid),
-        "lse merge": lambda q, k, v, pk, pv: attention.prefix_attention(q, k, v, own[None], pk, pv, valid),
-        "flash": lambda q, k, v, pk, pv: attention.SharedPrefixAttention.apply(q, k, v, pk, pv,
+        "repeated": lambda q, k, v, pk, pv: attention.shared_prompt_attention_repeated(q, k, v, pk, pv, valid),
+        "lse merge": lambda q, k, v, pk, pv: attention.shared_prompt_attention(q, k, v, own[None], pk, pv, valid),
+        "flash": lambda q, k, v, pk, pv: attention.SharedPromptAttentionPadded.apply(q, k, v, pk, pv,
                                                                       prompt_bias, own_bias),
     }
 

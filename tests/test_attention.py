@@ -13,7 +13,7 @@ import tolerance
 from attention import Segments
 
 
-def test_prefix_attention_equals_concatenated_keys_values_and_grads():
+def test_shared_prompt_attention_equals_concatenated_keys_values_and_grads():
     torch.manual_seed(0)
     Bp, G, H, Hkv, P, T, D = 2, 3, 4, 2, 5, 4, 8
     q = torch.randn(Bp * G, H, T, D, dtype=torch.float64, requires_grad=True)
@@ -24,8 +24,8 @@ def test_prefix_attention_equals_concatenated_keys_values_and_grads():
     valid = torch.ones(Bp, P, dtype=torch.bool)
     valid[1, 3:] = False  # right padding of the second prompt
     own = torch.ones(T, T, dtype=torch.bool).tril()[None]
-    out = attention.prefix_attention(q, k, v, own, pk, pv, valid)
-    # Slow twin: copy the prefix G times, concatenate, one masked softmax.
+    out = attention.shared_prompt_attention(q, k, v, own, pk, pv, valid)
+    # Slow twin: copy the prompt G times, concatenate, one masked softmax.
     K = torch.cat([pk.repeat_interleave(G, 0), k], 2)
     V = torch.cat([pv.repeat_interleave(G, 0), v], 2)
     mask = torch.cat([valid.repeat_interleave(G, 0)[:, None, :].expand(-1, T, -1), own.expand(Bp * G, -1, -1)], 2)
@@ -40,7 +40,7 @@ def test_prefix_attention_equals_concatenated_keys_values_and_grads():
 
 def assert_values_and_grads_equal(out, ref, inputs, depth: int) -> tuple:
     """out equals ref, and so do their gradients (of a random projection) with respect to the
-    inputs q, k, v, prefix_k, prefix_v; returns out's gradients. The same math summed in another
+    inputs q, k, v, prompt_k, prompt_v; returns out's gradients. The same math summed in another
     order: float64 to 1e-12; float32 from `depth`, the longest chain of sums behind a value or a
     gradient, at that tensor's magnitude (tests/tolerance.py)."""
     def tol(want: torch.Tensor) -> dict:
@@ -51,16 +51,16 @@ def assert_values_and_grads_equal(out, ref, inputs, depth: int) -> tuple:
     w = torch.randn_like(ref)
     got = torch.autograd.grad((out * w).sum(), inputs)
     want = torch.autograd.grad((ref * w).sum(), inputs)
-    for name, a, b in zip("q k v prefix_k prefix_v".split(), got, want):
+    for name, a, b in zip("q k v prompt_k prompt_v".split(), got, want):
         torch.testing.assert_close(a, b, **tol(b), msg=name)
     return got
 
 
 @pytest.mark.skipif(not attention.CPU_FLASH, reason="this torch has no CPU flash attention kernels")
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_shared_prefix_attention_equals_repeated_prefix_values_and_grads(dtype):
+def test_shared_prompt_attention_padded_equals_the_repeated_prompt_values_and_grads(dtype):
     """The training path (two flash kernels, merged by log-sum-exp, flash backward with the merged
-    output) against its slow twin (the prefix copied per row, one masked SDPA), ragged prefixes,
+    output) against its slow twin (the prompt copied per row, one masked SDPA), ragged prompts,
     GQA (rep 2). Only the summation order differs: a score sums D terms, a softmax and its
     output the P + T keys, a prompt key's gradient the G*rep*T queries of its group."""
     torch.manual_seed(0)
@@ -75,16 +75,16 @@ def test_shared_prefix_attention_equals_repeated_prefix_values_and_grads(dtype):
     prompt_bias = prompt_bias.masked_fill(~valid[:, None, None], -math.inf)
     future = torch.ones(T, T, dtype=torch.bool).triu(1)
     own_bias = torch.zeros(T, T, dtype=dtype).masked_fill(future, -math.inf).repeat(H // Hkv, 1)
-    out = attention.SharedPrefixAttention.apply(q, k, v, pk, pv, prompt_bias, own_bias[None, None])
-    ref = attention.repeated_prefix_attention(q, k, v, pk, pv, valid)
+    out = attention.SharedPromptAttentionPadded.apply(q, k, v, pk, pv, prompt_bias, own_bias[None, None])
+    ref = attention.shared_prompt_attention_repeated(q, k, v, pk, pv, valid)
     depth = D + P + T + G * (H // Hkv) * T
     got = assert_values_and_grads_equal(out, ref, [q, k, v, pk, pv], depth)
-    assert got[3][1, :, 4:].abs().max() == 0  # the padding of prefix 1 gets no gradient
+    assert got[3][1, :, 4:].abs().max() == 0  # the padding of prompt 1 gets no gradient
 
 
 @pytest.mark.skipif(not attention.CPU_FLASH, reason="this torch has no CPU flash attention kernels")
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_ragged_prefix_attention_equals_repeated_prefix_values_and_grads(dtype):
+def test_shared_prompt_attention_ragged_equals_the_repeated_prompt_values_and_grads(dtype):
     """The packed route (rows of any lengths back to back: each group's tokens folded against its
     prompt, rows in buckets of like lengths) against the slow twin on the same rows padded: rows
     of 0 to 9 tokens, a group of empty rows, ragged prompts, GQA (rep 2). Tolerances as above."""
@@ -106,14 +106,14 @@ def test_ragged_prefix_attention_equals_repeated_prefix_values_and_grads(dtype):
                            torch.zeros(0), prompt_lens, lens, (Bp, P, N, T))
     layout = packing.ragged_layout(fake, H // Hkv, dtype)
     bias = torch.zeros(Bp, P, dtype=dtype).masked_fill(~valid, -math.inf)[:, None, None]
-    out = attention.RaggedPrefixAttention.apply(q, k, v, pk, pv, bias, layout)  # (n, H, D)
+    out = attention.SharedPromptAttentionRagged.apply(q, k, v, pk, pv, bias, layout)  # (n, H, D)
     # The twin: the same tokens padded to (N, T) rows, the prompt repeated per row.
     where = (torch.arange(T) < lens[:, None]).flatten().nonzero()[:, 0]  # (n,) slots in N*T
 
     def padded(x):  # (n, h, D) -> (N, h, T, D)
         return x.new_zeros(N * T, *x.shape[1:]).index_put((where,), x).view(
             N, T, *x.shape[1:]).transpose(1, 2)
-    ref = attention.repeated_prefix_attention(padded(q), padded(k), padded(v), pk, pv, valid)
+    ref = attention.shared_prompt_attention_repeated(padded(q), padded(k), padded(v), pk, pv, valid)
     ref = ref.transpose(1, 2).reshape(N * T, H, D)[where]  # (n, H, D)
     depth = D + P + T + (H // Hkv) * n  # a prompt key's gradient: its group's queries, < n
     got = assert_values_and_grads_equal(out, ref, [q, k, v, pk, pv], depth)
@@ -138,7 +138,7 @@ def _segment_mask(seg: Segments, Tq: int, Tk: int) -> Tensor:
 
 def math_varlen(q: Tensor, k: Tensor, v: Tensor, seg: Segments) -> tuple[Tensor, ...]:
     """flash_varlen's slow twin in plain tensor ops, any device and dtype (float64 included): the
-    CPU stands it in for the CUDA kernel to test VarlenPrefixAttention's fold, merge and
+    CPU stands it in for the CUDA kernel to test SharedPromptAttentionVarlen's fold, merge and
     backward. The log-sum-exp in float32 (float64 for float64), as the kernel's."""
     dt = torch.promote_types(q.dtype, torch.float32)
     rep = q.shape[1] // k.shape[1]
@@ -192,12 +192,12 @@ def packed_mask(prompt_lens: list[int], row_lens: list[int], G: int) -> torch.Te
     segment, group, position = (torch.tensor(x) for x in (segment, group, position))
     is_prompt = torch.arange(len(segment)) < sum(prompt_lens)
     own = (segment[:, None] == segment[None, :]) & (position[None, :] <= position[:, None])
-    prefix = ~is_prompt[:, None] & is_prompt[None, :] & (group[:, None] == group[None, :])
-    return own | prefix
+    prompt_part = ~is_prompt[:, None] & is_prompt[None, :] & (group[:, None] == group[None, :])
+    return own | prompt_part
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_varlen_prefix_attention_equals_one_masked_softmax_values_and_grads(dtype):
+def test_shared_prompt_attention_varlen_equals_one_masked_softmax_values_and_grads(dtype):
     """The CUDA route's fold and merge (packing.varlen_layout's three calls: prompts causal, each
     group's rows against its prompt, each row causal; merged by log-sum-exp; backward with the
     merged output) with the kernel's math twin in its place, against one masked softmax over the
@@ -216,7 +216,7 @@ def test_varlen_prefix_attention_equals_one_masked_softmax_values_and_grads(dtyp
     def leaf(*shape):
         return torch.randn(*shape, dtype=dtype, requires_grad=True)
     q, k, v = leaf(L, H, D), leaf(L, Hkv, D), leaf(L, Hkv, D)
-    out = attention.VarlenPrefixAttention.apply(q, k, v, layout, MATH_VARLEN)  # (L, H, D)
+    out = attention.SharedPromptAttentionVarlen.apply(q, k, v, layout, MATH_VARLEN)  # (L, H, D)
     mask = packed_mask(prompt_lens, row_lens, G)
     ref = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                          attn_mask=mask, enable_gqa=True).transpose(0, 1)
@@ -232,4 +232,4 @@ def test_varlen_prefix_attention_equals_one_masked_softmax_values_and_grads(dtyp
     want = torch.autograd.grad((ref * w).sum(), [q, k, v])
     for name, a, b in zip("qkv", got, want):
         torch.testing.assert_close(a, b, **tol(b), msg=name)
-    assert (layout.prefix.max_q, layout.own.max_q, layout.prompts.max_k) == (13, 9, 7)
+    assert (layout.prompt_part.max_q, layout.own_part.max_q, layout.prompts.max_k) == (13, 9, 7)

@@ -96,12 +96,12 @@ def test_the_continued_cache_equals_a_fresh_prefill_of_the_whole_row(model, monk
     """Each row's own K/V after its episodes (observations prefilled at their positions, tokens
     decoded past a call overwritten) equals what one forward of prompt + episode writes."""
     decoders = []
-    real = rollout.decode_episodes
+    real = rollout._decode
 
     def keep(decoder, *args):
         decoders.append(decoder)
         return real(decoder, *args)
-    monkeypatch.setattr(rollout, "decode_episodes", keep)
+    monkeypatch.setattr(rollout, "_decode", keep)
     out = rollout.generate(model, PROMPTS, RolloutConfig(num_samples=2, max_new_tokens=20,
                                                          temperature=0, check_every=3),
                            episodes=episodes(3))  # no stop ids: rows end at their budget
@@ -172,6 +172,62 @@ def test_a_rollout_without_a_call_equals_todays_bit_for_bit(model):
     assert torch.equal(plain.logprobs, with_tool.logprobs)
     assert torch.equal(plain.stopped, with_tool.stopped)
     assert torch.equal(with_tool.policy, plain.mask)
+
+
+class FakeGraph:
+    """decode.GraphedStep's stand-in on a CPU: the step runs eagerly at every replay; captures
+    counts the graphs a rollout would capture."""
+    captures = 0
+
+    def __init__(self, step, tokens):
+        FakeGraph.captures += 1
+        self.step = step
+
+    def __call__(self, tokens):
+        return self.step(tokens)
+
+
+def test_on_a_graphed_decoder_a_rollout_without_a_call_drops_rows_as_todays(model, monkeypatch):
+    """Issue 43, item 5: on CUDA the episode loop dropped finished rows at every check (a graph
+    re-capture each) where the tool-less rollout keeps them until 1/8 of the rows have ended, so
+    the two rollouts' rows, and then their draws, differed. The CPU stands in for CUDA (a decoder
+    that captures graphs, FakeGraph; the plain attention, as a graph's): every drop leaves at
+    most 7/8 of the rows, a rollout with no call equals the tool-less one bit for bit, and each
+    captures a graph at the start and after each drop only."""
+    import decode
+    monkeypatch.setattr(decode, "_CPU_FLASH", None)  # a graph attends to all Tc slots, masked
+    monkeypatch.setattr(decode, "GraphedStep", FakeGraph)
+    drops = []
+
+    def graphed(model, views, lens, G, _, compiled=False):
+        d = decode.Decoder(model, views, lens, G, True, compiled)
+        drop = d.drop
+
+        def counted(keep, filled):
+            drops.append((len(keep), len(d.layout.rows)))
+            drop(keep, filled)
+        d.drop = counted
+        return d
+    monkeypatch.setattr(rollout, "Decoder", graphed)
+    cfg = RolloutConfig(num_samples=4, max_new_tokens=16, temperature=1.0, check_every=3)
+    never = Episodes(lambda calls: [[9] for _ in calls], (127,), 2)  # an id nobody samples
+    outs, captures = [], []
+    for episodes in (None, never):
+        FakeGraph.captures = 0
+        outs.append(rollout.generate(model, PROMPTS, cfg, stop_ids=STOPS, seed=5,
+                                     episodes=episodes))
+        captures.append(FakeGraph.captures)
+    plain, with_tool = outs
+    assert sum(with_tool.stats["calls"]) == 0
+    assert drops and all(keep <= active * 7 // 8 for keep, active in drops), drops
+    assert plain.stats["compactions"] == with_tool.stats["compactions"] == len(drops) // 2
+    assert captures == [len(drops) // 2 + 1] * 2
+    for key in ("tokens", "mask", "logprobs", "stopped"):
+        assert torch.equal(getattr(plain, key), getattr(with_tool, key)), key
+    # The rule acts: an eager decoder drops rows at checks where fewer than 1/8 have ended.
+    monkeypatch.undo()
+    eager = rollout.generate(model, PROMPTS, cfg, stop_ids=STOPS, seed=5)
+    assert eager.stats["compactions"] > plain.stats["compactions"]
 
 
 def test_greedy_episodes_equal_transformers_generate_turn_by_turn(tmp_path):

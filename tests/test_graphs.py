@@ -107,7 +107,8 @@ def test_compiled_bf16_step_equals_the_eager_step_and_compiles_once_a_structure(
                 tokens = tokens[torch.tensor(keep)]
             for i, r in enumerate(compiled.layout.rows):
                 seqs[r].append(int(tokens[i]))
-            got, want = compiled.step(tokens, t).double(), eager.step(tokens, t).double()
+            assert compiled.t == eager.t == t  # each step feeds every row at index t
+            got, want = compiled.step(tokens).double(), eager.step(tokens).double()
             exact = torch.stack([wide(torch.tensor([seqs[r]]))[0, -1]
                                  for r in compiled.layout.rows])  # (N, V)
             for logits in (got, want):
@@ -117,7 +118,7 @@ def test_compiled_bf16_step_equals_the_eager_step_and_compiles_once_a_structure(
             assert ((got.argmax(-1) == exact.argmax(-1)) | near).all()
             tokens = got.argmax(-1)
             counts.append(compiled.compiled.compiles)
-    assert compiled.attention.slots is None and compiled.attention.prefix_valid.shape == (2, 2)
+    assert compiled.attention.slots is None and compiled.attention.prompt_valid.shape == (2, 2)
     assert counts[0] == 1 and compiled.compiled.seconds > 0
     for t in range(1, new - 1):
         assert counts[t] - counts[t - 1] <= (1 if t in (4, 6, 8) else 0), counts

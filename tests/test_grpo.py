@@ -33,7 +33,7 @@ def tiny_model(seed: int = 0, cls: type = M.Llama) -> M.Llama:
     return cls(TINY).init_weights(seed, std=0.2)
 
 
-# Float32 values computed in another order (prefix attention merges two softmaxes, chunks change
+# Float32 values computed in another order (shared-prompt attention merges two softmaxes, chunks change
 # the matmul blocking, another CPU's vector width another summation order): tolerances from the
 # tiny models' chain of sums over up to 256 keys, at their logits' magnitude (tests/tolerance.py).
 with torch.no_grad():
@@ -236,7 +236,7 @@ def test_flex_attention_on_the_packed_row_equals_the_padded_forward():
         warnings.simplefilter("ignore")  # eager flex_attention says it is for debugging
         h = packing.packed_hidden(m, batch.prompt_ids, batch.prompt_lens, batch.tokens,
                                   batch.mask, 3, attention=lambda p, rep:
-                                  packing.flex_packed_attention(p))
+                                  packing.packed_attention_flex(p))
         want = packing.padded_hidden(m, batch.prompt_ids, batch.prompt_lens,
                                      batch.tokens[:, :-1], 3)[batch.mask]
     depth = tolerance.model_depth(TINY, TINY.max_position_embeddings, "hidden")
@@ -244,7 +244,7 @@ def test_flex_attention_on_the_packed_row_equals_the_padded_forward():
 
 
 def varlen_route(monkeypatch, record: list | None = None):
-    """Make the packed forward take the CUDA bf16 route (packing.varlen_packed_attention) on the
+    """Make the packed forward take the CUDA bf16 route (packing.packed_attention_varlen) on the
     CPU, the varlen kernel's math twin in its place; record: the dtypes of each q, k, v the kernel
     gets."""
     from test_attention import MATH_VARLEN
@@ -254,14 +254,14 @@ def varlen_route(monkeypatch, record: list | None = None):
         if record is not None:
             record.append((q.dtype, k.dtype, v.dtype))
         return forward(q, k, v, seg)
-    monkeypatch.setattr(packing, "packed_attention", lambda p, rep: packing.varlen_packed_attention(
+    monkeypatch.setattr(packing, "packed_attention", lambda p, rep: packing.packed_attention_varlen(
         p, (recorded, backward)))
 
 
 @pytest.mark.parametrize("dtype,twin", [(torch.float32, "padded"), (torch.float64, "padded"),
                                         (torch.float64, "naive")])
 def test_the_cuda_varlen_route_equals_the_padded_and_naive_twins(dtype, twin, monkeypatch):
-    """The CUDA route in bf16 (VarlenPrefixAttention over the packed tokens: the prompts causal,
+    """The CUDA route in bf16 (SharedPromptAttentionVarlen over the packed tokens: the prompts causal,
     each group's rows folded against its prompt, each row causal, merged by log-sum-exp), with the
     varlen kernel's math twin standing in for the CUDA kernel, against the padded and the naive
     twins: logprobs, entropies and every gradient on ragged groups (1-token prompts, empty rows,
@@ -316,7 +316,7 @@ def test_under_bf16_autocast_every_attention_gets_q_k_v_in_bf16(monkeypatch):
                 warnings.catch_warnings():
             warnings.simplefilter("ignore")  # eager flex_attention says it is for debugging
             packing.packed_hidden(m, batch.prompt_ids, batch.prompt_lens, batch.tokens,
-                                  batch.mask, 3, lambda p, rep: packing.flex_packed_attention(
+                                  batch.mask, 3, lambda p, rep: packing.packed_attention_flex(
                                       p, recorded_flex))
     assert len(seen) == 2 and len(kernel) == 3 * 2 and len(flex) in (0, 2)
     assert set(seen + kernel + flex) == {(torch.bfloat16,) * 3}
@@ -337,7 +337,7 @@ def test_the_cuda_route_falls_back_in_one_line_saying_why(monkeypatch):
 
 
 def test_flex_attention_is_compiled_once_per_process():
-    """Regression: flex_packed_attention wrapped flex_attention in a new torch.compile in every
+    """Regression: packed_attention_flex wrapped flex_attention in a new torch.compile in every
     forward (the CUDA route's kernel); it is one per process."""
     if packing.flex_attention is None:
         pytest.skip("torch without flex_attention")
@@ -363,7 +363,7 @@ def truncated_prompt_logprobs(m: M.Llama, prompts, completions,
     valid = torch.arange(ids.shape[1]) < lens[:, None]
     own = torch.ones(T, T, dtype=torch.bool).tril()[None]
     h = m.hidden(comp[:, :-1], positions,
-                 lambda l, q, k, v: attention.prefix_attention(q, k, v, own, *kv[l], valid))
+                 lambda l, q, k, v: attention.shared_prompt_attention(q, k, v, own, *kv[l], valid))
     h = torch.cat([last.repeat_interleave(G, 0)[:, None], h], 1)
     logp = m.head(h).log_softmax(-1).gather(-1, comp[..., None]).squeeze(-1)
     return logp, torch.arange(T + 1) < comp_lens[:, None]

@@ -587,7 +587,7 @@ def shared_prompt_loss(model: M.Llama, prompt: torch.Tensor, completion: torch.T
         calls.append(layer)
         T, P = q.shape[2], kv[layer][0].shape[2]
         own = torch.ones(T, T, dtype=torch.bool).tril()[None]
-        return attention.prefix_attention(q, k, v, own, *kv[layer], torch.ones(1, P, dtype=torch.bool))
+        return attention.shared_prompt_attention(q, k, v, own, *kv[layer], torch.ones(1, P, dtype=torch.bool))
 
     model.hidden(prompt, None, record)
     start = prompt.shape[1]

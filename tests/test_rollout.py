@@ -19,7 +19,7 @@ import attention
 import decode
 import rollout
 import sampling
-from attention import prefix_attention
+from attention import shared_prompt_attention
 from model import Llama, ModelConfig
 from rollout import KVCache, Rollout, RolloutConfig, filter_logits, sample
 
@@ -214,17 +214,18 @@ def test_generate_takes_a_rollout_config_and_applies_logits_fn(model):
     assert calls[0] == (len(PROMPTS), CFG.vocab_size) and len(calls) == out.stats["decode_steps"] + 1
 
 @pytest.mark.parametrize("padded", [True, False])
-def test_fused_cpu_attention_equals_model_prefix_attention(padded):
-    """The CPU fast path (SDPA's fused kernel + lse merge) against model.prefix_attention, ragged prefixes
-    (a -inf bias on the padding) and equal ones (no bias at all)."""
+def test_shared_prompt_attention_decode_cpu_equals_the_plain_merge(padded):
+    """The CPU fast path (SDPA's fused kernel + lse merge) against the plain merge
+    (attention.shared_prompt_attention), ragged prompts (a -inf bias on the padding) and equal ones
+    (no bias at all)."""
     gen = torch.Generator().manual_seed(0)
     Bp, G, H, Hkv, D, P, T = 3, 4, 4, 2, 16, 9, 5
     q, k, v = (torch.randn(shape, generator=gen) for shape in [(Bp * G, H, 1, D)] + [(Bp * G, Hkv, T, D)] * 2)
-    prefix_k, prefix_v = torch.randn(2, Bp, Hkv, P, D, generator=gen)
+    prompt_k, prompt_v = torch.randn(2, Bp, Hkv, P, D, generator=gen)
     valid = torch.arange(P) < torch.tensor([9, 4, 1] if padded else [9, 9, 9])[:, None]  # (Bp, P)
     bias = torch.zeros(Bp, P).masked_fill(~valid, float("-inf"))[:, None, None] if padded else None
-    expected = prefix_attention(q, k, v, torch.ones(1, 1, T, dtype=torch.bool), prefix_k, prefix_v, valid)
-    got = decode.fused_prefix_attention(q, k, v, prefix_k, prefix_v, bias)
+    expected = shared_prompt_attention(q, k, v, torch.ones(1, 1, T, dtype=torch.bool), prompt_k, prompt_v, valid)
+    got = decode.shared_prompt_attention_decode_cpu(q, k, v, prompt_k, prompt_v, bias)
     # fp32, the same math in another summation order: scores sum D terms, the softmax and its
     # weighted sum the P + T keys; the output is a mix of the values
     torch.testing.assert_close(got, expected, **tolerance.reordered(D + P + T, v.abs().max()))
@@ -240,10 +241,10 @@ def cpu_kernel(q, k, v, bias):
 @pytest.mark.skipif(decode._CPU_FLASH is None, reason="no fused CPU attention kernel in this torch")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("padded", [True, False])
-def test_kernel_prefix_attention_equals_model_prefix_attention(dtype, padded):
-    """CUDA's bf16 decode attention (decode.kernel_prefix_attention: each part one fused call with
+def test_shared_prompt_attention_decode_cuda_equals_the_plain_merge(dtype, padded):
+    """CUDA's bf16 decode attention (decode.shared_prompt_attention_decode_cuda: each part one fused call with
     its log-sum-exp, merged in float32), the CPU's kernel standing in for CUDA's, against
-    prefix_attention in float64 on the same inputs: ragged prompts (a -inf bias in a 16-aligned
+    shared_prompt_attention in float64 on the same inputs: ragged prompts (a -inf bias in a 16-aligned
     buffer, as set_layout makes it) or none, own keys past the step masked (garbage in them).
     Tolerance: float32, summation order (tests/tolerance.py); bf16, the kernel's bf16 partial
     outputs (2^-8 = 4e-3 relative, on outputs up to ~3)."""
@@ -251,17 +252,17 @@ def test_kernel_prefix_attention_equals_model_prefix_attention(dtype, padded):
     Bp, G, H, Hkv, D, P, T, t = 3, 4, 4, 2, 16, 9, 7, 4
     q, k, v = (torch.randn(shape, generator=gen).to(dtype)
                for shape in [(Bp * G, H, 1, D)] + [(Bp * G, Hkv, T, D)] * 2)
-    prefix_k, prefix_v = torch.randn(2, Bp, Hkv, P, D, generator=gen).to(dtype)
+    prompt_k, prompt_v = torch.randn(2, Bp, Hkv, P, D, generator=gen).to(dtype)
     valid = torch.arange(P) < torch.tensor([9, 4, 1] if padded else [9, 9, 9])[:, None]  # (Bp, P)
     bias = None
     if padded:
         bias = torch.zeros(Bp, 16, dtype=dtype)[:, :P].masked_fill_(~valid, float("-inf"))[:, None, None]
     unwritten = torch.arange(T) > t
     own_bias = torch.zeros(T, dtype=dtype).masked_fill_(unwritten, float("-inf"))[None, None, None]
-    got = decode.kernel_prefix_attention(q, k, v, own_bias, prefix_k, prefix_v, bias, cpu_kernel)
+    got = decode.shared_prompt_attention_decode_cuda(q, k, v, own_bias, prompt_k, prompt_v, bias, cpu_kernel)
     assert got.dtype == dtype
-    wide = [x.double() for x in (q, k, v, prefix_k, prefix_v)]
-    expected = prefix_attention(*wide[:3], ~unwritten[None, None], *wide[3:], valid)
+    wide = [x.double() for x in (q, k, v, prompt_k, prompt_v)]
+    expected = shared_prompt_attention(*wide[:3], ~unwritten[None, None], *wide[3:], valid)
     tol = (tolerance.reordered(D + P + T, v.abs().max()) if dtype == torch.float32
            else dict(rtol=0, atol=2e-2))
     torch.testing.assert_close(got.double(), expected, **tol)
@@ -290,7 +291,7 @@ def test_efficient_attention_shapes_on_the_meta_device():
     bias = torch.empty(Bp, 80, **meta)[:, :P][:, None, None]
     out, lse = decode.efficient_attention(q.view(Bp * G, Hkv, H // Hkv, D), k, k, None)
     assert out.shape == (Bp * G, Hkv, H // Hkv, D) and lse.shape == (Bp * G, Hkv, H // Hkv)
-    y = decode.kernel_prefix_attention(q, k, k, torch.empty(1, 1, 1, T, **meta), prefix, prefix,
+    y = decode.shared_prompt_attention_decode_cuda(q, k, k, torch.empty(1, 1, 1, T, **meta), prefix, prefix,
                                        bias, decode.efficient_attention)
     assert y.shape == q.shape and y.dtype == torch.bfloat16
 
@@ -363,8 +364,8 @@ def test_greedy_on_ragged_prompts_equals_transformers_generate(tmp_path):
 
 @pytest.mark.parametrize("kernel", [False, True])
 def test_generic_decode_path_equals_fused_path(model, monkeypatch, kernel):
-    """The paths CUDA takes, run on the CPU, with rows dropped: float32's (model.prefix_attention
-    with a mask) and, with kernel, bf16's (kernel_prefix_attention, the CPU's kernel standing in
+    """The paths CUDA takes, run on the CPU, with rows dropped: float32's (attention.shared_prompt_attention
+    with a mask) and, with kernel, bf16's (shared_prompt_attention_decode_cuda, the CPU's kernel standing in
     for CUDA's: called by every layer of every step here; eager: the compiled step has its own
     tests below)."""
     kwargs = dict(num_samples=3, max_new_tokens=24, temperature=0.9, stop_ids=(5, 9, 17, 23),
@@ -381,12 +382,12 @@ def test_generic_decode_path_equals_fused_path(model, monkeypatch, kernel):
     torch.testing.assert_close(generic.logprobs, fused.logprobs, **logprob_tol(model, 0.9))
 
 
-@pytest.mark.skipif(rollout._PACK is None,
+@pytest.mark.skipif(rollout._PREPACK is None,
                     reason="no oneDNN in this torch build")
-def test_packed_linears_equal_f_linear_and_are_undone(model):
-    """Inside _packed_linears every float32 nn.Linear runs on its prepacked weight: outputs equal
+def test_prepacked_linears_equal_f_linear_and_are_undone(model):
+    """Inside _prepacked_linears every float32 nn.Linear runs on its prepacked weight: outputs equal
     F.linear's within 1e-5 relative (float32, another summation order), at any row count and
-    with a bias; afterwards the modules are plain again. generate with and without packing:
+    with a bias; afterwards the modules are plain again. generate with and without prepacking:
     the same tokens (a logit moved by ~1e-6 could move a draw that sits on a cdf boundary: none
     here) and logprobs within logprob_tol."""
     linear = torch.nn.Linear(64, 96)
@@ -395,24 +396,24 @@ def test_packed_linears_equal_f_linear_and_are_undone(model):
         for rows in (1, 12, 300):
             x = torch.randn(rows, 1, 64, generator=torch.Generator().manual_seed(rows))
             want = [m(x) for m in layers]
-            with rollout._packed_linears(layers, 12, enabled=True):
+            with rollout._prepacked_linears(layers, 12, enabled=True):
                 assert all("forward" in vars(m) for m in layers)
                 got = [m(x) for m in layers]
             for g, w in zip(got, want):  # 64 terms a dot product, in another order
                 torch.testing.assert_close(g, w, **tolerance.reordered(64, w.abs().max()))
     assert not any("forward" in vars(m) for m in layers)
     kwargs = dict(num_samples=3, max_new_tokens=24, temperature=0.9, stop_ids=(5, 9), seed=3)
-    packed = generate(model, PROMPTS, **kwargs)
-    plain = generate(model, PROMPTS, packed_linears=False, **kwargs)
-    assert torch.equal(packed.tokens, plain.tokens)
-    torch.testing.assert_close(packed.logprobs, plain.logprobs, **logprob_tol(model, 0.9))
+    prepacked = generate(model, PROMPTS, **kwargs)
+    plain = generate(model, PROMPTS, prepacked_linears=False, **kwargs)
+    assert torch.equal(prepacked.tokens, plain.tokens)
+    torch.testing.assert_close(prepacked.logprobs, plain.logprobs, **logprob_tol(model, 0.9))
 
 
 @pytest.mark.parametrize("kernel", [False, True])
 def test_decode_attention_over_all_completion_slots_masks_the_unwritten_ones(monkeypatch, kernel):
     """A CUDA graph attends to all Tc completion slots with a mask on `step` (static shapes); the CPU path
     slices to the step + 1 written ones. Both must agree, also with garbage in the unwritten slots.
-    kernel: CUDA's bf16 route (kernel_prefix_attention, the step's own bias, the aligned prompt
+    kernel: CUDA's bf16 route (shared_prompt_attention_decode_cuda, the step's own bias, the aligned prompt
     bias), the CPU's fused kernel standing in for CUDA's; it equals the plain route too."""
     monkeypatch.setattr(decode, "_CPU_FLASH", None)
     if kernel:
@@ -432,7 +433,7 @@ def test_decode_attention_over_all_completion_slots_masks_the_unwritten_ones(mon
     tol = tolerance.reordered(D + P + Tc, views[1][0].abs().max())  # another summation order
     torch.testing.assert_close(attn(0, q, k, v), full, **tol)
     if kernel:
-        attn.kernel = None  # prefix_attention's plain float32 ops
+        attn.kernel = None  # shared_prompt_attention's plain float32 ops
         torch.testing.assert_close(attn(0, q, k, v), full, **tol)
 
 

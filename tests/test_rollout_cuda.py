@@ -65,6 +65,32 @@ def test_episodes_on_cuda_score_as_the_trainer_with_graphs_and_without(model):
             torch.testing.assert_close(got[policy], want[policy], **logprob_tol(model, 0.9))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rollout_without_a_call_equals_the_tool_less_one_with_graphs_and_without(model, dtype):
+    """Issue 43, item 5: the episode loop dropped finished rows at every check (a graph re-capture
+    each) where the tool-less rollout keeps them until 1/8 of the rows have ended: the rows, and
+    then the draws, differed on CUDA. One loop, one rule: a task's tool that is never called
+    leaves the rollout as it was, bit for bit, graphed (compiled in bf16) and eager, with the
+    same drops."""
+    from episodes import Episodes
+    gpu = Llama(CFG).to("cuda", dtype)
+    gpu.load_state_dict(model.state_dict())
+    cache = KVCache.for_batch(CFG, len(PROMPTS), 4, 11, 30, dtype, "cuda")
+    # A call id outside the vocabulary: no row can sample it, whatever the GPU's draws.
+    never = Episodes(lambda calls: [[9] for _ in calls], (CFG.vocab_size,), 2)
+    stops = (5, 9, 17, 23, 31)  # most rows stop within 30 tokens: rows are dropped
+    for graphs in (True, False):
+        cfg = RolloutConfig(num_samples=4, max_new_tokens=30, temperature=1.0, check_every=2,
+                            cuda_graphs=graphs)
+        plain = generate(gpu, PROMPTS, cfg, stop_ids=stops, seed=5, cache=cache)
+        with_tool = generate(gpu, PROMPTS, cfg, stop_ids=stops, seed=5, cache=cache,
+                             episodes=never)
+        assert sum(with_tool.stats["calls"]) == 0 and plain.stats["compactions"] > 0
+        assert with_tool.stats["compactions"] == plain.stats["compactions"]
+        for key in ("tokens", "mask", "logprobs", "stopped"):
+            assert torch.equal(getattr(plain, key), getattr(with_tool, key)), (graphs, key)
+
+
 def test_sample_on_cuda_draws_the_distribution_by_its_exponential_race():
     """sample() on CUDA takes sampling.exponential_race (the CPU, inverse_cdf): the race's tokens
     on clocks wound from the same seed (it once drew by inverse_cdf on CUDA too), and goodness of
@@ -85,28 +111,28 @@ def test_sample_on_cuda_draws_the_distribution_by_its_exponential_race():
     torch.testing.assert_close(torch.cat([lp for _, lp in draws]).cpu(), probs.log()[tokens])
 
 
-def test_bf16_decode_attention_runs_the_fused_kernel_and_equals_prefix_attention():
-    """In bf16 the decode step's attention is decode.kernel_prefix_attention through SDPA's
+def test_bf16_decode_attention_runs_the_fused_kernel_and_equals_the_plain_merge():
+    """In bf16 the decode step's attention is decode.shared_prompt_attention_decode_cuda through SDPA's
     memory-efficient kernel (decode.efficient_attention) at the Qwen2.5-0.5B head shape, ragged
-    prompts (the 16-aligned bias) and own keys past the step masked: against prefix_attention in
+    prompts (the 16-aligned bias) and own keys past the step masked: against shared_prompt_attention in
     float64 on the same bf16 inputs. Tolerance: the kernel's bf16 partial outputs."""
     import decode
-    from attention import prefix_attention
+    from attention import shared_prompt_attention
     gen = torch.Generator().manual_seed(0)
     Bp, G, H, Hkv, D, P, T, t = 3, 4, 14, 2, 64, 70, 40, 25
     q, k, v = (torch.randn(shape, generator=gen).to("cuda", torch.bfloat16)
                for shape in [(Bp * G, H, 1, D)] + [(Bp * G, Hkv, T, D)] * 2)
-    prefix_k, prefix_v = torch.randn(2, Bp, Hkv, P, D, generator=gen).to("cuda", torch.bfloat16)
+    prompt_k, prompt_v = torch.randn(2, Bp, Hkv, P, D, generator=gen).to("cuda", torch.bfloat16)
     valid = torch.arange(P, device="cuda") < torch.tensor([70, 33, 1], device="cuda")[:, None]
     bias = torch.zeros(Bp, 80, dtype=torch.bfloat16, device="cuda")[:, :P]
     bias = bias.masked_fill_(~valid, float("-inf"))[:, None, None]
     unwritten = torch.arange(T, device="cuda") > t
     own_bias = torch.zeros(T, dtype=torch.bfloat16, device="cuda")
     own_bias = own_bias.masked_fill_(unwritten, float("-inf"))[None, None, None]
-    got = decode.kernel_prefix_attention(q, k, v, own_bias, prefix_k, prefix_v, bias,
+    got = decode.shared_prompt_attention_decode_cuda(q, k, v, own_bias, prompt_k, prompt_v, bias,
                                          decode.efficient_attention)
-    wide = [x.double() for x in (q, k, v, prefix_k, prefix_v)]
-    expected = prefix_attention(*wide[:3], ~unwritten[None, None], *wide[3:], valid)
+    wide = [x.double() for x in (q, k, v, prompt_k, prompt_v)]
+    expected = shared_prompt_attention(*wide[:3], ~unwritten[None, None], *wide[3:], valid)
     torch.testing.assert_close(got.double(), expected, rtol=0, atol=2e-2)
 
 

@@ -196,6 +196,8 @@ def test_tp2_gloo_matches_tp1_and_writes_the_same_tensors(tmp_path):
     (["--per_device_train_batch_size", "8"], "did you mean --prompts_per_step (prompts per step, "
                                              "each sampled --num_samples times"),
     (["--setps", "3"], "unknown option --setps; did you mean --steps?"),
+    (["--packed_linears", "false"], "unknown option --packed_linears (renamed): did you mean "
+                                    "--prepacked_linears?"),
     (["--overwrite"], "--overwrite takes a value: --overwrite true or --overwrite false"),
     (["--overwrite", "--steps", "3"], "--overwrite takes a value: --overwrite true or"),
     (["--task", "tasks:jsonl_math", "--task_data", "/no/file.jsonl"], "/no/file.jsonl: file not found"),
@@ -648,7 +650,7 @@ def _dp_metrics_worker(rank: int, tmp: str) -> None:
                   ratio_min=0.9, ratio_max=1.2, grad_norm=2.0, updated=True, finite=True),
              dict(loss=0.5, entropy=3.0, clip_low=0.5, clip_high=0.2, ratio_mean=1.0,
                   ratio_min=0.7, ratio_max=1.1, grad_norm=2.0, updated=True, finite=True)][rank]
-        got = train.reduce_iteration(run_, m, [30.0, 10.0][rank])
+        got = train.dp.reduce_metrics(m, [30.0, 10.0][rank], run_.groups, run_.device)
         assert got["entropy"] == pytest.approx((30 * 1.0 + 10 * 3.0) / 40)  # not (1 + 3) / 2
         assert got["clip_low"] == pytest.approx((30 * 0.1 + 10 * 0.5) / 40)
         assert got["loss"] == pytest.approx(0.75)  # each rank's is normalised globally: they sum
@@ -859,8 +861,8 @@ def test_memory_budget_picks_the_largest_micro_batch_whose_measured_peak_fits(tm
 def initial_weights() -> dict[str, torch.Tensor]:
     """The fresh model a FAST run starts from (seeded: the same in every run)."""
     cfgs = train.build_configs(train.parse_args(FAST))
-    model, _ = train.build_model(cfgs.train, train.tasks.reverse, "", torch.device("cpu"),
-                                 train.tp.make_groups(1))
+    model, _ = train.policy.build_model(cfgs.train, train.tasks.reverse, "",
+                                        torch.device("cpu"), train.tp.make_groups(1))
     return {name: p.detach() for name, p in model.named_parameters()}
 
 
@@ -905,7 +907,7 @@ def test_bf16_at_mu_1_scores_no_old_logprobs_and_trains_as_if_it_did(tmp_path, m
 
     def with_old_logp(r, step, round):  # the old path: the old logprobs by their own forward
         batch, rewards, counts = real_round(r, step, round)
-        with train.autocast(r):
+        with train.policy.autocast(r.cfgs.train, r.device):
             batch.old_logp = train.grpo.batch_logprobs(r.model, batch, r.cfgs.grpo)
         return batch, rewards, counts
     monkeypatch.setattr(train, "sample_round", with_old_logp)

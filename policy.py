@@ -1,0 +1,140 @@
+"""
+The policy a run trains, and its two copies: the trainer (the weights the optimizer steps), the
+sampler (the trainer itself, or a copy in --sampler_dtype that rollout.sync_weights refreshes
+before each rollout) and the frozen reference (the initial policy, when beta > 0).
+
+- build_model: from a Hugging Face directory (--model, or the checkpoint being resumed: its fp32
+  master/ when it has one; under tensor parallelism each rank reads its slice), or fresh: a
+  character tokenizer for the task's alphabet and a tiny Llama initialised from the seed, the same
+  on every rank.
+- master_dtype, autocast: --dtype bfloat16 is mixed precision (FSDP's and Megatron's): the trainer's
+  weights and AdamW state in float32, forward and backward under bf16 autocast, a bf16 sampler.
+- compile_model: --compile_blocks, the trainer's blocks compiled (compiling.py); on CUDA the
+  training attention's route (packing.cuda_route).
+- build: the three from the run's flags, the trainer's blocks compiled and checkpointed
+  (--activation_checkpoint), its embedding's gradient rows straight into .grad (memory.py);
+  shapes: the trainer and the sampler on the meta device, for --plan.
+
+Leaves out: the optimizer and the memory phases (train.py, plan.py), the weight sync (rollout.py),
+checkpoints (checkpoint.py). Handed train.py's configs (cfg: its TrainConfig, cfgs: its Configs),
+it imports no file above it.
+Tested by tests/test_train.py (fresh and loaded models, bf16's master weights, compiled blocks).
+"""
+
+import contextlib
+import copy
+
+import torch
+
+import checkpoint
+import compiling
+import memory
+import packing
+import rollout
+import tokenizer as tk
+import tp
+from hf import load_config, load_model
+from model import Llama, ModelConfig
+from tasks import Task
+
+
+def master_dtype(cfg) -> torch.dtype:
+    """The trainer's weights and AdamW state: float32 under bf16 (an AdamW step of 1e-6 on a weight
+    of 0.02 is below bf16's resolution: bf16 weights would round most updates away)."""
+    return torch.float32 if cfg.dtype == "bfloat16" else getattr(torch, cfg.dtype)
+
+
+def autocast(cfg, device: torch.device):
+    """bf16 forward and backward from the fp32 master (FSDP's and Megatron's mixed precision).
+    Autocast, not a bf16 working copy refreshed after each step: tests/bench_bf16.py measures both
+    (docs/measurements.md); autocast keeps the gradients fp32 across micro-batches and ranks."""
+    if cfg.dtype != "bfloat16":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16)
+
+
+def build_model(cfg, task: Task, source: str, device: torch.device,
+                groups: tp.ParallelGroups) -> tuple[Llama, tk.PromptTokenizer]:
+    """From a HF directory (--model, or a checkpoint being resumed: its fp32 master/ when it has
+    one), or fresh: a char tokenizer for the task's alphabet and a tiny Llama initialised from the
+    seed (the same on every rank). In the trainer's dtype: float32 under bf16 mixed precision."""
+    dtype = master_dtype(cfg)
+    if source:
+        weights = checkpoint.master_dir(source) or source
+        if groups.tp_size > 1:
+            model = tp.load_sharded(weights, groups, device, dtype)  # each rank reads its slice
+        else:
+            model = load_model(weights, device=device, dtype=dtype)
+        return model, tk.load_tokenizer(source, model.config.vocab_size)
+    if not task.alphabet:
+        raise ValueError(f"task {task.name} has no alphabet for a fresh tokenizer: pass --model "
+                         "DIR")
+    tokenizer = tk.PromptTokenizer(tk.build_char_tokenizer(task.alphabet))
+    mcfg = ModelConfig(vocab_size=tokenizer.num_ids, hidden_size=cfg.dim,
+                       intermediate_size=cfg.dim * 11 // 4, num_hidden_layers=cfg.layers,
+                       num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
+                       max_position_embeddings=1024,
+                       bos_token_id=tokenizer.tok.token_to_id("<bos>"),
+                       eos_token_id=tokenizer.tok.token_to_id("<eos>"))
+    model = Llama(mcfg).init_weights(cfg.seed).to(device=device, dtype=dtype)  # same on every rank
+    if groups.tp_size > 1:
+        tp.shard_model(model, groups)
+    return model, tokenizer
+
+
+def compile_model(cfg, model: Llama, device: torch.device, groups: tp.ParallelGroups) -> list[str]:
+    """--compile_blocks: the blocks' training forward compiled once per model (compiling.py);
+    torch's caches in --compile_cache (for the decode step's compile too: --compile_decode,
+    rollout.py); and on CUDA the training attention's route (packing.cuda_route). Returns the lines
+    the first step prints: what was compiled, or why not, and any fallback."""
+    cache = compiling.use_cache(cfg.compile_cache)
+    notes = []
+    if device.type == "cuda":
+        dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else master_dtype(cfg)
+        notes.append(packing.cuda_route(dtype, model.config.head_dim)[1])
+    if cfg.compile_blocks == "false" or (cfg.compile_blocks == "auto" and device.type != "cuda"):
+        return notes
+    why = compiling.unsupported()
+    if not why and groups.tp_size > 1:
+        why = "a tensor-parallel block has collectives inside it"
+    if why:
+        return notes + [f"--compile_blocks: the blocks run eager: {why}"]
+    compiling.compile_blocks(model.model.layers)
+    return notes + [f"compile: each block's training forward, one graph for every layer and "
+                    f"length, paid at the first step (caches in {cache})"]
+
+
+def build(cfgs, task: Task, source: str, resume_dir: str, device: torch.device,
+          groups: tp.ParallelGroups) -> tuple[Llama, tk.PromptTokenizer, Llama, Llama | None,
+                                              list[str]]:
+    """The trainer (from `source`, or fresh), its tokenizer, the sampler, the reference (None
+    when beta = 0), and compile_model's lines; the trainer's blocks compiled and checkpointed as
+    the flags say (after the copies are made: they stay plain)."""
+    cfg = cfgs.train
+    model, tokenizer = build_model(cfg, task, source, device, groups)
+    reference = None
+    if cfgs.grpo.beta > 0:  # on resume, rebuilt from --model (or the seed): the initial policy
+        reference = (build_model(cfg, task, cfg.model, device, groups)[0] if resume_dir
+                     else copy.deepcopy(model)).requires_grad_(False)
+    sampler = _sampler(cfg, model)
+    notes = compile_model(cfg, model, device, groups)
+    memory.checkpoint_blocks(model.model.layers, cfgs.memory.activation_checkpoint)
+    memory.grads_into_weight(model.model.embed_tokens)
+    return model, tokenizer, sampler, reference, notes
+
+
+def shapes(cfg, task: Task, groups: tp.ParallelGroups) -> tuple[Llama, Llama]:
+    """The trainer and the sampler on the meta device, for --plan: from config.json (--model) or
+    the fresh model's flags; no weight is read."""
+    with torch.device("meta"):  # shapes only
+        if cfg.model:
+            model = tp.shard_model(Llama(load_config(cfg.model)).to(master_dtype(cfg)), groups)
+        else:
+            model = build_model(cfg, task, "", torch.device("meta"), groups)[0]
+    return model, _sampler(cfg, model)
+
+
+def _sampler(cfg, model: Llama) -> Llama:
+    """The trainer itself when it is in the sampler's dtype (--sampler_dtype, or --dtype: bf16's is
+    a copy of the fp32 master), else a frozen copy in it (rollout.sampler_for)."""
+    return rollout.sampler_for(model, getattr(torch, cfg.sampler_dtype or cfg.dtype))
