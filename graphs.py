@@ -49,6 +49,28 @@ def compile_settings() -> contextlib.ExitStack:
     return settings
 
 
+# A compile costs tens of seconds once: 24 s for the default run's 2-block, width-64 model on an
+# H200, whose whole step then takes 50 ms (tests/gpu_check.py). Fusing a step that small saves
+# milliseconds: no run of a few thousand steps pays the compile back. "auto" compiles models of at
+# least this many parameters in their blocks (SmolLM2-135M's 106 M and Qwen2.5-0.5B's 358 M do).
+MIN_COMPILE_PARAMS = 50_000_000
+
+
+def worth_compiling(model: torch.nn.Module) -> bool:
+    """Whether "auto" compiles this model: its blocks' parameters reach MIN_COMPILE_PARAMS."""
+    blocks = model.model.layers
+    return sum(p.numel() for p in blocks.parameters()) >= MIN_COMPILE_PARAMS
+
+
+def decide(setting: str, model: torch.nn.Module) -> bool:
+    """A compile knob (--compile_blocks, --compile_decode): "true", "false", or "auto" (a CUDA
+    model worth compiling)."""
+    if setting not in ("auto", "true", "false"):
+        raise ValueError(f"a compile setting is auto, true or false, got {setting!r}")
+    on_cuda = next(model.parameters()).device.type == "cuda"
+    return setting == "true" or (setting == "auto" and on_cuda and worth_compiling(model))
+
+
 def graphs_compiled() -> int:
     """Graphs torch.compile compiled so far in this process (dynamo's counter; a cache hit counts:
     the graph was traced again)."""

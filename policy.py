@@ -28,6 +28,7 @@ import torch
 
 import checkpoint
 import compiling
+import graphs
 import memory
 import packing
 import rollout
@@ -94,6 +95,11 @@ def compile_model(cfg, model: Llama, device: torch.device, groups: tp.ParallelGr
         notes.append(packing.cuda_route(dtype, model.config.head_dim)[1])
     if cfg.compile_blocks == "false" or (cfg.compile_blocks == "auto" and device.type != "cuda"):
         return notes
+    if not graphs.decide(cfg.compile_blocks, model):  # auto on CUDA, a model too small to pay
+        blocks = sum(p.numel() for p in model.model.layers.parameters())
+        return notes + [f"--compile_blocks auto: the blocks run eager ({blocks / 1e6:.1f} M "
+                        f"parameters: a compile pays from {graphs.MIN_COMPILE_PARAMS / 1e6:.0f} "
+                        "M)"]
     why = compiling.unsupported()
     if not why and groups.tp_size > 1:
         why = "a tensor-parallel block has collectives inside it"

@@ -59,7 +59,7 @@ from torch import Tensor, nn
 
 from decode import Decoder, KVCache  # noqa: F401 (rollout.KVCache: train.py, plan.py, memory's)
 from episodes import Episodes, Rows
-from graphs import CompiledStep
+from graphs import CompiledStep, decide
 from model import ModelConfig, causal_attention
 from sampling import filter_logits, inverse_cdf, race_clocks, sample, sample_raced  # noqa: F401
 
@@ -78,7 +78,7 @@ class RolloutConfig:
     check_every: int = 8            # decode steps between the host syncs that drop finished rows
     prefill_tokens: int = 2048      # padded prompt tokens per prefill forward (bounds activations)
     cuda_graphs: bool = True        # capture the decode step on CUDA (ignored on the CPU)
-    compile_decode: bool = True     # torch.compile the bf16/fp16 decode step and draw (CUDA, no TP)
+    compile_decode: str = "auto"    # bf16/fp16 step + draw compiled: auto (CUDA, big), true, false
     prepacked_linears: bool = True  # CPU, float32: linears via oneDNN, weights prepacked per call
 
     def __post_init__(self):
@@ -92,6 +92,9 @@ class RolloutConfig:
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
+        if self.compile_decode not in ("auto", "true", "false"):
+            raise ValueError(f"compile_decode must be auto (CUDA, a model worth compiling: "
+                             f"graphs.worth_compiling), true or false, got {self.compile_decode!r}")
 
 
 @dataclass
@@ -270,7 +273,7 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], cfg: RolloutConfi
             # logits_fn is tensor parallelism's vocab gather: tp.py's layers run their collectives
             # in autograd Functions (mark_dirty), which torch.compile does not trace: eager.
             decoder = Decoder(model, views, lens, G, device.type == "cuda" and cfg.cuda_graphs,
-                              cfg.compile_decode and logits_fn is None)
+                              decide(cfg.compile_decode, model) and logits_fn is None)
             draw = Draw(cfg, generator, logits_fn or _same, decoder.compiled is not None)
             stats.update(_decode(decoder, rows, draw, stop_ids, cfg.check_every, episodes))
         stats.update(_kv_and_compile_stats(views, decoder.compiled, draw.compiled))

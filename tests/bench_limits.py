@@ -164,8 +164,8 @@ def hf_generate_seconds(model: Llama, prompts: list[list[int]]) -> float | None:
     return seconds
 
 
-ROLLOUT_ROUTES = {"engine, compiled + graphs": (True, True), "engine, graphs": (True, False),
-                  "engine, eager": (False, False)}  # (cuda_graphs, compile_decode)
+ROLLOUT_ROUTES = {"engine, compiled + graphs": (True, "true"), "engine, graphs": (True, "false"),
+                  "engine, eager": (False, "false")}  # (cuda_graphs, compile_decode)
 
 
 def rollout_part(name: str, lim: dict, device: str = "cuda",

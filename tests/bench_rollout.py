@@ -242,8 +242,8 @@ def compiled_vs_eager(model: Llama, P: int, rounds: int) -> None:
     prompts = torch.randint(model.config.vocab_size, (NUM_PROMPTS, P),
                             generator=torch.Generator().manual_seed(0)).tolist()
     kernel = decode.kernel_for
-    routes = {"kernel, compiled": (True, True), "kernel, eager": (True, False),
-              "cpu fused (bf16)": (False, False)}
+    routes = {"kernel, compiled": (True, "true"), "kernel, eager": (True, "false"),
+              "cpu fused (bf16)": (False, "false")}
     best = {name: float("inf") for name in routes}
     compile_seconds = 0.0
     try:

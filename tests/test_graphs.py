@@ -156,8 +156,8 @@ def test_greedy_generate_compiled_equals_eager_and_compiles_nothing_again(model,
     call of the same shapes compiles nothing (compiles 0, compile_seconds 0)."""
     knobs = dict(num_samples=3, max_new_tokens=16, temperature=0.0, check_every=2)
     stops = (5, 9, 17, 23, 31)
-    runs = [rollout.generate(model, PROMPTS, RolloutConfig(compile_decode=on, **knobs), stop_ids=stops,
-                             seed=0) for on in (True, True, False)]
+    runs = [rollout.generate(model, PROMPTS, RolloutConfig(compile_decode=on, **knobs),
+                             stop_ids=stops, seed=0) for on in ("true", "true", "false")]
     first, again, eager = runs
     assert eager.stats["compiles"] == 0 and first.stats["compactions"] >= 1
     assert first.stats["compiles"] <= 1 and again.stats["compiles"] == 0
@@ -205,8 +205,9 @@ def test_a_torch_that_cannot_compile_runs_the_step_eagerly_and_says_so_once(mode
     monkeypatch.setattr(graphs.CompiledStep, "refused", None)
     monkeypatch.setattr(graphs.torch, "compile", failing_compile)
     knobs = dict(num_samples=2, max_new_tokens=6, temperature=0.0)
-    outs = [rollout.generate(model, PROMPTS, RolloutConfig(**knobs), seed=0) for _ in range(2)]
-    eager = rollout.generate(model, PROMPTS, RolloutConfig(compile_decode=False, **knobs), seed=0)
+    outs = [rollout.generate(model, PROMPTS, RolloutConfig(compile_decode="true", **knobs), seed=0)
+            for _ in range(2)]
+    eager = rollout.generate(model, PROMPTS, RolloutConfig(compile_decode="false", **knobs), seed=0)
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 1 and "no working C++ compiler found" in lines[0]
     assert len(tries) == 1 and graphs.CompiledStep.refused is not None
@@ -220,18 +221,29 @@ def test_a_logits_fn_keeps_the_step_eager(model, kernel_route, capsys):
     bit the compile_decode=False route and without a line: tp.py's layers run their collectives in
     autograd Functions torch.compile does not trace (it refuses them)."""
     knobs = dict(num_samples=2, max_new_tokens=6, temperature=0.9)
-    gathered = rollout.generate(model, PROMPTS, RolloutConfig(**knobs), seed=0,
-                                logits_fn=lambda x: x)
-    eager = rollout.generate(model, PROMPTS, RolloutConfig(compile_decode=False, **knobs), seed=0)
+    gathered = rollout.generate(model, PROMPTS, RolloutConfig(compile_decode="true", **knobs),
+                                seed=0, logits_fn=lambda x: x)
+    eager = rollout.generate(model, PROMPTS, RolloutConfig(compile_decode="false", **knobs), seed=0)
     assert torch.equal(gathered.tokens, eager.tokens)
     assert torch.equal(gathered.logprobs, eager.logprobs) and capsys.readouterr().out == ""
 
 
-def test_compile_is_on_by_default_and_leaves_float32_and_the_cpu_route_eager():
-    """RolloutConfig.compile_decode defaults to on; it applies to the kernel route alone: a float32 model
-    (the exact path) and the CPU's own fused route (no kernel) never compile."""
-    assert RolloutConfig().compile_decode is True
+def test_compile_applies_to_the_kernel_route_alone_and_auto_to_models_worth_compiling():
+    """compile_decode applies to the kernel route alone: a float32 model (the exact path) and the
+    CPU's own fused route (no kernel) never compile, even at "true". Its default, "auto", compiles
+    a CUDA model of graphs.MIN_COMPILE_PARAMS or more in its blocks: Qwen2.5-0.5B's shape (on the
+    meta device: no weight is made) is, the tests' tiny model and the default run's are not (its
+    24 s compile on an H200 against a 50 ms step). A setting other than the three is refused."""
+    from bench_bf16 import SHAPES
+    assert RolloutConfig().compile_decode == "auto"
+    with torch.device("meta"):
+        assert graphs.worth_compiling(Llama(SHAPES["Qwen2.5-0.5B"]))
+    assert not graphs.worth_compiling(Llama(CFG))
+    assert not graphs.decide("auto", Llama(CFG)) and graphs.decide("true", Llama(CFG))
+    with pytest.raises(ValueError, match="compile_decode must be auto"):
+        RolloutConfig(compile_decode="yes")
     for dtype in (torch.float32, torch.bfloat16):
         m = Llama(CFG).init_weights(seed=0, std=0.2).to(dtype).eval()
-        out = rollout.generate(m, PROMPTS, RolloutConfig(num_samples=2, max_new_tokens=4), seed=0)
+        cfg = RolloutConfig(num_samples=2, max_new_tokens=4, compile_decode="true")
+        out = rollout.generate(m, PROMPTS, cfg, seed=0)
         assert out.stats["compiles"] == 0 and out.stats["compile_seconds"] == 0.0

@@ -30,7 +30,8 @@ def test_compiled_graphed_bf16_decode_equals_the_eager_graphed_decode(models):
     knobs = dict(num_samples=4, max_new_tokens=24, temperature=0.0, check_every=2)
     stops = (5, 9, 17, 23, 31)
     first, again, eager = (rollout.generate(gpu, PROMPTS, RolloutConfig(compile_decode=on, **knobs),
-                                            stop_ids=stops, seed=0) for on in (True, True, False))
+                                            stop_ids=stops, seed=0)
+                          for on in ("true", "true", "false"))
     assert first.stats["compiles"] >= 1 and first.stats["compile_seconds"] > 0
     assert again.stats["compiles"] == 0 and eager.stats["compiles"] == 0
     assert first.stats["compactions"] >= 1 and torch.equal(first.tokens, again.tokens)

@@ -369,7 +369,7 @@ def test_generic_decode_path_equals_fused_path(model, monkeypatch, kernel):
     for CUDA's: called by every layer of every step here; eager: the compiled step has its own
     tests below)."""
     kwargs = dict(num_samples=3, max_new_tokens=24, temperature=0.9, stop_ids=(5, 9, 17, 23),
-                  seed=5, check_every=2, compile_decode=False)
+                  seed=5, check_every=2, compile_decode="false")
     fused = generate(model, PROMPTS, **kwargs)
     monkeypatch.setattr(decode, "_CPU_FLASH", None)
     calls = []

@@ -136,7 +136,7 @@ def test_bf16_decode_attention_runs_the_fused_kernel_and_equals_the_plain_merge(
     torch.testing.assert_close(got.double(), expected, rtol=0, atol=2e-2)
 
 
-@pytest.mark.parametrize("compiled", [True, False])
+@pytest.mark.parametrize("compiled", ["true", "false"])
 def test_bf16_decode_scores_as_the_trainer_with_graphs_and_without(model, compiled):
     """A bf16 sampler on the GPU (the fused kernel's route, compiled or eager, rows dropped and
     graphs re-captured): each sampled token's logprob equals the bf16 trainer forward's within
