@@ -30,8 +30,9 @@ log-sum-exp).
   varlen_layout's offsets built once per micro-batch): no padding, no prompt copied. Otherwise
   (float32, older torch) packed_attention_flex, FlexAttention over the packed row under a block
   mask built from per-token tensors (segment, group, is-prompt, position), compiled once per
-  process, the mask once per micro-batch; without it, packed_attention_cpu with padded views of
-  the repeated-prompt twin. A fallback says why in one line (train.py prints it at the first
+  process, the mask once per micro-batch, for a model whose steps pay a compile back
+  (graphs.worth_compiling); else packed_attention_cpu with padded views of the repeated-prompt
+  twin. A fallback says why in one line (train.py prints it at the first
   step). The varlen route's fold, merge and backward are tested on the CPU with the kernel's math
   twin in its place, the flex route's values on the CPU (eager flex_attention has no CPU
   backward); both on CUDA.
@@ -55,6 +56,7 @@ from torch import Tensor
 from attention import (CPU_FLASH, FLASH_VARLEN, RaggedLayout, Segments, SharedPromptAttentionPadded,
                        SharedPromptAttentionRagged, SharedPromptAttentionVarlen, VarlenLayout,
                        causal_bias, length_buckets, padding_bias, shared_prompt_attention_repeated)
+from graphs import worth_compiling
 from model import causal_attention
 
 try:  # torch >= 2.5; compiled on CUDA, where it has a backward
@@ -311,11 +313,14 @@ def packed_attention_flex(packing: Packing, kernel=None):
     return attention
 
 
-def cuda_route(dtype: torch.dtype, head_dim: int) -> tuple[str, str]:
+def cuda_route(dtype: torch.dtype, head_dim: int, compiles: bool = True) -> tuple[str, str]:
     """The CUDA training attention for the compute dtype: "varlen" (bf16 or fp16, torch >= 2.10,
     head_dim a multiple of 8 up to 256, flash kernels built), else "flex" (FlexAttention,
-    compiled), else "padded" (padded views of the repeated-prompt twin); and, when it is not
-    varlen, the one line that says why."""
+    compiled) where a compile pays (`compiles`: graphs.worth_compiling; FlexAttention's compile
+    took 25 s of the default run's first two steps on an H200), else "padded" (padded views of
+    the repeated-prompt twin, eager); and, when it is not varlen, the one line that says why.
+    FlexAttention's CUDA lowering refuses a head_dim under 16 (inductor raises
+    NotImplementedError at the first training step: Triton's tl.dot)."""
     why = ""
     if dtype not in (torch.bfloat16, torch.float16):
         why = f"the flash kernel takes bf16 or fp16, not {str(dtype).removeprefix('torch.')}"
@@ -329,20 +334,23 @@ def cuda_route(dtype: torch.dtype, head_dim: int) -> tuple[str, str]:
         why = "the flash kernel needs a GPU of compute capability 8.0 or later"
     if not why:
         return "varlen", ""
-    if FLEX_ON_CUDA:
+    if FLEX_ON_CUDA and head_dim >= 16 and compiles:  # Triton's tl.dot: 16 or more
         return "flex", f"training attention: FlexAttention, not varlen_attn: {why}"
-    return "padded", (f"training attention: padded rows, the prompt repeated per row: {why}, and "
-                      "this torch has no FlexAttention")
+    flex = ("this torch has no FlexAttention" if not FLEX_ON_CUDA else
+            f"FlexAttention's CUDA kernel takes head_dim 16 or more, not {head_dim}"
+            if head_dim < 16 else "FlexAttention compiles, which this model's steps never pay "
+            "back (graphs.worth_compiling)")
+    return "padded", f"training attention: padded rows, the prompt repeated per row: {why}; {flex}"
 
 
-def packed_attention_cuda(packing: Packing, rep: int):
+def packed_attention_cuda(packing: Packing, rep: int, compiles: bool = True):
     """The CUDA route for the dtype the attention meets (known at the first layer's call, under
     autocast too), chosen by cuda_route and built once for all layers."""
     routes: dict[torch.dtype, object] = {}
 
     def attention(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         if v.dtype not in routes:
-            name, _ = cuda_route(v.dtype, v.shape[-1])
+            name, _ = cuda_route(v.dtype, v.shape[-1], compiles)
             routes[v.dtype] = (packed_attention_varlen(packing) if name == "varlen" else
                                packed_attention_flex(packing) if name == "flex" else
                                packed_attention_cpu(packing, rep))
@@ -350,11 +358,12 @@ def packed_attention_cuda(packing: Packing, rep: int):
     return attention
 
 
-def packed_attention(packing: Packing, rep: int):
+def packed_attention(packing: Packing, rep: int, compiles: bool = True):
     """Attention over the packed row, the route for the packing's device: packed_attention_cuda
-    (varlen_attn in bf16, FlexAttention otherwise: cuda_route), packed_attention_cpu elsewhere."""
+    (varlen_attn in bf16, FlexAttention otherwise where a compile pays: cuda_route),
+    packed_attention_cpu elsewhere."""
     if packing.tokens.device.type == "cuda":
-        return packed_attention_cuda(packing, rep)
+        return packed_attention_cuda(packing, rep, compiles)
     return packed_attention_cpu(packing, rep)
 
 # -----------------------------------------------------------------------------
@@ -368,7 +377,8 @@ def packed_hidden(model, prompt_ids: Tensor, prompt_lens: Tensor, tokens: Tensor
     packing = pack(prompt_ids, prompt_lens, tokens, mask, G)
     config = model.config
     rep = config.num_attention_heads // config.num_key_value_heads
-    hook = (attention or packed_attention)(packing, rep)
+    default = functools.partial(packed_attention, compiles=worth_compiling(model))
+    hook = (attention or default)(packing, rep)
     h = model.hidden(packing.tokens, packing.positions, hook)[0]  # (L, C); a tail is dropped here
     return h[packing.predict]  # (n, C)
 

@@ -92,7 +92,8 @@ def compile_model(cfg, model: Llama, device: torch.device, groups: tp.ParallelGr
     notes = []
     if device.type == "cuda":
         dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else master_dtype(cfg)
-        notes.append(packing.cuda_route(dtype, model.config.head_dim)[1])
+        notes.append(packing.cuda_route(dtype, model.config.head_dim,
+                                        graphs.worth_compiling(model))[1])
     if cfg.compile_blocks == "false" or (cfg.compile_blocks == "auto" and device.type != "cuda"):
         return notes
     if not graphs.decide(cfg.compile_blocks, model):  # auto on CUDA, a model too small to pay

@@ -7,7 +7,9 @@ each part in its own process under its own time limit, one table and one JSON.
 Parts (their seconds in LIMITS; a part past its limit keeps the figures it had reported, and the
 rest still run):
 - suite: the whole test suite (pytest-xdist when installed), each test under tests/deadline.py's
-  --deadline; failures by name, even from a run that was cut.
+  --deadline; failures by name, even from a run that was cut, and why (deadline.py says each as it
+  happens); then the failed ones again, alone (the seeds run beside the suite: a test that reads
+  the device's free memory sees theirs).
 - seeds: `train.py --dtype bfloat16` on seeds 0-4 side by side to step 800, beside the suite (their
   held-out accuracy is the figure, not their time).
 - decode: the bf16 rollout at Qwen2.5-0.5B's shape, 16 prompts x 8 samples, 256 new tokens, P = 64
@@ -22,8 +24,8 @@ rest still run):
 - compile: the first step's compile seconds with an empty compile cache, then with the cache the
   first left, each in a fresh process (tests/bench_compiling.py).
 - default: `python train.py`, the default run, timed whole.
---dry_run runs each part on the CPU at tiny shapes (tests/test_gpu_check.py runs it), so the
-script works the first time a GPU is lent. OUT/gpu_check.json holds every figure, rewritten after
+--dry_run runs each part on the CPU at tiny shapes (CUDA hidden from every child; tests/
+test_gpu_check.py runs it), so the script works the first time a GPU is lent. OUT/gpu_check.json holds every figure, rewritten after
 each part; OUT/<part>.log each part's output; the table at the end has the headline figures.
 """
 
@@ -39,8 +41,8 @@ TESTS = os.path.join(ROOT, "tests")
 sys.path[:0] = [ROOT, TESTS]
 
 # Seconds per part on a GPU (the suite and the seeds side by side): 8 minutes in all.
-LIMITS = dict(suite=190, seeds=230, decode=100, train=70, compile=55, default=60)
-DRY_LIMITS = dict(suite=120, seeds=120, decode=120, train=120, compile=180, default=120)
+LIMITS = dict(suite=190, alone=60, seeds=230, decode=100, train=70, compile=55, default=60)
+DRY_LIMITS = dict(suite=120, alone=60, seeds=120, decode=120, train=120, compile=180, default=120)
 SHAPE = "Qwen2.5-0.5B"
 
 # -----------------------------------------------------------------------------
@@ -121,9 +123,12 @@ def last_record(out: str) -> dict:
     return lines[-1] if lines else {}
 
 
-def suite_command(dry: bool) -> list[str]:
+def suite_command(dry: bool, tests: list[str] | None = None) -> list[str]:
+    """The suite (dry: one small file), or `tests` by id, one at a time."""
     cmd = [sys.executable, "-m", "pytest", "-p", "deadline", "--deadline", "150", "-rfE", "-v",
            "-p", "no:cacheprovider"]
+    if tests:
+        return cmd + tests
     try:
         import xdist  # noqa: F401 (pytest-xdist: -n)
         cmd += ["-n", "2" if dry else "10"]
@@ -193,7 +198,13 @@ def suite_and_seeds(args, limits: dict, wanted: list[str], save) -> None:
         log = os.path.join(args.out, "suite.log")
         status, seconds = run_command(suite_command(args.dry_run), limits["suite"], log)
         with open(log) as f:
-            save("suite", dict(status=status, seconds=seconds, **suite_figures(f.read())))
+            figures = dict(status=status, seconds=seconds, **suite_figures(f.read()))
+        if figures["failed"]:  # again, one at a time
+            alone = os.path.join(args.out, "alone.log")
+            run_command(suite_command(args.dry_run, figures["failed"]), limits["alone"], alone)
+            with open(alone) as f:
+                figures["failed_alone"] = suite_figures(f.read())["failed"]
+        save("suite", figures)
     finals = {}
     for seed, proc in procs.items():
         try:
@@ -221,6 +232,8 @@ def main() -> None:
         for figures in PARTS[args.part](args.dry_run):
             print(json.dumps(figures), flush=True)
         return
+    if args.dry_run:  # every child on the CPU, also on a GPU machine
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     import torch
     if not args.dry_run and not torch.cuda.is_available():
         sys.exit("gpu_check: no CUDA GPU here; --dry_run runs every part on the CPU")
@@ -274,6 +287,9 @@ def summary(parts: dict) -> list[tuple[str, str, str]]:
         failed = suite["failed"]
         rows.append(("suite", f"{suite['passed']} passed, {len(failed)} failed ({suite['status']})"
                      + (": " + ", ".join(failed) if failed else ""), "green"))
+        if failed:
+            rows.append(("suite: of those, failed again alone",
+                         ", ".join(suite.get("failed_alone", ["not run"])) or "none", "none"))
     if "seeds" in parts:
         finals = [r["eval_correct"] for r in parts["seeds"]["runs"].values()]
         rows.append(("bf16 default, seeds 0-4: held-out correct",

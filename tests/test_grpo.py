@@ -323,10 +323,18 @@ def test_under_bf16_autocast_every_attention_gets_q_k_v_in_bf16(monkeypatch):
 
 
 def test_the_cuda_route_falls_back_in_one_line_saying_why(monkeypatch):
-    """cuda_route: varlen_attn where it can run, else FlexAttention, else padded rows, each
-    fallback with one line naming what is missing (train.py prints it at the first step)."""
+    """cuda_route: varlen_attn where it can run, else FlexAttention (head dims of 16 or more),
+    else padded rows, each fallback with one line naming what is missing (train.py prints it at
+    the first step)."""
     name, why = packing.cuda_route(torch.float32, 64)
     assert name == "flex" and "bf16 or fp16, not float32" in why and "\n" not in why
+    # Regression: FlexAttention's CUDA lowering refuses head dims under 16 (an InductorError at
+    # the first training step of a float32 model with 8-wide heads, on an H200)
+    name, why = packing.cuda_route(torch.float32, 8)
+    assert name == "padded" and "takes head_dim 16 or more, not 8" in why
+    # A model whose steps never pay FlexAttention's compile back runs padded rows eagerly
+    name, why = packing.cuda_route(torch.float32, 64, compiles=False)
+    assert name == "padded" and "never pay" in why
     monkeypatch.setattr(packing, "VARLEN", True)  # as on torch >= 2.10
     assert "multiple of 8" in packing.cuda_route(torch.bfloat16, 12)[1]
     monkeypatch.setattr(packing, "VARLEN", False)

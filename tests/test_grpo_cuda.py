@@ -28,13 +28,15 @@ def test_cuda_shared_chunked_equals_naive_in_fp32_and_bf16():
     torch.testing.assert_close(got[0], want[0], atol=0.15, rtol=0)
 
 
-def test_cuda_packed_forward_flex_attention_equals_the_padded_one_values_and_grads():
+def test_cuda_packed_forward_flex_attention_equals_the_padded_one_values_and_grads(monkeypatch):
     """The CUDA route of the padding-free forward (FlexAttention under the packed block mask,
-    compiled) against the padded twin on ragged groups (1-token prompts, empty rows, an all-empty
-    group): logprobs and every gradient, float32: logp_tol of values; 4 GRAD_REL of each gradient's
-    norm (the CPU's bound, with room for a compiled Triton kernel's blocking that no CPU run
-    measures)."""
+    compiled; taken here for a tiny model, which otherwise runs padded rows eagerly) against the
+    padded twin on ragged groups (1-token prompts, empty rows, an all-empty group): logprobs and
+    every gradient, float32: logp_tol of values; 4 GRAD_REL of each gradient's norm (the CPU's
+    bound, with room for a compiled Triton kernel's blocking that no CPU run measures)."""
+    import graphs
     from test_grpo import grads, ragged_groups, weighted_sum
+    monkeypatch.setattr(graphs, "MIN_COMPILE_PARAMS", 0)
     prompts, completions = ragged_groups()
     m = tiny_model().cuda()
     batch = grpo.GRPOBatch.from_lists(prompts, completions, device="cuda")
