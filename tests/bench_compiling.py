@@ -89,24 +89,31 @@ def child(args) -> None:
                           eager_step_s=eager)), flush=True)
 
 
-def cold_and_warm(shape: str = "tiny", prompts: int = 16, G: int = 8, P: int = 64, new: int = 64,
-                  rounds: int = 3, threads: int = 1, backend: str = "inductor") -> dict:
+def cold_then_warm(shape: str = "tiny", prompts: int = 16, G: int = 8, P: int = 64, new: int = 64,
+                   rounds: int = 3, threads: int = 1, backend: str = "inductor"):
     """Two fresh processes on one new cache directory: the first compiles cold, the second warm.
-    Returns both children's figures and the ratios. backend "aot_eager" generates no code (a quick
-    dry run of the measurement)."""
+    Yields the figures after each (a caller with a time limit keeps the cold one). backend
+    "aot_eager" generates no code (a quick dry run of the measurement)."""
     with tempfile.TemporaryDirectory() as tmp:
         cache = os.path.join(tmp, "compile_cache")
         argv = [sys.executable, os.path.abspath(__file__), "--child", "--shape", shape,
                 "--prompts", str(prompts), "--G", str(G), "--P", str(P), "--new", str(new),
                 "--rounds", str(rounds), "--threads", str(threads), "--compile_cache", cache,
                 "--backend", backend]
-        runs = []
-        for _ in ("cold", "warm"):
+        out = dict(shape=shape)
+        for name in ("cold", "warm"):
             done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, check=True)
-            runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
-    cold, warm = runs
-    return dict(shape=shape, cold=cold, warm=warm, warm_over_cold=warm["compile_s"] / cold[
-        "compile_s"], compiled_over_eager=warm["compiled_step_s"] / warm["eager_step_s"])
+            out[name] = json.loads(done.stdout.strip().splitlines()[-1])
+            yield out
+    cold, warm = out["cold"], out["warm"]
+    out.update(warm_over_cold=warm["compile_s"] / cold["compile_s"],
+               compiled_over_eager=warm["compiled_step_s"] / warm["eager_step_s"])
+    yield out
+
+
+def cold_and_warm(*args, **kwargs) -> dict:
+    """cold_then_warm's figures once both processes ran, with the ratios."""
+    return list(cold_then_warm(*args, **kwargs))[-1]
 
 
 def main() -> None:

@@ -38,7 +38,6 @@ import argparse
 import dataclasses
 import functools
 import json
-import math
 import os
 import random
 import sys
@@ -169,9 +168,11 @@ ROLLOUT_ROUTES = {"engine, compiled + graphs": (True, "true"), "engine, graphs":
 
 
 def rollout_part(name: str, lim: dict, device: str = "cuda",
-                 routes: tuple[str, ...] = tuple(ROLLOUT_ROUTES)) -> list[dict]:
-    """Decode tokens/s of each route and transformers' generate on the same weights and prompts,
-    and the share of the copy-bandwidth floor a decode step reaches. Returns the rows."""
+                 routes: tuple[str, ...] = tuple(ROLLOUT_ROUTES),
+                 transformers: bool = True) -> list[dict]:
+    """Decode tokens/s of each route and (with `transformers`) transformers' generate on the same
+    weights and prompts, and the share of the copy-bandwidth floor a decode step reaches. Returns
+    the rows."""
     model = build(name, torch.bfloat16, device)
     V = model.config.vocab_size
     prompts = torch.randint(V, (BP, P), generator=torch.Generator().manual_seed(0)).tolist()
@@ -188,7 +189,7 @@ def rollout_part(name: str, lim: dict, device: str = "cuda",
                          tokens_s=BP * G * NEW / stats["seconds"], decode_tokens_s=BP * G / step,
                          step_ms=step * 1e3, floor_share=(weights + kv) / lim["copy"] / GB / step,
                          compiles=warm["compiles"], compile_seconds=warm["compile_seconds"]))
-    hf_seconds = hf_generate_seconds(model, prompts)
+    hf_seconds = hf_generate_seconds(model, prompts) if transformers else None
     if hf_seconds:
         rows.append(dict(shape=name, P=P, route="transformers generate", seconds=hf_seconds,
                          tokens_s=BP * G * NEW / hf_seconds))

@@ -254,8 +254,9 @@ def varlen_route(monkeypatch, record: list | None = None):
         if record is not None:
             record.append((q.dtype, k.dtype, v.dtype))
         return forward(q, k, v, seg)
-    monkeypatch.setattr(packing, "packed_attention", lambda p, rep: packing.packed_attention_varlen(
-        p, (recorded, backward)))
+    monkeypatch.setattr(packing, "packed_attention",
+                        lambda p, rep, compiles=True: packing.packed_attention_varlen(
+                            p, (recorded, backward)))
 
 
 @pytest.mark.parametrize("dtype,twin", [(torch.float32, "padded"), (torch.float64, "padded"),

@@ -46,6 +46,8 @@ def reordered(depth: int, scale: float = 1.0) -> dict:
     """torch.testing.assert_close's rtol and atol for float32 values computed in two summation
     orders (the module docstring): FACTOR * sqrt(depth) * eps, times scale as the absolute part."""
     rel = FACTOR * math.sqrt(depth) * EPS32
+    if isinstance(scale, torch.Tensor):  # a reference's maximum, perhaps still in a graph
+        scale = scale.detach()
     return dict(rtol=rel, atol=rel * float(scale))
 
 
