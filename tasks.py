@@ -30,9 +30,9 @@ Built in:
   sum; the reward is 1 for correct, else 0, so eval_reward is the share correct.
 - the stop set (answers of varying length, then the stop) and `tasks:ragged_copy`, below.
 - with a tool (tools.py; a Task's `tool`): `tasks:lookup`, a value only the tool knows (a fresh
-  model), the answer-reading tasks built on it (`lookup_reverse`, `lookup_copy`, `lookup_pair`,
-  `lookup_sum`: the model writes its own answer from the tool's, scored on what it wrote:
-  tools.Completion), and `tasks:chat_calc`, a product with a calculator (a chat checkpoint).
+  model), the answer-reading tasks built on it (`lookup_copy`, `lookup_reverse`, `lookup_inorder`,
+  `lookup_pair`, `lookup_sum`: the model writes its own answer from the tool's, scored on what
+  it wrote: tools.Completion), and `tasks:chat_calc`, a product with a calculator (a chat checkpoint).
 
 The evaluation's prompts (eval_split): a finite dataset's own test split (`--eval_data FILE`, read
 by the same task factory), else distinct prompts held out of the training stream, at most half of a
@@ -49,6 +49,7 @@ import os
 import random
 import re
 import sys
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -500,9 +501,13 @@ lookup = Task("lookup", sample_lookup, [(lookup_digits, 0.8), (lookup_exact, 0.2
 
 # Answer-reading tasks: the model calls, reads the tool's answers and writes its own answer from
 # them. The credit reads what the model did, never the tool's text: its answer (completion.answer,
-# what it wrote after the tool's last answer), whether it stopped right after it, and how many of
-# its calls the tool answered (the call is the model's action; the answers' text earns nothing).
-# The reference is what the tool knows; each task's `expected` turns it into the answer.
+# what it wrote after the tool's last answer) and how many of its calls the tool answered (the call
+# is the model's action; the answers' text earns nothing). The reference is what the tool knows;
+# each task's `expected` turns it into the answer. Two choices make these learn on every seed
+# (docs/measurements.md, the answer-reading tasks): no credit for a stop (paid for any answer of the
+# right length, it let a policy that calls, guesses and stops settle there), and credit for the
+# right digits in any position (a policy reads the tool's answer before it learns each digit's
+# place).
 
 
 def sample_lookup_pair(rng: random.Random) -> tuple[str, str]:
@@ -518,45 +523,51 @@ def look_up_next(text: Completion, reference: str) -> str | None:
 
 
 def answer_reading(name: str, sample: Callable, tool: Callable, expected: Callable[[str], str],
-                   calls: int, budget: int) -> Task:
-    """A task whose answer is expected(reference), written by the model after `calls` calls: per
-    position of completion.answer (0.6), a stop right after it (0.2: the row stopped, its answer
-    as long as the expected one), and the calls the tool answered, up to `calls` (0.2). Without
-    the tool a guess earns about 0.26."""
-    def answer_digits(completion: Completion, reference: str) -> float:
-        return digits_correct(completion.answer, expected(reference))
+                   calls: int, tool_tokens: int, answer_tokens: int = 2) -> Task:
+    """A task whose answer is expected(reference) (`answer_tokens` long), written by the model
+    after `calls` calls whose answers take `tool_tokens` tokens in all. The budget ends the
+    episode right after the answer (no stop to learn). Credit: per position of completion.answer (0.6) and per digit of it found
+    anywhere in the expected answer (0.2, as a multiset: "74" for "47" earns it), both only once
+    the tool answered every call (a guess earns nothing), and the calls the tool answered, up to
+    `calls` (0.2)."""
+    def read_all(completion: Completion) -> bool:
+        return len(completion.observations) >= calls
 
-    def answer_stops(completion: Completion, reference: str) -> float:
-        return float(completion.stopped and len(completion.answer) == len(expected(reference)))
+    def answer_digits(completion: Completion, reference: str) -> float:
+        return digits_correct(completion.answer, expected(reference)) if read_all(completion) else 0.0
+
+    def answer_digits_anywhere(completion: Completion, reference: str) -> float:
+        if not read_all(completion):
+            return 0.0
+        written = Counter(completion.answer[:answer_tokens])
+        return sum((written & Counter(expected(reference))).values()) / answer_tokens
 
     def calls_answered(completion: Completion, reference: str) -> float:
         return min(len(completion.observations), calls) / calls
 
     def answer_right(completion: Completion, reference: str) -> bool:
-        return completion.stopped and completion.answer == expected(reference)
-    return Task(name, sample, [(answer_digits, 0.6), (answer_stops, 0.2), (calls_answered, 0.2)],
+        return read_all(completion) and completion.answer == expected(reference)
+    budget = calls + tool_tokens + answer_tokens
+    return Task(name, sample, [(answer_digits, 0.6), (answer_digits_anywhere, 0.2),
+                               (calls_answered, 0.2)],
                 alphabet="abcd0123456789=?", max_new_tokens=budget, correct=answer_right,
                 tool=Tool(tool, call="?"))
 
 
-def look_up_ended(text: Completion, reference: str) -> str:
-    """The prompt's value and a mark that ends it: "47=". Without the mark the model reads the
-    value's last digit when it writes its first, and the default recipe does not learn to write
-    the digit before it instead (docs/measurements.md, the answer-reading tasks)."""
-    return reference + "="
-
-
-# "?" + "47=" (the tool's) + "47" (the model's) + the stop: the value written again.
-lookup_copy = answer_reading("lookup_copy", sample_lookup, look_up_ended, lambda ref: ref, 1, 7)
-# "?" + "47" + "74" + the stop, and room: the tool's answer transformed (reversed).
+# "?" + "47" (the tool's) + "47" (the model's): the value written again.
+lookup_copy = answer_reading("lookup_copy", sample_lookup, look_up, lambda ref: ref, 1, 2)
+# "?" + "47" + "74": the tool's answer transformed (reversed).
 lookup_reverse = answer_reading("lookup_reverse", sample_lookup, look_up,
-                                lambda ref: ref[::-1], 1, 7)
-# "?" + "4" + "?" + "7" + "11" + the stop, and room: two answers of two calls, combined (summed).
-lookup_sum = answer_reading("lookup_sum", sample_lookup_pair, look_up_next,
-                            lambda ref: str(sum(map(int, ref.split("+")))), 2, 9)
-# "?" + "4" + "?" + "7" + "74" + the stop, and room: two answers of two calls, the last first.
+                                lambda ref: ref[::-1], 1, 2)
+# "?" + "4" + "?" + "7" + "47": two answers of two calls, combined in order.
+lookup_inorder = answer_reading("lookup_inorder", sample_lookup_pair, look_up_next,
+                                lambda ref: ref.replace("+", ""), 2, 2)
+# "?" + "4" + "?" + "7" + "74": two answers of two calls, the last first.
 lookup_pair = answer_reading("lookup_pair", sample_lookup_pair, look_up_next,
-                             lambda ref: ref[::-1].replace("+", ""), 2, 8)
+                             lambda ref: ref[::-1].replace("+", ""), 2, 2)
+# "?" + "4" + "?" + "7" + "11": two answers of two calls, summed (two digits: "4+3" -> "07").
+lookup_sum = answer_reading("lookup_sum", sample_lookup_pair, look_up_next,
+                            lambda ref: f"{sum(map(int, ref.split('+'))):02d}", 2, 2)
 
 CALC = re.compile(r"<calc>(.*?)</calc>", re.S)
 

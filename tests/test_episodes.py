@@ -479,27 +479,36 @@ def episode(*parts: str, stopped: bool = True) -> tools.Completion:
                             stopped)
 
 
-@pytest.mark.parametrize("task,reference,right,traps", [
-    (tasks.lookup_copy, "47", episode("?", "47=", "47"),
-     [episode("?", "47=", "?", "47="), episode("47;?", "47="),
-      episode("?", "47=", "47", stopped=False)]),
-    (tasks.lookup_reverse, "47", episode("?", "47", "74"),
-     [episode("?", "47", "?", "47"), episode("74?", "47"),
-      episode("?", "47", "74", stopped=False)]),
-    (tasks.lookup_sum, "4+7", episode("?", "4", "?", "7", "11"),
-     [episode("?", "4", "?", "7", "?", "11"), episode("11?", "4", "?", "7")]),
-    (tasks.lookup_pair, "4+7", episode("?", "4", "?", "7", "74"),
-     [episode("?", "4", "?", "7", "?", "74"), episode("74?", "4", "?", "7")])])
-def test_answer_reading_rewards_pay_the_models_answer_never_the_tools_text(task, reference,
+@pytest.mark.parametrize("task,calls,reference,right,traps", [
+    (tasks.lookup_copy, 1, "47", ("?", "47", "47"),
+     [episode("?", "47", "?", "47"), episode("47?", "47"), episode("47", stopped=False)]),
+    (tasks.lookup_reverse, 1, "47", ("?", "47", "74"),
+     [episode("?", "47", "?", "47"), episode("74?", "47"), episode("74", stopped=False)]),
+    (tasks.lookup_inorder, 2, "4+7", ("?", "4", "?", "7", "47"),
+     [episode("?", "4", "?", "7", "?"), episode("47?", "4", "?", "7"),
+      episode("?", "4", "47", stopped=False)]),
+    (tasks.lookup_pair, 2, "4+7", ("?", "4", "?", "7", "74"),
+     [episode("?", "4", "?", "7", "?"), episode("74?", "4", "?", "7"),
+      episode("?", "4", "74", stopped=False)]),
+    (tasks.lookup_sum, 2, "4+3", ("?", "4", "?", "3", "07"),
+     [episode("?", "4", "?", "3", "?"), episode("07?", "4", "?", "3"),
+      episode("?", "4", "07", stopped=False)])])
+def test_answer_reading_rewards_pay_the_models_answer_never_the_tools_text(task, calls, reference,
                                                                            right, traps):
-    """Full credit for the calls, the model's own answer and its stop; a second call that brings
-    the value in, an answer written before the call, or a row the budget ended earn the calls'
-    credit at most (and a stop they did not make nothing)."""
-    score = tasks.total_rewards(task, [right, *traps], [reference] * (1 + len(traps))).tolist()
-    assert score[0] == pytest.approx(1.0) and tasks.correct_flags(task, [right], [reference])[0]
-    assert all(x <= 0.2 + 1e-12 for x in score[1:3]), score  # the calls' credit alone
-    assert score[3:] == [pytest.approx(0.8)] * len(score[3:])  # the answer, no stop
-    assert not any(tasks.correct_flags(task, traps, [reference] * len(traps)))
+    """Full credit for the calls and the model's own answer, and the budget holds exactly that
+    episode; a call that brings the value in after the answer and an answer written before the
+    call earn the calls' credit alone, a guess before every call was answered the credit of the
+    calls answered. The right digits in each other's places earn 0.2 beside the calls'."""
+    n = len(traps)
+    score = tasks.total_rewards(task, [episode(*right), *traps], [reference] * (1 + n)).tolist()
+    assert score[0] == pytest.approx(1.0)
+    assert tasks.correct_flags(task, [episode(*right)], [reference])[0]
+    assert task.max_new_tokens == len("".join(right))
+    assert score[1:3] == [pytest.approx(0.2)] * 2, score
+    assert score[3] == pytest.approx(0.2 * (calls - 1) / calls), score
+    assert not any(tasks.correct_flags(task, traps, [reference] * n))
+    swapped = episode(*right[:-1], right[-1][::-1])
+    assert tasks.total_rewards(task, [swapped], [reference]).item() == pytest.approx(0.4)
     assert tasks.look_up_next(episode("?", "4", "?", "7", "?"), "4+7") is None  # no third value
 
 
