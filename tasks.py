@@ -32,7 +32,8 @@ Built in:
 - with a tool (tools.py; a Task's `tool`): `tasks:lookup`, a value only the tool knows (a fresh
   model), the answer-reading tasks built on it (`lookup_copy`, `lookup_reverse`, `lookup_inorder`,
   `lookup_pair`, `lookup_sum`: the model writes its own answer from the tool's, scored on what
-  it wrote: tools.Completion), and `tasks:chat_calc`, a product with a calculator (a chat checkpoint).
+  it wrote: tools.Completion), and `tasks:chat_calc`, a product with a calculator (a chat
+  checkpoint).
 
 The evaluation's prompts (eval_split): a finite dataset's own test split (`--eval_data FILE`, read
 by the same task factory), else distinct prompts held out of the training stream, at most half of a
@@ -526,15 +527,18 @@ def answer_reading(name: str, sample: Callable, tool: Callable, expected: Callab
                    calls: int, tool_tokens: int, answer_tokens: int = 2) -> Task:
     """A task whose answer is expected(reference) (`answer_tokens` long), written by the model
     after `calls` calls whose answers take `tool_tokens` tokens in all. The budget ends the
-    episode right after the answer (no stop to learn). Credit: per position of completion.answer (0.6) and per digit of it found
-    anywhere in the expected answer (0.2, as a multiset: "74" for "47" earns it), both only once
-    the tool answered every call (a guess earns nothing), and the calls the tool answered, up to
-    `calls` (0.2)."""
+    episode right after the answer (no stop to learn). Credit: per position of completion.answer
+    (0.6), per digit of it found anywhere in the expected answer (0.2, as a multiset: "74" for
+    "47" earns it), and the calls the tool answered, up to `calls` (0.2). With several calls the
+    answer earns only once the tool answered every one: else one call and a guess at the rest is
+    a resting point (the first value copied earns half the answer)."""
     def read_all(completion: Completion) -> bool:
-        return len(completion.observations) >= calls
+        return calls == 1 or len(completion.observations) >= calls
 
     def answer_digits(completion: Completion, reference: str) -> float:
-        return digits_correct(completion.answer, expected(reference)) if read_all(completion) else 0.0
+        if not read_all(completion):
+            return 0.0
+        return digits_correct(completion.answer, expected(reference))
 
     def answer_digits_anywhere(completion: Completion, reference: str) -> float:
         if not read_all(completion):

@@ -481,9 +481,9 @@ def episode(*parts: str, stopped: bool = True) -> tools.Completion:
 
 @pytest.mark.parametrize("task,calls,reference,right,traps", [
     (tasks.lookup_copy, 1, "47", ("?", "47", "47"),
-     [episode("?", "47", "?", "47"), episode("47?", "47"), episode("47", stopped=False)]),
+     [episode("?", "47", "?", "47"), episode("47?", "47"), episode("31", stopped=False)]),
     (tasks.lookup_reverse, 1, "47", ("?", "47", "74"),
-     [episode("?", "47", "?", "47"), episode("74?", "47"), episode("74", stopped=False)]),
+     [episode("?", "47", "?", "47"), episode("74?", "47"), episode("31", stopped=False)]),
     (tasks.lookup_inorder, 2, "4+7", ("?", "4", "?", "7", "47"),
      [episode("?", "4", "?", "7", "?"), episode("47?", "4", "?", "7"),
       episode("?", "4", "47", stopped=False)]),
@@ -497,8 +497,9 @@ def test_answer_reading_rewards_pay_the_models_answer_never_the_tools_text(task,
                                                                            right, traps):
     """Full credit for the calls and the model's own answer, and the budget holds exactly that
     episode; a call that brings the value in after the answer and an answer written before the
-    call earn the calls' credit alone, a guess before every call was answered the credit of the
-    calls answered. The right digits in each other's places earn 0.2 beside the calls'."""
+    call earn the calls' credit alone, a wrong guess the credit of the calls answered (after one
+    call of two, nothing for its answer, right or not). The right digits in each other's places
+    earn 0.2 beside the calls'."""
     n = len(traps)
     score = tasks.total_rewards(task, [episode(*right), *traps], [reference] * (1 + n)).tolist()
     assert score[0] == pytest.approx(1.0)
