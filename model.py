@@ -18,10 +18,14 @@ alone and calls `attention(layer, q, k, v, last=last)` there, q (B, H, 1, D): ke
 are that row's padding, which the hook masks (`causal_attention` does). The attention over a
 prompt shared by a group of rows, which rollout.py and grpo.py pass as hooks, is attention.py.
 
+`fused_projections(model)`: meanwhile q/k/v run as one matmul on their weights stacked, and
+gate/up as one (a compiled decode step's fewer kernels; the weights stay where they are).
+
 Shapes: B sequences, T tokens, S keys, C width, H/Hkv heads, D head dim, V vocab, L layers.
 Tested by tests/test_model.py.
 """
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -163,6 +167,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 class Attention(nn.Module):
+    fused: "Stacked | None" = None  # q/k/v's weights stacked while fused_projections runs
+
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         C, D = cfg.hidden_size, cfg.head_dim
@@ -181,10 +187,14 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         xq, cos_q, sin_q = (x, cos, sin) if last is None else (at_last(x, last), at_last(cos, last),
                                                                at_last(sin, last))
+        if self.fused is not None and last is None:  # one matmul (fused_projections)
+            q, k, v = F.linear(x, self.fused[0], self.fused[1]).split(self.fused[2], -1)
+        else:
+            q, k, v = self.q_proj(xq), self.k_proj(x), self.v_proj(x)
         # Head counts come from the tensor shapes: a tensor-parallel shard (H/tp heads) runs as is.
-        q = self.q_proj(xq).view(B, xq.shape[1], -1, self.head_dim).transpose(1, 2)  # (B, H, Tq, D)
-        k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
-        v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        q = q.view(B, xq.shape[1], -1, self.head_dim).transpose(1, 2)  # (B, H, Tq, D)
+        k = k.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        v = v.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         # NOTE a footgun: under bf16 autocast over fp32 weights the rope tables are fp32 (the
         # embedding's dtype), so q * cos is fp32 while v is the linears' bf16. SDPA's autocast
         # casts them back, but an attention it does not cover (FlexAttention, varlen_attn, a
@@ -208,6 +218,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    fused: "Stacked | None" = None  # gate/up's weights stacked while fused_projections runs
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         C, I = cfg.hidden_size, cfg.intermediate_size
@@ -216,7 +228,11 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(I, C, bias=cfg.mlp_bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.fused is not None:  # one matmul (fused_projections)
+            gate, up = F.linear(x, self.fused[0], self.fused[1]).split(self.fused[2], -1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -305,3 +321,40 @@ class Llama(nn.Module):
     def forward(self, tokens: Tensor, positions: Tensor | None = None,
                 attention: Callable | None = None) -> Tensor:
         return self.head(self.hidden(tokens, positions, attention))  # (B, T, V)
+
+
+# -----------------------------------------------------------------------------
+# Fused projections
+
+# Linears that read the same input, their weights stacked: (weight (sum of outs, C), bias or None,
+# each linear's out size to split the output by).
+Stacked = tuple[Tensor, "Tensor | None", list[int]]
+
+
+def stack(linears: tuple[nn.Linear, ...]) -> Stacked:
+    bias = None if linears[0].bias is None else torch.cat([m.bias.detach() for m in linears])
+    return (torch.cat([m.weight.detach() for m in linears]), bias,
+            [m.out_features for m in linears])
+
+
+@contextlib.contextmanager
+def fused_projections(model: nn.Module, enabled: bool = True):
+    """Meanwhile each attention's q, k and v run as one matmul on their weights stacked, and each
+    MLP's gate and up as one: a decode step's 7 matmuls a layer become 4 (torch.compile does not
+    stack weights itself: they may change between its calls). The weights are stacked on entry:
+    a change to them inside is not seen. The cost: a second copy of those weights while it runs.
+    A projection that is not a plain nn.Linear (tensor parallelism's shards) stays as it is.
+    For inference: the stacked weights carry no gradient. Outputs equal the separate matmuls' up
+    to the kernel's summation order."""
+    fused = []
+    try:
+        for m in model.modules() if enabled else ():
+            parts = ((m.q_proj, m.k_proj, m.v_proj) if isinstance(m, Attention) else
+                     (m.gate_proj, m.up_proj) if isinstance(m, MLP) else ())
+            if parts and all(type(p) is nn.Linear for p in parts):
+                m.fused = stack(parts)
+                fused.append(m)
+        yield
+    finally:
+        for m in fused:
+            del m.fused  # back to the class's None

@@ -37,7 +37,8 @@ part's softmax as one more score: the same merge in fewer kernels
 for oneDNN (_prepacked_linears).
 CUDA: the decode step is a CUDA graph per layout of active rows (`cuda_graphs`); in bf16 / fp16 it
 is compiled first, and the draw beside it (`compile_decode`: torch.compile, once for every layout,
-its seconds in the stats' compile_seconds; graphs.py); the private KV cache is bf16.
+its seconds in the stats' compile_seconds; graphs.py), on q/k/v's and gate/up's weights stacked for
+the rollout (model.fused_projections: one matmul each); the private KV cache is bf16.
 
 Shapes: Bp prompts, G samples per prompt, R = Bp*G rows, N active rows, S = Bp'*G' slots of the
 grid, P longest prompt, Tc completion length, C width, H/Hkv heads, D head dim, V vocab (V/tp when
@@ -60,7 +61,7 @@ from torch import Tensor, nn
 from decode import Decoder, KVCache  # noqa: F401 (rollout.KVCache: train.py, plan.py, memory's)
 from episodes import Episodes, Rows
 from graphs import CompiledStep, decide
-from model import ModelConfig, causal_attention
+from model import ModelConfig, causal_attention, fused_projections
 from sampling import filter_logits, inverse_cdf, race_clocks, sample, sample_raced  # noqa: F401
 
 # -----------------------------------------------------------------------------
@@ -275,7 +276,8 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], cfg: RolloutConfi
             decoder = Decoder(model, views, lens, G, device.type == "cuda" and cfg.cuda_graphs,
                               decide(cfg.compile_decode, model) and logits_fn is None)
             draw = Draw(cfg, generator, logits_fn or _same, decoder.compiled is not None)
-            stats.update(_decode(decoder, rows, draw, stop_ids, cfg.check_every, episodes))
+            with fused_projections(model, decoder.compiled is not None):  # 4 matmuls a layer
+                stats.update(_decode(decoder, rows, draw, stop_ids, cfg.check_every, episodes))
         stats.update(_kv_and_compile_stats(views, decoder.compiled, draw.compiled))
     else:  # nothing to sample: every row is empty
         rows = Rows.empty(0, len(prompts) * G, device)

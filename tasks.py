@@ -504,11 +504,11 @@ lookup = Task("lookup", sample_lookup, [(lookup_digits, 0.8), (lookup_exact, 0.2
 # them. The credit reads what the model did, never the tool's text: its answer (completion.answer,
 # what it wrote after the tool's last answer) and how many of its calls the tool answered (the call
 # is the model's action; the answers' text earns nothing). The reference is what the tool knows;
-# each task's `expected` turns it into the answer. Two choices make these learn on every seed
-# (docs/measurements.md, the answer-reading tasks): no credit for a stop (paid for any answer of the
-# right length, it let a policy that calls, guesses and stops settle there), and credit for the
-# right digits in any position (a policy reads the tool's answer before it learns each digit's
-# place).
+# each task's `expected` turns it into the answer. Credit for the right digits in any position
+# leads a policy to read the tool's answer before it knows each digit's place (the copy learned on
+# 1 seed of 2 without it, on 4 of 4 with it), and the budget, not a stop, ends the episode (a stop
+# credited for any answer of the right length kept a policy that calls, guesses and stops):
+# docs/measurements.md, the answer-reading tasks.
 
 
 def sample_lookup_pair(rng: random.Random) -> tuple[str, str]:

@@ -42,7 +42,7 @@ import decode  # noqa: E402
 import graphs  # noqa: E402
 import rollout  # noqa: E402
 from episodes import Episodes  # noqa: E402
-from model import Llama, ModelConfig  # noqa: E402
+from model import Llama, ModelConfig, fused_projections  # noqa: E402
 from rollout import RolloutConfig, generate, sample  # noqa: E402
 
 CFG = ModelConfig(vocab_size=2048, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
@@ -408,6 +408,11 @@ def launches(decoder: decode.Decoder, tokens: torch.Tensor) -> collections.Count
     matmuls, attention)."""
     run = decoder.forward if decoder.compiled is None else functools.partial(decoder.compiled,
                                                                              decoder)
+    with fused_projections(decoder.model, decoder.compiled is not None):  # as generate's
+        return _launches(run, decoder, tokens)
+
+
+def _launches(run, decoder: decode.Decoder, tokens: torch.Tensor) -> collections.Counter:
     if not tokens.is_cuda and decoder.compiled is None:
         with torch.no_grad(), OpCount() as count:  # inference mode would show composite ops
             run(tokens)

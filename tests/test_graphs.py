@@ -14,6 +14,7 @@ The compiles are torch's, seconds to a minute each here: the first test compiles
 each of its four structures, and the tests after it reuse those compiles.
 """
 
+import copy
 import math
 
 import pytest
@@ -24,7 +25,7 @@ import graphs
 import tolerance
 import rollout
 import sampling
-from model import Llama
+from model import Llama, fused_projections
 from rollout import RolloutConfig
 from test_rollout import CFG, PROMPTS, trainer_logprobs
 
@@ -86,8 +87,10 @@ def test_compiled_bf16_step_equals_the_eager_step_and_compiles_once_a_structure(
     time with fewer rows and groups: the compiled step's logits and the eager bf16 step's each
     within ULPS of the float64 forward of each row's whole sequence (the slow twin), the compiled
     step's greedy picks the float64 forward's (near ties aside), and the K/V it wrote into the
-    cache, in place, the eager step's. It compiles once a structure, on its first layout's first
-    step: never on a later step, nor for a structure's second layout."""
+    cache, in place, the eager step's. The compiled step runs on q/k/v's and gate/up's weights
+    stacked (model.fused_projections), stacked anew for each step: new tensors of the same shapes
+    compile nothing. It compiles once a structure, on its first layout's first step: never on a
+    later step, nor for a structure's second layout."""
     G, new = 4, 13  # rows 0-3 hold prompt 0 (the longest, 11 tokens), 4-7 prompt 1, ...
     compiled, eager, tokens = decoders(model, G, new)
     assert compiled.compiled is not None and eager.compiled is None
@@ -108,7 +111,9 @@ def test_compiled_bf16_step_equals_the_eager_step_and_compiles_once_a_structure(
             for i, r in enumerate(compiled.layout.rows):
                 seqs[r].append(int(tokens[i]))
             assert compiled.t == eager.t == t  # each step feeds every row at index t
-            got, want = compiled.step(tokens).double(), eager.step(tokens).double()
+            with fused_projections(model):  # as generate's compiled route: stacked each step
+                got = compiled.step(tokens).double()
+            want = eager.step(tokens).double()
             exact = torch.stack([wide(torch.tensor([seqs[r]]))[0, -1]
                                  for r in compiled.layout.rows])  # (N, V)
             for logits in (got, want):
@@ -188,6 +193,30 @@ def test_sampled_tokens_on_the_compiled_route_score_as_the_trainer(model, kernel
         expected = trainer_logprobs(model, PROMPTS[row // 3], completion, 0.8, 0, 1.0).float()
         torch.testing.assert_close(torch.tensor(out.logprob_lists()[row]), expected, rtol=0,
                                    atol=0.1)
+
+
+def test_the_compiled_route_samples_from_the_weights_of_its_own_rollout(model, kernel_route):
+    """The weights changed in place between two rollouts (as rollout.sync_weights writes them):
+    the second compiled rollout's logprobs are the eager route's on the new weights, within
+    LOGPROB_TOL where their greedy rows agree, and far from the first rollout's (what stale
+    weights, a compiled graph's constants or the first rollout's stacked projections, would give).
+    It compiles nothing: the stacked weights are new tensors of the same shapes."""
+    changed = copy.deepcopy(model)
+    knobs = dict(num_samples=2, max_new_tokens=6, temperature=0.0, compile_decode="true")
+    before = rollout.generate(changed, PROMPTS, RolloutConfig(**knobs), seed=0)
+    with torch.no_grad():
+        for block in changed.model.layers:
+            block.mlp.up_proj.weight.neg_()
+            block.self_attn.v_proj.weight.mul_(2)
+    after = rollout.generate(changed, PROMPTS, RolloutConfig(**knobs), seed=0)
+    eager_cfg = RolloutConfig(**{**knobs, "compile_decode": "false"})
+    eager = rollout.generate(changed, PROMPTS, eager_cfg, seed=0)
+    assert after.stats["compiles"] == 0
+    agree = (after.tokens[:, :2] == eager.tokens[:, :2]).all(-1)  # the first decoded token
+    assert agree.float().mean() >= 0.5, "most rows pick the same token"
+    step = after.logprobs[agree, 1].float()
+    torch.testing.assert_close(step, eager.logprobs[agree, 1].float(), rtol=0, atol=LOGPROB_TOL)
+    assert (step - before.logprobs[agree, 1].float()).abs().max() > 2 * LOGPROB_TOL
 
 
 def test_a_torch_that_cannot_compile_runs_the_step_eagerly_and_says_so_once(model, kernel_route,

@@ -162,6 +162,35 @@ def test_hidden_at_last_positions_equals_full_forward_and_hook_sees_every_positi
     for a, b in zip(g_got, g_want):
         torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-10)
 
+@pytest.mark.parametrize("kw", [dict(attention_bias=True, mlp_bias=True),
+                                dict(architecture="Qwen2ForCausalLM")])
+def test_fused_projections_equal_the_separate_linears_and_leave_the_model_as_it_was(kw):
+    """q/k/v as one matmul and gate/up as one (float64: the twins differ only by rounding): the
+    same logits, the last-position prefill's final layer on its separate q; a projection that is
+    not a plain nn.Linear (a tensor-parallel shard) is left alone; the stacked weights are gone
+    after the block, an exception's too."""
+    m = make(**kw).double()
+    x, last = torch.randint(0, 96, (3, 7)), torch.tensor([6, 2, 4])
+    with torch.no_grad():
+        want, want_last = m(x), m.hidden(x, None, None, last)
+        with M.fused_projections(m):
+            blocks = m.model.layers
+            assert all(b.self_attn.fused is not None and b.mlp.fused is not None for b in blocks)
+            got, got_last = m(x), m.hidden(x, None, None, last)
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(got_last, want_last, atol=1e-12, rtol=1e-12)
+    assert all(b.self_attn.fused is None and b.mlp.fused is None for b in m.model.layers)
+
+    class Shard(torch.nn.Linear):  # tp.py's layers are nn.Linear subclasses or other modules
+        pass
+    first = m.model.layers[0]
+    first.mlp.up_proj.__class__ = Shard
+    with pytest.raises(RuntimeError, match="inside"), M.fused_projections(m):
+        assert first.mlp.fused is None and first.self_attn.fused is not None
+        raise RuntimeError("inside")
+    assert first.self_attn.fused is None
+
+
 def test_rms_norm_keeps_float64_values_and_grads():
     """Regression: rms_norm cast with x.float(), which rounds a float64 model's norms and every
     gradient through them to float32, so the shared-prompt forwards' gradients were 1e-7 off the
