@@ -27,6 +27,8 @@ from functools import partial
 import torch
 import torch.nn as nn
 
+from decode import kernel_for
+from graphs import worth_compiling
 from grpo import GRPOConfig
 from logprobs import chunk_rows
 from memory import MemoryConfig, PhaseManager
@@ -38,7 +40,8 @@ from rollout import KVCache, RolloutConfig
 # Rollout: what generate() allocates besides the weights and the KV cache
 
 def rollout_memory(config: ModelConfig, num_prompts: int, prompt_len: int, cfg: RolloutConfig,
-                   dtype: torch.dtype, tp_size: int = 1, cpu: bool = False) -> dict[str, int]:
+                   dtype: torch.dtype, tp_size: int = 1, cpu: bool = False,
+                   stacked: bool = False) -> dict[str, int]:
     """Bytes generate() holds at each of its two largest moments, besides the weights and the KV
     cache (memory.py plans those from shapes), per rank, for Bp prompts of P tokens whose R = Bp*G
     rows all decode Tc = max_new_tokens. a: bytes per element of the sampler's dtype; b*P tokens
@@ -55,8 +58,11 @@ def rollout_memory(config: ModelConfig, num_prompts: int, prompt_len: int, cfg: 
         prepacked 4*(L*(2CQ + 2CK + 3CI) + VC)/tp   (Q = H*D, K = Hkv*D) on a CPU, float32, with
                                            cfg.prepacked_linears: the linear weights prepacked for
                                            oneDNN, held through generate
+        stacked   a*L*C*(Q + 2K + 2I)          with `stacked` (the compiled decode step's route):
+                                           q/k/v's and gate/up's weights stacked, held while the
+                                           rows decode (model.fused_projections; biases left out)
     Returns {"prefill": outputs + prefill + prepacked, "sampling": outputs + sampling +
-    prepacked}."""
+    prepacked}, the decode's part of sampling with the stacked weights."""
     a = torch.empty((), dtype=dtype).element_size()
     C = config.hidden_size
     I = config.intermediate_size // tp_size
@@ -67,8 +73,10 @@ def rollout_memory(config: ModelConfig, num_prompts: int, prompt_len: int, cfg: 
     per_chunk = min(num_prompts, max(1, cfg.prefill_tokens // prompt_len))
     prefill = per_chunk * prompt_len * a * (3 * C + 3 * I + 2 * D)
     decode_block = R * a * (3 * C + 3 * I)
-    sampling = max(R * V * (a + 8) + num_prompts * V * a, decode_block + R * V * (a + 8))
     Q, K = config.num_attention_heads * D, config.num_key_value_heads * D
+    stacked_bytes = a * config.num_hidden_layers * C * (Q + 2 * K + 2 * I) if stacked else 0
+    sampling = max(R * V * (a + 8) + num_prompts * V * a,
+                   decode_block + R * V * (a + 8) + stacked_bytes)
     linears = config.num_hidden_layers * (2 * C * Q + 2 * C * K + 3 * C * config.intermediate_size)
     prepacked = 4 * (linears + V * C) // tp_size if cpu and cfg.prepacked_linears and a == 4 else 0
     return {"prefill": outputs + prefill + prepacked, "sampling": outputs + sampling + prepacked}
@@ -181,7 +189,7 @@ def step_transients(config: ModelConfig, prompts: int, prompt_len: int, r: Rollo
                     g: GRPOConfig, dtype: torch.dtype, sampler_dtype: torch.dtype, *,
                     checkpoint: bool, tp_size: int = 1, sequence_parallel: bool = False,
                     old: bool = False, repeated_prompt: bool = False,
-                    cpu: bool = False) -> dict[str, int]:
+                    cpu: bool = False, stacked: bool = False) -> dict[str, int]:
     """Each phase's largest transient (bytes per rank) for `prompts` prompts of prompt_len tokens
     and r.max_new_tokens completion tokens: the largest of rollout_memory in rollout; the batch
     kept through the step plus a micro-batch's no-grad forward (old or reference logprobs) or its
@@ -201,7 +209,8 @@ def step_transients(config: ModelConfig, prompts: int, prompt_len: int, r: Rollo
                                sequence_parallel=sequence_parallel,
                                repeated_prompt=repeated_prompt)
     kept = batch_bytes(prompts * r.num_samples, Tc, old, g.beta > 0)  # through the step
-    sampling = rollout_memory(config, prompts, prompt_len, r, sampler_dtype, tp_size, cpu=cpu)
+    sampling = rollout_memory(config, prompts, prompt_len, r, sampler_dtype, tp_size, cpu=cpu,
+                              stacked=stacked)
     return {"rollout": max(sampling.values()), "idle": kept + old * micro["no grad"],
             "reference": kept + micro["no grad"],
             "train": kept + max(micro["forward"], micro["backward"])}
@@ -243,6 +252,18 @@ def phase_peaks(mem: PhaseManager, transients: dict[str, int], target: str | tor
     return out
 
 
+def stacked_decode(setting: str, sampler: nn.Module, target: str, tp_size: int) -> bool:
+    """Whether generate's decode runs compiled on stacked weights (rollout.py, decode.Decoder):
+    graphs.decide's rule for the target's device, where the step takes a fused kernel
+    (decode.kernel_for: CUDA, bf16 / fp16), on one tensor-parallel rank (tp's vocab gather keeps
+    the step eager)."""
+    kernel = kernel_for(torch.device(target), next(sampler.parameters()).dtype,
+                        sampler.config.head_dim)
+    cuda = torch.device(target).type == "cuda"
+    compiled = setting == "true" or (setting == "auto" and cuda and worth_compiling(sampler))
+    return compiled and kernel is not None and tp_size == 1
+
+
 def step_plan(mem: PhaseManager, cfgs, model, sampler, reference, prompts: int, tp_size: int,
               target: str, g: GRPOConfig) -> dict[str, dict[str, int]]:
     """phase_peaks for one step of train.py's configs `cfgs` (rollout.max_new_tokens resolved)
@@ -254,7 +275,8 @@ def step_plan(mem: PhaseManager, cfgs, model, sampler, reference, prompts: int, 
         checkpoint=cfgs.memory.activation_checkpoint, tp_size=tp_size,
         sequence_parallel=cfgs.parallel.sequence_parallel, old=g.mu > 1,
         repeated_prompt=torch.device(target).type != "cpu" and not FLEX_ON_CUDA,  # packing's
-        cpu=torch.device(target).type == "cpu")
+        cpu=torch.device(target).type == "cpu",
+        stacked=stacked_decode(cfgs.rollout.compile_decode, sampler, target, tp_size))
     plan = phase_peaks(mem, transients, target, cfgs.train.phases)
     if reference is None:
         del plan["reference"]

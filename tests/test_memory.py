@@ -17,6 +17,7 @@ import tolerance
 from memtrace import allocator_peak
 
 import attention
+import decode
 import memory
 import model as M
 import plan
@@ -175,6 +176,29 @@ def test_plan_on_the_meta_device_counts_bytes_from_shapes():
     assert mgr.plan()["train"] == {"trainer": 4 * n, "weights": 0, "grads": 4 * n}
     with pytest.raises(RuntimeError, match="meta device can only plan"):
         mgr.enter("rollout")
+
+def test_the_rollout_plan_holds_the_stacked_weights_of_the_compiled_decode():
+    """The compiled decode step's stacked q/k/v and gate/up weights (model.fused_projections) are
+    in the rollout's plan where generate makes them (a CUDA target, a bf16 sampler, compile on,
+    one rank) and nowhere else: their planned bytes are the stacked tensors' own, less biases."""
+    cfg = tiny_model().config
+    sampler = M.Llama(cfg).to(torch.bfloat16)
+    with M.fused_projections(sampler):
+        made = sum(m.fused[0].nbytes for m in sampler.modules() if getattr(m, "fused", None))
+    r = RolloutConfig(num_samples=4, max_new_tokens=8)
+    args = (cfg, 2, 16, r, torch.bfloat16)
+    plain = plan.rollout_memory(*args)
+    stacked = plan.rollout_memory(*args, stacked=True)
+    assert stacked["prefill"] == plain["prefill"]  # made after the prefill and the first draw
+    assert stacked["sampling"] == plain["sampling"] + made  # here the decode's part is the larger
+    assert plan.stacked_decode("true", sampler, "cuda", 1) == (decode.kernel_for(
+        torch.device("cuda"), torch.bfloat16, cfg.head_dim) is not None)
+    assert not plan.stacked_decode("true", sampler, "cpu", 1)
+    assert not plan.stacked_decode("true", sampler, "cuda", 2)
+    assert not plan.stacked_decode("false", sampler, "cuda", 1)
+    assert not plan.stacked_decode("auto", sampler, "cuda", 1)  # the tiny model: not worth it
+    assert not plan.stacked_decode("true", sampler.float(), "cuda", 1)
+
 
 def test_phase_peaks_add_adam_state_and_transients_and_count_a_cpu_offload_once():
     """Before AdamW's first step (always, on the meta device) its state is planned from the
