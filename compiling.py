@@ -104,13 +104,6 @@ def compile_blocks(blocks, enabled: bool = True) -> int:
         block.__class__ = CompiledBlock if enabled else Block
     return len(blocks)
 
-
-def unsupported() -> str:
-    """Why torch.compile cannot run here ("" when it can): one line for the run's log."""
-    if not torch._dynamo.is_dynamo_supported():
-        return f"torch.compile is not supported on this Python or torch ({torch.__version__})"
-    return ""
-
 # -----------------------------------------------------------------------------
 # Compile caches across runs, and the compile seconds
 

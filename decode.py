@@ -392,7 +392,9 @@ class Decoder:
         # The unbound forward, called with the decoder: a bound one would make a reference cycle
         # (decoder -> compiled step -> decoder) that keeps the KV views and graphs until a gc.
         kernel_route = self.attention.kernel is not None
-        self.compiled = CompiledStep(Decoder.forward) if compiled and kernel_route else None
+        step = CompiledStep(Decoder.forward) if compiled and kernel_route else None
+        # None where torch cannot compile here (said once): the eager route, draw and all
+        self.compiled = step if step is not None and step.compiled is not None else None
 
     def forward(self, tokens: Tensor) -> Tensor:
         """(N, 1) -> (N, V); every other input is a tensor held here or by the attention."""

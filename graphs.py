@@ -14,8 +14,8 @@ CUDA graph that replays all of them in one call.
   views no longer whole), prompts with and without padding, a dim of size 1 (torch specializes
   0 and 1): tests/test_graphs.py meets four structures in one rollout. It counts its compiles and
   the seconds they took; torch's caches (FX graph, AOT) make a later process's compile cheaper.
-  Where torch cannot compile (no C++ compiler or Triton, an unsupported platform or torch), the
-  step runs eagerly and one line says so, once a process.
+  Where torch cannot compile (no C++ compiler or Triton, an unsupported platform, a torch older
+  than MIN_TORCH: `unsupported`), the step runs eagerly and one line says so, once a process.
 - GraphedStep: a CUDA graph of step(tokens) -> logits for one layout: warm up (the compile, if
   any, happens there) on a side stream, capture, replay.
 rollout.py compiles the draw beside a compiled step (sampling.sample_raced: the logits' float32
@@ -71,6 +71,24 @@ def decide(setting: str, model: torch.nn.Module) -> bool:
     return setting == "true" or (setting == "auto" and on_cuda and worth_compiling(model))
 
 
+# The compiled paths (this decode step, compiling.py's block regions) need this torch or newer:
+# torch 2.5 compiles the step again for every layout of active rows (it guards the sizes of the
+# tensors the step reaches through the decoder) and the regions again for every layer, and 2.6
+# compiles the regions again at a packed length that one of inductor's patterns guarded.
+MIN_TORCH = (2, 7)
+
+
+def unsupported() -> str:
+    """Why the compiled paths do not run here ("" when they do): one line for the run's log."""
+    version = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+    if version < MIN_TORCH:
+        return (f"the compiled paths need torch {'.'.join(map(str, MIN_TORCH))} or newer, this is "
+                f"{torch.__version__}")
+    if not torch._dynamo.is_dynamo_supported():
+        return f"torch.compile is not supported on this Python or torch ({torch.__version__})"
+    return ""
+
+
 def graphs_compiled() -> int:
     """Graphs torch.compile compiled so far in this process (dynamo's counter; a cache hit counts:
     the graph was traced again)."""
@@ -91,8 +109,10 @@ class CompiledStep:
         self.compiled = None
         if CompiledStep.refused is None:
             try:
+                if unsupported():
+                    raise RuntimeError(unsupported())
                 self.compiled = torch.compile(fn, fullgraph=True, dynamic=True)
-            except RuntimeError as error:  # a Python or platform torch.compile does not support
+            except RuntimeError as error:  # a Python, platform or torch it does not support
                 self._refuse(error)
 
     def __call__(self, *args):

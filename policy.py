@@ -101,7 +101,7 @@ def compile_model(cfg, model: Llama, device: torch.device, groups: tp.ParallelGr
         return notes + [f"--compile_blocks auto: the blocks run eager ({blocks / 1e6:.1f} M "
                         f"parameters: a compile pays from {graphs.MIN_COMPILE_PARAMS / 1e6:.0f} "
                         "M)"]
-    why = compiling.unsupported()
+    why = graphs.unsupported()
     if not why and groups.tp_size > 1:
         why = "a tensor-parallel block has collectives inside it"
     if why:

@@ -11,6 +11,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import compiling
+import graphs
 import grpo
 import memory
 import train
@@ -20,7 +21,7 @@ from test_grpo import (GRAD_REL, V, grads, logp_tol, ragged_batch, ragged_groups
                        weighted_sum)
 from test_train import FAST, in_a_cpu_process
 
-pytestmark = pytest.mark.skipif(bool(compiling.unsupported()), reason=compiling.unsupported())
+pytestmark = pytest.mark.skipif(bool(graphs.unsupported()), reason=graphs.unsupported())
 
 
 def logprobs_and_grads(m, batch) -> tuple[torch.Tensor, dict]:

@@ -22,15 +22,20 @@ import torch
 
 import decode
 import graphs
+import policy
 import tolerance
 import rollout
 import sampling
-from model import Llama, fused_projections
+import tp
+from model import Block, Llama, fused_projections
 from rollout import RolloutConfig
+from train import TrainConfig
 from test_rollout import CFG, PROMPTS, trainer_logprobs
 
 ULPS = 8  # bf16 ulps of the largest logit (module docstring); 4 at most measured here
 LOGPROB_TOL = ULPS * 2.0 ** -5  # logprobs move as the logits do: this model's stay in (4, 8)
+# The tests of the compiled step itself; below graphs.MIN_TORCH it runs eagerly (the gate's test).
+needs_compile = pytest.mark.skipif(bool(graphs.unsupported()), reason=graphs.unsupported())
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +85,7 @@ def decoders(model: Llama, G: int, new: int) -> tuple[decode.Decoder, decode.Dec
     return *pair, first
 
 
+@needs_compile
 def test_compiled_bf16_step_equals_the_eager_step_and_compiles_once_a_structure(model, wide,
                                                                                kernel_route):
     """Step by step through six layouts: four structures (every row in its slot or rows scattered
@@ -134,6 +140,7 @@ def test_compiled_bf16_step_equals_the_eager_step_and_compiles_once_a_structure(
                                    atol=bf16_tol(written))
 
 
+@needs_compile
 def test_the_compiled_draw_equals_the_eager_race_on_the_same_clocks():
     """sampling.sample_raced compiled (rollout.py runs it so beside a compiled step) against itself
     eager on the same clocks, bf16 logits (the compiled step's) with masked ids: greedy,
@@ -152,6 +159,7 @@ def test_the_compiled_draw_equals_the_eager_race_on_the_same_clocks():
         torch.testing.assert_close(logprobs, want[1], **tolerance.reordered(1000, scale))
 
 
+@needs_compile
 def test_greedy_generate_compiled_equals_eager_and_compiles_nothing_again(model, wide,
                                                                           kernel_route):
     """generate() on the compiled route, rows dropped at stop ids, against the eager bf16 route: the
@@ -182,6 +190,7 @@ def test_greedy_generate_compiled_equals_eager_and_compiles_nothing_again(model,
     assert parted <= len(PROMPTS), "most rows agree token for token"
 
 
+@needs_compile
 def test_sampled_tokens_on_the_compiled_route_score_as_the_trainer(model, kernel_route):
     """Sampling after the compiled step: each token's logprob is the bf16 trainer forward's within
     bf16's rounding of logits of size ~5 (tests/test_rollout.py's bf16 test: 0.1). Temperature
@@ -195,6 +204,7 @@ def test_sampled_tokens_on_the_compiled_route_score_as_the_trainer(model, kernel
                                    atol=0.1)
 
 
+@needs_compile
 def test_the_compiled_route_samples_from_the_weights_of_its_own_rollout(model, kernel_route):
     """The weights changed in place between two rollouts (as rollout.sync_weights writes them):
     the second compiled rollout's logprobs are the eager route's on the new weights, within
@@ -232,6 +242,7 @@ def test_a_torch_that_cannot_compile_runs_the_step_eagerly_and_says_so_once(mode
             raise torch._dynamo.exc.TorchDynamoException("no working C++ compiler found")
         return compiled
     monkeypatch.setattr(graphs.CompiledStep, "refused", None)
+    monkeypatch.setattr(graphs, "unsupported", lambda: "")  # a torch new enough, this one or not
     monkeypatch.setattr(graphs.torch, "compile", failing_compile)
     knobs = dict(num_samples=2, max_new_tokens=6, temperature=0.0)
     outs = [rollout.generate(model, PROMPTS, RolloutConfig(compile_decode="true", **knobs), seed=0)
@@ -243,6 +254,28 @@ def test_a_torch_that_cannot_compile_runs_the_step_eagerly_and_says_so_once(mode
     for out in outs:
         assert torch.equal(out.tokens, eager.tokens) and torch.equal(out.logprobs, eager.logprobs)
         assert out.stats["compiles"] == 0
+
+
+def test_a_torch_older_than_the_compiled_paths_need_runs_them_eagerly_and_says_so(
+        model, kernel_route, monkeypatch, capsys, tmp_path):
+    """Below graphs.MIN_TORCH (torch 2.5 compiled the step again for every layout) the step is
+    not compiled: one line names the torch needed, the rollout is bit for bit the eager one, and
+    the training blocks stay eager with the same reason (policy.compile_model's line)."""
+    monkeypatch.setattr(graphs.CompiledStep, "refused", None)
+    monkeypatch.setattr(graphs.torch, "__version__", "2.5.1+cpu")
+    assert graphs.unsupported().startswith("the compiled paths need torch 2.7 or newer")
+    knobs = dict(num_samples=2, max_new_tokens=6, temperature=0.9)
+    old = rollout.generate(model, PROMPTS, RolloutConfig(compile_decode="true", **knobs), seed=0)
+    eager = rollout.generate(model, PROMPTS, RolloutConfig(compile_decode="false", **knobs), seed=0)
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 1 and "need torch 2.7 or newer, this is 2.5.1+cpu" in lines[0]
+    assert torch.equal(old.tokens, eager.tokens) and torch.equal(old.logprobs, eager.logprobs)
+    assert old.stats["compiles"] == 0
+    trainer = Llama(CFG)
+    cfg = TrainConfig(compile_blocks="true", compile_cache=str(tmp_path))
+    notes = policy.compile_model(cfg, trainer, torch.device("cpu"), tp.ParallelGroups(None, None))
+    assert notes == [f"--compile_blocks: the blocks run eager: {graphs.unsupported()}"]
+    assert all(type(block) is Block for block in trainer.model.layers)
 
 
 def test_a_logits_fn_keeps_the_step_eager(model, kernel_route, capsys):
