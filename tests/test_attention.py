@@ -1,6 +1,7 @@
 """attention.py: the attention over a prompt shared by a group of rows against its slow twin,
 the prompt copied per row and one masked softmax (values and gradients)."""
 
+import functools
 import math
 
 import pytest
@@ -43,10 +44,7 @@ def assert_values_and_grads_equal(out, ref, inputs, depth: int) -> tuple:
     inputs q, k, v, prompt_k, prompt_v; returns out's gradients. The same math summed in another
     order: float64 to 1e-12; float32 from `depth`, the longest chain of sums behind a value or a
     gradient, at that tensor's magnitude (tests/tolerance.py)."""
-    def tol(want: torch.Tensor) -> dict:
-        if want.dtype == torch.float64:
-            return dict(rtol=1e-12, atol=1e-12)
-        return tolerance.reordered(depth, want.abs().max())
+    tol = functools.partial(tolerance.twins, depth)
     torch.testing.assert_close(out, ref, **tol(ref))
     w = torch.randn_like(ref)
     got = torch.autograd.grad((out * w).sum(), inputs)
@@ -221,11 +219,7 @@ def test_shared_prompt_attention_varlen_equals_one_masked_softmax_values_and_gra
     ref = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                          attn_mask=mask, enable_gqa=True).transpose(0, 1)
     depth = D + max(prompt_lens) + max(row_lens) + (H // Hkv) * L
-
-    def tol(want: torch.Tensor) -> dict:
-        if want.dtype == torch.float64:
-            return dict(rtol=1e-12, atol=1e-12)
-        return tolerance.reordered(depth, want.abs().max())
+    tol = functools.partial(tolerance.twins, depth)
     torch.testing.assert_close(out, ref, **tol(ref))
     w = torch.randn_like(ref)
     got = torch.autograd.grad((out * w).sum(), [q, k, v])

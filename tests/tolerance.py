@@ -51,6 +51,14 @@ def reordered(depth: int, scale: float = 1.0) -> dict:
     return dict(rtol=rel, atol=rel * float(scale))
 
 
+def twins(depth: int, want) -> dict:
+    """A float64 twin to 1e-12 (the same math, summation order only), a float32 one by
+    reordered(depth) at want's magnitude."""
+    if want.dtype == torch.float64:
+        return dict(rtol=1e-12, atol=1e-12)
+    return reordered(depth, want.abs().max())
+
+
 def reordered_rel(depth: int) -> float:
     """The same bound as one relative number, for errors measured against a norm or a maximum
     (|a - b| / |b| of a whole gradient)."""
