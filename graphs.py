@@ -62,12 +62,13 @@ def worth_compiling(model: torch.nn.Module) -> bool:
     return sum(p.numel() for p in blocks.parameters()) >= MIN_COMPILE_PARAMS
 
 
-def decide(setting: str, model: torch.nn.Module) -> bool:
+def decide(setting: str, model: torch.nn.Module, device: str = "") -> bool:
     """A compile knob (--compile_blocks, --compile_decode): "true", "false", or "auto" (a CUDA
-    model worth compiling)."""
+    model worth compiling). device: where the model will run (default: where it is; --plan's
+    models are on the meta device)."""
     if setting not in ("auto", "true", "false"):
         raise ValueError(f"a compile setting is auto, true or false, got {setting!r}")
-    on_cuda = next(model.parameters()).device.type == "cuda"
+    on_cuda = torch.device(device or next(model.parameters()).device).type == "cuda"
     return setting == "true" or (setting == "auto" and on_cuda and worth_compiling(model))
 
 

@@ -331,7 +331,7 @@ class Llama(nn.Module):
 Stacked = tuple[Tensor, "Tensor | None", list[int]]
 
 
-def stack(linears: tuple[nn.Linear, ...]) -> Stacked:
+def stack_linears(linears: tuple[nn.Linear, ...]) -> Stacked:
     bias = None if linears[0].bias is None else torch.cat([m.bias.detach() for m in linears])
     return (torch.cat([m.weight.detach() for m in linears]), bias,
             [m.out_features for m in linears])
@@ -352,7 +352,7 @@ def fused_projections(model: nn.Module, enabled: bool = True):
             parts = ((m.q_proj, m.k_proj, m.v_proj) if isinstance(m, Attention) else
                      (m.gate_proj, m.up_proj) if isinstance(m, MLP) else ())
             if parts and all(type(p) is nn.Linear for p in parts):
-                m.fused = stack(parts)
+                m.fused = stack_linears(parts)
                 fused.append(m)
         yield
     finally:

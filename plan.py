@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 
 from decode import kernel_for
-from graphs import worth_compiling
+from graphs import decide, unsupported
 from grpo import GRPOConfig
 from logprobs import chunk_rows
 from memory import MemoryConfig, PhaseManager
@@ -254,14 +254,13 @@ def phase_peaks(mem: PhaseManager, transients: dict[str, int], target: str | tor
 
 def stacked_decode(setting: str, sampler: nn.Module, target: str, tp_size: int) -> bool:
     """Whether generate's decode runs compiled on stacked weights (rollout.py, decode.Decoder):
-    graphs.decide's rule for the target's device, where the step takes a fused kernel
-    (decode.kernel_for: CUDA, bf16 / fp16), on one tensor-parallel rank (tp's vocab gather keeps
-    the step eager)."""
+    graphs.decide on the target's device, where the step takes a fused kernel (decode.kernel_for:
+    CUDA, bf16 / fp16) and torch compiles (graphs.unsupported), on one tensor-parallel rank (tp's
+    vocab gather keeps the step eager)."""
     kernel = kernel_for(torch.device(target), next(sampler.parameters()).dtype,
                         sampler.config.head_dim)
-    cuda = torch.device(target).type == "cuda"
-    compiled = setting == "true" or (setting == "auto" and cuda and worth_compiling(sampler))
-    return compiled and kernel is not None and tp_size == 1
+    return (decide(setting, sampler, target) and kernel is not None and tp_size == 1
+            and not unsupported())
 
 
 def step_plan(mem: PhaseManager, cfgs, model, sampler, reference, prompts: int, tp_size: int,
