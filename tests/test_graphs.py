@@ -34,6 +34,7 @@ from test_rollout import CFG, PROMPTS, trainer_logprobs
 
 ULPS = 8  # bf16 ulps of the largest logit (module docstring); 4 at most measured here
 LOGPROB_TOL = ULPS * 2.0 ** -5  # logprobs move as the logits do: this model's stay in (4, 8)
+COMPILED_HERE: set[str] = set()  # what this process's earlier tests compiled
 # The tests of the compiled step itself; below graphs.MIN_TORCH it runs eagerly (the gate's test).
 needs_compile = pytest.mark.skipif(bool(graphs.unsupported()), reason=graphs.unsupported())
 
@@ -131,6 +132,7 @@ def test_compiled_bf16_step_equals_the_eager_step_and_compiles_once_a_structure(
             counts.append(compiled.compiled.compiles)
     assert compiled.attention.slots is None and compiled.attention.prompt_valid.shape == (2, 2)
     assert counts[0] == 1 and compiled.compiled.seconds > 0
+    COMPILED_HERE.add("structures")
     for t in range(1, new - 1):
         assert counts[t] - counts[t - 1] <= (1 if t in (4, 6, 8) else 0), counts
     for mine, theirs in zip(compiled.attention.own_k + compiled.attention.own_v,
@@ -157,6 +159,7 @@ def test_the_compiled_draw_equals_the_eager_race_on_the_same_clocks():
         assert step.compiles >= 1 and torch.equal(tokens, want[0])
         scale = logits.float().nan_to_num(neginf=0).abs().max() / (knobs[0] or 1.0)
         torch.testing.assert_close(logprobs, want[1], **tolerance.reordered(1000, scale))
+    COMPILED_HERE.add("draw")
 
 
 @needs_compile
@@ -164,16 +167,20 @@ def test_greedy_generate_compiled_equals_eager_and_compiles_nothing_again(model,
                                                                           kernel_route):
     """generate() on the compiled route, rows dropped at stop ids, against the eager bf16 route: the
     same rows, each up to a near tie of the float64 forward where the two bf16 routes may part; a
-    row's logprobs within LOGPROB_TOL while they agree. At most one compile (the tests above
-    compiled each structure and the draw; a layout they did not meet may be new), and a second
-    call of the same shapes compiles nothing (compiles 0, compile_seconds 0)."""
+    row's logprobs within LOGPROB_TOL while they agree. At most one compile where the tests above
+    ran in this process (they compiled each structure and the draw; a layout they did not meet may
+    be new), at most five where they did not, and a second call of the same shapes compiles
+    nothing (compiles 0, compile_seconds 0)."""
     knobs = dict(num_samples=3, max_new_tokens=16, temperature=0.0, check_every=2)
     stops = (5, 9, 17, 23, 31)
     runs = [rollout.generate(model, PROMPTS, RolloutConfig(compile_decode=on, **knobs),
                              stop_ids=stops, seed=0) for on in ("true", "true", "false")]
     first, again, eager = runs
     assert eager.stats["compiles"] == 0 and first.stats["compactions"] >= 1
-    assert first.stats["compiles"] <= 1 and again.stats["compiles"] == 0
+    # After the two tests above in this process (not so under pytest -n, which may run them
+    # elsewhere), a layout they did not meet may be new; else each of four structures and the draw.
+    assert first.stats["compiles"] <= (1 if COMPILED_HERE == {"structures", "draw"} else 5)
+    assert again.stats["compiles"] == 0
     assert again.stats["compile_seconds"] == 0.0
     assert torch.equal(first.tokens, again.tokens)
     parted = 0
@@ -194,10 +201,11 @@ def test_greedy_generate_compiled_equals_eager_and_compiles_nothing_again(model,
 def test_sampled_tokens_on_the_compiled_route_score_as_the_trainer(model, kernel_route):
     """Sampling after the compiled step: each token's logprob is the bf16 trainer forward's within
     bf16's rounding of logits of size ~5 (tests/test_rollout.py's bf16 test: 0.1). Temperature
-    alone: a top-k or top-p boundary may fall between two roundings of the same logits."""
+    alone: a top-k or top-p boundary may fall between two roundings of the same logits. Compiles
+    as the test above bounds them."""
     cfg = RolloutConfig(num_samples=3, max_new_tokens=12, temperature=0.8, check_every=2)
     out = rollout.generate(model, PROMPTS, cfg, stop_ids=(5, 9, 17), seed=3)
-    assert out.stats["compiles"] <= 1
+    assert out.stats["compiles"] <= (1 if COMPILED_HERE == {"structures", "draw"} else 5)
     for row, completion in enumerate(out.completions()):
         expected = trainer_logprobs(model, PROMPTS[row // 3], completion, 0.8, 0, 1.0).float()
         torch.testing.assert_close(torch.tensor(out.logprob_lists()[row]), expected, rtol=0,
