@@ -135,12 +135,20 @@ def decode_bytes(model: Llama) -> tuple[float, float]:
     return weights, kv
 
 
-def hf_generate_seconds(model: Llama, prompts: list[list[int]]) -> float | None:
+HF_CACHES = {"dynamic": "transformers generate, dynamic cache",
+             "static": "transformers generate, static cache + compile"}
+
+
+def hf_generate_seconds(model: Llama, prompts: list[list[int]],
+                        caches: tuple[str, ...] = tuple(HF_CACHES)) -> dict[str, float]:
+    """Seconds of transformers' generate on the same weights, by cache (HF_CACHES): its dynamic
+    cache, eager, and its static cache, which generate compiles on CUDA (torch.compile with CUDA
+    graphs: its fastest route; on the CPU it runs eagerly). Each after a warm-up call (the compile's)."""
     try:
         import transformers
     except ImportError:
-        print("transformers is not installed: its row is skipped")
-        return None
+        print("transformers is not installed: its rows are skipped")
+        return {}
     device = next(model.parameters()).device
     with tempfile.TemporaryDirectory() as tmp:
         hf.save_model(model, tmp)
@@ -150,13 +158,17 @@ def hf_generate_seconds(model: Llama, prompts: list[list[int]]) -> float | None:
     kw = dict(attention_mask=torch.ones_like(ids), do_sample=True, num_return_sequences=G,
               max_new_tokens=NEW, min_new_tokens=NEW, top_k=0, top_p=1.0, temperature=1.0,
               pad_token_id=0, eos_token_id=None)
-    out = theirs.generate(ids, **kw)  # warm-up
-    assert out.shape == (BP * G, P + NEW), out.shape
-    sync()
-    start = time.perf_counter()
-    theirs.generate(ids, **kw)
-    sync()
-    seconds = time.perf_counter() - start
+    seconds = {}
+    for cache in caches:
+        extra = dict(cache_implementation="static") if cache == "static" else {}
+        out = theirs.generate(ids, **kw, **extra)  # warm-up (the static cache's compile)
+        assert out.shape == (BP * G, P + NEW), out.shape
+        sync()
+        start = time.perf_counter()
+        theirs.generate(ids, **kw, **extra)
+        sync()
+        seconds[cache] = time.perf_counter() - start
+        print(f"{HF_CACHES[cache]}: {seconds[cache]:.2f} s", flush=True)
     del theirs
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -169,10 +181,10 @@ ROLLOUT_ROUTES = {"engine, compiled + graphs": (True, "true"), "engine, graphs":
 
 def rollout_part(name: str, lim: dict, device: str = "cuda",
                  routes: tuple[str, ...] = tuple(ROLLOUT_ROUTES),
-                 transformers: bool = True) -> list[dict]:
-    """Decode tokens/s of each route and (with `transformers`) transformers' generate on the same
-    weights and prompts, and the share of the copy-bandwidth floor a decode step reaches. Returns
-    the rows."""
+                 transformers: tuple[str, ...] = tuple(HF_CACHES)) -> list[dict]:
+    """Decode tokens/s of each route and transformers' generate with each of `transformers`'
+    caches (HF_CACHES) on the same weights and prompts, and the share of the copy-bandwidth floor
+    a decode step reaches; x generate is against the fastest of those. Returns the rows."""
     model = build(name, torch.bfloat16, device)
     V = model.config.vocab_size
     prompts = torch.randint(V, (BP, P), generator=torch.Generator().manual_seed(0)).tolist()
@@ -188,13 +200,18 @@ def rollout_part(name: str, lim: dict, device: str = "cuda",
         rows.append(dict(shape=name, P=P, route=label, seconds=stats["seconds"],
                          tokens_s=BP * G * NEW / stats["seconds"], decode_tokens_s=BP * G / step,
                          step_ms=step * 1e3, floor_share=(weights + kv) / lim["copy"] / GB / step,
-                         compiles=warm["compiles"], compile_seconds=warm["compile_seconds"]))
-    hf_seconds = hf_generate_seconds(model, prompts) if transformers else None
-    if hf_seconds:
-        rows.append(dict(shape=name, P=P, route="transformers generate", seconds=hf_seconds,
-                         tokens_s=BP * G * NEW / hf_seconds))
-        for row in rows[:-1]:
-            row["over_generate"] = hf_seconds / row["seconds"]
+                         compiles=warm["compiles"], compile_seconds=warm["compile_seconds"],
+                         timed_compiles=stats["compiles"]))  # 0 unless a layout compiled again
+    hf_seconds = hf_generate_seconds(model, prompts, transformers)
+    engine = list(rows)
+    for cache, seconds in hf_seconds.items():
+        rows.append(dict(shape=name, P=P, route=HF_CACHES[cache], cache=cache, seconds=seconds,
+                         tokens_s=BP * G * NEW / seconds))
+    for row in engine:  # against transformers at its best
+        if hf_seconds:
+            row["over_generate"] = min(hf_seconds.values()) / row["seconds"]
+        for cache, seconds in hf_seconds.items():
+            row[f"over_generate_{cache}"] = seconds / row["seconds"]
     print(f"\n{name} rollout, bf16, {BP} prompts x {G} samples, P = {P}, {NEW} new tokens; bytes per"
           f" decode step {weights / GB:.3f} GB weights + {kv / GB:.3f} GB KV (mean); device copy "
           f"{lim['copy']:,.0f} GB/s")
@@ -292,7 +309,9 @@ def train_part(name: str, lim: dict, device: str = "cuda", compile: bool = True,
                 step()
                 if cuda:
                     torch.cuda.reset_peak_memory_stats()
+                compiled_before = compiling.compile_seconds()
                 seconds[forward] = timed(step, repeats)
+                recompiled = compiling.compile_seconds() - compiled_before  # 0: none timed
             finally:
                 grpo.completion_logprobs = original
             peak = torch.cuda.max_memory_allocated() / GB if cuda else None  # strict JSON
@@ -301,7 +320,7 @@ def train_part(name: str, lim: dict, device: str = "cuda", compile: bool = True,
             rows.append(dict(shape=name, lengths=label, forward=forward, micro_batches=micro,
                              seconds=seconds[forward], tflops=rate, mfu=rate / lim["matmul"],
                              valid_share=share, over_padded=ratio, peak_gb=peak,
-                             compiled=compile, route=route[0]))
+                             compiled=compile, route=route[0], timed_compile_s=recompiled))
             over = f"{ratio:.2f} ({ratio / share:.2f}x the share)"
             print(f"| {label} | {forward} | {micro} | {seconds[forward]:.3f} | {share:.2f} | "
                   f"{over} | {rate:,.1f} | {rate / lim['matmul']:.0%} | "
@@ -318,6 +337,69 @@ def train_part(name: str, lim: dict, device: str = "cuda", compile: bool = True,
     if cuda:
         torch.cuda.empty_cache()
     return rows
+
+
+def profiled(fn, top: int = 12) -> dict:
+    """Where fn's time goes (after a warm-up call): its wall clock, the kernels' time on the GPU
+    (on the CPU: the aten ops' own time) and their share of the wall (1 - the launch gaps), the
+    kernels launched, and the `top` kernels by time: [name, ms, calls]."""
+    from collections import Counter
+    cuda = torch.cuda.is_available()
+    fn()
+    sync()
+    activities = [torch.profiler.ProfilerActivity.CPU] + (
+        [torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        start = time.perf_counter()
+        fn()
+        sync()
+        wall = time.perf_counter() - start
+    kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+    events = [e for e in prof.events() if e.device_type == kind and (
+        cuda or (e.cpu_parent is None and e.name.startswith("aten::")))]
+    ms, calls = Counter(), Counter()
+    for e in events:
+        ms[e.name[:90]] += e.time_range.elapsed_us() / 1e3
+        calls[e.name[:90]] += 1
+    busy = sum(ms.values()) / 1e3
+    return dict(wall_s=wall, kernel_s=busy, busy_share=busy / wall, kernels=len(events),
+                top=[[name, round(t, 3), calls[name]] for name, t in ms.most_common(top)])
+
+
+def profile_part(name: str, device: str = "cuda") -> dict:
+    """profiled() over the goals' measurements: one compiled + captured rollout (P, NEW as set),
+    and one packed GRPO forward + backward (blocks compiled, bf16 autocast on CUDA) at uniform
+    lengths and at a mean of 1/3."""
+    cuda = device == "cuda"
+    out = {}
+    model = build(name, torch.bfloat16, device)
+    V = model.config.vocab_size
+    prompts = torch.randint(V, (BP, P), generator=torch.Generator().manual_seed(0)).tolist()
+    cfg = RolloutConfig(num_samples=G, max_new_tokens=NEW, cuda_graphs=True, compile_decode="true")
+    out["rollout"] = profiled(lambda: generate(model, prompts, cfg, seed=0))
+    del model
+    model = build(name, torch.float32, device).train()
+    compiling.compile_blocks(model.model.layers)
+    for mean, label in ((1.0, "uniform"), (1 / 3, "mean 1/3")):
+        batch = grpo_batch(V, device, mean)
+        gcfg = grpo.GRPOConfig(chunk_bytes=plan.GPU_CHUNK_BYTES if cuda else
+                               grpo.GRPOConfig.chunk_bytes,
+                               micro_batch_groups=BP if mean == 1 else max(BP // 4, 1))
+
+        def step():
+            with torch.autocast("cuda", dtype=torch.bfloat16) if cuda else nullcontext():
+                grpo.accumulate(model, batch, gcfg)
+            model.zero_grad(set_to_none=False)
+        out[f"train {label}"] = profiled(step)
+    for key, p in out.items():
+        print(f"\n{name} {key}: wall {p['wall_s'] * 1e3:.1f} ms, kernels {p['kernel_s'] * 1e3:.1f} ms"
+              f" ({p['busy_share']:.0%} busy), {p['kernels']} kernels; top by time:")
+        for kname, t, n in p["top"]:
+            print(f"  {t:9.3f} ms {n:6d}x  {kname}")
+    del model
+    if cuda:
+        torch.cuda.empty_cache()
+    return out
 
 
 def device_bytes() -> tuple[int, int]:
