@@ -28,13 +28,14 @@ TINY = M.ModelConfig(vocab_size=V, hidden_size=64, intermediate_size=96, num_hid
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 
 
-# Published GQA layouts at TINY's width, heads of 8: Qwen3-0.6B's 16/8 (rep 2 != Hkv 8, its q/k
-# norms) and Qwen2.5-0.5B's 14/2 (rep 7, q/k/v biases) beside TINY's 4/2, where rep = Hkv: a
-# kernel that maps query head h to kv head h // Hkv instead of h // rep passes at 4/2, not at these.
+# Published GQA layouts at TINY's width: Qwen3-0.6B's 16/8 (rep 2 != Hkv 8, its q/k norms, heads
+# of 16: FlexAttention's CUDA kernel takes no fewer) and Qwen2.5-0.5B's 14/2 (rep 7, q/k/v biases,
+# heads of 8) beside TINY's 4/2, where rep = Hkv: a kernel that maps query head h to kv head
+# h // Hkv instead of h // rep passes at 4/2, not at these.
 LAYOUTS = {
     "4/2": TINY,
     "qwen3_16/8": dataclasses.replace(TINY, architecture="Qwen3ForCausalLM", num_attention_heads=16,
-                                      num_key_value_heads=8, head_dim=8),
+                                      num_key_value_heads=8, head_dim=16),
     "qwen2.5_14/2": dataclasses.replace(TINY, architecture="Qwen2ForCausalLM",
                                         num_attention_heads=14, num_key_value_heads=2, head_dim=8,
                                         attention_bias=True),
@@ -485,13 +486,15 @@ def test_shared_prompt_forward_saves_no_repeated_prompt(forward):
     per_row = [s for s in saved if s[0] == Bp * G and (P in s[1:] or P + T in s[1:])]
     assert not per_row, per_row
 
-def test_shared_prompt_attention_under_bf16_autocast_equals_its_twin(monkeypatch):
+@pytest.mark.parametrize("layout", ["4/2", "qwen3_16/8"])
+def test_shared_prompt_attention_under_bf16_autocast_equals_its_twin(monkeypatch, layout):
     """bf16 autocast over fp32 weights (train.py --dtype bfloat16) hands the attention q, k in
     fp32 (rope) and v in bf16: the flash path runs in one dtype and matches the repeated-prompt
-    twin to bf16's resolution (8 bits: 1e-1 on logprobs of magnitude ~8, 3% on a gradient)."""
+    twin to bf16's resolution (8 bits: 1e-1 on logprobs of magnitude ~8, 3% on a gradient); on
+    TINY and on Qwen3's layout (its q/k norms under autocast too)."""
     G = 3
     prompts, completions = ragged_batch(G)
-    m = tiny_model()
+    m = tiny_model(layout=layout)
     batch = grpo.GRPOBatch.from_lists(prompts, completions)
 
     def logp_and_grad():
