@@ -213,6 +213,12 @@ def test_tp2_gloo_matches_tp1_and_writes_the_same_tensors(tmp_path):
     (["--top_p", "0.9"], "--top_k/--top_p truncate the sampling distribution"),
     (["--top_k", "5"], "--top_k/--top_p truncate the sampling distribution"),
     (["--prompt_template", "Q: {question}"], "has no {prompt} to replace"),
+    (["--chat_template_kwargs", "{enable_thinking: false}"],
+     "--chat_template_kwargs '{enable_thinking: false}' is not valid JSON"),
+    (["--chat_template_kwargs", "[false]"], "--chat_template_kwargs '[false]' is a JSON list; "
+                                            "give an object of template variables"),
+    (["--chat_template_kwargs", '{"add_generation_prompt": false}'],
+     "sets 'add_generation_prompt', which the engine gives the template itself"),
     (["--num_samples", "1"], "--num_samples 1: GRPO compares the samples of a prompt"),
     (["--threads", "-1"], "--threads must be >= 0, got -1"),
     (["--heads", "3"], "--heads 3 must be a multiple of --kv_heads 2"),
