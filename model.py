@@ -57,7 +57,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None  # {"rope_type": "llama3" | "linear", HF's fields}, no theta
     tie_word_embeddings: bool = False
-    attention_bias: bool | None = None  # HF's: Llama, Qwen3 q/k/v/o; Qwen2 always q/k/v; None: arch's
+    attention_bias: bool | None = None  # HF's: Llama, Qwen3 q/k/v/o; Qwen2 q/k/v; None: the arch's
     mlp_bias: bool = False            # Llama's gate/up/down bias (Qwen2 and Qwen3 have none)
     architecture: str = "LlamaForCausalLM"
     bos_token_id: int | None = None

@@ -358,7 +358,7 @@ class TPAttention(Attention):
         qkv = (self.q_proj, self.k_proj, self.v_proj)
         q, k, v = GatherLinears.apply(x, group, self.state.buffer, *[m.weight for m in qkv],
                                       *[m.bias for m in qkv])  # (N, H/tp*D), (N, Hkv/tp*D) x2
-        # model.Attention's heads: q (B, H/tp, T, D), k, v (B, Hkv/tp, T, D), normed (Qwen3), rotated
+        # model.Attention.heads: q (B, H/tp, T, D), k, v (B, Hkv/tp, T, D), normed (Qwen3), rotated
         q, k, v = self.heads(q.view(B, T, -1), k.view(B, T, -1), v.view(B, T, -1), (cos, sin),
                              (cos, sin))
         y = attention(self.layer, q, k, v).transpose(1, 2).reshape(B * T, -1)  # (N, H/tp*D)

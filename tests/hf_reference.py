@@ -10,9 +10,9 @@ import torch
 
 
 def save_random_hf_model(path, config_class: str, config: dict, std: float = 0.2):
-    """transformers.<config_class>(**config), weights ~ N(0, std) everywhere (biases too; norm weights
-    near 1, so activations stay O(1)), saved to path. Returns the model (eval mode). A published
-    width (C = 1024) wants HF's own 0.02: 0.2 would blow its activations up."""
+    """transformers.<config_class>(**config), weights ~ N(0, std) everywhere (biases too; norm
+    weights near 1, so activations stay O(1)), saved to path. Returns the model (eval mode). A
+    published width (C = 1024) wants HF's own 0.02: 0.2 would blow its activations up."""
     transformers = pytest.importorskip("transformers")
     hf_config = getattr(transformers, config_class)(**config)
     hf = transformers.AutoModelForCausalLM.from_config(hf_config).eval()

@@ -155,7 +155,9 @@ def test_first_tokens_differ_across_the_rows_of_a_prompt(model):
 
 @pytest.mark.parametrize("arch", ["model", "qwen3"])
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 30, 0.85)])
-def test_logprobs_equal_trainer_forward_with_the_same_mask_while_rows_are_dropped(arch, request, temperature, top_k, top_p):
+def test_logprobs_equal_trainer_forward_with_the_same_mask_while_rows_are_dropped(arch, request,
+                                                                                  temperature,
+                                                                                  top_k, top_p):
     model = request.getfixturevalue(arch)  # a Llama, a Qwen3
     G, stop_ids = 4, (5, 9, 17, 23, 31, 40, 64, 77, 90, 101)
     out = generate(model, PROMPTS, num_samples=G, max_new_tokens=40, temperature=temperature, top_k=top_k,

@@ -4,8 +4,9 @@ logits of chat prompts, and greedy completions against transformers' generate.
 
 The checkpoint is not in the repository: SMOLLM2_DIR names its directory (default: models/smollm2
 in the repository root), the Hub's HuggingFaceTB/SmolLM2-135M-Instruct as any download tool writes
-it (`hf download HuggingFaceTB/SmolLM2-135M-Instruct --local-dir models/smollm2`); every test here is
-skipped when it is absent, or when transformers is not installed (not a requirement of the engine).
+it (`hf download HuggingFaceTB/SmolLM2-135M-Instruct --local-dir models/smollm2`); every test here
+is skipped when it is absent, or when transformers is not installed (not a requirement of the
+engine).
 """
 
 import os

@@ -409,7 +409,7 @@ def test_tp2_equals_one_process_logits_grpo_loss_grads_logprobs_loading_sampling
 
 def _tp4_worker(rank: int, tmp: str) -> None:
     groups = tp.make_groups(4)
-    cfg = CONFIGS["qwen3"]  # 2 query heads and 1 kv head a rank: each q/k norm grad from 1/4 of them
+    cfg = CONFIGS["qwen3"]  # 2 query heads, 1 kv head a rank: a q/k norm's grad from 1/4 of them
     check_tp_equals_one_process(cfg, groups)
     check_load_and_full_state_dict("qwen3", cfg, groups, tmp)
     check_sampling(groups, cfg)
@@ -431,7 +431,8 @@ HF_CASES = {
                              high_freq_factor=4.0, original_max_position_embeddings=16,
                              rope_theta=500000.0))),
     "qwen2_tied": ("Qwen2Config", dict(tie_word_embeddings=True, rope_theta=1000000.0)),
-    "qwen3_tied": ("Qwen3Config", dict(tie_word_embeddings=True, head_dim=24, rope_theta=1000000.0)),
+    "qwen3_tied": ("Qwen3Config", dict(tie_word_embeddings=True, head_dim=24,
+                                       rope_theta=1000000.0)),
 }
 
 
