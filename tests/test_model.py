@@ -605,6 +605,35 @@ QWEN3_0_6B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, n
                   tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645)
 
 
+# Qwen3-0.6B's config.json as published (transformers 4.51's layout: top-level rope_theta).
+QWEN3_0_6B_V4 = {
+    "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
+    "hidden_size": 1024, "initializer_range": 0.02, "intermediate_size": 3072,
+    "max_position_embeddings": 40960, "max_window_layers": 28, "model_type": "qwen3",
+    "num_attention_heads": 16, "num_hidden_layers": 28, "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None,
+    "tie_word_embeddings": True, "torch_dtype": "bfloat16", "transformers_version": "4.51.0",
+    "use_cache": True, "use_sliding_window": False, "vocab_size": 151936}
+
+
+def test_the_published_qwen3_config_reads_alike_in_both_layouts():
+    """Qwen3-0.6B's published config.json (transformers 4's layout) and its transformers 5 form
+    (rope_parameters, layer_types) give the same model: 16/8 heads of 128 at width 1024, theta
+    1e6, tied; and what the engine writes back reads as the same."""
+    v5 = {k: v for k, v in QWEN3_0_6B_V4.items() if k not in ("rope_theta", "rope_scaling")}
+    v5.update(rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+              layer_types=["full_attention"] * 28, dtype="bfloat16")
+    cfg = hf.config_from_hf(QWEN3_0_6B_V4)
+    assert cfg == hf.config_from_hf(v5) == hf.config_from_hf(hf.config_to_hf(cfg, torch.bfloat16))
+    assert (cfg.architecture, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads,
+            cfg.rope_theta, cfg.tie_word_embeddings, cfg.attention_bias, cfg.qk_norm) == (
+        "Qwen3ForCausalLM", 128, 16, 8, 1e6, True, False, True)
+    with torch.device("meta"):
+        n = sum(p.numel() for p in M.Llama(cfg).parameters())
+    assert n == 596_049_920  # Qwen3-0.6B: 0.6B parameters, 0.44B without the embedding
+
+
 def rms_norm_in_its_dtype(self, hidden_states: torch.Tensor) -> torch.Tensor:
     """transformers' Qwen3RMSNorm.forward with its cast to float32 made a cast to at least float32:
     a float64 model's norms stay float64 (model.rms_norm's rule)."""
