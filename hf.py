@@ -2,10 +2,11 @@
 The Hugging Face format: checkpoint directories in and out (tokenizers: tokenizer.py).
 
 Checkpoints in: config.json in the transformers 4 layout (top-level rope_theta / rope_scaling) or
-the 5 layout (rope_parameters). Every field that changes the math is read; anything model.py would
-not compute exactly as transformers does (MoE, sliding windows, other rope types, partial rotary, a
-field of the wrong type, a tensor no module uses) is refused with one line naming the file and the
-field or tensor. Weights are read with safetensors only (model.safetensors, or the shards its index
+the 5 layout (rope_parameters), for LlamaForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM. Every
+field that changes the math is read; anything model.py would not compute exactly as transformers
+does (MoE such as Qwen3MoeForCausalLM, sliding windows, other rope types, partial rotary, a field of
+the wrong type, a tensor no module uses) is refused with one line naming the file and the field or
+tensor. Weights are read with safetensors only (model.safetensors, or the shards its index
 lists), never unpickled. Checkpoints out: a config.json both versions read alike, and
 generation_config.json when given one. stop_token_ids: config.json's and generation_config.json's
 eos ids together.
@@ -28,7 +29,8 @@ from model import ARCHITECTURES, Llama, ModelConfig
 
 # model_type -> architecture, for a config.json without "architectures" (a model's save_pretrained
 # writes that field, LlamaConfig.save_pretrained alone does not).
-MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+               "qwen3": "Qwen3ForCausalLM"}
 
 # -----------------------------------------------------------------------------
 # Checkpoint directories: the model in and out
@@ -188,10 +190,15 @@ def config_from_hf(d: dict, source: str = "config.json") -> ModelConfig:
     arch = hf_architecture(d, refuse)
     refuse_unsupported(d, arch, refuse)
     theta, scaling = rope_from_hf(d, refuse)
-    qwen = arch == "Qwen2ForCausalLM"
+    llama = arch == "LlamaForCausalLM"
+    qwen2 = arch == "Qwen2ForCausalLM"
+    qwen3 = arch == "Qwen3ForCausalLM"
     C, H = d["hidden_size"], d["num_attention_heads"]
-    if qwen and d.get("num_key_value_heads") is None:  # transformers' Qwen2 would take 32, not H
+    # transformers' Qwen2 and Qwen3 would take 32 kv heads, not H; Qwen3 a head_dim of 128, not C/H
+    if (qwen2 or qwen3) and d.get("num_key_value_heads") is None:
         refuse("num_key_value_heads", "is missing")
+    if qwen3 and d.get("head_dim") is None:
+        refuse("head_dim", "is missing")
     Hkv = d.get("num_key_value_heads") or H  # Llama: a missing one means H (multi-head attention)
     if H % Hkv:
         refuse("num_key_value_heads", f"is {Hkv}, which does not divide num_attention_heads={H}")
@@ -204,13 +211,14 @@ def config_from_hf(d: dict, source: str = "config.json") -> ModelConfig:
         vocab_size=d["vocab_size"], hidden_size=C, intermediate_size=d["intermediate_size"],
         num_hidden_layers=d["num_hidden_layers"], num_attention_heads=H, num_key_value_heads=Hkv,
         head_dim=d.get("head_dim") or 0,
-        # transformers' defaults: Qwen2 32768, Llama 2048
-        max_position_embeddings=d.get("max_position_embeddings", 32768 if qwen else 2048),
+        # transformers' defaults: Qwen2 and Qwen3 32768, Llama 2048
+        max_position_embeddings=d.get("max_position_embeddings", 2048 if llama else 32768),
         rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling,
         tie_word_embeddings=d.get("tie_word_embeddings", False),
         # Qwen2 has no such fields (transformers ignores them): q/k/v bias, no o_proj or MLP bias.
-        attention_bias=True if qwen else d.get("attention_bias", False),
-        mlp_bias=False if qwen else d.get("mlp_bias", False),
+        # Qwen3 reads attention_bias (q/k/v/o) and has no mlp_bias (transformers ignores it).
+        attention_bias=True if qwen2 else d.get("attention_bias", False),
+        mlp_bias=d.get("mlp_bias", False) if llama else False,
         architecture=arch, bos_token_id=d.get("bos_token_id"), eos_token_id=d.get("eos_token_id"),
         pad_token_id=d.get("pad_token_id"),
     )
@@ -303,10 +311,10 @@ def config_to_hf(cfg: ModelConfig, dtype: torch.dtype) -> dict:
     """config.json that transformers 4 and 5 both read as `cfg`: rope in 5's rope_parameters and in
     4's rope_theta / rope_scaling (5 prefers a non-null rope_scaling: the same values), the dtype
     under both versions' names."""
-    qwen = cfg.architecture == "Qwen2ForCausalLM"
+    model_type = {arch: name for name, arch in MODEL_TYPES.items()}[cfg.architecture]
     rope = {"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": cfg.rope_theta}
     d = dict(
-        architectures=[cfg.architecture], model_type="qwen2" if qwen else "llama",
+        architectures=[cfg.architecture], model_type=model_type,
         hidden_act="silu", vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
         num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
@@ -318,11 +326,13 @@ def config_to_hf(cfg: ModelConfig, dtype: torch.dtype) -> dict:
         dtype=str(dtype).removeprefix("torch."), torch_dtype=str(dtype).removeprefix("torch."),
         attention_dropout=0.0,
     )
-    if qwen:  # no attention_bias/mlp_bias: Qwen2 always has q/k/v bias, never o_proj/MLP bias
+    if model_type == "llama":
+        d.update(attention_bias=cfg.attention_bias, mlp_bias=cfg.mlp_bias, pretraining_tp=1)
+    else:  # Qwen2 always has q/k/v bias (no such field); Qwen3 reads attention_bias, no mlp_bias
         d.update(use_sliding_window=False, sliding_window=None,
                  max_window_layers=cfg.num_hidden_layers)
-    else:
-        d.update(attention_bias=cfg.attention_bias, mlp_bias=cfg.mlp_bias, pretraining_tp=1)
+        if model_type == "qwen3":
+            d.update(attention_bias=cfg.attention_bias)
     return d
 
 # -----------------------------------------------------------------------------
@@ -430,6 +440,8 @@ def check_checkpoint(path: str, expected: dict[str, tuple[int, ...]]) -> dict[st
             why = "config.json ties lm_head to the embedding (set tie_word_embeddings false)"
         elif name.endswith(".bias"):
             why = "config.json declares no such bias (see its attention_bias / mlp_bias)"
+        elif name.endswith(("q_norm.weight", "k_norm.weight")):
+            why = "config.json's architecture has no per-head q/k norms (Qwen3ForCausalLM has)"
         raise ValueError(f"{tensors[name][0]}: tensor '{name}' is not used ({len(unused)} such "
                          f"tensors): {why}")
     for name, shape in expected.items():

@@ -1,9 +1,11 @@
 """
-A small Llama (also Qwen2) in plain PyTorch: the model and nothing else.
+A small Llama (also Qwen2 and Qwen3) in plain PyTorch: the model and nothing else.
 
 RMSNorm, rotary embeddings (HF rotate-half convention, Llama-3 / linear rope scaling), grouped-query
 attention through F.scaled_dot_product_attention, SwiGLU MLP, optional tied embeddings, the biases
-transformers builds (Llama: attention_bias on q/k/v/o, mlp_bias on gate/up/down; Qwen2: q/k/v).
+transformers builds (Llama: attention_bias on q/k/v/o, mlp_bias on gate/up/down; Qwen2: q/k/v;
+Qwen3: attention_bias on q/k/v/o), and Qwen3's RMSNorm over each head's q and k before RoPE
+(q_norm, k_norm: one weight of D shared by the heads).
 Parameter names are Hugging Face's (`model.layers.0.self_attn.q_proj.weight`), so hf.py reads and
 writes checkpoints as plain safetensors.
 
@@ -38,7 +40,7 @@ from torch import Tensor
 # -----------------------------------------------------------------------------
 # Config
 
-ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
 @dataclass
@@ -55,8 +57,8 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None  # {"rope_type": "llama3" | "linear", HF's fields}, no theta
     tie_word_embeddings: bool = False
-    attention_bias: bool | None = None  # HF's: Llama q/k/v/o; Qwen2 always q/k/v; None: the arch's
-    mlp_bias: bool = False            # Llama's gate/up/down bias (Qwen2 has none)
+    attention_bias: bool | None = None  # HF's: Llama, Qwen3 q/k/v/o; Qwen2 q/k/v; None: the arch's
+    mlp_bias: bool = False            # Llama's gate/up/down bias (Qwen2 and Qwen3 have none)
     architecture: str = "LlamaForCausalLM"
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
@@ -73,13 +75,19 @@ class ModelConfig:
         assert H % Hkv == 0, "heads must be a multiple of kv heads"
         assert self.head_dim % 2 == 0, "rotary embeddings need an even head_dim"
         assert not qwen or (self.attention_bias and not self.mlp_bias), "Qwen2: q/k/v bias only"
+        assert not self.qk_norm or not self.mlp_bias, "Qwen3: no MLP bias"
         kind = None if self.rope_scaling is None else self.rope_scaling.get("rope_type")
         assert kind in (None, "linear", "llama3"), "rope_scaling needs rope_type linear or llama3"
 
     @property
     def o_proj_bias(self) -> bool:
-        """Llama's attention_bias covers o_proj too; Qwen2's q/k/v bias never does."""
-        return self.attention_bias and self.architecture == "LlamaForCausalLM"
+        """Llama's and Qwen3's attention_bias covers o_proj too; Qwen2's q/k/v bias never does."""
+        return self.attention_bias and self.architecture != "Qwen2ForCausalLM"
+
+    @property
+    def qk_norm(self) -> bool:
+        """Qwen3 normalises each head's q and k (RMSNorm over D) before RoPE."""
+        return self.architecture == "Qwen3ForCausalLM"
 
 # -----------------------------------------------------------------------------
 # Stateless math: rotary embeddings and attention
@@ -179,28 +187,41 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(C, Hkv * D, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(C, Hkv * D, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(H * D, C, bias=cfg.o_proj_bias)
+        # Qwen3's per-head norms: one (D,) weight each, shared by all heads; Llama and Qwen2 have
+        # none (an Identity: no parameter, the same code path).
+        self.q_norm = RMSNorm(D, cfg.rms_norm_eps) if cfg.qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(D, cfg.rms_norm_eps) if cfg.qk_norm else nn.Identity()
 
     def qkv(self, x: Tensor, cos: Tensor, sin: Tensor,
             last: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        """(B, T, C) -> q (B, H, T, D), k and v (B, Hkv, T, D): projected, q and k rotated, all
-        three in v's dtype. With last, q (B, H, 1, D) is position last[b]'s alone."""
-        B, T, _ = x.shape
+        """(B, T, C) -> q (B, H, T, D), k and v (B, Hkv, T, D): projected, q and k normed per head
+        (Qwen3) and rotated, all three in v's dtype. With last, q (B, H, 1, D) is position
+        last[b]'s alone."""
         xq, cos_q, sin_q = (x, cos, sin) if last is None else (at_last(x, last), at_last(cos, last),
                                                                at_last(sin, last))
         if self.fused is not None and last is None:  # one matmul (fused_projections)
             q, k, v = F.linear(x, self.fused[0], self.fused[1]).split(self.fused[2], -1)
         else:
             q, k, v = self.q_proj(xq), self.k_proj(x), self.v_proj(x)
+        return self.heads(q, k, v, (cos_q, sin_q), (cos, sin))
+
+    def heads(self, q: Tensor, k: Tensor, v: Tensor, rope_q: tuple[Tensor, Tensor],
+              rope_k: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        """The projections (B, Tq, H*D), (B, T, Hkv*D) x2 split into heads: q (B, H, Tq, D), k and
+        v (B, Hkv, T, D); q and k normed per head, then rotated by their (cos, sin) tables."""
         # Head counts come from the tensor shapes: a tensor-parallel shard (H/tp heads) runs as is.
-        q = q.view(B, xq.shape[1], -1, self.head_dim).transpose(1, 2)  # (B, H, Tq, D)
-        k = k.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        B, T = k.shape[:2]
+        q = q.view(B, q.shape[1], -1, self.head_dim)  # (B, Tq, H, D)
+        k = k.view(B, T, -1, self.head_dim)  # (B, T, Hkv, D)
+        q = self.q_norm(q).transpose(1, 2)  # (B, H, Tq, D): Qwen3's RMSNorm over each head's D
+        k = self.k_norm(k).transpose(1, 2)  # (B, Hkv, T, D): likewise, before RoPE
         v = v.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         # NOTE a footgun: under bf16 autocast over fp32 weights the rope tables are fp32 (the
         # embedding's dtype), so q * cos is fp32 while v is the linears' bf16. SDPA's autocast
         # casts them back, but an attention it does not cover (FlexAttention, varlen_attn, a
         # hook's own cast to q's dtype) would run in fp32: q and k go back to v's dtype here.
-        q = apply_rotary_emb(q, cos_q, sin_q).to(v.dtype)
-        k = apply_rotary_emb(k, cos, sin).to(v.dtype)
+        q = apply_rotary_emb(q, *rope_q).to(v.dtype)
+        k = apply_rotary_emb(k, *rope_k).to(v.dtype)
         return q, k, v
 
     def output(self, y: Tensor) -> Tensor:

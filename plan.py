@@ -93,17 +93,21 @@ def block_bytes(config: ModelConfig, dtype: torch.dtype, tp_size: int = 1,
                    (16 + 5a)*C autocast   over fp32 weights the residual stream and both norm
                                           outputs are fp32, and each of q, k, v, gate, up keeps its
                                           own a-byte cast of its input
-        attention  (a*(2Q + 2K) + 4H)/tp  q and k after rope, v, SDPA's output; its float32 lse
+        attention  (a*(2Q + 2K) + 4H)/tp  q and k after rope, v, SDPA's output; its float32 lse;
+                   + ((4 + a)*(Q + K)     with Qwen3's per-head q/k norms: each keeps its float32
+                   + 4(H + Hkv))/tp       input, its normed a-byte output and a float32 rstd a head
         mlp        4a*I/tp                gate, up, silu(gate), their product
     "kv" is the 2a*K/tp of k and v: a completion token's are kept per row with its prompt's."""
     a = torch.empty((), dtype=dtype).element_size()
     C = config.hidden_size // (tp_size if sequence_parallel else 1)
     H = config.num_attention_heads // tp_size
+    Hkv = config.num_key_value_heads // tp_size
     Q = H * config.head_dim
-    K = config.num_key_value_heads // tp_size * config.head_dim
+    K = Hkv * config.head_dim
     I = config.intermediate_size // tp_size
     norms = (16 + 5 * a) * C if autocast else 2 * (4 + 2 * a) * C
-    return dict(norms=norms, attention=a * (2 * Q + 2 * K) + 4 * H, mlp=4 * a * I,
+    qk_norms = config.qk_norm * ((4 + a) * (Q + K) + 4 * (H + Hkv))
+    return dict(norms=norms, attention=a * (2 * Q + 2 * K) + 4 * H + qk_norms, mlp=4 * a * I,
                 kv=2 * a * K, residual=a * C, inference=a * (3 * C + 3 * I))
 
 

@@ -10,8 +10,9 @@ conversation (a list of {"role", "content"} messages, TRL's conversational forma
   adds one, Qwen's none), never config.json's bos_token_id;
 - a conversation is rendered with the checkpoint's own template as transformers renders it (jinja2
   sandboxed, trim_blocks, lstrip_blocks, loop controls, raise_exception, strftime_now, the special
-  tokens as variables, add_generation_prompt=True) and the text encoded without special tokens
-  (the template writes them), as TRL does.
+  tokens as variables, add_generation_prompt=True, and `--chat_template_kwargs`, TRL's name: a JSON
+  object of extra variables, e.g. Qwen3's {"enable_thinking": false}) and the text encoded without
+  special tokens (the template writes them), as TRL does.
 Prompts are left-truncated to a length (the question sits at the end). A checkpoint the engine
 writes carries these files verbatim (save_pretrained), so transformers reads it as the source.
 A tool turn (multi-turn tool use) is the text the template writes between an assistant message's
@@ -37,15 +38,39 @@ SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token
                   "mask_token")
 
 
+# Variables the engine itself gives the template: --chat_template_kwargs may not set them.
+RENDER_ARGUMENTS = ("messages", "add_generation_prompt")
+
+
 @dataclass
 class PromptConfig:
     prompt_template: str = ""  # plain-text prompts: text around "{prompt}"; "" = the prompt itself
     system_prompt: str = ""    # a system message first; a string prompt becomes the user's message
+    chat_template_kwargs: str = ""  # JSON template variables (TRL's): '{"enable_thinking": false}'
 
     def __post_init__(self):
         if self.prompt_template and "{prompt}" not in self.prompt_template:
             raise ValueError(f"--prompt_template {self.prompt_template!r} has no {{prompt}} to "
                              "replace")
+        self.template_variables()  # a bad one is refused before anything is built
+
+    def template_variables(self) -> dict:
+        """--chat_template_kwargs as a dict ({} when not given), or one ValueError saying why."""
+        if not self.chat_template_kwargs:
+            return {}
+        flag = f"--chat_template_kwargs {self.chat_template_kwargs!r}"
+        try:
+            variables = json.loads(self.chat_template_kwargs)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{flag} is not valid JSON ({e}); give an object, e.g. "
+                             "'{\"enable_thinking\": false}'") from None
+        if not isinstance(variables, dict):
+            raise ValueError(f"{flag} is a JSON {type(variables).__name__}; give an object of "
+                             "template variables, e.g. '{\"enable_thinking\": false}'")
+        if taken := [k for k in RENDER_ARGUMENTS if k in variables]:
+            raise ValueError(f"{flag} sets {taken[0]!r}, which the engine gives the template "
+                             "itself")
+        return variables
 
 # -----------------------------------------------------------------------------
 # Loading and saving
@@ -166,10 +191,10 @@ class PromptTokenizer:
                                  f"{sorted(map(str, named))} and none is named 'default'")
         return template if isinstance(template, str) else None
 
-    def render(self, messages: list[dict]) -> str:
+    def render(self, messages: list[dict], variables: dict | None = None) -> str:
         """The conversation as the checkpoint's template writes it, ending with the generation
         prompt (transformers' apply_chat_template(messages, tokenize=False,
-        add_generation_prompt=True))."""
+        add_generation_prompt=True, **variables)); variables: --chat_template_kwargs'."""
         where = self.source or "the tokenizer"
         if self._template is None:
             source = self.template_source()
@@ -188,19 +213,22 @@ class PromptTokenizer:
         # transformers drops the keys of a message whose value is None
         messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
         try:
+            # the variables after the special tokens, as transformers passes them: they win
             return self._template.render(messages=messages, add_generation_prompt=True,
-                                         **specials)
+                                         **{**specials, **(variables or {})})
         except Exception as e:  # a checkpoint's template is code: any failure is one line
             raise ValueError(f"the chat template refused the conversation: {e}") from None
 
-    def tool_turn(self, messages: list[dict], result: str, end: str = "") -> str:
+    def tool_turn(self, messages: list[dict], result: str, end: str = "",
+                  variables: dict | None = None) -> str:
         """The text the chat template writes after an assistant message's content when a tool
         message (role "tool", content `result`) follows it, through the next assistant turn's
         generation prompt. `end`: the text of the token that ended the model's call (already in the
-        row, e.g. "<|im_end|>"), dropped from the front when the template writes it there."""
+        row, e.g. "<|im_end|>"), dropped from the front when the template writes it there.
+        variables: the prompt's (render)."""
         turn = [{"role": "assistant", "content": TOOL_TURN_MARK},
                 {"role": "tool", "content": result}]
-        text = self.render(messages + turn)
+        text = self.render(messages + turn, variables)
         if text.count(TOOL_TURN_MARK) != 1:
             raise ValueError("the chat template does not write an assistant message's content once "
                              "and verbatim, so the tool turn cannot be cut out of its rendering")
@@ -230,14 +258,17 @@ class PromptTokenizer:
         check_conversation(prompt)
         if cfg.system_prompt and prompt[0].get("role") != "system":
             prompt = [{"role": "system", "content": cfg.system_prompt}, *prompt]
-        return self.encode_text(self.render(prompt), add_special_tokens=False)
+        return self.encode_text(self.render(prompt, cfg.template_variables()),
+                                add_special_tokens=False)
 
-    def encode_observation(self, messages: list[dict], result: str, end: str = "") -> list[int]:
+    def encode_observation(self, messages: list[dict], result: str, end: str = "",
+                           variables: dict | None = None) -> list[int]:
         """tool_turn's text as ids, encoded without special tokens added (the template writes
         them)."""
         # NOTE encoded apart from the row: exact when the turn starts at a token boundary (a special
         # token, as published templates write; the reference tests check ChatML and Llama 3.1)
-        return self.encode_text(self.tool_turn(messages, result, end), add_special_tokens=False)
+        return self.encode_text(self.tool_turn(messages, result, end, variables),
+                                add_special_tokens=False)
 
     def encode_prompts(self, prompts: list, cfg: PromptConfig,
                        max_len: int) -> tuple[list[list[int]], int]:
@@ -251,8 +282,9 @@ class PromptTokenizer:
 
     def decode_completions(self, completions: list[list[int]], stopped: list[bool]) -> list[str]:
         """What a reward function sees: every token the model wrote, special ones included (a
-        <pad> inside an answer is the policy's doing), except the stop token that ended the row.
-        An id beyond the tokenizer's (a padded embedding) decodes to ""."""
+        <pad> inside an answer is the policy's doing), except the stop token that ended the row;
+        a thinking model's `<think>...</think>` is part of it, as in TRL. An id beyond the
+        tokenizer's (a padded embedding) decodes to ""."""
         return [self.decode(ids[:-1] if stop else ids) for ids, stop in zip(completions, stopped)]
 
     def save_pretrained(self, path: str) -> None:

@@ -175,6 +175,7 @@ class Responder:
         self.task, self.tokenizer, self.examples = task, tokenizer, examples
         self.G, self.cfg = num_samples, cfg
         self.system_prompt = prompt_cfg.system_prompt if prompt_cfg else ""  # a conversation
+        self.variables = prompt_cfg.template_variables() if prompt_cfg else {}  # the prompt's
         self.answers: dict[int, list[tuple[int, int, bool]]] = {}  # row -> (start, end, error)
 
     def __call__(self, calls: list[tuple[int, list[int]]]) -> list[list[int] | None]:
@@ -218,7 +219,7 @@ class Responder:
                           {"role": "user", "content": prompt}]
             # the end token the row wrote is the template's: not written twice
             return self.tokenizer.encode_observation(prompt, observation,
-                                                     self.tokenizer.decode([end]))
+                                                     self.tokenizer.decode([end]), self.variables)
         except ValueError as e:
             raise ToolFailure(f"task {self.task.name}: the tool's answer {observation!r} to text "
                               f"{text!r} cannot go into the row: {e} (a fresh model's "

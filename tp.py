@@ -5,7 +5,8 @@ hold the same rows, so a task's tool is called on the first alone and its answer
 (on_first_rank).
 
 TP splits each block over the tp ranks: q/k/v and gate/up are column-parallel (H/tp heads, I/tp of
-the SwiGLU width per rank, their biases split alike), o/down row-parallel (each rank computes a
+the SwiGLU width per rank, their biases split alike; Qwen3's per-head q/k norms replicated, their
+grads summed over the ranks' heads), o/down row-parallel (each rank computes a
 partial sum of the output; a bias is added once, after the sum), the embedding and lm_head are
 split by vocab and the logits stay split. Two collectives per block half, as in Megatron-LM
 (arXiv:1909.08053): f = CopyToTP (identity forward, all-reduce backward) before the column-parallel
@@ -47,8 +48,8 @@ from torch import Tensor
 from torch.autograd import Function
 
 from hf import allocate, check_checkpoint, expected_shapes, load_config, load_model
-from model import (MLP, Attention, Block, Llama, RMSNorm, apply_rotary_emb, at_last,
-                   causal_attention, rms_norm, rope_inv_freq)
+from model import (MLP, Attention, Block, Llama, RMSNorm, at_last, causal_attention, rms_norm,
+                   rope_inv_freq)
 
 # torch 2.13 renamed these two (same signatures); older versions only have the *_tensor names.
 _all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
@@ -317,6 +318,15 @@ class TPRMSNorm(RMSNorm):
         return rms_norm(x, weight, self.eps)
 
 
+class TPHeadRMSNorm(RMSNorm):
+    """Qwen3's q_norm / k_norm on this rank's H/tp (or Hkv/tp) heads. The (D,) weight is
+    replicated, but a rank's grad sums over its own heads only: f on the weight sums it over the tp
+    ranks inside backward (with or without SP), so the grad is the full one on every rank."""
+    def forward(self, x: Tensor) -> Tensor:
+        weight = CopyToTP.apply(self.weight, self.state.groups.tp_group)
+        return rms_norm(x, weight, self.eps)
+
+
 class RowParallelLinear(nn.Linear):
     """o_proj / down_proj: this rank's input columns give a partial sum of the output; g sums it
     over the tp ranks (an all-reduce, or under SP a reduce-scatter to this rank's N/tp tokens), and
@@ -348,11 +358,9 @@ class TPAttention(Attention):
         qkv = (self.q_proj, self.k_proj, self.v_proj)
         q, k, v = GatherLinears.apply(x, group, self.state.buffer, *[m.weight for m in qkv],
                                       *[m.bias for m in qkv])  # (N, H/tp*D), (N, Hkv/tp*D) x2
-        q = q.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, H/tp, T, D)
-        k = k.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, Hkv/tp, T, D)
-        v = v.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, Hkv/tp, T, D)
-        q = apply_rotary_emb(q, cos, sin).to(v.dtype)  # in v's dtype, as model.Attention.qkv
-        k = apply_rotary_emb(k, cos, sin).to(v.dtype)
+        # model.Attention.heads: q (B, H/tp, T, D), k, v (B, Hkv/tp, T, D), normed (Qwen3), rotated
+        q, k, v = self.heads(q.view(B, T, -1), k.view(B, T, -1), v.view(B, T, -1), (cos, sin),
+                             (cos, sin))
         y = attention(self.layer, q, k, v).transpose(1, 2).reshape(B * T, -1)  # (N, H/tp*D)
         return self.o_proj(y, sp)  # g: reduce-scattered to (N/tp, C)
 
@@ -479,6 +487,10 @@ def shard_model(model: Llama, groups: ParallelGroups, sequence_parallel: bool = 
         modules += [(block, TPBlock), (block.self_attn, TPAttention), (block.mlp, TPMLP),
                     (block.input_layernorm, TPRMSNorm),
                     (block.post_attention_layernorm, TPRMSNorm)]
+        # Qwen3's per-head norms: replicated, on this rank's heads (Identity elsewhere: as is)
+        modules += [(norm, TPHeadRMSNorm) for norm in (block.self_attn.q_norm,
+                                                       block.self_attn.k_norm)
+                    if isinstance(norm, RMSNorm)]
     # Same instances with their sliced parameters, so the names stay HF's; only forward() changes.
     for module, cls in modules:
         module.__class__ = cls

@@ -13,10 +13,16 @@ import attention
 import tolerance
 from attention import Segments
 
+# Query heads / kv heads: the tiny models' 4/2, and published layouts (Qwen3-0.6B's 16/8, Qwen2.5-
+# 0.5B's 14/2). At 4/2 rep = Hkv = 2, so a fold that reads the heads as (rep, Hkv) instead of (Hkv,
+# rep), mapping query head h to kv head h // Hkv, gives the same numbers as h // rep; not at these.
+HEADS = [(4, 2), (16, 8), (14, 2)]
 
-def test_shared_prompt_attention_equals_concatenated_keys_values_and_grads():
+
+@pytest.mark.parametrize("H, Hkv", HEADS)
+def test_shared_prompt_attention_equals_concatenated_keys_values_and_grads(H, Hkv):
     torch.manual_seed(0)
-    Bp, G, H, Hkv, P, T, D = 2, 3, 4, 2, 5, 4, 8
+    Bp, G, P, T, D = 2, 3, 5, 4, 8
     q = torch.randn(Bp * G, H, T, D, dtype=torch.float64, requires_grad=True)
     k = torch.randn(Bp * G, Hkv, T, D, dtype=torch.float64, requires_grad=True)
     v = torch.randn(Bp * G, Hkv, T, D, dtype=torch.float64, requires_grad=True)
@@ -55,14 +61,15 @@ def assert_values_and_grads_equal(out, ref, inputs, depth: int) -> tuple:
 
 
 @pytest.mark.skipif(not attention.CPU_FLASH, reason="this torch has no CPU flash attention kernels")
+@pytest.mark.parametrize("H, Hkv", HEADS)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_shared_prompt_attention_padded_equals_the_repeated_prompt_values_and_grads(dtype):
+def test_shared_prompt_attention_padded_equals_the_repeated_prompt_values_and_grads(dtype, H, Hkv):
     """The training path (two flash kernels, merged by log-sum-exp, flash backward with the merged
     output) against its slow twin (the prompt copied per row, one masked SDPA), ragged prompts,
-    GQA (rep 2). Only the summation order differs: a score sums D terms, a softmax and its
+    GQA layouts (HEADS). Only the summation order differs: a score sums D terms, a softmax and its
     output the P + T keys, a prompt key's gradient the G*rep*T queries of its group."""
     torch.manual_seed(0)
-    Bp, G, H, Hkv, P, T, D = 3, 4, 4, 2, 9, 6, 8
+    Bp, G, P, T, D = 3, 4, 9, 6, 8
 
     def leaf(*shape):
         return torch.randn(*shape, dtype=dtype, requires_grad=True)
@@ -81,14 +88,16 @@ def test_shared_prompt_attention_padded_equals_the_repeated_prompt_values_and_gr
 
 
 @pytest.mark.skipif(not attention.CPU_FLASH, reason="this torch has no CPU flash attention kernels")
+@pytest.mark.parametrize("H, Hkv", HEADS)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_shared_prompt_attention_ragged_equals_the_repeated_prompt_values_and_grads(dtype):
+def test_shared_prompt_attention_ragged_equals_the_repeated_prompt_values_and_grads(dtype, H, Hkv):
     """The packed route (rows of any lengths back to back: each group's tokens folded against its
     prompt, rows in buckets of like lengths) against the slow twin on the same rows padded: rows
-    of 0 to 9 tokens, a group of empty rows, ragged prompts, GQA (rep 2). Tolerances as above."""
+    of 0 to 9 tokens, a group of empty rows, ragged prompts, GQA layouts (HEADS). Tolerances as
+    above."""
     import packing
     torch.manual_seed(1)
-    Bp, G, H, Hkv, P, D = 3, 3, 4, 2, 7, 8
+    Bp, G, P, D = 3, 3, 7, 8
     lens = torch.tensor([9, 0, 4, 0, 0, 0, 2, 8, 1])  # (N,) row inputs; group 1 is empty
     T = int(lens.max())
     N = Bp * G
@@ -194,16 +203,18 @@ def packed_mask(prompt_lens: list[int], row_lens: list[int], G: int) -> torch.Te
     return own | prompt_part
 
 
+@pytest.mark.parametrize("H, Hkv", HEADS)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_shared_prompt_attention_varlen_equals_one_masked_softmax_values_and_grads(dtype):
+def test_shared_prompt_attention_varlen_equals_one_masked_softmax_values_and_grads(dtype, H, Hkv):
     """The CUDA route's fold and merge (packing.varlen_layout's three calls: prompts causal, each
     group's rows against its prompt, each row causal; merged by log-sum-exp; backward with the
     merged output) with the kernel's math twin in its place, against one masked softmax over the
     packed tokens: ragged prompts (1 token too), rows of 0 to 9 tokens, a group of empty rows, GQA
-    (rep 2). Tolerances as above: a prompt key's gradient sums its group's queries (< L rep)."""
+    layouts (HEADS). Tolerances as above: a prompt key's gradient sums its group's queries
+    (< L rep)."""
     import packing
     torch.manual_seed(2)
-    Bp, G, H, Hkv, D = 3, 3, 4, 2, 8
+    Bp, G, D = 3, 3, 8
     prompt_lens, row_lens = [7, 3, 1], [9, 0, 4, 0, 0, 0, 2, 8, 1]
     L = sum(prompt_lens) + sum(row_lens)
     fake = packing.Packing(torch.zeros(1, L), torch.zeros(1, L), torch.zeros(sum(prompt_lens)),

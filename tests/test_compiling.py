@@ -32,8 +32,9 @@ def logprobs_and_grads(m, batch) -> tuple[torch.Tensor, dict]:
     return out
 
 
+@pytest.mark.parametrize("layout", ["4/2", "qwen3_16/8"])  # test_grpo.LAYOUTS: Qwen3's q/k norms
 @pytest.mark.parametrize("checkpointed", [False, True])
-def test_compiled_blocks_equal_the_eager_ones_with_one_graph_for_every_length(checkpointed,
+def test_compiled_blocks_equal_the_eager_ones_with_one_graph_for_every_length(checkpointed, layout,
                                                                              monkeypatch):
     """The blocks' training forward through the compiled regions (aot_eager: dynamo's graphs and
     AOTAutograd's forward and backward, no generated code) against the same model eager, on three
@@ -44,7 +45,7 @@ def test_compiled_blocks_equal_the_eager_ones_with_one_graph_for_every_length(ch
     length. Under activation checkpointing the recompute runs them too. A no-grad forward (the
     rollout's, the old logprobs') runs eager: no graph."""
     monkeypatch.setattr(compiling, "BACKEND", "aot_eager")
-    eager = tiny_model()
+    eager = tiny_model(layout=layout)
     m = copy.deepcopy(eager)
     assert compiling.compile_blocks(m.model.layers) == 2
     memory.checkpoint_blocks(m.model.layers, checkpointed)

@@ -237,6 +237,41 @@ def test_the_compiled_route_samples_from_the_weights_of_its_own_rollout(model, k
     assert (step - before.logprobs[agree, 1].float()).abs().max() > 2 * LOGPROB_TOL
 
 
+@needs_compile
+def test_the_compiled_qwen3_step_runs_its_q_k_norms_inside_on_stacked_projections(kernel_route):
+    """Qwen3's per-head q/k norms inside the compiled step, on q/k/v stacked (fused_projections):
+    step by step, all rows in their slots (one structure: one compile), the compiled step's logits
+    and the eager bf16 step's each within ULPS of the float64 forward of each row's sequence, the
+    greedy picks the float64 forward's up to near ties, the cache's K/V the eager step's."""
+    from test_rollout import qwen3_model
+    model = qwen3_model().to(torch.bfloat16)
+    wide = qwen3_model().double()
+    wide.load_state_dict(model.state_dict())  # the same bf16 weights, in float64
+    G, new = 2, 7
+    compiled, eager, tokens = decoders(model, G, new)
+    seqs = [list(p) for p in sorted(PROMPTS, key=len, reverse=True) for _ in range(G)]
+    with torch.inference_mode():
+        for t in range(new - 1):
+            for i, r in enumerate(compiled.layout.rows):
+                seqs[r].append(int(tokens[i]))
+            with fused_projections(model):
+                got = compiled.step(tokens).double()
+            want = eager.step(tokens).double()
+            exact = torch.stack([wide(torch.tensor([seqs[r]]))[0, -1]
+                                 for r in compiled.layout.rows])  # (N, V)
+            for logits in (got, want):
+                torch.testing.assert_close(logits, exact, rtol=0, atol=bf16_tol(exact))
+            top2 = exact.topk(2, dim=-1).values
+            near = top2[:, 0] - top2[:, 1] < 2 * bf16_tol(exact)
+            assert ((got.argmax(-1) == exact.argmax(-1)) | near).all()
+            tokens = got.argmax(-1)
+    assert compiled.compiled.compiles >= 1
+    for mine, theirs in zip(compiled.attention.own_k, eager.attention.own_k):
+        written = theirs[:, :, :new - 1].float()
+        torch.testing.assert_close(mine[:, :, :new - 1].float(), written, rtol=0,
+                                   atol=bf16_tol(written))
+
+
 def test_a_torch_that_cannot_compile_runs_the_step_eagerly_and_says_so_once(model, kernel_route,
                                                                               monkeypatch, capsys):
     """torch.compile failing (here a stand-in that raises as a missing C++ compiler does, through

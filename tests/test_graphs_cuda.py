@@ -8,16 +8,21 @@ import rollout
 from model import Llama
 from rollout import RolloutConfig
 from test_graphs import LOGPROB_TOL, near_tie
-from test_rollout import CFG, PROMPTS
+from test_rollout import CFG, PROMPTS, qwen3_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-@pytest.fixture(scope="module")
-def models() -> tuple[Llama, Llama]:
-    """The bf16 model on the GPU, and its float64 twin on the CPU (the same bf16 weights)."""
-    cpu = Llama(CFG).init_weights(seed=0, std=0.2).to(torch.bfloat16).eval()
-    wide = Llama(CFG).double().eval()
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def models(request) -> tuple[Llama, Llama]:
+    """The bf16 model on the GPU, and its float64 twin on the CPU (the same bf16 weights): a Llama,
+    and a Qwen3 (its q/k norms inside the compiled step, 8/4 heads of 16)."""
+    if request.param == "llama":
+        cpu = Llama(CFG).init_weights(seed=0, std=0.2)
+    else:
+        cpu = qwen3_model()
+    cpu = cpu.to(torch.bfloat16).eval()
+    wide = Llama(cpu.config).double().eval()
     wide.load_state_dict(cpu.state_dict())
     return cpu.cuda(), wide
 

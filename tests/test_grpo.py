@@ -28,9 +28,23 @@ TINY = M.ModelConfig(vocab_size=V, hidden_size=64, intermediate_size=96, num_hid
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 
 
-def tiny_model(seed: int = 0, cls: type = M.Llama) -> M.Llama:
+# Published GQA layouts at TINY's width: Qwen3-0.6B's 16/8 (rep 2 != Hkv 8, its q/k norms, heads
+# of 16: FlexAttention's CUDA kernel takes no fewer) and Qwen2.5-0.5B's 14/2 (rep 7, q/k/v biases,
+# heads of 8) beside TINY's 4/2, where rep = Hkv: a kernel that maps query head h to kv head
+# h // Hkv instead of h // rep passes at 4/2, not at these.
+LAYOUTS = {
+    "4/2": TINY,
+    "qwen3_16/8": dataclasses.replace(TINY, architecture="Qwen3ForCausalLM", num_attention_heads=16,
+                                      num_key_value_heads=8, head_dim=16),
+    "qwen2.5_14/2": dataclasses.replace(TINY, architecture="Qwen2ForCausalLM",
+                                        num_attention_heads=14, num_key_value_heads=2, head_dim=8,
+                                        attention_bias=True),
+}
+
+
+def tiny_model(seed: int = 0, cls: type = M.Llama, layout: str = "4/2") -> M.Llama:
     # std 0.2 (not HF's 0.02): peaked logits and non-uniform attention, so indexing bugs show.
-    return cls(TINY).init_weights(seed, std=0.2)
+    return cls(LAYOUTS[layout]).init_weights(seed, std=0.2)
 
 
 # Float32 values computed in another order (shared-prompt attention merges two softmaxes, chunks change
@@ -153,8 +167,10 @@ def ragged_groups(G: int = 3, seed: int = 4) -> tuple[list[list[int]], list[list
 
 
 @pytest.mark.parametrize("ragged_from", [1.5, math.inf])  # the rows' ragged kernel, padded views
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_the_packed_forward_equals_the_padded_one_on_ragged_batches(dtype, ragged_from,
+@pytest.mark.parametrize("dtype,layout", [(torch.float32, "4/2"), (torch.float64, "4/2"),
+                                          (torch.float64, "qwen3_16/8"),
+                                          (torch.float64, "qwen2.5_14/2")])
+def test_the_packed_forward_equals_the_padded_one_on_ragged_batches(dtype, layout, ragged_from,
                                                                     monkeypatch):
     """Padding-free (only valid tokens, the default) against the padded twin (every prompt padded
     to P, every row to T): logprobs, entropies and every parameter's gradient on ragged groups, an
@@ -164,7 +180,7 @@ def test_the_packed_forward_equals_the_padded_one_on_ragged_batches(dtype, ragge
     (these rows' padding is 3.8x their tokens) and padded views (RAGGED_FROM inf)."""
     monkeypatch.setattr(packing, "RAGGED_FROM", ragged_from)
     prompts, completions = ragged_groups()
-    m = tiny_model().to(dtype)
+    m = tiny_model(layout=layout).to(dtype)
     batch = GRPOBatch.from_lists(prompts, completions, temperature=0.8)
     out = {}
     for forward in ("packed", "padded"):
@@ -182,19 +198,21 @@ def test_the_packed_forward_equals_the_padded_one_on_ragged_batches(dtype, ragge
         assert error <= rel, (name, float(error))
 
 
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("forward,ragged_from", [("packed", 1.5), ("packed", math.inf),
                                                   ("padded", math.inf)])
 def test_float64_grads_of_the_shared_prompt_forwards_equal_the_naive_twins(forward, ragged_from,
-                                                                           monkeypatch):
+                                                                           layout, monkeypatch):
     """The prompt once per group (packed: both CPU routes of its rows; padded) against the naive
-    twin (the prompt repeated per row) in float64: logprobs, entropies and every parameter's
-    gradient within 1e-12 of its largest entry, the same math summed in another order.
+    twin (the prompt repeated per row, causal SDPA's own GQA) in float64, on each of LAYOUTS:
+    logprobs, entropies and every parameter's gradient within 1e-12 of its largest entry, the
+    same math summed in another order.
     Regression: model.rms_norm rounded a float64 model's norms to float32, so the G rows'
     gradients into a shared prompt, summed before the norms' backward here and after it in the
     twin, were 1e-7 apart."""
     monkeypatch.setattr(packing, "RAGGED_FROM", ragged_from)
     prompts, completions = ragged_groups()
-    m = tiny_model().double()
+    m = tiny_model(layout=layout).double()
     batch = GRPOBatch.from_lists(prompts, completions, temperature=0.8)
     out = {}
     for name in (forward, "naive"):
@@ -259,9 +277,13 @@ def varlen_route(monkeypatch, record: list | None = None):
                             p, (recorded, backward)))
 
 
-@pytest.mark.parametrize("dtype,twin", [(torch.float32, "padded"), (torch.float64, "padded"),
-                                        (torch.float64, "naive")])
-def test_the_cuda_varlen_route_equals_the_padded_and_naive_twins(dtype, twin, monkeypatch):
+@pytest.mark.parametrize("dtype,twin,layout", [(torch.float32, "padded", "4/2"),
+                                               (torch.float64, "padded", "4/2"),
+                                               (torch.float64, "naive", "4/2"),
+                                               (torch.float64, "naive", "qwen3_16/8"),
+                                               (torch.float64, "naive", "qwen2.5_14/2")])
+def test_the_cuda_varlen_route_equals_the_padded_and_naive_twins(dtype, twin, layout,
+                                                                 monkeypatch):
     """The CUDA route in bf16 (SharedPromptAttentionVarlen over the packed tokens: the prompts causal,
     each group's rows folded against its prompt, each row causal, merged by log-sum-exp), with the
     varlen kernel's math twin standing in for the CUDA kernel, against the padded and the naive
@@ -271,7 +293,7 @@ def test_the_cuda_varlen_route_equals_the_padded_and_naive_twins(dtype, twin, mo
     norm; float64: 1e-12, the same math."""
     varlen_route(monkeypatch)
     prompts, completions = ragged_groups()
-    m = tiny_model().to(dtype)
+    m = tiny_model(layout=layout).to(dtype)
     batch = GRPOBatch.from_lists(prompts, completions, temperature=0.8)
     out = {}
     for forward in ("packed", twin):
@@ -464,13 +486,15 @@ def test_shared_prompt_forward_saves_no_repeated_prompt(forward):
     per_row = [s for s in saved if s[0] == Bp * G and (P in s[1:] or P + T in s[1:])]
     assert not per_row, per_row
 
-def test_shared_prompt_attention_under_bf16_autocast_equals_its_twin(monkeypatch):
+@pytest.mark.parametrize("layout", ["4/2", "qwen3_16/8"])
+def test_shared_prompt_attention_under_bf16_autocast_equals_its_twin(monkeypatch, layout):
     """bf16 autocast over fp32 weights (train.py --dtype bfloat16) hands the attention q, k in
     fp32 (rope) and v in bf16: the flash path runs in one dtype and matches the repeated-prompt
-    twin to bf16's resolution (8 bits: 1e-1 on logprobs of magnitude ~8, 3% on a gradient)."""
+    twin to bf16's resolution (8 bits: 1e-1 on logprobs of magnitude ~8, 3% on a gradient); on
+    TINY and on Qwen3's layout (its q/k norms under autocast too)."""
     G = 3
     prompts, completions = ragged_batch(G)
-    m = tiny_model()
+    m = tiny_model(layout=layout)
     batch = grpo.GRPOBatch.from_lists(prompts, completions)
 
     def logp_and_grad():

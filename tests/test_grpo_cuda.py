@@ -28,17 +28,24 @@ def test_cuda_shared_chunked_equals_naive_in_fp32_and_bf16():
     torch.testing.assert_close(got[0], want[0], atol=0.15, rtol=0)
 
 
-def test_cuda_packed_forward_flex_attention_equals_the_padded_one_values_and_grads(monkeypatch):
+@pytest.mark.parametrize("layout", ["4/2", "qwen3_16/8"])
+def test_cuda_packed_forward_flex_attention_equals_the_padded_one_values_and_grads(monkeypatch,
+                                                                                  layout):
     """The CUDA route of the padding-free forward (FlexAttention under the packed block mask,
     compiled; taken here for a tiny model, which otherwise runs padded rows eagerly) against the
     padded twin on ragged groups (1-token prompts, empty rows, an all-empty group): logprobs and
     every gradient, float32: logp_tol of values; 4 GRAD_REL of each gradient's norm (the CPU's
-    bound, with room for a compiled Triton kernel's blocking that no CPU run measures)."""
+    bound, with room for a compiled Triton kernel's blocking that no CPU run measures). On TINY
+    and on Qwen3's layout (16/8 heads of 16, its q/k norms)."""
     import graphs
+    import packing
     from test_grpo import grads, ragged_groups, weighted_sum
     monkeypatch.setattr(graphs, "MIN_COMPILE_PARAMS", 0)
     prompts, completions = ragged_groups()
-    m = tiny_model().cuda()
+    m = tiny_model(layout=layout).cuda()
+    route = packing.cuda_route(torch.float32, m.config.head_dim)
+    if route[0] != "flex":
+        pytest.skip(route[1])
     batch = grpo.GRPOBatch.from_lists(prompts, completions, device="cuda")
     out = {}
     for forward in ("packed", "padded"):
@@ -52,8 +59,9 @@ def test_cuda_packed_forward_flex_attention_equals_the_padded_one_values_and_gra
         assert error <= 4 * GRAD_REL, (name, float(error))
 
 
+@pytest.mark.parametrize("layout", ["4/2", "qwen3_16/8"])
 def test_cuda_bf16_takes_the_varlen_route_and_equals_its_math_twin_and_the_padded_one(
-        monkeypatch):
+        monkeypatch, layout):
     """Under bf16 autocast (train.py --dtype bfloat16) the CUDA route is varlen_attn's flash kernel
     (torch >= 2.10) fed bf16 q, k, v: its logprobs and gradients against the same route with the
     kernel's math twin in its place and against the padded twin, both bf16 all through (8-bit
@@ -66,7 +74,7 @@ def test_cuda_bf16_takes_the_varlen_route_and_equals_its_math_twin_and_the_padde
     if packing.cuda_route(torch.bfloat16, 16)[0] != "varlen":
         pytest.skip(packing.cuda_route(torch.bfloat16, 16)[1])
     prompts, completions = ragged_groups()
-    m = tiny_model().cuda()
+    m = tiny_model(layout=layout).cuda()  # TINY; Qwen3's 16/8 heads of 16 and q/k norms
     batch = grpo.GRPOBatch.from_lists(prompts, completions, device="cuda")
     seen = []
     forward, backward = attention.FLASH_VARLEN
@@ -95,16 +103,18 @@ def test_cuda_bf16_takes_the_varlen_route_and_equals_its_math_twin_and_the_padde
 
 
 
-def test_cuda_compiled_blocks_equal_the_eager_ones_in_bf16_one_graph_for_every_length():
+@pytest.mark.parametrize("layout", ["4/2", "qwen3_16/8"])
+def test_cuda_compiled_blocks_equal_the_eager_ones_in_bf16_one_graph_for_every_length(layout):
     """train.py's default on CUDA: the blocks' regions compiled by inductor (Triton kernels) with
     the bf16 attention route between them, against the same model eager, on micro-batches of three
     packed lengths: logprobs and gradients within bf16's resolution (0.1 on logprobs, 3% of a
-    gradient's norm: fused kernels round in another order), and two graphs in all."""
+    gradient's norm: fused kernels round in another order), and two graphs in all. On TINY and
+    on Qwen3's layout (its q/k norms inside the region before the attention)."""
     import copy
     from torch._dynamo.utils import counters
     import compiling
     from test_grpo import grads, ragged_batch, ragged_groups, weighted_sum
-    eager = tiny_model().cuda()
+    eager = tiny_model(layout=layout).cuda()
     m = copy.deepcopy(eager)
     compiling.compile_blocks(m.model.layers)
     torch._dynamo.reset()

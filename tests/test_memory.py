@@ -6,12 +6,14 @@ checkpointing == the plain forward (values and gradients). CUDA-only: tests/test
 
 import ast
 import copy
+import dataclasses
 import io
 import os
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.autograd.graph import saved_tensors_hooks
 from safetensors.torch import load_file, save_file
 import tolerance
 from memtrace import allocator_peak
@@ -39,9 +41,14 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def tiny_model(seed: int = 0) -> M.Llama:
+# Qwen3's block at the tiny width: its q/k norms' weights are tagged, released and woken as any
+HEADS = {"LlamaForCausalLM": dict(num_attention_heads=4, num_key_value_heads=2),
+         "Qwen3ForCausalLM": dict(num_attention_heads=8, num_key_value_heads=4, head_dim=16)}
+
+
+def tiny_model(seed: int = 0, arch: str = "LlamaForCausalLM") -> M.Llama:
     cfg = M.ModelConfig(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+                        max_position_embeddings=128, architecture=arch, **HEADS[arch])
     # std 0.2 (not HF's 0.02): peaked attention and logits, so a wrong saved tensor shows in grads.
     return M.Llama(cfg).init_weights(seed, std=0.2)
 
@@ -52,11 +59,11 @@ def loss_fn(model: M.Llama, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def engine(cfg: MemoryConfig | None = None, sampler_dtype: torch.dtype | None = torch.float64,
-           copies: bool = False):
+           copies: bool = False, arch: str = "LlamaForCausalLM"):
     """A trainer with AdamW, a separate sampler copy (or the trainer itself), a reference, a KV
     cache in the sampler's dtype. copies=True: the offloaded tags copy into a host buffer as on a
     GPU (on a CPU they stay in place), so the copy path runs here too."""
-    trainer = tiny_model()
+    trainer = tiny_model(arch=arch)
     sampler = trainer if sampler_dtype is None else copy.deepcopy(trainer).to(sampler_dtype)
     reference = copy.deepcopy(trainer)
     optimizer = torch.optim.AdamW(trainer.parameters(), lr=1e-2, weight_decay=0.1)
@@ -201,6 +208,55 @@ def test_the_rollout_plan_holds_the_stacked_weights_of_the_compiled_decode():
     assert not plan.stacked_decode("true", sampler.float(), "cuda", 1)
 
 
+def saved_bytes_per_token(m: M.Llama, dtype: torch.dtype, autocast: bool) -> float:
+    """Bytes autograd keeps for backward in one block's training forward, per token: unique
+    storages, the weights and the rope tables left out (tests/bench_tp.py's count)."""
+    B, T = 2, 24
+    block = m.model.layers[0]
+    act = torch.float32 if autocast else dtype  # autocast: over fp32 weights, an fp32 stream
+    cos, sin = M.rope_cos_sin(m.inv_freq, torch.arange(T).expand(B, T), act)
+    skip = {t.untyped_storage().data_ptr() for t in [*m.parameters(), cos, sin]}
+    x = torch.randn(B, T, m.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    x = x.to(act).requires_grad_()
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in skip:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    with saved_tensors_hooks(pack, lambda t: t), \
+            torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+        block(x, cos, sin, M.causal_attention)
+    return sum(seen.values()) / (B * T)
+
+
+@pytest.mark.parametrize("dtype,autocast", [(torch.float32, False), (torch.bfloat16, False),
+                                            (torch.bfloat16, True)])
+def test_the_plan_counts_what_qwen3s_q_k_norms_keep_for_backward(dtype, autocast):
+    """plan.block_bytes' Qwen3 term against autograd: a Qwen3 block keeps exactly what its q/k
+    norms add to the same block without them, (4 + a)(Q + K) + 4(H + Hkv) bytes a token (each
+    norm's float32 input, its a-byte output, a float32 rstd a head); and the memory tags count the
+    norms' weights (the trainer's bytes are every parameter's)."""
+    measured, planned = {}, {}
+    for arch in HEADS:
+        model = tiny_model(arch="Qwen3ForCausalLM")
+        if arch != "Qwen3ForCausalLM":  # the same shapes, no q/k norms
+            config = dataclasses.replace(model.config, architecture=arch)
+            model = M.Llama(config).init_weights(0)
+        model = model if autocast else model.to(dtype)
+        measured[arch] = saved_bytes_per_token(model, dtype, autocast)
+        per_token = plan.block_bytes(model.config, dtype, autocast=autocast)
+        planned[arch] = per_token["norms"] + per_token["attention"] + per_token["mlp"]
+    added = measured["Qwen3ForCausalLM"] - measured["LlamaForCausalLM"]
+    assert added == planned["Qwen3ForCausalLM"] - planned["LlamaForCausalLM"] > 0
+    with torch.device("meta"):
+        trainer = M.Llama(tiny_model(arch="Qwen3ForCausalLM").config)
+    mgr = PhaseManager("meta")
+    mgr.add_weights(trainer, trainer)
+    assert mgr.plan()["train"]["trainer"] == 4 * sum(p.numel() for p in trainer.parameters())
+    assert any(name.endswith("q_norm.weight") for name, _ in trainer.named_parameters())
+
+
 def test_phase_peaks_add_adam_state_and_transients_and_count_a_cpu_offload_once():
     """Before AdamW's first step (always, on the meta device) its state is planned from the
     parameters: two moments each. On a CPU target the offloaded tags stay in place: resident in
@@ -231,16 +287,18 @@ def test_phase_peaks_add_adam_state_and_transients_and_count_a_cpu_offload_once(
 # Exactness and identity
 
 
+@pytest.mark.parametrize("arch", list(HEADS))
 @pytest.mark.parametrize("copies", [False, True])
-def test_training_with_sleep_wake_around_every_rollout_is_bit_exact_with_the_same_objects(copies):
+def test_training_with_sleep_wake_around_every_rollout_is_bit_exact_with_the_same_objects(copies,
+                                                                                        arch):
     steps = 4
-    plain = tiny_model()
+    plain = tiny_model(arch=arch)
     plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.1)
     for step in range(steps):
         train_step(plain, plain_opt, step)
         plain_opt.zero_grad()
 
-    mgr, trainer, sampler, reference, optimizer, cache = engine(copies=copies)
+    mgr, trainer, sampler, reference, optimizer, cache = engine(copies=copies, arch=arch)
     ids = None
     for step in range(steps):
         with mgr.phase("rollout"):
@@ -264,7 +322,8 @@ def test_training_with_sleep_wake_around_every_rollout_is_bit_exact_with_the_sam
     offloaded = [g for g in mgr.groups if g.tag in ("optimizer", "reference")]
     assert [g.host_allocations for g in offloaded] == [int(copies)] * 2
     # The reference went through 4 offload/reload cycles and is still the initial model.
-    assert all(torch.equal(p, q) for p, q in zip(reference.parameters(), tiny_model().parameters()))
+    assert all(torch.equal(p, q) for p, q in zip(reference.parameters(),
+                                                 tiny_model(arch=arch).parameters()))
     assert not all(torch.equal(p, q) for p, q in zip(reference.parameters(), plain.parameters()))
 
 

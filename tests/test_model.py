@@ -34,13 +34,16 @@ def assert_logits_close(got: torch.Tensor, want: torch.Tensor, cfg: M.ModelConfi
 
 def make(seed: int = 0, std: float = 0.2, **kw) -> M.Llama:
     # std 0.2 (not HF's 0.02) so attention patterns and logits are far from uniform: bugs show.
-    # Biases (zero after init_weights, as in HF) get the same std: a missing or misplaced one shows.
+    # Biases (zero after init_weights, as in HF) get the same std: a missing or misplaced one shows;
+    # so do Qwen3's q/k norm weights around their 1 (q's and k's swapped, or one left out, show).
     m = M.Llama(tiny(**kw)).init_weights(seed, std=std)
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in m.named_parameters():
             if name.endswith(".bias"):
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.copy_(1 + torch.randn(p.shape, generator=gen) * std)
     return m
 
 # -----------------------------------------------------------------------------
@@ -49,7 +52,8 @@ def make(seed: int = 0, std: float = 0.2, **kw) -> M.Llama:
 
 def reference_forward(m: M.Llama, tokens: list[int]) -> torch.Tensor:
     """One sequence, one token and one head at a time, float64, rope by explicit pair rotation.
-    Every linear adds its bias when the state dict has one (transformers' Llama, Qwen2)."""
+    Every linear adds its bias when the state dict has one (transformers' Llama, Qwen2, Qwen3), and
+    q and k are normed head by head when it has q/k norms (Qwen3)."""
     cfg, sd = m.config, {k: v.double() for k, v in m.state_dict().items()}
 
     def linear(name, x):
@@ -68,12 +72,19 @@ def reference_forward(m: M.Llama, tokens: list[int]) -> torch.Tensor:
             out[i + D // 2] = vec[i + D // 2] * c + vec[i] * s
         return out
 
+    def head_norm(vec, name, heads):  # Qwen3: each head's D entries normed alone, one weight
+        if name not in sd:
+            return vec
+        return torch.cat([rms(vec[h * D:(h + 1) * D], sd[name]) for h in range(heads)])
+
     xs = [sd["model.embed_tokens.weight"][t] for t in tokens]
     for l in range(cfg.num_hidden_layers):
         p = f"model.layers.{l}."
         hs = [rms(x, sd[p + "input_layernorm.weight"]) for x in xs]
-        qs = [linear(p + "self_attn.q_proj", h) for h in hs]
-        ks = [linear(p + "self_attn.k_proj", h) for h in hs]
+        qs = [head_norm(linear(p + "self_attn.q_proj", h), p + "self_attn.q_norm.weight", H)
+              for h in hs]
+        ks = [head_norm(linear(p + "self_attn.k_proj", h), p + "self_attn.k_norm.weight", Hkv)
+              for h in hs]
         vs = [linear(p + "self_attn.v_proj", h) for h in hs]
         new = []
         for t in range(len(xs)):
@@ -98,6 +109,9 @@ def reference_forward(m: M.Llama, tokens: list[int]) -> torch.Tensor:
     dict(attention_bias=True, mlp_bias=True),  # Llama: q/k/v/o and gate/up/down biases
     dict(architecture="Qwen2ForCausalLM"),  # q/k/v biases only
     dict(head_dim=32, rms_norm_eps=1e-2),  # D != C/H; an eps large enough to matter
+    # Qwen3: per-head q/k norms, H*D != C, no bias; then with q/k/v/o biases and GQA 6/2 (rep 3)
+    dict(architecture="Qwen3ForCausalLM", head_dim=24, rms_norm_eps=1e-2),
+    dict(architecture="Qwen3ForCausalLM", attention_bias=True, num_attention_heads=6),
 ])
 def test_forward_matches_float64_loop(kw):
     m = make(**kw).double()
@@ -163,7 +177,8 @@ def test_hidden_at_last_positions_equals_full_forward_and_hook_sees_every_positi
         torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-10)
 
 @pytest.mark.parametrize("kw", [dict(attention_bias=True, mlp_bias=True),
-                                dict(architecture="Qwen2ForCausalLM")])
+                                dict(architecture="Qwen2ForCausalLM"),
+                                dict(architecture="Qwen3ForCausalLM", head_dim=24)])
 def test_fused_projections_equal_the_separate_linears_and_leave_the_model_as_it_was(kw):
     """q/k/v as one matmul and gate/up as one (float64: the twins differ only by rounding): the
     same logits, the last-position prefill's final layer on its separate q; a projection that is
@@ -311,6 +326,7 @@ def test_v4_and_v5_config_layouts_give_the_same_model(tmp_path, rope):
 
 
 DELETE = object()  # an override that removes the field
+QWEN3 = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3")  # over a Llama's config.json
 LLAMA3_NO_LEN = {k: v for k, v in LLAMA3.items() if k != "original_max_position_embeddings"}
 
 
@@ -330,11 +346,21 @@ LLAMA3_NO_LEN = {k: v for k, v in LLAMA3.items() if k != "original_max_position_
      "field 'hidden_size' is 66, not a multiple of num_attention_heads=4 (no head_dim)"),
     (dict(head_dim=15), "field 'head_dim' is 15; rotary embeddings need an even head_dim"),
     (dict(architectures=["MixtralForCausalLM"]), "field 'architectures' is ['MixtralForCausalLM'], "
-     "expected one of ('LlamaForCausalLM', 'Qwen2ForCausalLM')"),
+     "expected one of ('LlamaForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM')"),
+    (dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe"),
+     "field 'architectures' is ['Qwen3MoeForCausalLM'], expected one of ('LlamaForCausalLM', "
+     "'Qwen2ForCausalLM', 'Qwen3ForCausalLM')"),
+    (dict(QWEN3, num_experts=128, moe_intermediate_size=768),
+     "field 'num_experts' declares a mixture of experts; this engine runs dense models only"),
+    (dict(QWEN3, head_dim=DELETE), "field 'head_dim' is missing"),
+    (dict(QWEN3, use_sliding_window=True, sliding_window=4096),
+     "field 'use_sliding_window' asks for sliding-window attention, which is not supported"),
+    (dict(QWEN3, layer_types=["full_attention", "sliding_attention"]),
+     "field 'layer_types' has 'sliding_attention'; only 'full_attention' layers are supported"),
     (dict(model_type="qwen2"),
      "field 'model_type' is 'qwen2' but architectures is ['LlamaForCausalLM']"),
     (dict(architectures=DELETE, model_type="mistral"), "field 'model_type' is 'mistral' and there "
-     "is no 'architectures' field; expected one of ('llama', 'qwen2')"),
+     "is no 'architectures' field; expected one of ('llama', 'qwen2', 'qwen3')"),
     (dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", num_key_value_heads=DELETE),
      "field 'num_key_value_heads' is missing"),
     (dict(num_local_experts=8),
@@ -388,14 +414,12 @@ def test_unsupported_configs_are_refused_in_one_line_naming_file_and_field(tmp_p
     assert str(error.value) == f"{tmp_path / 'config.json'}: {message}"
 
 
-def test_config_without_architectures_falls_back_on_model_type():
+@pytest.mark.parametrize("arch", M.ARCHITECTURES)
+def test_config_without_architectures_falls_back_on_model_type(arch):
     """Regression: LlamaConfig.save_pretrained alone writes no "architectures"; it was refused."""
-    d = hf.config_to_hf(tiny(architecture="Qwen2ForCausalLM"), torch.float32)
+    d = hf.config_to_hf(tiny(architecture=arch), torch.float32)
     del d["architectures"]
-    assert hf.config_from_hf(d) == tiny(architecture="Qwen2ForCausalLM")
-    d = hf.config_to_hf(tiny(), torch.float32)
-    del d["architectures"]
-    assert hf.config_from_hf(d) == tiny()
+    assert hf.config_from_hf(d) == tiny(architecture=arch)
 
 
 @pytest.mark.parametrize("kw, want", [
@@ -403,9 +427,13 @@ def test_config_without_architectures_falls_back_on_model_type():
     (dict(attention_bias=True), {"q_proj", "k_proj", "v_proj", "o_proj"}),
     (dict(mlp_bias=True), {"gate_proj", "up_proj", "down_proj"}),
     (dict(architecture="Qwen2ForCausalLM"), {"q_proj", "k_proj", "v_proj"}),
+    (dict(architecture="Qwen3ForCausalLM"), set()),
+    (dict(architecture="Qwen3ForCausalLM", attention_bias=True),
+     {"q_proj", "k_proj", "v_proj", "o_proj"}),
 ])
 def test_biases_are_where_transformers_puts_them(kw, want):
-    """transformers' Llama: attention_bias on q/k/v/o, mlp_bias on gate/up/down; Qwen2: q/k/v."""
+    """transformers' Llama: attention_bias on q/k/v/o, mlp_bias on gate/up/down; Qwen2: q/k/v;
+    Qwen3: attention_bias on q/k/v/o."""
     params = M.Llama(tiny(**kw)).named_parameters()
     assert {name.split(".")[-2] for name, _ in params if name.endswith(".bias")} == want
 
@@ -437,6 +465,11 @@ def test_missing_and_misshaped_tensors_are_refused(tmp_path):
      "model.layers.0.mlp.down_proj.bias (6 such tensors)", "config.json declares no such bias"),
     (dict(), dict(tie_word_embeddings=True), "lm_head.weight (1 such tensors)",
      "config.json ties lm_head to the embedding (set tie_word_embeddings false)"),
+    # A Qwen3 checkpoint under a Llama config.json: the same tensors but its q/k norms
+    (dict(architecture="Qwen3ForCausalLM"),
+     dict(architectures=["LlamaForCausalLM"], model_type="llama"),
+     "model.layers.0.self_attn.k_norm.weight (4 such tensors)",
+     "config.json's architecture has no per-head q/k norms (Qwen3ForCausalLM has)"),
 ])
 def test_unused_tensors_are_refused_never_dropped(tmp_path, written, config, tensor, why):
     d = written_config(make(**written), tmp_path)
@@ -532,6 +565,11 @@ HF_CASES = {  # name -> transformers config class, its arguments beyond HF_BASE
     "head_dim_32": ("LlamaConfig", dict(head_dim=32)),  # C/H is 16
     "tied": ("LlamaConfig", dict(tie_word_embeddings=True)),
     "eps_1e-2": ("LlamaConfig", dict(rms_norm_eps=1e-2)),
+    # Qwen3: q/k norms, H*D = 96 != C = 64; tied with q/k/v/o biases and GQA 6/2 (rep 3 != Hkv 2)
+    "qwen3": ("Qwen3Config", dict(head_dim=24, rope_theta=1000000.0)),
+    "qwen3_tied_bias": ("Qwen3Config", dict(head_dim=16, num_attention_heads=6,
+                                            tie_word_embeddings=True, attention_bias=True,
+                                            rms_norm_eps=1e-2)),
 }
 
 
@@ -559,12 +597,86 @@ def test_checkpoints_written_by_transformers_load_exactly(tmp_path, case):
         () if theirs.config.eos_token_id is None else (theirs.config.eos_token_id,))
 
 
+# The published Qwen3-0.6B's config.json, its 28 layers cut to 2: C = 1024, 16 heads of 128 (H*D =
+# 2048 != C), 8 kv heads (rep 2 != Hkv 8), the 151,936-id vocabulary, tied.
+QWEN3_0_6B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=2,
+                  num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                  max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                  tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645)
+
+
+# Qwen3-0.6B's config.json as published (transformers 4.51's layout: top-level rope_theta).
+QWEN3_0_6B_V4 = {
+    "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
+    "hidden_size": 1024, "initializer_range": 0.02, "intermediate_size": 3072,
+    "max_position_embeddings": 40960, "max_window_layers": 28, "model_type": "qwen3",
+    "num_attention_heads": 16, "num_hidden_layers": 28, "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None,
+    "tie_word_embeddings": True, "torch_dtype": "bfloat16", "transformers_version": "4.51.0",
+    "use_cache": True, "use_sliding_window": False, "vocab_size": 151936}
+
+
+def test_the_published_qwen3_config_reads_alike_in_both_layouts():
+    """Qwen3-0.6B's published config.json (transformers 4's layout) and its transformers 5 form
+    (rope_parameters, layer_types) give the same model: 16/8 heads of 128 at width 1024, theta
+    1e6, tied; and what the engine writes back reads as the same."""
+    v5 = {k: v for k, v in QWEN3_0_6B_V4.items() if k not in ("rope_theta", "rope_scaling")}
+    v5.update(rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+              layer_types=["full_attention"] * 28, dtype="bfloat16")
+    cfg = hf.config_from_hf(QWEN3_0_6B_V4)
+    assert cfg == hf.config_from_hf(v5) == hf.config_from_hf(hf.config_to_hf(cfg, torch.bfloat16))
+    assert (cfg.architecture, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads,
+            cfg.rope_theta, cfg.tie_word_embeddings, cfg.attention_bias, cfg.qk_norm) == (
+        "Qwen3ForCausalLM", 128, 16, 8, 1e6, True, False, True)
+    with torch.device("meta"):
+        n = sum(p.numel() for p in M.Llama(cfg).parameters())
+    assert n == 596_049_920  # Qwen3-0.6B: 0.6B parameters, 0.44B without the embedding
+
+
+def rms_norm_in_its_dtype(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """transformers' Qwen3RMSNorm.forward with its cast to float32 made a cast to at least float32:
+    a float64 model's norms stay float64 (model.rms_norm's rule)."""
+    dtype = hidden_states.dtype
+    x = hidden_states.to(torch.promote_types(dtype, torch.float32))
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+    return self.weight * x.to(dtype)
+
+
+@pytest.mark.parametrize("shape", ["tiny", "qwen3_0.6b"])
+def test_qwen3_logits_equal_transformers_in_float32_and_float64(tmp_path, monkeypatch, shape):
+    """A Qwen3 checkpoint transformers wrote (random weights; the tiny config, and Qwen3-0.6B's
+    shapes at HF's init scale) gives transformers' logits: float32 within 1e-4 (and the summation-
+    order bound), float64 to 1e-12. transformers' own RMSNorm rounds a float64 model's norms to
+    float32 (1e-6 off here), so its float64 twin runs with that cast lifted (rms_norm_in_its_dtype);
+    everything else, q/k norms, RoPE and GQA included, is transformers' code."""
+    from transformers.models.qwen3 import modeling_qwen3
+    if shape == "tiny":
+        config, std = {**HF_BASE, **HF_CASES["qwen3"][1]}, 0.2
+    else:
+        config, std = QWEN3_0_6B, 0.02  # 0.2 at C = 1024 would blow the activations up
+    theirs = save_random_hf_model(tmp_path, "Qwen3Config", config, std)
+    ours = hf.load_model(str(tmp_path))
+    assert ours.config.architecture == "Qwen3ForCausalLM" and ours.config.head_dim == \
+        config["head_dim"]
+    x = torch.randint(0, config["vocab_size"], (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got, want = ours(x), theirs(x).logits
+        assert (got - want).abs().max() <= 1e-4
+        assert_logits_close(got, want, ours.config)
+        monkeypatch.setattr(modeling_qwen3.Qwen3RMSNorm, "forward", rms_norm_in_its_dtype)
+        got, want = ours.double()(x), theirs.double()(x).logits
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+
+
 @pytest.mark.parametrize("config_class, arch", [("LlamaConfig", "LlamaForCausalLM"),
-                                                ("Qwen2Config", "Qwen2ForCausalLM")])
+                                                ("Qwen2Config", "Qwen2ForCausalLM"),
+                                                ("Qwen3Config", "Qwen3ForCausalLM")])
 def test_config_written_by_transformers_config_alone_is_read(tmp_path, config_class, arch):
     """Regression: LlamaConfig(rope_theta=500000).save_pretrained(d) gave
     rope_theta 10000; the file has no "architectures" either, only model_type."""
     transformers = pytest.importorskip("transformers")
+    # head_dim: Qwen3's config.json always has one (transformers' Qwen3Config writes its 128)
     getattr(transformers, config_class)(**HF_BASE, rope_theta=500000).save_pretrained(str(tmp_path))
     assert "architectures" not in json.loads((tmp_path / "config.json").read_text())
     cfg = hf.load_config(str(tmp_path))
@@ -587,6 +699,8 @@ def test_unused_tensor_of_a_transformers_checkpoint_is_refused(tmp_path):
                               rope_theta=500000.0)),
     ("LlamaForCausalLM", dict(attention_bias=True, mlp_bias=True, head_dim=32, rms_norm_eps=1e-2)),
     ("Qwen2ForCausalLM", dict(tie_word_embeddings=True, rope_theta=1000000.0)),
+    ("Qwen3ForCausalLM", dict(tie_word_embeddings=True, rope_theta=1000000.0, head_dim=24)),
+    ("Qwen3ForCausalLM", dict(attention_bias=True, num_attention_heads=6, rms_norm_eps=1e-2)),
 ])
 def test_transformers_reads_what_we_write(tmp_path, arch, kw):
     """Only a comparison with the real library catches a wrong rotary convention (the model still

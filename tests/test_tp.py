@@ -52,11 +52,15 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, msg: str | None = None) 
     torch.testing.assert_close(got, want, rtol=REL, atol=REL * want.abs().max().item(), msg=msg)
 
 
-# GQA, untied; Qwen2-style q/k/v bias with tied embeddings; Llama's q/k/v/o and MLP biases
+# GQA, untied; Qwen2-style q/k/v bias with tied embeddings; Llama's q/k/v/o and MLP biases; Qwen3's
+# per-head q/k norms (replicated while the heads are sharded), 8/4 heads of 16 (H*D != C; rep 2 !=
+# Hkv 4), tied: its heads split over 2 ranks and over 4
 CONFIGS = {
     "llama": tiny(),
     "qwen_tied": tiny(architecture="Qwen2ForCausalLM", attention_bias=True, tie_word_embeddings=True),
     "llama_bias": tiny(attention_bias=True, mlp_bias=True),
+    "qwen3": tiny(architecture="Qwen3ForCausalLM", num_attention_heads=8, num_key_value_heads=4,
+                  head_dim=16, tie_word_embeddings=True),
 }
 # Megatron's layout, written out independently of tp.py's own table: the dim each parameter is split on.
 # A row-parallel (dim 1) linear's bias is not split: it is added once, after the sum over ranks.
@@ -66,13 +70,16 @@ SPLIT_DIM = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "gate_proj": 0, "up_proj": 0
 
 def full_model(cfg: M.ModelConfig) -> M.Llama:
     # std 0.2 (not HF's 0.02): peaked logits and attention, so a misrouted shard shows. Biases (zero
-    # after init_weights) get it too: a row-parallel bias added on every rank instead of once shows.
+    # after init_weights) get it too: a row-parallel bias added on every rank instead of once shows;
+    # and Qwen3's q/k norm weights, around their 1.
     m = M.Llama(cfg).init_weights(0, std=0.2)
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, p in m.named_parameters():
             if name.endswith(".bias"):
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.copy_(1 + torch.randn(p.shape, generator=gen) * 0.2)
     return m
 
 
@@ -296,7 +303,7 @@ def check_tp_equals_one_process(cfg: M.ModelConfig, groups: tp.ParallelGroups) -
         assert bool(m.tp_state.buffer.tensors) == sp, "SP did (not) run on the odd packed rows"
         with torch.no_grad():
             logits = m(tokens)
-        assert logits.shape == (3, 6, V // 2)
+        assert logits.shape == (3, 6, V // groups.tp_size)
         assert_close(tp.gather_vocab(logits, groups), want_logits)
         assert bool(m.tp_state.buffer.tensors) == sp, "SP did (not) run"  # only SP's gathers use the buffer
         for key in ("loss", "kl", "clip_low", "clip_high", "entropy"):
@@ -325,6 +332,8 @@ WRONG = {
                    "checkpoint is missing 6 tensors, e.g. 'model.layers.0.self_attn.k_proj.bias'")],
     "llama_bias": [(dict(mlp_bias=False),
                     "checkpoint is missing 6 tensors, e.g. 'model.layers.0.mlp.down_proj.bias'")],
+    "qwen3": [(dict(architecture="LlamaForCausalLM"),
+               "checkpoint is missing 4 tensors, e.g. 'model.layers.0.self_attn.k_norm.weight'")],
 }
 
 
@@ -355,12 +364,12 @@ def check_load_and_full_state_dict(name: str, cfg: M.ModelConfig, groups: tp.Par
         assert torch.equal(t, want[n]), n
 
 
-def check_sampling(groups: tp.ParallelGroups) -> None:
+def check_sampling(groups: tp.ParallelGroups, cfg: M.ModelConfig = CONFIGS["llama"]) -> None:
     """rollout.generate on the sharded model, plain TP and SP (prefill of 2 x 5 and decode of 6 x 1 tokens
     run SP; the sampler's KV-cache attention sees the same q/k/v either way).
     Regression (torch 2.5.1): gloo wrote the gathers' outputs, made under the sampler's inference_mode, on
     its own thread and raised "Inplace update to inference tensor outside InferenceMode"."""
-    full = full_model(CONFIGS["llama"])
+    full = full_model(cfg)
     prompts = [[1, 2, 3, 4, 5], [7, 8]]
     gather = functools.partial(tp.gather_vocab, groups=groups)
     greedy_cfg = rollout.RolloutConfig(num_samples=3, max_new_tokens=6, temperature=0.0)
@@ -398,6 +407,21 @@ def test_tp2_equals_one_process_logits_grpo_loss_grads_logprobs_loading_sampling
     spawn(_tp2_worker, 2, tmp_path)
 
 
+def _tp4_worker(rank: int, tmp: str) -> None:
+    groups = tp.make_groups(4)
+    cfg = CONFIGS["qwen3"]  # 2 query heads, 1 kv head a rank: a q/k norm's grad from 1/4 of them
+    check_tp_equals_one_process(cfg, groups)
+    check_load_and_full_state_dict("qwen3", cfg, groups, tmp)
+    check_sampling(groups, cfg)
+
+
+def test_tp4_equals_one_process_on_qwen3(tmp_path):
+    """TP = 4 (plain, SP, SP recomputed in backward) against one process on Qwen3's layout: logits,
+    GRPO loss and every gradient (the replicated q/k norms' summed over the ranks' heads), sharded
+    loading, greedy sampling and episodes."""
+    spawn(_tp4_worker, 4, tmp_path)
+
+
 # transformers config class and arguments, for checkpoints written by transformers' own writer: the
 # fields TP slices or adds differently (q/k/v/o and MLP biases, D != C/H, a tied vocab-split head).
 HF_CASES = {
@@ -407,6 +431,8 @@ HF_CASES = {
                              high_freq_factor=4.0, original_max_position_embeddings=16,
                              rope_theta=500000.0))),
     "qwen2_tied": ("Qwen2Config", dict(tie_word_embeddings=True, rope_theta=1000000.0)),
+    "qwen3_tied": ("Qwen3Config", dict(tie_word_embeddings=True, head_dim=24,
+                                       rope_theta=1000000.0)),
 }
 
 

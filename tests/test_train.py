@@ -142,10 +142,27 @@ def test_stop_ids_come_from_generation_config_and_it_is_copied_into_checkpoints(
     assert copied["eos_token_id"] == [2, 8]
 
 
-def test_tp2_gloo_matches_tp1_and_writes_the_same_tensors(tmp_path):
-    """Also the regression: a TP checkpoint of a tied model held an extra lm_head.weight."""
+def qwen3_checkpoint(tmp_path) -> str:
+    """A tied Qwen3 checkpoint transformers wrote (random weights at HF's scale; per-head q/k
+    norms, 4/2 heads of 16: H*D != C) with the digits' character tokenizer."""
+    from hf_reference import save_random_hf_model
+    tok = tk.build_char_tokenizer("0123456789=")
+    path = tmp_path / "qwen3"
+    save_random_hf_model(path, "Qwen3Config", dict(
+        vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, bos_token_id=1, eos_token_id=2,
+        tie_word_embeddings=True), std=0.02)
+    tok.save(os.path.join(path, "tokenizer.json"))
+    return str(path)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_tp2_gloo_matches_tp1_and_writes_the_same_tensors(tmp_path, arch):
+    """python train.py --model DIR and torchrun ... --tp 2 on the same checkpoint (ours, a tied
+    Llama; transformers' tied Qwen3): the same rewards, losses and weights; a TP=2 run resumes.
+    Also the regression: a TP checkpoint of a tied model held an extra lm_head.weight."""
     from safetensors.torch import load_file
-    source = tied_checkpoint(tmp_path, [2])
+    source = tied_checkpoint(tmp_path, [2]) if arch == "llama" else qwen3_checkpoint(tmp_path)
     args = [*FAST, "--steps", "2", "--model", source]
     one = subprocess.run([sys.executable, "train.py", *args, "--out", str(tmp_path / "tp1")],
                          cwd=ROOT, capture_output=True, text=True, timeout=300, env=GLOO)
@@ -213,6 +230,12 @@ def test_tp2_gloo_matches_tp1_and_writes_the_same_tensors(tmp_path):
     (["--top_p", "0.9"], "--top_k/--top_p truncate the sampling distribution"),
     (["--top_k", "5"], "--top_k/--top_p truncate the sampling distribution"),
     (["--prompt_template", "Q: {question}"], "has no {prompt} to replace"),
+    (["--chat_template_kwargs", "{enable_thinking: false}"],
+     "--chat_template_kwargs '{enable_thinking: false}' is not valid JSON"),
+    (["--chat_template_kwargs", "[false]"], "--chat_template_kwargs '[false]' is a JSON list; "
+                                            "give an object of template variables"),
+    (["--chat_template_kwargs", '{"add_generation_prompt": false}'],
+     "sets 'add_generation_prompt', which the engine gives the template itself"),
     (["--num_samples", "1"], "--num_samples 1: GRPO compares the samples of a prompt"),
     (["--threads", "-1"], "--threads must be >= 0, got -1"),
     (["--heads", "3"], "--heads 3 must be a multiple of --kv_heads 2"),
