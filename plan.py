@@ -28,12 +28,12 @@ import torch
 import torch.nn as nn
 
 from decode import kernel_for
-from graphs import decide, unsupported
+from graphs import decide, unsupported, worth_compiling
 from grpo import GRPOConfig
 from logprobs import chunk_rows
 from memory import MemoryConfig, PhaseManager
 from model import ModelConfig
-from packing import FLEX_ON_CUDA
+from packing import cuda_route
 from rollout import KVCache, RolloutConfig
 
 # -----------------------------------------------------------------------------
@@ -118,10 +118,9 @@ def micro_batch_memory(config: ModelConfig, groups: float, G: int, prompt_len: i
     block (packing.py; `groups` may be a fraction: a token budget's share). Per layer, with
     block_bytes' per-token terms:
         prompt tokens      full blocks
-        completion tokens  full blocks; with repeated_prompt (the attention off the CPU without
-                           FlexAttention, packing.padded_rows_attention) also each row's copy of
-                           its prompt's keys and values, 2a*K/tp*P, and a bool (T, P + T) mask per
-                           row
+        completion tokens  full blocks; with repeated_prompt (packing.cuda_route's "padded":
+                           training_route) also each row's copy of its prompt's keys and values,
+                           2a*K/tp*P, and a bool (T, P + T) mask per row
     With activation checkpointing a block keeps only its input (a*C) and backward recomputes one
     packed block at a time. Outside: the rope tables, the hidden states at the head (a*C + 16 per
     token), the loss's (N, Tr) float32 tensors. Transients: a chunk of head logits (8 bytes per
@@ -263,6 +262,17 @@ def stacked_decode(setting: str, sampler: nn.Module, target: str, tp_size: int) 
             and not unsupported())
 
 
+def training_route(model: nn.Module, target: str, dtype: str) -> str:
+    """The training attention's route on `target` for a model trained in `dtype` (train.py's
+    --dtype: bf16 autocast hands the attention bf16): "cpu" off CUDA, else packing.cuda_route's,
+    as packed_hidden takes it. Its "padded" repeats each prompt's K/V per row (micro_batch_memory's
+    repeated_prompt): a model under graphs.MIN_COMPILE_PARAMS or with head_dim < 16, in float32
+    or without the varlen kernel."""
+    if torch.device(target).type != "cuda":
+        return "cpu"
+    return cuda_route(getattr(torch, dtype), model.config.head_dim, worth_compiling(model))[0]
+
+
 def step_plan(mem: PhaseManager, cfgs, model, sampler, reference, prompts: int, tp_size: int,
               target: str, g: GRPOConfig) -> dict[str, dict[str, int]]:
     """phase_peaks for one step of train.py's configs `cfgs` (rollout.max_new_tokens resolved)
@@ -273,7 +283,7 @@ def step_plan(mem: PhaseManager, cfgs, model, sampler, reference, prompts: int, 
         getattr(torch, cfgs.train.dtype), next(sampler.parameters()).dtype,  # activations' dtype
         checkpoint=cfgs.memory.activation_checkpoint, tp_size=tp_size,
         sequence_parallel=cfgs.parallel.sequence_parallel, old=g.mu > 1,
-        repeated_prompt=torch.device(target).type != "cpu" and not FLEX_ON_CUDA,  # packing's
+        repeated_prompt=training_route(model, target, cfgs.train.dtype) == "padded",
         cpu=torch.device(target).type == "cpu",
         stacked=stacked_decode(cfgs.rollout.compile_decode, sampler, target, tp_size))
     plan = phase_peaks(mem, transients, target, cfgs.train.phases)
