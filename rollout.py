@@ -60,7 +60,7 @@ from torch import Tensor, nn
 
 from decode import Decoder, KVCache  # noqa: F401 (rollout.KVCache: train.py, plan.py, memory's)
 from episodes import Episodes, Rows
-from graphs import CompiledStep, decide
+from graphs import CompiledStep, decide, dynamic
 from model import ModelConfig, causal_attention, fused_projections
 from sampling import filter_logits, inverse_cdf, race_clocks, sample, sample_raced  # noqa: F401
 
@@ -311,6 +311,13 @@ def _callers_rows(respond: Callable, order: list[int], G: int, calls: list) -> l
     return respond([(order[r // G] * G + r % G, tokens) for r, tokens in calls])
 
 
+def draw_structure(logits: Tensor, temperature: float, top_k: int, top_p: float,
+                   clocks: tuple[Tensor, ...]) -> str:
+    """What a compile of the draw specialises on (graphs.CompiledStep): the knobs, one row."""
+    rows = " of one row" if len(logits) == 1 else ""
+    return f"the draw{rows} at temperature {temperature}, top-k {top_k}, top-p {top_p}"
+
+
 class Draw:
     """Logits to tokens and their logprobs, (rows, V') -> (rows,), (rows,): logits_fn, then
     sampling.sample under the config's temperature, top-k and top-p. Beside a compiled decode step
@@ -320,15 +327,16 @@ class Draw:
     def __init__(self, cfg: RolloutConfig, generator: torch.Generator,
                  logits_fn: Callable[[Tensor], Tensor], compiled: bool):
         self.cfg, self.generator, self.logits_fn = cfg, generator, logits_fn
-        self.compiled = CompiledStep(sample_raced) if compiled else None
+        self.compiled = CompiledStep(sample_raced, draw_structure) if compiled else None
 
     def __call__(self, logits: Tensor) -> tuple[Tensor, Tensor]:
         logits = self.logits_fn(logits)
         cfg = self.cfg
         if self.compiled is None:
             return sample(logits, cfg.temperature, cfg.top_k, cfg.top_p, self.generator)
-        clocks = race_clocks(logits, cfg.temperature, self.generator)
-        return self.compiled(logits, cfg.temperature, cfg.top_k, cfg.top_p, clocks)
+        clocks = tuple(dynamic(c, 0) for c in race_clocks(logits, cfg.temperature,
+                                                           self.generator))  # (N, .)
+        return self.compiled(dynamic(logits, 0), cfg.temperature, cfg.top_k, cfg.top_p, clocks)
 
 
 def _decode(decoder: Decoder, rows: Rows, draw: Callable[[Tensor], tuple[Tensor, Tensor]],
