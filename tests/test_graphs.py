@@ -281,6 +281,35 @@ def test_the_compiled_step_and_draw_keep_the_model_dims_static_one_graph_for_eve
     assert logits and all(isinstance(x.shape[0], torch.SymInt) for x in logits)
 
 
+def first_fed_token(out: rollout.Rollout, prompts: list[list[int]]) -> tuple[int, int]:
+    """A token id no prompt holds that the rollout first drew at completion index j >= 1 (its
+    earliest in any row) with a step after it: (id, j)."""
+    in_prompts = {t for p in prompts for t in p}
+    first: dict[int, int] = {}
+    for row in out.completions():
+        for j, t in enumerate(row[:-1]):
+            first[t] = min(first.get(t, j), j)
+    return min(((t, j) for t, j in first.items() if j >= 1 and t not in in_prompts),
+               key=lambda pair: pair[1])
+
+
+@needs_compile
+def test_nan_logits_on_the_compiled_route_stop_the_rollout_naming_the_step(model, kernel_route):
+    """The compiled step and draw (the CUDA route's; a logits_fn would keep them eager): a NaN
+    embedding row for a token the greedy rollout first draws at completion index j makes the
+    logits of each row fed it NaN from step j + 1 on: the rollout stops at its next check with
+    one line naming step j + 1, where the compiled race drew token 0 from them in silence."""
+    knobs = dict(num_samples=2, max_new_tokens=10, temperature=0.0, check_every=3,
+                 compile_decode="true")
+    poisoned = copy.deepcopy(model)
+    clean = rollout.generate(poisoned, PROMPTS, RolloutConfig(**knobs), seed=0)
+    token, j = first_fed_token(clean, PROMPTS)
+    with torch.no_grad():
+        poisoned.model.embed_tokens.weight[token] = float("nan")
+    with pytest.raises(rollout.NonFiniteLogits, match=f"at decode step {j + 1} "):
+        rollout.generate(poisoned, PROMPTS, RolloutConfig(**knobs), seed=0)
+
+
 def test_a_torch_that_cannot_compile_runs_the_step_eagerly_a_line_a_structure(model, kernel_route,
                                                                             monkeypatch, capsys):
     """torch.compile failing (here a stand-in that raises as a missing C++ compiler does, through
