@@ -339,7 +339,7 @@ def fit(mem: PhaseManager, cfgs, model, sampler, reference, prompts: int, tp_siz
                                                    model, sampler, reference, prompts, tp_size,
                                                    target), source)
     elif not sized and not gpu:
-        cfgs.grpo = bound_micro_batch(plan_of, cfgs.grpo)
+        cfgs.grpo = bound_micro_batch(plan_of, cfgs.grpo, group_tokens)
     return plan_of
 
 
@@ -347,17 +347,20 @@ def fit(mem: PhaseManager, cfgs, model, sampler, reference, prompts: int, tp_siz
 SMALL_TRANSIENT = 256 * 2**20
 
 
-def bound_micro_batch(plan_of, g: GRPOConfig) -> GRPOConfig:
+def bound_micro_batch(plan_of, g: GRPOConfig, group_tokens: int) -> GRPOConfig:
     """The default micro-batch: g.micro_batch_groups (4), lowered to the largest count whose
     planned training transient holds at most the trainer's weights' bytes (or SMALL_TRANSIENT).
     A real model's fp32 state is 4x its weights (weights, grads, AdamW's two moments), so this
     keeps the step's peak near 1.25x that floor; beyond 2-4 groups a micro-batch buys a few
     percent of speed for hundreds of MB at a real vocabulary (SmolLM2-135M, 8 prompts x 8 x 16
     tokens: 4 groups plan 1,302 MB, one group 452 MB, beside 538 MB of weights). Prints the
-    choice when it lowers it."""
+    choice when it lowers it. The count becomes a token budget, that many groups at full length
+    (group_tokens each) as micro_batch_tokens: the plan's bytes, which follow the valid tokens,
+    hold for any groups within it, so short completions pack more groups a micro-batch (fewer,
+    fuller ones: a step of many small micro-batches is launch-bound on a GPU)."""
     limit = max(plan_of(g)["train"]["trainer"], SMALL_TRANSIENT)
     for groups in range(g.micro_batch_groups, 0, -1):
-        fit = dataclasses.replace(g, micro_batch_groups=groups)
+        fit = dataclasses.replace(g, micro_batch_groups=groups, micro_batch_tokens=0)
         transient = plan_of(fit)["train"]["transient"]
         if transient <= limit or groups == 1:
             break
@@ -366,8 +369,9 @@ def bound_micro_batch(plan_of, g: GRPOConfig) -> GRPOConfig:
         print(f"--micro_batch_groups {groups} (the default {g.micro_batch_groups} lowered): its "
               f"planned training transient {transient / 1e6:,.0f} MB is {fits} the bound of "
               f"{limit / 1e6:,.0f} MB ({'the weights' if limit > SMALL_TRANSIENT else 'the floor'}"
-              f"); pass --micro_batch_groups to choose")
-    return fit
+              f"); micro-batches of whole groups up to {groups * group_tokens} valid tokens; "
+              f"pass --micro_batch_groups to choose")
+    return dataclasses.replace(fit, micro_batch_tokens=groups * group_tokens)
 
 
 def peak(plan: dict[str, dict[str, int]]) -> int:
