@@ -254,9 +254,7 @@ class DecodeAttention:
         self.prompt_k, self.prompt_v, self.own_k, self.own_v = views
         self.step = step  # (1,) long: the completion index of the token being fed
         self.own_len: int | None = None
-        self.key_positions = dynamic(torch.arange(completion_len, device=step.device), 0)
-        for x in self.prompt_k + self.prompt_v + self.own_k + self.own_v:
-            dynamic(x, 0, 2)  # (Bp, ., P, .) and (Bp*G, ., Tc, .): this batch's
+        self.key_positions = torch.arange(completion_len, device=step.device)
         self.kernel = kernel_for(step.device, self.own_k[0].dtype, self.own_k[0].shape[-1])
         self.fused = self.kernel is None and step.device.type == "cpu" and _CPU_FLASH is not None
         self.own_bias: Tensor | None = None  # the step's own-key mask, made by layer 0
@@ -286,23 +284,33 @@ class DecodeAttention:
         self.layout = layout
         self.num_slots = Bp * layout.group_size
         identity = layout.slots == list(range(self.num_slots))  # no empty slots: no scatter/gather
-        self.slots = None if identity else dynamic(torch.tensor(layout.slots, device=device), 0)
+        self.slots = None if identity else torch.tensor(layout.slots, device=device)
         # (S,) the slots that hold a row: S as a tensor's dim, which a compiled step keeps dynamic
         # (the int num_slots would be guarded: a compile per layout)
-        self.occupied = dynamic(torch.zeros(self.num_slots, dtype=torch.bool, device=device), 0)
+        self.occupied = torch.zeros(self.num_slots, dtype=torch.bool, device=device)
         self.occupied[layout.slots] = True
         lens = prompt_lens[layout.groups]  # (Bp',) longest first: generate() sorts the prompts
         lens_list = lens.tolist()
         self.buckets = length_buckets(lens_list)
-        self.prompt_valid = dynamic(torch.arange(P, device=device) < lens[:, None], 0, 1)
+        self.prompt_valid = torch.arange(P, device=device) < lens[:, None]
         self.prompt_bias = None  # no padding: the fused kernel skips its mask
         if not self.prompt_valid.all():  # rows 16-aligned: efficient_attention's kernel wants it
-            self.prompt_bias = dynamic(padding_bias(self.prompt_valid, self.prompt_k[0].dtype,
-                                                    align=16), 0, 3)
+            self.prompt_bias = padding_bias(self.prompt_valid, self.prompt_k[0].dtype, align=16)
         # Each bucket's slice of the mask, or None where its prompts fill all its keys.
         self.bucket_bias = [None if self.prompt_bias is None or min(lens_list[first:stop]) == keys
                             else self.prompt_bias[first:stop, ..., :keys]
                             for first, stop, keys in self.buckets]
+
+    def mark_dynamic(self) -> None:
+        """Mark the dims a compiled step keeps dynamic (graphs.dynamic): the cache views' rows and
+        lengths (Bp, ., P, .) and (Bp*G, ., Tc, .), this batch's, and the layout's tensors."""
+        for x in self.prompt_k + self.prompt_v + self.own_k + self.own_v:
+            dynamic(x, 0, 2)
+        dynamic(self.key_positions, 0)
+        for x, dims in ((self.slots, (0,)), (self.occupied, (0,)), (self.prompt_valid, (0, 1)),
+                        (self.prompt_bias, (0, 3))):
+            if x is not None:
+                dynamic(x, *dims)
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         S = self.occupied.shape[0]
@@ -390,13 +398,14 @@ class Decoder:
         self.layout = Layout.of(list(range(len(prompt_lens) * G)), G, prompt_lens)
         self.attention.set_layout(self.layout, self.lens)
         self.rows = torch.arange(len(prompt_lens) * G, device=device)  # (N,)
-        self.first_position = dynamic(self.lens[self.rows // G][:, None], 0)  # (N, 1)
+        self.first_position = self.lens[self.rows // G][:, None]  # (N, 1)
         self.lockstep = True  # every active row at one index, t: no tool turn yet (extend)
         self.t = 0  # the index the next step feeds: every row's in lockstep, else the furthest's
         self.at: Tensor | None = None  # (N,) each row's own next index once rows differ (seek)
         self.fed = self.step_index  # (1,) or (N,): where the last step fed each row
         self.graphed = graphed
         self.graph: GraphedStep | None = None
+        self.marked = False  # the layout's dims marked for the compiled step (compiled_forward)
         # The unbound forward, called with the decoder: a bound one would make a reference cycle
         # (decoder -> compiled step -> decoder) that keeps the KV views and graphs until a gc.
         kernel_route = self.attention.kernel is not None
@@ -427,8 +436,13 @@ class Decoder:
         return "the decode step with " + (", ".join(parts) or "every row in its slot")
 
     def compiled_forward(self, tokens: Tensor) -> Tensor:
-        """forward through the compiled step, its rows marked as varying (graphs.dynamic): a
-        CUDA graph captures it on a copy of tokens, which carries no mark of its own."""
+        """forward through the compiled step, the dims that vary with the layout and the batch
+        marked (graphs.dynamic), once a layout (the first marks import dynamo: the eager route
+        never does); tokens at every call: a CUDA graph captures on a copy, which has no mark."""
+        if not self.marked:
+            self.attention.mark_dynamic()
+            dynamic(self.first_position, 0)
+            self.marked = True
         return self.compiled(self, dynamic(tokens, 0))
 
     def step(self, tokens: Tensor) -> Tensor:
@@ -463,7 +477,8 @@ class Decoder:
         self.layout = Layout.of(rows, self.G, self.prompt_lens)
         self.attention.set_layout(self.layout, self.lens, filled=filled)
         self.rows = self.rows[torch.tensor(keep, device=self.rows.device)]  # (N',)
-        self.first_position = dynamic(self.lens[self.rows // self.G][:, None], 0)  # (N', 1)
+        self.first_position = self.lens[self.rows // self.G][:, None]  # (N', 1)
+        self.marked = False
         self.graph = None  # addresses and shapes changed: capture again
 
     def extend(self, picks: list[int], feeds: list[list[int]], starts: list[int]) -> Tensor:
