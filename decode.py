@@ -30,7 +30,6 @@ Tested by tests/test_rollout.py, tests/test_episodes.py and tests/test_graphs.py
 step).
 """
 
-import functools
 import itertools
 import math
 from collections import Counter
@@ -41,7 +40,7 @@ import torch
 from torch import Tensor
 
 from attention import length_buckets, padding_bias, shared_prompt_attention
-from graphs import CompiledStep, GraphedStep
+from graphs import CompiledStep, GraphedStep, dynamic
 from model import ModelConfig
 
 # -----------------------------------------------------------------------------
@@ -227,8 +226,8 @@ def shared_prompt_attention_decode_cuda(q: Tensor, k: Tensor, v: Tensor, own_bia
     S, H, _, D = q.shape
     Hkv = k.shape[1]
     rep = H // Hkv
-    # Under torch.compile this also fixes the cache views' Hkv and D as the model's (their dims
-    # are dynamic there: graphs.CompiledStep).
+    # The cache views' Hkv and D are the model's: under torch.compile static (graphs.dynamic
+    # marks only their rows and lengths), so this costs nothing there.
     assert prompt_k.shape[1::2] == prompt_v.shape[1::2] == v.shape[1::2] == (Hkv, D)
     out_p, lse_p = prompt_part(q, prompt_k, prompt_v, prompt_bias, attend)  # (Bp,G,Hkv,rep,.)
     grid = out_p.shape[:-1]  # (Bp, G, Hkv, rep): the rows' and heads' order
@@ -246,13 +245,15 @@ def shared_prompt_attention_decode_cuda(q: Tensor, k: Tensor, v: Tensor, own_bia
 class DecodeAttention:
     """Writes the step's K/V into each row's completion KV (position `step`) and attends to the
     shared prompt KV plus the row's own keys. Every per-step input is a tensor, so a CUDA graph can
-    replay it; `own_len` (keys attended per row) is all Tc slots, masked, under a graph, and the
-    step + 1 written ones in eager mode."""
+    replay it; `own_len` (keys attended per row) is None under a graph or a compile (all Tc slots,
+    masked: no Python number a compiled step would guard on), and the step + 1 written ones in
+    eager mode. The dims that vary with the batch and the layout are marked for a compiled step
+    (graphs.dynamic): the rows, groups, slots, prompt and completion lengths, never the model's."""
 
     def __init__(self, views: tuple[list[Tensor], ...], step: Tensor, completion_len: int):
         self.prompt_k, self.prompt_v, self.own_k, self.own_v = views
         self.step = step  # (1,) long: the completion index of the token being fed
-        self.own_len = completion_len
+        self.own_len: int | None = None
         self.key_positions = torch.arange(completion_len, device=step.device)
         self.kernel = kernel_for(step.device, self.own_k[0].dtype, self.own_k[0].shape[-1])
         self.fused = self.kernel is None and step.device.type == "cpu" and _CPU_FLASH is not None
@@ -284,6 +285,10 @@ class DecodeAttention:
         self.num_slots = Bp * layout.group_size
         identity = layout.slots == list(range(self.num_slots))  # no empty slots: no scatter/gather
         self.slots = None if identity else torch.tensor(layout.slots, device=device)
+        # (S,) the slots that hold a row: S as a tensor's dim, which a compiled step keeps dynamic
+        # (the int num_slots would be guarded: a compile per layout)
+        self.occupied = torch.zeros(self.num_slots, dtype=torch.bool, device=device)
+        self.occupied[layout.slots] = True
         lens = prompt_lens[layout.groups]  # (Bp',) longest first: generate() sorts the prompts
         lens_list = lens.tolist()
         self.buckets = length_buckets(lens_list)
@@ -296,19 +301,30 @@ class DecodeAttention:
                             else self.prompt_bias[first:stop, ..., :keys]
                             for first, stop, keys in self.buckets]
 
+    def mark_dynamic(self) -> None:
+        """Mark the dims a compiled step keeps dynamic (graphs.dynamic): the cache views' rows and
+        lengths (Bp, ., P, .) and (Bp*G, ., Tc, .), this batch's, and the layout's tensors."""
+        for x in self.prompt_k + self.prompt_v + self.own_k + self.own_v:
+            dynamic(x, 0, 2)
+        dynamic(self.key_positions, 0)
+        for x, dims in ((self.slots, (0,)), (self.occupied, (0,)), (self.prompt_valid, (0, 1)),
+                        (self.prompt_bias, (0, 3))):
+            if x is not None:
+                dynamic(x, *dims)
+
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        S = self.occupied.shape[0]
         if self.slots is not None:  # scatter the N rows into the grid; empty slots get zeros
-            q, k, v = (to_grid(x, self.slots, self.num_slots)
-                       for x in (q, k, v))  # (S, H|Hkv, 1, D)
-        own_k = self.own_k[layer][:self.num_slots]
-        own_v = self.own_v[layer][:self.num_slots]
+            q, k, v = (to_grid(x, self.slots, S) for x in (q, k, v))  # (S, H|Hkv, 1, D)
+        own_k = self.own_k[layer][:S]
+        own_v = self.own_v[layer][:S]
         # The layout's groups and longest prompt as a tensor's shape: dims a compiled step keeps
         # dynamic (Python ints and list lengths would be guarded: a compile per layout).
         Bp, P = self.prompt_valid.shape
         prompt_k = self.prompt_k[layer][:Bp, :, :P]
         prompt_v = self.prompt_v[layer][:Bp, :, :P]
         if self.row_pos is not None:  # rows at their own lengths (a tool turn moved some on)
-            every = torch.arange(self.num_slots, device=q.device)
+            every = torch.arange(S, device=q.device)
             own_k[every, :, self.slot_pos] = k[:, :, 0].to(own_k.dtype)  # each at its own index
             own_v[every, :, self.slot_pos] = v[:, :, 0].to(own_v.dtype)
             y = shared_prompt_attention(q, own_k[:, :, :self.own_len], own_v[:, :, :self.own_len],
@@ -389,10 +405,12 @@ class Decoder:
         self.fed = self.step_index  # (1,) or (N,): where the last step fed each row
         self.graphed = graphed
         self.graph: GraphedStep | None = None
+        self.marked = False  # the layout's dims marked for the compiled step (compiled_forward)
         # The unbound forward, called with the decoder: a bound one would make a reference cycle
         # (decoder -> compiled step -> decoder) that keeps the KV views and graphs until a gc.
         kernel_route = self.attention.kernel is not None
-        step = CompiledStep(Decoder.forward) if compiled and kernel_route else None
+        step = CompiledStep(Decoder.forward, Decoder.structure) if compiled and kernel_route \
+            else None
         # None where torch cannot compile here (said once): the eager route, draw and all
         self.compiled = step if step is not None and step.compiled is not None else None
 
@@ -402,6 +420,30 @@ class Decoder:
         index = self.step_index if row_pos is None else row_pos[:, None]
         positions = self.first_position + index  # completion token t sits at len + t
         return self.model.head(self.model.hidden(tokens, positions, self.attention)[:, -1])
+
+    def structure(self, tokens: Tensor) -> str:
+        """What a compile of the step specialises on besides the sizes marked dynamic (a refused
+        compile leaves that structure eager: graphs.CompiledStep): rows scattered into a grid with
+        empty slots, padded prompts, the longest prompt gone, a dim of size 1."""
+        a = self.attention
+        Bp, P = a.prompt_valid.shape
+        sizes = dict(rows=len(tokens), groups=Bp, slots_a_group=self.layout.group_size,
+                     prompt_length=P)
+        parts = [name for name, on in (("rows scattered into a grid", a.slots is not None),
+                                       ("padded prompts", a.prompt_bias is not None),
+                                       ("the longest prompt gone", P < a.prompt_k[0].shape[2]))
+                 if on] + [f"{name} 1" for name, n in sizes.items() if n == 1]
+        return "the decode step with " + (", ".join(parts) or "every row in its slot")
+
+    def compiled_forward(self, tokens: Tensor) -> Tensor:
+        """forward through the compiled step, the dims that vary with the layout and the batch
+        marked (graphs.dynamic), once a layout (the first marks import dynamo: the eager route
+        never does); tokens at every call: a CUDA graph captures on a copy, which has no mark."""
+        if not self.marked:
+            self.attention.mark_dynamic()
+            dynamic(self.first_position, 0)
+            self.marked = True
+        return self.compiled(self, dynamic(tokens, 0))
 
     def step(self, tokens: Tensor) -> Tensor:
         """Feed each active row its next token at its own completion index, tokens (N,) -> logits
@@ -415,7 +457,7 @@ class Decoder:
             self.fed, self.at = self.at, self.at + 1
             return self.forward(tokens[:, None])
         self.step_index.fill_(t)
-        run = self.forward if self.compiled is None else functools.partial(self.compiled, self)
+        run = self.forward if self.compiled is None else self.compiled_forward
         if self.graphed:
             if self.graph is None:
                 self.graph = GraphedStep(run, tokens[:, None])
@@ -436,6 +478,7 @@ class Decoder:
         self.attention.set_layout(self.layout, self.lens, filled=filled)
         self.rows = self.rows[torch.tensor(keep, device=self.rows.device)]  # (N',)
         self.first_position = self.lens[self.rows // self.G][:, None]  # (N', 1)
+        self.marked = False
         self.graph = None  # addresses and shapes changed: capture again
 
     def extend(self, picks: list[int], feeds: list[list[int]], starts: list[int]) -> Tensor:

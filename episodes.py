@@ -80,6 +80,16 @@ class Rows:
             if not self.ended[r]:  # an ended row may decode on in lockstep: its tokens are not
                 self.length[r] += steps
 
+    def first_nan(self, active: list[int]) -> int | None:
+        """The first completion index since the last check where a row's logprob is NaN, or None.
+        The draw gives a row NaN when its logits hold NaN or +inf, or are all -inf (sampling.py):
+        on the device no step checks its logits; here, at the check that syncs anyway, one
+        reduction over the steps since the last one finds them (one host copy)."""
+        first = min(self.scanned[r] for r in active)
+        last = max(self.length[r] for r in active)
+        bad = self.logprobs[first:last].isnan().any(1).nonzero()[:1, 0].tolist()  # (<= 1,)
+        return first + bad[0] if bad else None
+
     def check(self, active: list[int], drew: list[int], stop_ids: tuple[int, ...],
               episodes: Episodes | None) -> list[tuple[int, int, list[int]]]:
         """The check (module docstring): active[i] for i in `drew` drew a call or a stop since

@@ -5,17 +5,21 @@ CUDA graph that replays all of them in one call.
 - CompiledStep: torch.compile of a step, fullgraph (one graph or an error, never a silent split)
   and inductor's fusion: norms, RoPE, the cache writes, residual adds, SwiGLU's product and the
   attention merge become a few kernels around the matmuls and the attention kernels. Its
-  batch-like dims (active rows, the grid's groups and slots, the longest prompt) are dynamic, so
-  one compile serves every layout of active rows a process meets: a layout is a new CUDA graph,
-  not a new compile (a static compile per layout would compile again at every compaction and at
-  every new longest prompt, and a compile takes seconds, several on a CPU with a warm cache,
-  where a decode step takes milliseconds). What may compile again is a different structure:
+  batch-like dims (active rows, the grid's groups and slots, the prompt and completion lengths)
+  are marked dynamic (`dynamic`), every other dim is the number it is (heads, head dim, width,
+  vocabulary: inductor specialises on them), so one compile serves every layout of active rows
+  and every batch a process meets: a layout is a new CUDA graph, not a new compile (a static
+  compile per layout would compile again at every compaction and at every new longest prompt,
+  and a compile takes seconds, several on a CPU with a warm cache, where a decode step takes
+  milliseconds). What may compile again is a different structure:
   rows scattered into a grid with empty slots (Layout.slots), the longest prompt gone (its K/V
   views no longer whole), prompts with and without padding, a dim of size 1 (torch specializes
   0 and 1): tests/test_graphs.py meets four structures in one rollout. It counts its compiles and
   the seconds they took; torch's caches (FX graph, AOT) make a later process's compile cheaper.
-  Where torch cannot compile (no C++ compiler or Triton, an unsupported platform, a torch older
-  than MIN_TORCH: `unsupported`), the step runs eagerly and one line says so, once a process.
+  Where torch cannot compile (an unsupported platform, a torch older than MIN_TORCH:
+  `unsupported`), the step runs eagerly and one line says so, once a process; where it refuses
+  one structure of one compiled function (no C++ compiler or Triton, a lowering it lacks), that
+  structure runs eagerly, one line each (REFUSED), and the rest compiles as before.
 - GraphedStep: a CUDA graph of step(tokens) -> logits for one layout: warm up (the compile, if
   any, happens there) on a side stream, capture, replay.
 rollout.py compiles the draw beside a compiled step (sampling.sample_raced: the logits' float32
@@ -90,6 +94,16 @@ def unsupported() -> str:
     return ""
 
 
+def dynamic(x: Tensor, *dims: int) -> Tensor:
+    """x, its dims `dims` marked as varying for a CompiledStep (torch._dynamo.maybe_mark_dynamic):
+    they compile as symbols, one graph for all their sizes; every other dim of every input compiles
+    as the number it is (the model's heads, head dim, width, vocabulary: inductor specialises its
+    kernels on them). A dim of size 0 or 1 is still specialised (torch's rule: another structure).
+    A mark lives on the tensor object: a copy (GraphedStep's) has none."""
+    torch._dynamo.maybe_mark_dynamic(x, list(dims))
+    return x
+
+
 def graphs_compiled() -> int:
     """Graphs torch.compile compiled so far in this process (dynamo's counter; a cache hit counts:
     the graph was traced again)."""
@@ -97,27 +111,45 @@ def graphs_compiled() -> int:
     return counters["stats"]["unique_graphs"]
 
 
+# What torch.compile refused in this process, (the compiled function, the structure) -> why: that
+# structure of that function runs eagerly from then on and is never tried again; every other
+# function and structure still compiles.
+REFUSED: dict[tuple[str, str], str] = {}
+_SAID: set[str] = set()  # lines said once a process
+
+
+def say_once(line: str) -> None:
+    if line not in _SAID:
+        _SAID.add(line)
+        print(line, flush=True)
+
+
 class CompiledStep:
     """fn compiled once for all layouts (module docstring), called like fn. `compiles` and
-    `seconds`: the graphs compiled during its calls and the wall clock of those calls."""
+    `seconds`: the graphs compiled during its calls and the wall clock of those calls.
+    structure(*args) -> a few words naming what a compile of these arguments specialises on
+    besides the sizes marked dynamic (decode.Decoder.structure); a structure torch refuses runs
+    eagerly, said in one line (REFUSED), and the others compile on."""
 
-    refused: str | None = None  # why torch.compile failed in this process: not tried again
-
-    def __init__(self, fn: Callable):
+    def __init__(self, fn: Callable, structure: Callable[..., str] | None = None):
         self.fn = fn
+        self.name = fn.__qualname__
+        self.structure = structure or (lambda *args: "every call")
         self.compiles = 0
         self.seconds = 0.0
         self.compiled = None
-        if CompiledStep.refused is None:
-            try:
-                if unsupported():
-                    raise RuntimeError(unsupported())
-                self.compiled = torch.compile(fn, fullgraph=True, dynamic=True)
-            except RuntimeError as error:  # a Python, platform or torch it does not support
-                self._refuse(error)
+        why = unsupported()
+        if why:  # a Python, platform or torch it does not support: nothing compiles here
+            say_once(f"torch.compile does not run here ({why}): the decode step runs eagerly "
+                     f"(--compile_decode false skips the attempt)")
+            return
+        self.compiled = torch.compile(fn, fullgraph=True, dynamic=False)
 
     def __call__(self, *args):
-        if self.compiled is None or CompiledStep.refused is not None:
+        if self.compiled is None:
+            return self.fn(*args)
+        key = (self.name, self.structure(*args))
+        if key in REFUSED:
             return self.fn(*args)
         before = graphs_compiled()
         started = time.perf_counter()
@@ -125,22 +157,20 @@ class CompiledStep:
             with compile_settings():
                 out = self.compiled(*args)
         except torch._dynamo.exc.TorchDynamoException as error:  # raised while compiling
-            self._refuse(error)
+            self._refuse(key, error)
             return self.fn(*args)
         if graphs_compiled() > before:
             self.compiles += graphs_compiled() - before
             self.seconds += time.perf_counter() - started
         return out
 
-    def _refuse(self, error: Exception) -> None:
-        self.compiled = None
-        if CompiledStep.refused is None:
-            inner = getattr(error, "inner_exception", error)  # the backend's own error
-            first = (str(inner).strip().splitlines() or [""])[0][:200]
-            reason = f"{type(inner).__name__}: {first}"
-            CompiledStep.refused = reason
-            print(f"torch.compile cannot compile the decode step here ({reason}): it runs "
-                  f"eagerly (--compile_decode false skips the attempt)", flush=True)
+    def _refuse(self, key: tuple[str, str], error: Exception) -> None:
+        inner = getattr(error, "inner_exception", error)  # the backend's own error
+        first = (str(inner).strip().splitlines() or [""])[0][:200]
+        REFUSED[key] = f"{type(inner).__name__}: {first}"
+        print(f"torch.compile cannot compile {key[0]} for {key[1]} ({REFUSED[key]}): that runs "
+              f"eagerly, the rest compiled as before (--compile_decode false skips every "
+              f"attempt)", flush=True)
 
 
 class GraphedStep:

@@ -353,7 +353,16 @@ Stacked = tuple[Tensor, "Tensor | None", list[int]]
 
 
 def stack_linears(linears: tuple[nn.Linear, ...]) -> Stacked:
-    bias = None if linears[0].bias is None else torch.cat([m.bias.detach() for m in linears])
+    """Linears that read one input as one: their weights and biases stacked along the outputs.
+    Refused when some have a bias and some not: the first's choice would drop the others' biases
+    without a word, or fail on the missing one."""
+    biased = [m.bias is not None for m in linears]
+    if any(biased) and not all(biased):
+        shapes = ", ".join(f"{m.out_features} out {'with' if b else 'without'} a bias"
+                           for m, b in zip(linears, biased))
+        raise ValueError(f"stack_linears: some of these projections have a bias and some not "
+                         f"({shapes}): stack only projections that all have one or none")
+    bias = torch.cat([m.bias.detach() for m in linears]) if all(biased) else None
     return (torch.cat([m.weight.detach() for m in linears]), bias,
             [m.out_features for m in linears])
 

@@ -66,7 +66,7 @@ except ImportError:  # pragma: no cover
 # torch >= 2.10 (varlen_attn): the varlen flash kernel's log-sum-exp comes as (H, Tq), as the merge
 # reads it. Looked up, not imported: importing it loads dynamo, seconds at every start.
 VARLEN = importlib.util.find_spec("torch.nn.attention.varlen") is not None
-FLEX_ON_CUDA = flex_attention is not None  # the CUDA route without varlen; plan.py reads it
+FLEX_ON_CUDA = flex_attention is not None  # the CUDA route without varlen (cuda_route)
 RAGGED_FROM = 1.5  # padded row slots / row tokens from which the CPU's rows run unpadded
 
 # -----------------------------------------------------------------------------
@@ -313,6 +313,15 @@ def packed_attention_flex(packing: Packing, kernel=None):
     return attention
 
 
+def device_capability() -> tuple[int, int] | None:
+    """The current GPU's compute capability, or None where there is none to read: --plan for a
+    CUDA target on a machine (or in a test) without a GPU, or on a torch built without CUDA."""
+    try:
+        return torch.cuda.get_device_capability()
+    except (RuntimeError, AssertionError):  # no GPU visible; "Torch not compiled with CUDA"
+        return None
+
+
 def cuda_route(dtype: torch.dtype, head_dim: int, compiles: bool = True) -> tuple[str, str]:
     """The CUDA training attention for the compute dtype: "varlen" (bf16 or fp16, torch >= 2.10,
     head_dim a multiple of 8 up to 256, flash kernels built), else "flex" (FlexAttention,
@@ -320,7 +329,8 @@ def cuda_route(dtype: torch.dtype, head_dim: int, compiles: bool = True) -> tupl
     took 25 s of the default run's first two steps on an H200), else "padded" (padded views of
     the repeated-prompt twin, eager); and, when it is not varlen, the one line that says why.
     FlexAttention's CUDA lowering refuses a head_dim under 16 (inductor raises
-    NotImplementedError at the first training step: Triton's tl.dot)."""
+    NotImplementedError at the first training step: Triton's tl.dot). Without a GPU to ask (a
+    plan for one) the GPU is taken to be of compute capability 8.0 or later."""
     why = ""
     if dtype not in (torch.bfloat16, torch.float16):
         why = f"the flash kernel takes bf16 or fp16, not {str(dtype).removeprefix('torch.')}"
@@ -330,7 +340,7 @@ def cuda_route(dtype: torch.dtype, head_dim: int, compiles: bool = True) -> tupl
         why = f"the flash kernel takes head_dim a multiple of 8 up to 256, not {head_dim}"
     elif torch.version.hip or not torch.backends.cuda.is_flash_attention_available():
         why = "this torch build has no CUDA flash attention kernels"
-    elif torch.cuda.get_device_capability() < (8, 0):
+    elif (device_capability() or (8, 0)) < (8, 0):  # a GPU it cannot see: an A100 or later
         why = "the flash kernel needs a GPU of compute capability 8.0 or later"
     if not why:
         return "varlen", ""

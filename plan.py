@@ -28,12 +28,12 @@ import torch
 import torch.nn as nn
 
 from decode import kernel_for
-from graphs import decide, unsupported
+from graphs import decide, unsupported, worth_compiling
 from grpo import GRPOConfig
 from logprobs import chunk_rows
 from memory import MemoryConfig, PhaseManager
 from model import ModelConfig
-from packing import FLEX_ON_CUDA
+from packing import cuda_route
 from rollout import KVCache, RolloutConfig
 
 # -----------------------------------------------------------------------------
@@ -122,10 +122,9 @@ def micro_batch_memory(config: ModelConfig, groups: float, G: int, prompt_len: i
     block (packing.py; `groups` may be a fraction: a token budget's share). Per layer, with
     block_bytes' per-token terms:
         prompt tokens      full blocks
-        completion tokens  full blocks; with repeated_prompt (the attention off the CPU without
-                           FlexAttention, packing.padded_rows_attention) also each row's copy of
-                           its prompt's keys and values, 2a*K/tp*P, and a bool (T, P + T) mask per
-                           row
+        completion tokens  full blocks; with repeated_prompt (packing.cuda_route's "padded":
+                           training_route) also each row's copy of its prompt's keys and values,
+                           2a*K/tp*P, and a bool (T, P + T) mask per row
     With activation checkpointing a block keeps only its input (a*C) and backward recomputes one
     packed block at a time. Outside: the rope tables, the hidden states at the head (a*C + 16 per
     token), the loss's (N, Tr) float32 tensors. Transients: a chunk of head logits (8 bytes per
@@ -267,6 +266,17 @@ def stacked_decode(setting: str, sampler: nn.Module, target: str, tp_size: int) 
             and not unsupported())
 
 
+def training_route(model: nn.Module, target: str, dtype: str) -> str:
+    """The training attention's route on `target` for a model trained in `dtype` (train.py's
+    --dtype: bf16 autocast hands the attention bf16): "cpu" off CUDA, else packing.cuda_route's,
+    as packed_hidden takes it. Its "padded" repeats each prompt's K/V per row (micro_batch_memory's
+    repeated_prompt): a model under graphs.MIN_COMPILE_PARAMS or with head_dim < 16, in float32
+    or without the varlen kernel."""
+    if torch.device(target).type != "cuda":
+        return "cpu"
+    return cuda_route(getattr(torch, dtype), model.config.head_dim, worth_compiling(model))[0]
+
+
 def step_plan(mem: PhaseManager, cfgs, model, sampler, reference, prompts: int, tp_size: int,
               target: str, g: GRPOConfig) -> dict[str, dict[str, int]]:
     """phase_peaks for one step of train.py's configs `cfgs` (rollout.max_new_tokens resolved)
@@ -277,7 +287,7 @@ def step_plan(mem: PhaseManager, cfgs, model, sampler, reference, prompts: int, 
         getattr(torch, cfgs.train.dtype), next(sampler.parameters()).dtype,  # activations' dtype
         checkpoint=cfgs.memory.activation_checkpoint, tp_size=tp_size,
         sequence_parallel=cfgs.parallel.sequence_parallel, old=g.mu > 1,
-        repeated_prompt=torch.device(target).type != "cpu" and not FLEX_ON_CUDA,  # packing's
+        repeated_prompt=training_route(model, target, cfgs.train.dtype) == "padded",
         cpu=torch.device(target).type == "cpu",
         stacked=stacked_decode(cfgs.rollout.compile_decode, sampler, target, tp_size))
     plan = phase_peaks(mem, transients, target, cfgs.train.phases)
@@ -333,7 +343,7 @@ def fit(mem: PhaseManager, cfgs, model, sampler, reference, prompts: int, tp_siz
                                                    model, sampler, reference, prompts, tp_size,
                                                    target), source)
     elif not sized and not gpu:
-        cfgs.grpo = bound_micro_batch(plan_of, cfgs.grpo)
+        cfgs.grpo = bound_micro_batch(plan_of, cfgs.grpo, group_tokens)
     return plan_of
 
 
@@ -341,17 +351,20 @@ def fit(mem: PhaseManager, cfgs, model, sampler, reference, prompts: int, tp_siz
 SMALL_TRANSIENT = 256 * 2**20
 
 
-def bound_micro_batch(plan_of, g: GRPOConfig) -> GRPOConfig:
+def bound_micro_batch(plan_of, g: GRPOConfig, group_tokens: int) -> GRPOConfig:
     """The default micro-batch: g.micro_batch_groups (4), lowered to the largest count whose
     planned training transient holds at most the trainer's weights' bytes (or SMALL_TRANSIENT).
     A real model's fp32 state is 4x its weights (weights, grads, AdamW's two moments), so this
     keeps the step's peak near 1.25x that floor; beyond 2-4 groups a micro-batch buys a few
     percent of speed for hundreds of MB at a real vocabulary (SmolLM2-135M, 8 prompts x 8 x 16
     tokens: 4 groups plan 1,302 MB, one group 452 MB, beside 538 MB of weights). Prints the
-    choice when it lowers it."""
+    choice when it lowers it. The count becomes a token budget, that many groups at full length
+    (group_tokens each) as micro_batch_tokens: the plan's bytes, which follow the valid tokens,
+    hold for any groups within it, so short completions pack more groups a micro-batch (fewer,
+    fuller ones: a step of many small micro-batches is launch-bound on a GPU)."""
     limit = max(plan_of(g)["train"]["trainer"], SMALL_TRANSIENT)
     for groups in range(g.micro_batch_groups, 0, -1):
-        fit = dataclasses.replace(g, micro_batch_groups=groups)
+        fit = dataclasses.replace(g, micro_batch_groups=groups, micro_batch_tokens=0)
         transient = plan_of(fit)["train"]["transient"]
         if transient <= limit or groups == 1:
             break
@@ -360,8 +373,9 @@ def bound_micro_batch(plan_of, g: GRPOConfig) -> GRPOConfig:
         print(f"--micro_batch_groups {groups} (the default {g.micro_batch_groups} lowered): its "
               f"planned training transient {transient / 1e6:,.0f} MB is {fits} the bound of "
               f"{limit / 1e6:,.0f} MB ({'the weights' if limit > SMALL_TRANSIENT else 'the floor'}"
-              f"); pass --micro_batch_groups to choose")
-    return fit
+              f"); micro-batches of whole groups up to {groups * group_tokens} valid tokens; "
+              f"pass --micro_batch_groups to choose")
+    return dataclasses.replace(fit, micro_batch_tokens=groups * group_tokens)
 
 
 def peak(plan: dict[str, dict[str, int]]) -> int:

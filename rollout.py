@@ -17,8 +17,10 @@ per prompt decoded on top of that one shared prompt KV, finished rows dropped as
    has no host sync; each returned logprob is under the distribution actually sampled from, after
    temperature, top-k, top-p (trl#4159, trl#6789: otherwise the GRPO ratio is not 1).
 4. The check, every `check_every` steps (the loop's only host sync; on the CPU, where it costs
-   none, also as soon as a row samples a tool's call): each row that sampled a stop id or a call
-   is cut just after it (episodes.Rows.check), and finished rows are dropped: the linears run on
+   none, also as soon as a row samples a tool's call): a NaN logprob since the last check (NaN
+   or inf logits: sampling.py) stops the rollout with one line naming its step
+   (NonFiniteLogits); each row that sampled a stop id or a call is cut just after it
+   (episodes.Rows.check), and finished rows are dropped: the linears run on
    the N active rows only; attention sees them in a Bp' x G' grid. While the step replays a CUDA
    graph, rows are dropped only once 1/8 of them have finished: a re-capture costs about a step.
 5. A tool's turn (generate(episodes=...)): each row that called gets the tool's answer
@@ -60,7 +62,7 @@ from torch import Tensor, nn
 
 from decode import Decoder, KVCache  # noqa: F401 (rollout.KVCache: train.py, plan.py, memory's)
 from episodes import Episodes, Rows
-from graphs import CompiledStep, decide
+from graphs import CompiledStep, decide, dynamic
 from model import ModelConfig, causal_attention, fused_projections
 from sampling import filter_logits, inverse_cdf, race_clocks, sample, sample_raced  # noqa: F401
 
@@ -311,6 +313,13 @@ def _callers_rows(respond: Callable, order: list[int], G: int, calls: list) -> l
     return respond([(order[r // G] * G + r % G, tokens) for r, tokens in calls])
 
 
+def draw_structure(logits: Tensor, temperature: float, top_k: int, top_p: float,
+                   clocks: tuple[Tensor, ...]) -> str:
+    """What a compile of the draw specialises on (graphs.CompiledStep): the knobs, one row."""
+    rows = " of one row" if len(logits) == 1 else ""
+    return f"the draw{rows} at temperature {temperature}, top-k {top_k}, top-p {top_p}"
+
+
 class Draw:
     """Logits to tokens and their logprobs, (rows, V') -> (rows,), (rows,): logits_fn, then
     sampling.sample under the config's temperature, top-k and top-p. Beside a compiled decode step
@@ -320,15 +329,16 @@ class Draw:
     def __init__(self, cfg: RolloutConfig, generator: torch.Generator,
                  logits_fn: Callable[[Tensor], Tensor], compiled: bool):
         self.cfg, self.generator, self.logits_fn = cfg, generator, logits_fn
-        self.compiled = CompiledStep(sample_raced) if compiled else None
+        self.compiled = CompiledStep(sample_raced, draw_structure) if compiled else None
 
     def __call__(self, logits: Tensor) -> tuple[Tensor, Tensor]:
         logits = self.logits_fn(logits)
         cfg = self.cfg
         if self.compiled is None:
             return sample(logits, cfg.temperature, cfg.top_k, cfg.top_p, self.generator)
-        clocks = race_clocks(logits, cfg.temperature, self.generator)
-        return self.compiled(logits, cfg.temperature, cfg.top_k, cfg.top_p, clocks)
+        clocks = tuple(dynamic(c, 0) for c in race_clocks(logits, cfg.temperature,
+                                                           self.generator))  # (N, .)
+        return self.compiled(dynamic(logits, 0), cfg.temperature, cfg.top_k, cfg.top_p, clocks)
 
 
 def _decode(decoder: Decoder, rows: Rows, draw: Callable[[Tensor], tuple[Tensor, Tensor]],
@@ -361,7 +371,11 @@ def _decode(decoder: Decoder, rows: Rows, draw: Callable[[Tensor], tuple[Tensor,
         rows.moved_on(active, ran)
         stats["decode_steps"] += ran
         stats["row_steps"] += ran * len(active)
-        # 2. The check (the only host sync): each row that drew a call or a stop is cut after it.
+        # 2. The check (the only host sync): logits that held NaN or inf stop the rollout; each
+        # row that drew a call or a stop is cut after it.
+        bad = rows.first_nan(active)
+        if bad is not None:
+            raise NonFiniteLogits(bad)
         waiting = rows.check(active, drew_end.nonzero()[:, 0].tolist(), stop_ids, episodes)
         # 3. The tool answers the rows that called.
         feeds = rows.answer(waiting, episodes, decoder.model.config.vocab_size) if waiting else []
@@ -384,6 +398,18 @@ def _decode(decoder: Decoder, rows: Rows, draw: Callable[[Tensor], tuple[Tensor,
         if not decoder.lockstep:  # each row goes on from its own last token
             decoder.seek([rows.length[r] - 1 for r in decoder.layout.rows])
     return stats
+
+
+class NonFiniteLogits(RuntimeError):
+    """The model's logits at a decode step held NaN or inf: nothing can be sampled from them."""
+
+    def __init__(self, step: int):
+        super().__init__(
+            f"the model's logits at decode step {step} (completion token {step}) hold NaN or inf: "
+            f"its weights or activations overflowed or turned NaN (a learning rate too high, "
+            f"float16, a corrupt checkpoint), and nothing can be sampled from them; lower --lr, "
+            f"run in bfloat16 or float32, or resume from an earlier checkpoint")
+        self.step = step
 
 
 def _extend(decoder: Decoder, rows: Rows, feeds: list[tuple[int, list[int], int]],

@@ -9,6 +9,9 @@ float32 mass, then a token of it), so tokens far below float32's ulp near 1 are 
   only reductions (the float64 scan held 5% of an H100's decode step: docs/measurements.md; on
   the CPU the race is 2x slower, 2.6 against 1.2 ms at 128 x 49,152).
 Both draw the same distribution (tests/test_rollout.py's goodness-of-fit test); the draws differ.
+Logits holding NaN or +inf (or all -inf) give their row NaN probabilities: every route then draws
+an id in range with a NaN logprob, which the rollout's check turns into one error naming the step
+(rollout.NonFiniteLogits), never a silent token 0.
 The race's clocks are drawn first (race_clocks) and the rest is a function of the logits and the
 clocks alone (sample_raced), which torch.compile can trace (rollout.py compiles it beside a compiled
 decode step); the CPU's default route draws by the inverse CDF, eagerly.
@@ -86,13 +89,16 @@ def inverse_cdf(probs: Tensor, u: Tensor, block: int = 256) -> Tensor:
     cdf = nn.functional.pad(sums, (1, 0)).cumsum_(dim=-1)  # (rows, V/B + 1), from 0
     total = cdf[:, -1:]  # (rows, 1), 1 up to rounding
     u = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))  # u < total
-    b = torch.searchsorted(cdf, u, right=True) - 1  # (rows, 1): the block holding u (cdf[0] = 0)
+    # (rows, 1): the block holding u (cdf[0] = 0). The clamps change no valid row (u < total);
+    # a row of NaN probabilities (NaN or inf logits) draws an id in range, its logprob NaN, which
+    # the rollout's check reports, where a search past the end would index out of bounds.
+    b = (torch.searchsorted(cdf, u, right=True) - 1).clamp_(0, V // B - 1)
     start, end = cdf.gather(-1, b), cdf.gather(-1, b + 1)  # start <= u < end
     inner = blocks.gather(1, b[:, :, None].expand(rows, 1, B))[:, 0].double().cumsum_(dim=-1)
     inner_total = inner[:, -1:]  # (rows, 1): the block's float64 mass, u's scale within it
     v = torch.minimum((u - start) / (end - start) * inner_total,
                       torch.nextafter(inner_total, torch.zeros_like(inner_total)))
-    return (b * B + torch.searchsorted(inner, v, right=True))[:, 0]
+    return (b * B + torch.searchsorted(inner, v, right=True).clamp_(max=B - 1))[:, 0]
 
 
 def race_clocks(logits: Tensor, temperature: float, generator: torch.Generator | None,

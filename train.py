@@ -151,12 +151,13 @@ class StopTraining(Exception):
 
 
 def together(run, fn, *args):
-    """fn(*args), which may fail on one rank alone (a reward function, a prompt too long): all stop
-    here, at the same step. A lone rank that raised would leave the others in a collective."""
+    """fn(*args), which may fail on one rank alone (a reward function, a prompt too long, logits
+    that turned NaN in one rank's rollout): all stop here, at the same step. A lone rank that
+    raised would leave the others in a collective."""
     error = None
     try:
         result = fn(*args)
-    except (StopTraining, tasks.RewardError, tools.ToolFailure) as e:
+    except (StopTraining, tasks.RewardError, tools.ToolFailure, rollout.NonFiniteLogits) as e:
         error = e
     if dp.any_rank(error is not None, run.device):
         if str(error or "") and run.rank != 0:  # rank 0 prints its own at exit; another's, here

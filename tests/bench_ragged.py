@@ -9,6 +9,15 @@ allocator's peak live bytes during one step above what the step starts with (gra
 second step), i.e. activations and transients (tests/memtrace.py).
 Goal: packed time within 1.2x of (valid tokens / padded tokens) x the padded time; memory alike.
 
+Launches (--parts launches): the aten ops of one packed training step (grpo.accumulate, forward
+and backward; less views and bare allocations: a kernel each on CUDA, bench_rollout.OpCount, as
+the decode step's are counted), at uniform lengths in one micro-batch against a mean of 1/3 in
+micro-batches of a quarter of the groups by count (what the count made of a ragged batch), by
+the token budget of that count at full length (the CPU's default now: plan.bound_micro_batch)
+and by the uniform step's tokens (a GPU's default where the uniform batch fits one micro-batch:
+plan.fit), with their wall time: a ragged step's launches are its cost on a GPU, where short rows leave the
+kernels launch-bound.
+
 Rollout (rollout.generate, greedy, no stop id): prompts of the same means, sorted into prefill
 chunks and decode buckets of like lengths (the engine), against every chunk and bucket at the
 batch's longest prompt (rollout.prefill_chunks and length_buckets replaced by their padded rules).
@@ -18,7 +27,7 @@ Models: the tests' tiny config (dim 256, 4 layers, 8/4 heads, ffn 704, vocab 204
 --task_batch: a batch of tasks:ragged_copy (prompts and answers of 1-20 letters, mean ~1/3).
 
 Run: python tests/bench_ragged.py [--model DIR] [--P 64 --T 64] [--prompts 16 --G 8] [--rounds 3]
-     [--parts train,rollout] [--threads 1]
+     [--parts train,rollout,launches] [--threads 1]
 """
 
 import argparse
@@ -112,6 +121,42 @@ def train_row(model, batch, valid: int, padded: int, rounds: int, label: str) ->
           f"({mem_ratio / share:.2f}x) |", flush=True)
 
 
+def launch_rows(model, Bp: int, G: int, P: int, T: int, rounds: int) -> None:
+    """One packed step's launches and seconds: uniform lengths, then a mean of 1/3 by count and by
+    token budget (module docstring), each against the uniform step."""
+    from bench_rollout import OpCount
+    uniform = grpo.GRPOBatch.from_lists(
+        *[[ids(n, model.config.vocab_size, random.Random(i)) for i in range(k)]
+          for n, k in ((P, Bp), (T, Bp * G))],
+        advantages=torch.randn(Bp * G, generator=torch.Generator().manual_seed(0)))
+    ragged, valid, padded = training_batch(model, Bp, G, P, T, 1 / 3)
+    quarter = max(1, Bp // 4)
+    cases = [("uniform, 1 micro-batch", uniform, grpo.GRPOConfig(micro_batch_groups=Bp)),
+             (f"mean 1/3, {quarter} groups a micro-batch", ragged,
+              grpo.GRPOConfig(micro_batch_groups=quarter)),
+             (f"mean 1/3, up to {quarter} groups' tokens at full length", ragged,
+              grpo.GRPOConfig(micro_batch_tokens=quarter * (P + G * T))),
+             (f"mean 1/3, up to the uniform step's tokens", ragged,
+              grpo.GRPOConfig(micro_batch_tokens=Bp * (P + G * T)))]
+    print(f"\n| packed step, {valid / padded:.2f} of the padded tokens at a mean of 1/3 | "
+          f"micro-batches | launches | / uniform | s | / uniform |\n|---|---|---|---|---|---|")
+    base = None
+    for label, batch, cfg in cases:
+        with OpCount() as count:
+            grpo.accumulate(model, batch, cfg)
+        model.zero_grad(set_to_none=True)
+        seconds = float("inf")
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            grpo.accumulate(model, batch, cfg)
+            seconds = min(seconds, time.perf_counter() - t0)
+            model.zero_grad(set_to_none=True)
+        launches = sum(count.ops.values())
+        base = base or (launches, seconds)
+        print(f"| {label} | {len(grpo.micro_batches(batch, cfg))} | {launches:,} | "
+              f"{launches / base[0]:.2f} | {seconds:.3f} | {seconds / base[1]:.2f} |", flush=True)
+
+
 def padded_chunks(lens: list[int], prefill_tokens: int) -> list[tuple[int, int]]:
     """The padded rule: chunks of prefill_tokens // longest prompts, each at the longest."""
     step = max(1, prefill_tokens // max(lens))
@@ -153,7 +198,7 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=32, help="rollout: new tokens per row")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--parts", default="train,rollout")
+    parser.add_argument("--parts", default="train,rollout,launches")
     parser.add_argument("--task_batch", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -179,6 +224,8 @@ def main() -> None:
                                           num_key_value_heads=2)).init_weights(0)
             batch, valid, padded = task_batch(small, tok, args.prompts, args.G)
             train_row(small, batch, valid, padded, args.rounds, "ragged_copy (default model)")
+    if "launches" in args.parts:
+        launch_rows(model, args.prompts, args.G, args.P, args.T, args.rounds)
     if "rollout" in args.parts:
         print(f"\n| rollout, mean / longest prompt | valid / padded prompt tokens | padded s | "
               f"ragged s | ragged / padded | same tokens |\n|---|---|---|---|---|---|")

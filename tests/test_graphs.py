@@ -272,11 +272,84 @@ def test_the_compiled_qwen3_step_runs_its_q_k_norms_inside_on_stacked_projection
                                    atol=bf16_tol(written))
 
 
-def test_a_torch_that_cannot_compile_runs_the_step_eagerly_and_says_so_once(model, kernel_route,
-                                                                              monkeypatch, capsys):
+@needs_compile
+def test_the_compiled_step_and_draw_keep_the_model_dims_static_one_graph_for_every_batch(
+        model, kernel_route, monkeypatch):
+    """Regression: torch.compile(dynamic=True) made every dim of every input a symbol, the draw's
+    vocabulary among them (its logits (rows, V)): inductor could not specialise its kernels on the
+    model's sizes. Only the dims that vary with the layout and the batch are marked (graphs.dynamic):
+    traced by dynamo alone (a backend that records each graph's inputs and runs it eagerly), no
+    input dim of the vocabulary's, the width's or the SwiGLU's size is a symbol, the rows are;
+    and rollouts of other group sizes, budgets and prompts compile no new graph for a structure
+    met before."""
+    inputs = []
+    compile = torch.compile
+
+    def recording(gm, example_inputs):
+        inputs.append([node.meta["example_value"] for node in gm.graph.nodes
+                       if node.op == "placeholder"
+                       and isinstance(node.meta.get("example_value"), torch.Tensor)])
+        return gm.forward
+    monkeypatch.setattr(graphs.torch, "compile",
+                        lambda fn, **options: compile(fn, backend=recording, **options))
+    torch._dynamo.reset()  # this test's own graphs, whatever ran before it in this process
+    knobs = dict(temperature=0.0, check_every=2, compile_decode="true")
+    stops = (5, 9, 17, 23, 31)
+    out = rollout.generate(model, PROMPTS, RolloutConfig(num_samples=3, max_new_tokens=16,
+                                                         **knobs), stop_ids=stops, seed=0)
+    traced = len(inputs)
+    assert out.stats["compactions"] >= 1 and traced >= 2  # the step and the draw
+    for G, new, prompts in ((2, 9, PROMPTS), (4, 12, PROMPTS[:3]), (3, 16, PROMPTS[1:])):
+        rollout.generate(model, prompts, RolloutConfig(num_samples=G, max_new_tokens=new, **knobs),
+                         stop_ids=stops, seed=0)
+    # At most one structure the first rollout did not meet (prompts without padding: the groups
+    # left of one length); a dim left unmarked would compile again for each batch
+    assert len(inputs) <= traced + 1, "another batch compiled again"
+    model_sizes = {CFG.vocab_size, CFG.hidden_size, CFG.intermediate_size}  # no layout's
+    symbolic = [(tuple(x.shape), i) for graph in inputs for x in graph
+                for i, n in enumerate(x.shape) if isinstance(n, torch.SymInt)]
+    assert symbolic, "the rows are dynamic"
+    assert all(int(x.shape[i].node.hint) not in model_sizes for graph in inputs for x in graph
+               for i in range(x.dim()) if isinstance(x.shape[i], torch.SymInt)), symbolic
+    logits = [x for graph in inputs for x in graph if x.dim() == 2 and x.is_floating_point()
+              and x.shape[-1] == CFG.vocab_size]
+    assert logits and all(isinstance(x.shape[0], torch.SymInt) for x in logits)
+
+
+def first_fed_token(out: rollout.Rollout, prompts: list[list[int]]) -> tuple[int, int]:
+    """A token id no prompt holds that the rollout first drew at completion index j >= 1 (its
+    earliest in any row) with a step after it: (id, j)."""
+    in_prompts = {t for p in prompts for t in p}
+    first: dict[int, int] = {}
+    for row in out.completions():
+        for j, t in enumerate(row[:-1]):
+            first[t] = min(first.get(t, j), j)
+    return min(((t, j) for t, j in first.items() if j >= 1 and t not in in_prompts),
+               key=lambda pair: pair[1])
+
+
+@needs_compile
+def test_nan_logits_on_the_compiled_route_stop_the_rollout_naming_the_step(model, kernel_route):
+    """The compiled step and draw (the CUDA route's; a logits_fn would keep them eager): a NaN
+    embedding row for a token the greedy rollout first draws at completion index j makes the
+    logits of each row fed it NaN from step j + 1 on: the rollout stops at its next check with
+    one line naming step j + 1, where the compiled race drew token 0 from them in silence."""
+    knobs = dict(num_samples=2, max_new_tokens=10, temperature=0.0, check_every=3,
+                 compile_decode="true")
+    poisoned = copy.deepcopy(model)
+    clean = rollout.generate(poisoned, PROMPTS, RolloutConfig(**knobs), seed=0)
+    token, j = first_fed_token(clean, PROMPTS)
+    with torch.no_grad():
+        poisoned.model.embed_tokens.weight[token] = float("nan")
+    with pytest.raises(rollout.NonFiniteLogits, match=f"at decode step {j + 1} "):
+        rollout.generate(poisoned, PROMPTS, RolloutConfig(**knobs), seed=0)
+
+
+def test_a_torch_that_cannot_compile_runs_the_step_eagerly_a_line_a_structure(model, kernel_route,
+                                                                            monkeypatch, capsys):
     """torch.compile failing (here a stand-in that raises as a missing C++ compiler does, through
-    dynamo) leaves the step eager, bit for bit the compile_decode=False route, with one line for the
-    process; later decoders do not try again."""
+    dynamo) leaves the step and the draw eager, bit for bit the compile_decode=False route: each
+    structure it met tried once, with one line each naming it; a later rollout tries none again."""
     tries = []
 
     def failing_compile(fn, **options):
@@ -284,19 +357,69 @@ def test_a_torch_that_cannot_compile_runs_the_step_eagerly_and_says_so_once(mode
             tries.append(1)
             raise torch._dynamo.exc.TorchDynamoException("no working C++ compiler found")
         return compiled
-    monkeypatch.setattr(graphs.CompiledStep, "refused", None)
+    monkeypatch.setattr(graphs, "REFUSED", {})
     monkeypatch.setattr(graphs, "unsupported", lambda: "")  # a torch new enough, this one or not
     monkeypatch.setattr(graphs.torch, "compile", failing_compile)
     knobs = dict(num_samples=2, max_new_tokens=6, temperature=0.0)
-    outs = [rollout.generate(model, PROMPTS, RolloutConfig(compile_decode="true", **knobs), seed=0)
-            for _ in range(2)]
+    outs = []
+    for _ in range(2):
+        outs.append(rollout.generate(model, PROMPTS, RolloutConfig(compile_decode="true", **knobs),
+                                     seed=0))
+        lines = capsys.readouterr().out.strip().splitlines()
+        if len(outs) == 1:
+            first_tries = len(tries)
+            assert len(lines) == first_tries == len(graphs.REFUSED) >= 2  # the step and the draw
+            assert all("no working C++ compiler found" in line for line in lines)
+            assert any("the decode step with" in line for line in lines)
+            assert any("the draw at temperature 0.0" in line for line in lines)
+    assert lines == [] and len(tries) == first_tries  # nothing tried again
     eager = rollout.generate(model, PROMPTS, RolloutConfig(compile_decode="false", **knobs), seed=0)
-    lines = capsys.readouterr().out.strip().splitlines()
-    assert len(lines) == 1 and "no working C++ compiler found" in lines[0]
-    assert len(tries) == 1 and graphs.CompiledStep.refused is not None
     for out in outs:
         assert torch.equal(out.tokens, eager.tokens) and torch.equal(out.logprobs, eager.logprobs)
         assert out.stats["compiles"] == 0
+
+
+def test_a_refused_compile_turns_off_that_structure_of_that_step_alone(monkeypatch, capsys):
+    """Regression: one refused compile (CompiledStep.refused, a class attribute) ran every compiled
+    step of the process eagerly: the draw after a refused decode step, every structure after one
+    torch could not lower, every later rollout. Now what torch refused is (the function, the
+    structure): that runs eagerly, said in one line, never tried again (a new CompiledStep of the
+    same function, the next rollout's, included); its other structures and other functions still
+    run compiled."""
+    calls = []
+
+    def stand_in_compile(fn, **options):  # refuses the "odd" structure of `step` alone
+        def compiled(*args):
+            calls.append((fn.__name__, len(args[0])))
+            if fn.__name__ == "step" and len(args[0]) % 2:
+                raise torch._dynamo.exc.TorchDynamoException("a lowering it lacks")
+            return fn(*args) + 100  # what ran compiled
+        return compiled
+    monkeypatch.setattr(graphs, "REFUSED", {})
+    monkeypatch.setattr(graphs, "unsupported", lambda: "")
+    monkeypatch.setattr(graphs.torch, "compile", stand_in_compile)
+
+    def step(x):
+        return x * 2
+
+    def draw(x):
+        return x + 1
+
+    def parity(x):
+        return "odd rows" if len(x) % 2 else "even rows"
+    odd, even = torch.ones(3), torch.ones(2)
+    first = graphs.CompiledStep(step, parity)
+    assert torch.equal(first(odd), odd * 2)  # refused: eager
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 1 and "step for odd rows" in lines[0] and "a lowering it lacks" in lines[0]
+    assert torch.equal(first(even), even * 2 + 100)  # the other structure compiled
+    assert torch.equal(first(odd), odd * 2)  # eager, not tried again
+    again = graphs.CompiledStep(step, parity)  # the next rollout's
+    assert torch.equal(again(odd), odd * 2) and torch.equal(again(even), even * 2 + 100)
+    other = graphs.CompiledStep(draw, parity)  # another function, the refused structure
+    assert torch.equal(other(odd), odd + 1 + 100)
+    assert calls == [("step", 3), ("step", 2), ("step", 2), ("draw", 3)]
+    assert capsys.readouterr().out == ""
 
 
 def test_a_torch_older_than_the_compiled_paths_need_runs_them_eagerly_and_says_so(
@@ -304,7 +427,7 @@ def test_a_torch_older_than_the_compiled_paths_need_runs_them_eagerly_and_says_s
     """Below graphs.MIN_TORCH (torch 2.5 compiled the step again for every layout) the step is
     not compiled: one line names the torch needed, the rollout is bit for bit the eager one, and
     the training blocks stay eager with the same reason (policy.compile_model's line)."""
-    monkeypatch.setattr(graphs.CompiledStep, "refused", None)
+    monkeypatch.setattr(graphs, "_SAID", set())
     monkeypatch.setattr(graphs.torch, "__version__", "2.5.1+cpu")
     assert graphs.unsupported().startswith("the compiled paths need torch 2.7 or newer")
     knobs = dict(num_samples=2, max_new_tokens=6, temperature=0.9)

@@ -875,6 +875,37 @@ def test_micro_batches_of_1_2_4_groups_equal_one_big_batch(loss_type):
         assert_rel(got["entropy"], want_entropy, METRIC_REL, what="entropy")
 
 
+def test_the_default_micro_batch_is_a_token_budget_short_groups_pack_fewer_and_fuller():
+    """Regression: the CPU's default micro-batch (plan.bound_micro_batch) was a count of groups,
+    so a batch of short completions ran in as many micro-batches as one at full length (on an
+    H200 four micro-batches of short rows cost 2.44x their token share: launch-bound). The count
+    is now a token budget, that many groups at full length: here 8 groups whose completions
+    average a third of the budget run in 2 micro-batches where 2 groups each ran 4, and the loss
+    and every gradient equal the one big batch's (the tolerances of the test above)."""
+    import plan
+    m = tiny_model()
+    gen = torch.Generator().manual_seed(5)
+    G, budget = 2, 9
+    prompts = [torch.randint(0, V, (n,), generator=gen).tolist() for n in (6, 3, 5, 2, 4, 6, 1, 3)]
+    lens = [9, 2, 1, 3, 2, 1, 4, 2, 1, 1, 3, 2, 2, 5, 1, 3]  # mean 2.6 of 9
+    completions = [torch.randint(0, V, (n,), generator=gen).tolist() for n in lens]
+    adv = grpo.group_advantages(torch.randn(len(lens), generator=gen), G)
+    batch = GRPOBatch.from_lists(prompts, completions, max_new_tokens=budget, advantages=adv)
+    group_tokens = 6 + G * budget  # a group at full length: the plan's unit
+    small = {"train": {"trainer": 1, "transient": 1}}  # the plan's bound holds 2 groups
+    cfg = plan.bound_micro_batch(lambda g: small, GRPOConfig(micro_batch_groups=2), group_tokens)
+    assert cfg.micro_batch_tokens == 2 * group_tokens
+    by_count = grpo.micro_batches(batch, dataclasses.replace(cfg, micro_batch_tokens=0))
+    assert len(grpo.micro_batches(batch, cfg)) == 2 < len(by_count) == 4
+    one = GRPOConfig(micro_batch_groups=len(prompts))
+    want = grpo.accumulate(m, batch, one)
+    want_grads = grads(m)
+    m.zero_grad()
+    got = grpo.accumulate(m, batch, cfg)
+    assert_rel(got["loss"], want["loss"], METRIC_REL, floor=1.0, what="loss")
+    assert_grads_close(grads(m), want_grads, rel=GRAD_REL)
+
+
 def test_micro_batches_by_tokens_are_whole_groups_balanced_under_the_cap():
     """--micro_batch_tokens: every group in exactly one micro-batch, none over the cap unless it
     is a group alone, the heaviest first; on ragged groups of several per micro-batch no

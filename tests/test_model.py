@@ -206,6 +206,20 @@ def test_fused_projections_equal_the_separate_linears_and_leave_the_model_as_it_
     assert first.self_attn.fused is None
 
 
+def test_stacking_projections_where_some_have_a_bias_and_some_not_is_refused():
+    """Regression: stack_linears took the first projection's bias as every one's: a q without a
+    bias beside a k and v with one dropped theirs without a word (the stacked matmul then ran
+    with no bias), and the other way round failed on the missing one. Now one line refuses both;
+    all or none stack as before."""
+    q, k, v = (torch.nn.Linear(8, n, bias=b) for n, b in ((8, False), (4, True), (4, True)))
+    for parts in ((q, k, v), (k, q, v)):
+        with pytest.raises(ValueError, match="some of these projections have a bias and some not"):
+            M.stack_linears(parts)
+    weight, bias, outs = M.stack_linears((k, v))
+    assert weight.shape == (8, 8) and torch.equal(bias, torch.cat([k.bias, v.bias]))
+    assert outs == [4, 4] and M.stack_linears((q, q))[1] is None
+
+
 def test_rms_norm_keeps_float64_values_and_grads():
     """Regression: rms_norm cast with x.float(), which rounds a float64 model's norms and every
     gradient through them to float32, so the shared-prompt forwards' gradients were 1e-7 off the

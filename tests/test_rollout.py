@@ -240,6 +240,60 @@ def test_generate_takes_a_rollout_config_and_applies_logits_fn(model):
     assert isinstance(out, Rollout) and all(10 not in c for c in out.completions())
     assert calls[0] == (len(PROMPTS), CFG.vocab_size) and len(calls) == out.stats["decode_steps"] + 1
 
+def poisoned_at(step: int, row: int, value: float):
+    """A logits_fn (the sampler's last hook before the draw) that writes value into row `row`'s
+    logits at decode step `step` (call 0 is the fan-out's, per prompt), or the whole row for
+    -inf (every logit -inf: no distribution)."""
+    calls = []
+
+    def poison(logits):
+        calls.append(1)
+        if len(calls) - 1 == step:
+            logits = logits.clone()
+            logits[row, :None if value == float("-inf") else 5] = value
+        return logits
+    return poison
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("knobs", [dict(temperature=0.0), dict(temperature=0.9),
+                                   dict(temperature=0.9, top_k=20, top_p=0.8)])
+def test_nan_or_inf_logits_stop_the_rollout_in_one_line_naming_the_step(model, knobs, value):
+    """Regression: NaN logits drew token 0 with a NaN logprob in silence (the race, greedy), and
+    the CPU's inverse CDF indexed past its blocks (a stack trace). Now NaN, +inf, or a row of
+    -inf at a decode step stops the rollout at the next check (no sync of its own) with one line
+    naming that step, on the CPU's draw and the race alike; a lone -inf logit is a masked token,
+    no error."""
+    for step in (0, 3, 6):
+        cfg = RolloutConfig(num_samples=2, max_new_tokens=8, check_every=2, **knobs)
+        with pytest.raises(rollout.NonFiniteLogits, match=f"at decode step {step} ") as caught:
+            rollout.generate(model, PROMPTS, cfg, stop_ids=(5,), seed=0,
+                             logits_fn=poisoned_at(step, 1, value))
+        assert caught.value.step == step and "\n" not in str(caught.value)
+        assert "lower --lr" in str(caught.value)
+    masked = rollout.generate(model, PROMPTS, cfg, seed=0, logits_fn=lambda x: x.index_fill(
+        -1, torch.tensor([7]), float("-inf")))
+    assert masked.logprobs.isfinite().all()
+    raced = sampling.sample_raced(torch.full((2, 512), float("nan")), 0.9, 0, 1.0,
+                                  sampling.race_clocks(torch.zeros(2, 512), 0.9, None))
+    assert raced[1].isnan().all()  # the race's NaN row: what the check finds
+
+
+def test_a_rank_whose_logits_turn_nan_stops_every_rank_in_one_line():
+    """train.together turns the rollout's NonFiniteLogits into StopTraining (one line, every rank
+    at the same step), as a reward function's failure: it was a traceback, and under data
+    parallelism the other ranks would wait in their next collective."""
+    import train
+
+    class Run:
+        rank, device = 0, torch.device("cpu")
+
+    def sample():
+        raise rollout.NonFiniteLogits(4)
+    with pytest.raises(train.StopTraining, match="at decode step 4 "):
+        train.together(Run(), sample)
+
+
 @pytest.mark.parametrize("padded", [True, False])
 def test_shared_prompt_attention_decode_cpu_equals_the_plain_merge(padded):
     """The CPU fast path (SDPA's fused kernel + lse merge) against the plain merge

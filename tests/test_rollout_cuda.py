@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from model import Llama
-from rollout import KVCache, RolloutConfig, generate, sample
-from test_rollout import CFG, PROMPTS, logprob_tol, trainer_logprobs
+from rollout import KVCache, NonFiniteLogits, RolloutConfig, generate, sample
+from test_rollout import CFG, PROMPTS, logprob_tol, poisoned_at, trainer_logprobs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -153,3 +153,18 @@ def test_bf16_decode_scores_as_the_trainer_with_graphs_and_without(model, compil
             expected = trainer_logprobs(gpu, PROMPTS[row // 4], completion, 0.9, 0, 1.0).float()
             torch.testing.assert_close(torch.tensor(logprobs[row]), expected.cpu(), rtol=0,
                                        atol=0.1)
+
+
+def test_nan_or_inf_logits_on_cuda_stop_the_rollout_naming_the_step(model):
+    """The race on CUDA, with CUDA graphs and without: NaN or +inf logits at decode step 3 stop
+    the rollout at the next check with one line naming step 3 (no sync of its own: the check
+    finds the NaN logprob the race gave the row), where the race drew token 0 in silence."""
+    gpu = Llama(CFG).to("cuda")
+    gpu.load_state_dict(model.state_dict())
+    for value in (float("nan"), float("inf")):
+        for graphs in (True, False):
+            cfg = RolloutConfig(num_samples=2, max_new_tokens=8, temperature=0.9, check_every=2,
+                                cuda_graphs=graphs)
+            with pytest.raises(NonFiniteLogits, match="at decode step 3 "):
+                generate(gpu, PROMPTS, cfg, stop_ids=(5,), seed=0,
+                         logits_fn=poisoned_at(3, 1, value))

@@ -990,6 +990,42 @@ def test_a_gpu_plans_logprob_chunks_of_1_gib_unless_told(monkeypatch, capsys):
     assert chunk("--chunk_bytes", "1048576") == 2**20
 
 
+def test_a_gpu_plan_takes_the_training_attention_route_from_packing(monkeypatch, capsys):
+    """Regression: --plan and --memory_budget restated packing's CUDA route as "FlexAttention
+    wherever torch has it", so a model that trains on padded rows with each prompt's K/V repeated
+    per row (packing.cuda_route's "padded": under graphs.MIN_COMPILE_PARAMS, or head_dim < 16)
+    was planned without those copies. Now the plan asks cuda_route itself: the repeated prompt
+    for the default model in float32, none for a model worth compiling (FlexAttention) nor in
+    bf16 with the varlen kernel; and with no GPU to ask for its compute capability (a plan for
+    one on a machine without it), one of 8.0 or later is assumed instead of an error."""
+    import packing
+    import plan
+    seen = []
+    step_transients = plan.step_transients
+
+    def recorded(*args, **kwargs):
+        seen.append(kwargs["repeated_prompt"])
+        return step_transients(*args, **kwargs)
+    monkeypatch.setattr(plan, "step_transients", recorded)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # --plan then plans for "cuda"
+
+    def repeated(*flags: str) -> bool:
+        seen.clear()
+        assert train.main(["--plan", "--micro_batch_groups", "4", *flags]) == 0
+        capsys.readouterr()
+        assert len(set(seen)) == 1, seen
+        return seen[0]
+    assert repeated("--dim", "64", "--layers", "2")  # 2 blocks of width 64: padded
+    big = ("--dim", "1024", "--layers", "8", "--heads", "16", "--kv_heads", "4")  # 101 M, D 64
+    assert not repeated(*big)  # FlexAttention
+    assert repeated(*big[:5], "128", "--kv_heads", "16")  # head_dim 8: padded
+    monkeypatch.setattr(packing, "VARLEN", True)  # a torch with varlen_attn and flash kernels
+    monkeypatch.setattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)
+    assert packing.device_capability() is None  # this machine has no GPU to ask
+    assert not repeated("--dim", "64", "--layers", "2", "--dtype", "bfloat16")  # varlen
+    assert repeated("--dim", "64", "--layers", "2")  # float32: padded again
+
+
 def test_a_gpu_without_a_budget_takes_the_largest_micro_batch_in_80_percent_of_it(monkeypatch,
                                                                                    capsys):
     """On a GPU with neither --memory_budget nor a micro-batch flag the budget is
