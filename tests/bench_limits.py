@@ -18,8 +18,10 @@ copy bandwidth. Random weights of the published shapes (tests/bench_bf16.py's SH
    on a GPU, plan.GPU_CHUNK_BYTES), fp32 master weights under bf16 autocast (train.py's bf16), the
    blocks compiled (train.py's --compile_blocks on CUDA; this bench's --compile false: eager), by
    forward: padded (prompts padded to P, rows to NEW), packed (the engine's: valid tokens only) and naive (each
-   prompt repeated per row); at uniform lengths 16 x 8 x (64 + 256) in one micro-batch, and at
-   lengths with a mean of 1/3 of those (bench_ragged.lengths) in 4. Model FLOPs = 3 x the
+   prompt repeated per row); at uniform lengths 16 x 8 x (64 + 256), and at lengths with a mean
+   of 1/3 of those (bench_ragged.lengths), in micro-batches of whole groups up to the uniform
+   batch's tokens (train.py's token budget on a GPU: one micro-batch each), and at the mean of
+   1/3 in micro-batches of 4 groups too (a fixed count: four launch-bound steps). Model FLOPs = 3 x the
    forward's matmul FLOPs of the work that must be done (the prompt once per group, the lm_head
    on completion tokens, causal attention): the same count for every forward, so the padding and
    the repeated prompt show as lower utilisation. Goals: packed <= 1.0x padded at uniform
@@ -270,8 +272,8 @@ ROUTES = {"padded": "prompts padded to P, rows to NEW, each prompt once per grou
 
 def train_part(name: str, lim: dict, device: str = "cuda", compile: bool = True,
                repeats: int = 3) -> list[dict]:
-    """GRPO forward + backward (grpo.accumulate) by route, at uniform lengths (one micro-batch)
-    and at a mean of 1/3 (4 micro-batches), bf16 autocast over the fp32 master on CUDA (fp32 on
+    """GRPO forward + backward (grpo.accumulate) by route, at uniform lengths and at a mean of
+    1/3 (micro-batches by tokens, and by a fixed count of 4 groups: module docstring), bf16 autocast over the fp32 master on CUDA (fp32 on
     the CPU), the blocks compiled or not (train.py's --compile_blocks): seconds, MFU against the measured
     matmul rate, and packed against padded beside the valid tokens' share. Returns the rows."""
     model = build(name, torch.float32, device).train()
@@ -288,17 +290,24 @@ def train_part(name: str, lim: dict, device: str = "cuda", compile: bool = True,
           "| lengths | forward | micro-batches | s | valid / padded tokens | packed / padded | "
           "TFLOP/s | MFU | peak GB |\n|---|---|---|---|---|---|---|---|---|")
     rows = []
-    for mean, label in ((1.0, "uniform"), (1 / 3, "mean 1/3")):
+    # Micro-batches as train.py picks them on a GPU (plan.fit: whole groups up to a token budget,
+    # here the uniform batch's tokens, which fit an H100 at these shapes), and the fixed count of
+    # 4 groups a micro-batch beside it at a mean of 1/3: the launch-bound step a count gives.
+    cases = (("uniform", 1.0, 0, tuple(ROUTES)), ("mean 1/3", 1 / 3, 0, tuple(ROUTES)),
+             ("mean 1/3, 4 groups a micro-batch", 1 / 3, 4, ("padded", "packed")))
+    for label, mean, groups, forwards in cases:
         batch = grpo_batch(model.config.vocab_size, device, mean)
         prompt_lens = batch.prompt_lens.tolist()
         completion_lens = batch.mask.sum(1).tolist()
         flops = train_flops(model, prompt_lens, completion_lens)
         valid = sum(prompt_lens) + sum(max(n - 1, 0) for n in completion_lens)
         share = valid / (BP * P + BP * G * (NEW - 1))
-        micro = 1 if mean == 1 else 4
-        cfg = grpo.GRPOConfig(chunk_bytes=plan.GPU_CHUNK_BYTES, micro_batch_groups=BP // micro)
+        cfg = grpo.GRPOConfig(chunk_bytes=plan.GPU_CHUNK_BYTES if cuda else
+                              grpo.GRPOConfig.chunk_bytes, micro_batch_groups=groups or 1,
+                              micro_batch_tokens=0 if groups else BP * (P + G * NEW))
+        micro = len(grpo.micro_batches(batch, cfg))
         seconds = {}
-        for forward in ROUTES:
+        for forward in forwards:
             grpo.completion_logprobs = functools.partial(original, forward=forward)
 
             def step():
@@ -326,7 +335,7 @@ def train_part(name: str, lim: dict, device: str = "cuda", compile: bool = True,
                   f"{over} | {rate:,.1f} | {rate / lim['matmul']:.0%} | "
                   f"{'-' if peak is None else f'{peak:.1f}'} |", flush=True)
     uniform, ragged = (next(r for r in rows if r["forward"] == "packed" and r["lengths"] == label)
-                       for label in ("uniform", "mean 1/3"))
+                       for label in ("uniform", "mean 1/3"))  # the token budget's
     print(f"packed / padded: {uniform['over_padded']:.2f} at uniform lengths (goal <= 1.0), "
           f"{ragged['over_padded'] / ragged['valid_share']:.2f}x the token share "
           f"{ragged['valid_share']:.2f} at a mean of 1/3 (goal <= 1.2)")
@@ -384,7 +393,7 @@ def profile_part(name: str, device: str = "cuda") -> dict:
         batch = grpo_batch(V, device, mean)
         gcfg = grpo.GRPOConfig(chunk_bytes=plan.GPU_CHUNK_BYTES if cuda else
                                grpo.GRPOConfig.chunk_bytes,
-                               micro_batch_groups=BP if mean == 1 else max(BP // 4, 1))
+                               micro_batch_tokens=BP * (P + G * NEW))  # train_part's
 
         def step():
             with torch.autocast("cuda", dtype=torch.bfloat16) if cuda else nullcontext():
