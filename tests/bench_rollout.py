@@ -396,7 +396,9 @@ def step_decoder(route: str, cfg: ModelConfig, Bp: int, G: int, P: int, Tc: int,
         decode.kernel_for = kernel
     decoder.attention.fused = route == "cpu fused"
     decoder.step_index.fill_(3)
-    decoder.attention.own_len = 4 if route == "cpu fused" else Tc
+    # the CPU's eager route attends to the keys written so far; a graph or a compile to all Tc
+    # slots under the step's mask (None: what generate sets there)
+    decoder.attention.own_len = 4 if route == "cpu fused" else None
     return decoder, torch.randint(0, cfg.vocab_size, (Bp * G, 1), device=device)
 
 
