@@ -542,8 +542,9 @@ def test_the_calculator_answers_the_turn_that_called_and_computes_only_arithmeti
     assert tasks.calculator(answered, "") is None  # answered already: this turn holds no call
 
 
-def scripted_chat_checkpoint(path, script: str) -> str:
-    """A ChatML checkpoint (test_tokenizer's, with <calc> and </calc> added as tokens) whose model
+def scripted_chat_checkpoint(path, script: str, added: tuple[str, ...] = ("<calc>", "</calc>")
+                             ) -> str:
+    """A ChatML checkpoint (test_tokenizer's, with `added` as tokens: <calc> and </calc>) whose model
     writes `script` and ends its turn after every generation prompt, sampled or greedy: its layers
     add nothing to the residual (o_proj and down_proj 0), so the next token is a function of the
     current one alone, a table written into the embeddings (one-hot rows) and the head."""
@@ -553,7 +554,7 @@ def scripted_chat_checkpoint(path, script: str) -> str:
     from test_tokenizer import write_checkpoint
     path = write_checkpoint(path, "qwen")
     tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
-    tok.add_tokens(["<calc>", "</calc>"])
+    tok.add_tokens(list(added))
     tok.save(os.path.join(path, "tokenizer.json"))
     tokenizer = tk.load_tokenizer(path)
     prompt = tokenizer.encode(tasks.chat_calc.sample(random.Random(0))[0], tk.PromptConfig())
