@@ -409,6 +409,23 @@ def test_an_answer_the_tokenizer_cannot_write_stops_the_run_in_one_line(tmp_path
     assert "cannot go into the row" in err and err.count("\n") == 1
 
 
+def test_an_error_message_the_tokenizer_cannot_write_is_cut_to_what_it_can_and_said_once(
+        tmp_path, capsys):
+    """Regression: a ToolError's "error: ..." (the model's mistake, free text) stopped a fresh
+    model's run as a tool failure when a character of it was outside the task's alphabet. Now the
+    row gets the characters the tokenizer writes, and one line says which were dropped."""
+    spec = write_module(tmp_path, "badcall", "import tools\ndef tool(text, ref):\n"
+                        "    raise tools.ToolError('Bad call!')\n"
+                        "task = tasks.Task('badcall', tasks.sample_lookup, tasks.lookup.rewards, "
+                        "alphabet=tasks.lookup.alphabet + 'lo', max_new_tokens=24, "
+                        "tool=tools.Tool(tool, call='?'))\n")
+    code, out = run(tmp_path, "--task", spec, "--steps", "2", "--eval_every", "0")
+    said = capsys.readouterr().out
+    assert code == 0 and sum(r["tool_errors"] for r in records(out)) > 0
+    lines = [line for line in said.splitlines() if "dropped from the rows" in line]
+    assert len(lines) == 1 and "' !:Ber'" in lines[0], lines  # "error: Bad call!" less "abcdlo"
+
+
 def test_a_call_token_that_is_not_one_token_is_refused_in_one_line(tmp_path, capsys):
     spec = write_module(tmp_path, "longcall", "import tools\ntask = tasks.Task('longcall', "
                         "tasks.sample_lookup, tasks.lookup.rewards, alphabet=tasks.lookup.alphabet,"

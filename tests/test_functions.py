@@ -258,9 +258,9 @@ def test_a_row_with_native_calls_and_their_tool_messages_equals_apply_chat_templ
 
 
 def test_parsed_turns_equal_trls_parse_response_on_qwen3(tmp_path):
-    """Hermes turns as TRL 1.16 parses a Qwen3 completion (its response schema for Qwen3's
-    template): content and tool_calls, one call or two; malformed JSON is no call there and a
-    told mistake here (the test's last case)."""
+    """Hermes turns as TRL 1.16 parses a Qwen3 completion (its response template for Qwen3's,
+    given the prompt's ids as its rollout does): content and tool_calls, one call or two, text
+    after the calls; malformed JSON is plain text there and a told mistake here (the last case)."""
     path = published("qwen3", tmp_path)
     utils = pytest.importorskip("trl.chat_template_utils")
     from transformers import AutoTokenizer
@@ -272,7 +272,8 @@ def test_parsed_turns_equal_trls_parse_response_on_qwen3(tmp_path):
     turns = ['<tool_call>\n{"name": "multiply", "arguments": {"a": 4, "b": 5}}\n</tool_call>',
              'Let me compute.\n<tool_call>\n{"name": "multiply", "arguments": {"a": 4, "b": 5}}'
              '\n</tool_call>\n<tool_call>\n{"name": "multiply", "arguments": {"a": 1, "b": 2}}'
-             '\n</tool_call>', "It is 20."]
+             '\n</tool_call>', "It is 20.",
+             '<tool_call>\n{"name": "multiply", "arguments": {"a": 4, "b": "5"}}\n</tool_call>\nDone.']
     prefix = list(ref.apply_chat_template([{"role": "user", "content": "Hi"}], return_dict=True,
                                           add_generation_prompt=True)["input_ids"])
     for turn in turns:
@@ -496,7 +497,7 @@ def test_a_trl_style_task_with_function_tools_and_an_environment_runs_through_tr
         sample = json.loads(f.readline())
     assert sample["prompt"][0]["content"].endswith(". Count with the tool.")
     # each answer as the checkpoint's (Qwen2.5-shaped) template writes a tool message
-    assert sample["completion"].count("<|im_start|>user\n<tool_response>\n2") == max_turns
+    assert sample["completion"].count("<|im_start|>user\n<tool_response>\n") == max_turns
 
 
 def test_with_tools_false_the_call_is_text_and_the_environment_still_scores(tmp_path):
