@@ -371,10 +371,10 @@ class Toolbox:
         for i, (prompt, reference) in enumerate(examples):
             texts = [self.reset(env, prompt, reference) for env in environments[i * G:(i + 1) * G]]
             if len(set(texts)) > 1:
-                raise ToolFailure(f"task {self.task_name}: reset() returned different texts for the "
-                                  f"{G} rows of one prompt ({texts[0]!r}, {texts[1]!r}, ...); the "
-                                  "rows of a group share their prompt: make reset's text a "
-                                  "function of its prompt and reference")
+                raise ToolFailure(f"task {self.task_name}: reset() returned different texts for "
+                                  f"the {G} rows of one prompt ({texts[0]!r}, {texts[1]!r}, "
+                                  "...); the rows of a group share their prompt: make reset's "
+                                  "text a function of its prompt and reference")
             if texts[0]:
                 if isinstance(prompt, str):
                     prompt = prompt + texts[0]

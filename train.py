@@ -343,7 +343,7 @@ def sample(run: Run, prompts: list[list[int]], cfg: rollout.RolloutConfig, seed:
     episodes = None
     if responder is not None and run.call_ids:
         respond = responder
-        if run.groups.tp_size > 1:  # the first tp rank calls the tool, every rank writes its answers
+        if run.groups.tp_size > 1:  # the first tp rank calls the tool, each rank writes its answers
             def respond(calls):
                 return responder.apply(calls, tp.on_first_rank(responder.answer, run.groups,
                                                                tools.ToolFailure, calls))

@@ -461,6 +461,11 @@ def test_a_chat_checkpoints_observation_is_the_templates_tool_message(tmp_path):
     episode = responder.completion(0, call + [end] + answers[0] + more + [end])
     assert episode.observations == [tokenizer.decode(answers[0])]
     assert episode.answer == "So <calc>36 + 1</calc><|im_end|>"
+    # TRL's view of the same row: the model's turns, the tool's message as the tool wrote it
+    assert responder.conversation(0, call + [end] + answers[0] + more) == [
+        {"role": "assistant", "content": "Let me see. <calc>12 * 3</calc><|im_end|>"},
+        {"role": "tool", "content": "result: 36"},
+        {"role": "assistant", "content": "So <calc>36 + 1</calc>"}]
     assert tokenizer.decode(responder([(0, call + [end] + answers[0] + more + [end])])[0]) == (
         "\n<|im_start|>user" + turn.replace("36", "37"))
 
@@ -561,10 +566,10 @@ def test_the_calculator_answers_the_turn_that_called_and_computes_only_arithmeti
 
 def scripted_chat_checkpoint(path, script: str, added: tuple[str, ...] = ("<calc>", "</calc>")
                              ) -> str:
-    """A ChatML checkpoint (test_tokenizer's, with `added` as tokens: <calc> and </calc>) whose model
-    writes `script` and ends its turn after every generation prompt, sampled or greedy: its layers
-    add nothing to the residual (o_proj and down_proj 0), so the next token is a function of the
-    current one alone, a table written into the embeddings (one-hot rows) and the head."""
+    """A ChatML checkpoint (test_tokenizer's, with `added` as tokens, <calc> and </calc>) whose
+    model writes `script` and ends its turn after every generation prompt, sampled or greedy: its
+    layers add nothing to the residual (o_proj and down_proj 0), so the next token is a function
+    of the current one alone, a table written into the embeddings (one-hot rows) and the head."""
     from tokenizers import Tokenizer
     import random
     import hf

@@ -133,7 +133,8 @@ def test_a_schema_is_the_functions_hints_and_docstring():
     assert props["default"] == {"type": "number", "nullable": True,
                                 "description": "What to return when the key is absent."}
     assert props["mode"] == {"type": "string", "enum": ["fast", "slow"], "description": "The mode"}
-    assert props["color"]["enum"] == ["red", "green"] and props["x"]["type"] == ["integer", "string"]
+    assert props["color"]["enum"] == ["red", "green"]
+    assert props["x"]["type"] == ["integer", "string"]
     assert schema["return"]["description"] == "The values found,\n    by name."  # as written
     assert "self" not in functions.json_schema(Game.guess)["function"]["parameters"]["properties"]
 
@@ -273,7 +274,8 @@ def test_parsed_turns_equal_trls_parse_response_on_qwen3(tmp_path):
              'Let me compute.\n<tool_call>\n{"name": "multiply", "arguments": {"a": 4, "b": 5}}'
              '\n</tool_call>\n<tool_call>\n{"name": "multiply", "arguments": {"a": 1, "b": 2}}'
              '\n</tool_call>', "It is 20.",
-             '<tool_call>\n{"name": "multiply", "arguments": {"a": 4, "b": "5"}}\n</tool_call>\nDone.']
+             '<tool_call>\n{"name": "multiply", "arguments": {"a": 4, "b": "5"}}\n</tool_call>\n'
+             'Done.']
     prefix = list(ref.apply_chat_template([{"role": "user", "content": "Hi"}], return_dict=True,
                                           add_generation_prompt=True)["input_ids"])
     for turn in turns:
@@ -517,3 +519,13 @@ def test_function_tools_on_a_fresh_model_or_under_tp_are_refused_in_one_line(tmp
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1
     assert "task counter: function tools need a chat checkpoint (--model DIR" in err
+    from test_tokenizer import write_checkpoint
+    tok = tk.load_tokenizer(write_checkpoint(tmp_path / "q", "qwen"))
+    task = tasks.Task("t", tasks.sample_chat_multiply, [], tools=[multiply],
+                      environment_factory=Game, tool_format="hermes")
+    end = (tok.tok.token_to_id("<|im_end|>"),)
+    with pytest.raises(ValueError, match="^task t: an environment keeps its state on one rank; "
+                                         "run it with --tp 1$"):
+        functions.build(task, tok, end, 2)
+    box, note = functions.build(task, tok, end, 1)  # the test ChatML template renders no tools
+    assert box.ends == ["<|im_end|>"] and "the chat template does not render tools" in note
