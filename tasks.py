@@ -34,6 +34,9 @@ Built in:
   `lookup_pair`, `lookup_sum`: the model writes its own answer from the tool's, scored on what
   it wrote: tools.Completion), and `tasks:chat_calc`, a product with a calculator (a chat
   checkpoint).
+- with a function tool in TRL's shape (functions.py; a Task's `tools`, `environment_factory`):
+  `tasks:chat_multiply`, the product by a typed Python function the chat model calls natively
+  (Hermes JSON), scored on its messages as a TRL reward reads its completion.
 
 The evaluation's prompts (eval_split): a finite dataset's own test split (`--eval_data FILE`, read
 by the same task factory), else distinct prompts held out of the training stream, at most half of a

@@ -529,3 +529,23 @@ def test_function_tools_on_a_fresh_model_or_under_tp_are_refused_in_one_line(tmp
         functions.build(task, tok, end, 2)
     box, note = functions.build(task, tok, end, 1)  # the test ChatML template renders no tools
     assert box.ends == ["<|im_end|>"] and "the chat template does not render tools" in note
+
+
+def test_chat_multiply_pays_the_models_last_turn_and_its_call_never_the_tools_text():
+    """The reward reads TRL's messages: the product in the model's last turn (1), the right call
+    in its first (0.2); a row the budget ended in the tool's message ("304468") earns the call's
+    credit alone, and so does a call with the numbers as strings (an ill-typed call)."""
+    right = {"type": "function", "function": {"name": "multiply",
+                                              "arguments": {"a": 739, "b": 412}}}
+    call = {"role": "assistant", "content": "", "tool_calls": [right]}
+    tool = {"role": "tool", "name": "multiply", "content": "304468"}
+    strings = dict(call, tool_calls=[{"type": "function", "function": {
+        "name": "multiply", "arguments": {"a": "412", "b": "739"}}}])
+    cases = [([call, tool, {"role": "assistant", "content": "So 304468."}], 1.2),
+             ([call, tool], 0.2), ([{"role": "assistant", "content": "412 * 739 = 304468"}], 1.0),
+             ([strings, tool, {"role": "assistant", "content": "I do not know."}], 0.0),
+             ([call, tool, {"role": "assistant", "content": "304468 * 739 = 9"}], 0.2)]
+    for messages, want in cases:
+        completion = tools.Completion("", messages=messages)
+        got = tasks.total_rewards(tasks.chat_multiply, [completion], ["412 * 739"]).item()
+        assert got == pytest.approx(want), messages
