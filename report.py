@@ -41,9 +41,9 @@ before the update (~1e-7 in float32: the engine's health check) | len: mean comp
 stop token included (a tool's answers too) | calls: tool turns answered per row (a task with a
 tool; errors: the model's mistakes told: a ToolError, a malformed or unknown function call) |
 tok/s: the rollout's new tokens per second | roll, lp, train: seconds in the rollout, the old and
-reference logprobs (mu > 1, beta > 0), training; compile: of those, the seconds torch.compile
-took (a step that compiled) | max RSS (CPU) or max allocated (GPU) | eval: mean held-out greedy reward (share fully correct), every
---eval_every steps"""
+reference logprobs (mu > 1, beta > 0), training; compile: of those, the seconds torch.compile took
+(a step that compiled) | max RSS (CPU) or max allocated (GPU) | eval: mean held-out greedy reward
+(share fully correct), every --eval_every steps"""
 
 # -----------------------------------------------------------------------------
 # The step's record and line
