@@ -38,12 +38,12 @@ step line: reward mean ± std over the step's samples | loss (about 0 when mu = 
 the gradient is not) | kl to the reference (beta > 0) | ent: mean entropy of the sampled tokens,
 nats | clip: share of tokens whose ratio was clipped | |dlogp|: mean |sampler logp - trainer logp|
 before the update (~1e-7 in float32: the engine's health check) | len: mean completion tokens, the
-stop token included (a tool's answers too) | calls: tool calls answered per row (a task with a
-tool; errors: calls the tool refused with tools.ToolError) | tok/s: the rollout's new tokens per
-second | roll, lp, train: seconds in the rollout, the old and reference logprobs (mu > 1, beta > 0),
-training; compile: of those, the seconds torch.compile took (a step that compiled) | max RSS (CPU)
-or max allocated (GPU) | eval: mean held-out greedy reward (share fully correct), every
---eval_every steps"""
+stop token included (a tool's answers too) | calls: tool turns answered per row (a task with a
+tool; errors: the model's mistakes told: a ToolError, a malformed or unknown function call) |
+tok/s: the rollout's new tokens per second | roll, lp, train: seconds in the rollout, the old and
+reference logprobs (mu > 1, beta > 0), training; compile: of those, the seconds torch.compile took
+(a step that compiled) | max RSS (CPU) or max allocated (GPU) | eval: mean held-out greedy reward
+(share fully correct), every --eval_every steps"""
 
 # -----------------------------------------------------------------------------
 # The step's record and line

@@ -34,6 +34,9 @@ Built in:
   `lookup_pair`, `lookup_sum`: the model writes its own answer from the tool's, scored on what
   it wrote: tools.Completion), and `tasks:chat_calc`, a product with a calculator (a chat
   checkpoint).
+- with a function tool in TRL's shape (functions.py; a Task's `tools`, `environment_factory`):
+  `tasks:chat_multiply`, the product by a typed Python function the chat model calls natively
+  (Hermes JSON), scored on its messages as a TRL reward reads its completion.
 
 The evaluation's prompts (eval_split): a finite dataset's own test split (`--eval_data FILE`, read
 by the same task factory), else distinct prompts held out of the training stream, at most half of a
@@ -57,6 +60,7 @@ from typing import Callable
 import numpy
 import torch
 
+import functions
 from grpo import combine_rewards
 from tools import Completion, Tool, ToolError
 
@@ -73,7 +77,20 @@ class Task:
     correct: Callable[[str, str], bool] | None = None  # a fully correct answer (the eval's share)
     examples: list[tuple] | None = None  # a finite dataset's (prompt, reference) pairs, else None
     tool: Tool | None = None   # what a row may call mid-completion (tools.py, episodes.py)
+    # Function tools as TRL's GRPOTrainer takes them (functions.py): typed, documented functions
+    # the chat template announces; a class whose instance (one per row) adds its methods as tools
+    tools: list[Callable] = field(default_factory=list)
+    environment_factory: Callable | None = None
+    tool_format: str = ""      # the calls' format: hermes, llama3_json; "" = the template's
 
+    def __post_init__(self):
+        if self.tool is not None and (self.tools or self.environment_factory is not None):
+            raise ValueError(f"task {self.name}: a tools.Tool (a call token) or function tools "
+                             "and an environment, not both")
+
+    @property
+    def has_tools(self) -> bool:
+        return self.tool is not None or bool(self.tools) or self.environment_factory is not None
 
 
 class RewardError(ValueError):
@@ -648,6 +665,76 @@ def calc_correct(completion: Completion, reference: str) -> float:
 # template's tool message. 48 tokens hold a call, its result message and the answer.
 chat_calc = Task("chat_calc", sample_chat_calc, [(calc_correct, 1.0)], max_new_tokens=48,
                  correct=lambda c, r: calc_correct(c, r) == 1.0, tool=Tool(calculator, call=""))
+
+# A function tool as TRL passes it (functions.py): typed and documented, called natively. SmolLM2's
+# chat template renders no tools, so the system message announces the function (its JSON schema)
+# and the Hermes call format, and one example exchange shows a call, its tool message as SmolLM2's
+# template writes one, and the answer after it. (A system message in Qwen2.5's `# Tools` wording
+# made SmolLM2-135M call an "add" it was never shown: 0 of 16 held-out questions right.)
+
+
+def multiply(a: int, b: int) -> int:
+    """Multiply two integers.
+
+    Args:
+        a: The first factor.
+        b: The second factor.
+    """
+    return a * b
+
+
+MULTIPLY_SYSTEM = (
+    "You can call a function: " + json.dumps(functions.json_schema(multiply)["function"])
+    + '\nTo call it, write <tool_call>\n{"name": "multiply", "arguments": {"a": ..., "b": ...}}\n'
+    "</tool_call> and end your turn; the result comes back as a message. Then give the final "
+    "answer as a number.")
+MULTIPLY_EXAMPLE = [
+    {"role": "user", "content": "What is 23 * 47?"},
+    {"role": "assistant", "content": '<tool_call>\n{"name": "multiply", "arguments": {"a": 23, '
+                                     '"b": 47}}\n</tool_call>'},
+    {"role": "tool", "name": "multiply", "content": "1081"},
+    {"role": "assistant", "content": "23 * 47 = 1081"}]
+
+
+def sample_chat_multiply(rng: random.Random) -> tuple[list[dict], str]:
+    """"What is 412 * 739?" after the system message and the example (810,000 questions); the
+    reference is the question's "412 * 739"."""
+    a, b = rng.randrange(100, 1000), rng.randrange(100, 1000)
+    return [{"role": "system", "content": MULTIPLY_SYSTEM}, *MULTIPLY_EXAMPLE,
+            {"role": "user", "content": f"What is {a} * {b}?"}], f"{a} * {b}"
+
+
+def product(reference: str) -> str:
+    a, b = reference.split(" * ")
+    return str(int(a) * int(b))
+
+
+def final_answer_correct(completion: Completion, reference: str) -> float:
+    """TRL's way to read an episode: its last message (`completions[i][-1]["content"]` there) is
+    the model's final turn, and its last number is the product. A last message that is the tool's
+    (the budget ended the row there) earns nothing: the tool's text is not the model's answer."""
+    last = completion.messages[-1]
+    return answer_correct(last["content"], product(reference)) if last["role"] == "assistant" \
+        else 0.0
+
+
+def calls_multiply(completion: Completion, reference: str) -> float:
+    """The model's first turn calls multiply on the question's two numbers (its own text, parsed:
+    the call is its action, whether a tool answers it or not)."""
+    calls = completion.messages[0].get("tool_calls", [])
+    a, b = (int(x) for x in reference.split(" * "))
+    return float(any(c["function"] in ({"name": "multiply", "arguments": {"a": a, "b": b}},
+                                       {"name": "multiply", "arguments": {"a": b, "b": a}})
+                     for c in calls))
+
+
+# Credit: the answer (1) and, as a first step a random sample rarely takes whole, the right call
+# (0.2). The call ends the model's turn; 80 tokens hold SmolLM2's call (37 tokens), its end, the
+# tool's message (16), an answer "412 * 739 = 304468" (16) and its end.
+chat_multiply = Task("chat_multiply", sample_chat_multiply,
+                     [(final_answer_correct, 1.0), (calls_multiply, 0.2)], max_new_tokens=80,
+                     correct=lambda c, r: final_answer_correct(c, r) == 1.0, tools=[multiply],
+                     tool_format="hermes")
 
 # -----------------------------------------------------------------------------
 # The evaluation's prompts, which training never draws

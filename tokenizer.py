@@ -16,9 +16,11 @@ conversation (a list of {"role", "content"} messages, TRL's conversational forma
 Prompts are left-truncated to a length (the question sits at the end). A checkpoint the engine
 writes carries these files verbatim (save_pretrained), so transformers reads it as the source.
 A tool turn (multi-turn tool use) is the text the template writes between an assistant message's
-content and the next generation prompt when a tool message follows, cut out of one rendering.
+content and the next generation prompt when tool messages follow, cut out of one rendering. A task's
+function tools (functions.py) reach the template as `tools`, their JSON schemas, as transformers'
+`apply_chat_template(..., tools=...)` passes them (None without: some templates test for it).
 
-Leaves out: tool schemas and documents in templates, multimodal content, assistant masks,
+Leaves out: documents in templates, multimodal content, assistant masks,
 tokenizers other than tokenizer.json (sentencepiece .model files).
 Tested by tests/test_tokenizer.py.
 """
@@ -191,10 +193,12 @@ class PromptTokenizer:
                                  f"{sorted(map(str, named))} and none is named 'default'")
         return template if isinstance(template, str) else None
 
-    def render(self, messages: list[dict], variables: dict | None = None) -> str:
+    def render(self, messages: list[dict], tools: list[dict] | None = None,
+               variables: dict | None = None) -> str:
         """The conversation as the checkpoint's template writes it, ending with the generation
-        prompt (transformers' apply_chat_template(messages, tokenize=False,
-        add_generation_prompt=True, **variables)); variables: --chat_template_kwargs'."""
+        prompt (transformers' apply_chat_template(messages, tools=tools, tokenize=False,
+        add_generation_prompt=True, **variables)); tools: the functions' JSON schemas;
+        variables: --chat_template_kwargs'."""
         where = self.source or "the tokenizer"
         if self._template is None:
             source = self.template_source()
@@ -214,21 +218,22 @@ class PromptTokenizer:
         messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
         try:
             # the variables after the special tokens, as transformers passes them: they win
-            return self._template.render(messages=messages, add_generation_prompt=True,
+            return self._template.render(messages=messages, tools=tools,
+                                         add_generation_prompt=True,
                                          **{**specials, **(variables or {})})
         except Exception as e:  # a checkpoint's template is code: any failure is one line
             raise ValueError(f"the chat template refused the conversation: {e}") from None
 
-    def tool_turn(self, messages: list[dict], result: str, end: str = "",
-                  variables: dict | None = None) -> str:
-        """The text the chat template writes after an assistant message's content when a tool
-        message (role "tool", content `result`) follows it, through the next assistant turn's
-        generation prompt. `end`: the text of the token that ended the model's call (already in the
-        row, e.g. "<|im_end|>"), dropped from the front when the template writes it there.
-        variables: the prompt's (render)."""
-        turn = [{"role": "assistant", "content": TOOL_TURN_MARK},
-                {"role": "tool", "content": result}]
-        text = self.render(messages + turn, variables)
+    def tool_turn(self, messages: list[dict], result: str | list[dict], end: str = "",
+                  tools: list[dict] | None = None, variables: dict | None = None) -> str:
+        """The text the chat template writes after an assistant message's content when tool
+        messages follow it (`result`: their list, or one's content), through the next assistant
+        turn's generation prompt. `end`: the text of the token that ended the model's call (already
+        in the row, e.g. "<|im_end|>"), dropped from the front when the template writes it there.
+        tools, variables: the prompt's (render)."""
+        results = [{"role": "tool", "content": result}] if isinstance(result, str) else result
+        turn = [{"role": "assistant", "content": TOOL_TURN_MARK}, *results]
+        text = self.render(messages + turn, tools, variables)
         if text.count(TOOL_TURN_MARK) != 1:
             raise ValueError("the chat template does not write an assistant message's content once "
                              "and verbatim, so the tool turn cannot be cut out of its rendering")
@@ -246,34 +251,37 @@ class PromptTokenizer:
             raise ValueError(f"prompt {text!r} has {what} that the tokenizer cannot "
                              "encode") from None
 
-    def encode(self, prompt: str | list[dict], cfg: PromptConfig) -> list[int]:
+    def encode(self, prompt: str | list[dict], cfg: PromptConfig,
+               tools: list[dict] | None = None) -> list[int]:
         """One prompt's ids: plain text through the post-processor, a conversation through the
-        chat template. --system_prompt makes a string the user's message of a conversation."""
+        chat template (with the tools' schemas). --system_prompt, or tools, make a string the
+        user's message of a conversation."""
         if isinstance(prompt, str):
             if cfg.prompt_template:
                 prompt = cfg.prompt_template.replace("{prompt}", prompt)
-            if not cfg.system_prompt:
+            if not cfg.system_prompt and tools is None:
                 return self.encode_text(prompt)
             prompt = [{"role": "user", "content": prompt}]
         check_conversation(prompt)
         if cfg.system_prompt and prompt[0].get("role") != "system":
             prompt = [{"role": "system", "content": cfg.system_prompt}, *prompt]
-        return self.encode_text(self.render(prompt, cfg.template_variables()),
+        return self.encode_text(self.render(prompt, tools, cfg.template_variables()),
                                 add_special_tokens=False)
 
-    def encode_observation(self, messages: list[dict], result: str, end: str = "",
+    def encode_observation(self, messages: list[dict], result: str | list[dict], end: str = "",
+                           tools: list[dict] | None = None,
                            variables: dict | None = None) -> list[int]:
         """tool_turn's text as ids, encoded without special tokens added (the template writes
         them)."""
         # NOTE encoded apart from the row: exact when the turn starts at a token boundary (a special
         # token, as published templates write; the reference tests check ChatML and Llama 3.1)
-        return self.encode_text(self.tool_turn(messages, result, end, variables),
+        return self.encode_text(self.tool_turn(messages, result, end, tools, variables),
                                 add_special_tokens=False)
 
-    def encode_prompts(self, prompts: list, cfg: PromptConfig,
-                       max_len: int) -> tuple[list[list[int]], int]:
+    def encode_prompts(self, prompts: list, cfg: PromptConfig, max_len: int,
+                       tools: list[dict] | None = None) -> tuple[list[list[int]], int]:
         """Each prompt's ids, left-truncated to max_len; and how many were truncated."""
-        ids = [self.encode(prompt, cfg) for prompt in prompts]
+        ids = [self.encode(prompt, cfg, tools) for prompt in prompts]
         truncated = sum(len(x) > max_len for x in ids)
         return [x[-max_len:] for x in ids], truncated  # keep the end: the question sits there
 

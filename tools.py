@@ -28,10 +28,14 @@ and the input (train.py checkpoints the last finished step first). A call the MO
 malformed expression) is not a failure: the tool raises ToolError(message) and the row gets
 "error: message" as its observation, counted in the step's tool_errors. A call counts (calls,
 tool_errors, the turns) only once its whole answer entered the row: one cut by the completion
-budget ends the row uncounted.
+budget ends the row uncounted. A fresh model's tokenizer holds the task's alphabet alone: an
+error message's characters outside it are dropped from the row, and the run says which once
+(`Responder.dropped`); a tool's own answer that the tokenizer cannot write stops the run.
 
-Leaves out: tool schemas in the system prompt (the task's prompt says how to call), parallel
-calls within one turn, tools running on a GPU.
+Function tools (TRL's `tools=` and `environment_factory`: schemas in the chat template, native
+calls parsed and dispatched, one tool message per call) are functions.py's; the Responder writes
+their answers as it writes a Tool's, and builds every Completion's `messages` (TRL's completion).
+Leaves out: tools running on a GPU.
 Tested by tests/test_episodes.py.
 """
 
@@ -66,14 +70,23 @@ class Completion(str):
     writer changes: (text, True) for what the model sampled, (text, False) for a tool's answer.
     A completion with no tool turn is one part. The parts are decoded one by one: they join to
     the text unless a character's bytes straddle a boundary (a byte-level tokenizer). `stopped`:
-    the model ended it with a stop token (False: the budget, or a call past --max_turns)."""
+    the model ended it with a stop token (False: the budget, or a call past --max_turns).
+    `messages`: the episode as TRL's completion (Responder.completions; the model's turns as
+    assistant messages, each answer as its tool messages), and `environment`: the row's
+    environment instance (functions.py) or None."""
     parts: tuple[tuple[str, bool], ...]
     stopped: bool
+    messages: list[dict]
+    environment: object
 
-    def __new__(cls, text: str, parts=None, stopped: bool = True):
+    def __new__(cls, text: str, parts=None, stopped: bool = True, messages=None,
+                environment=None):
         self = super().__new__(cls, text)
         self.parts = ((str(text), True),) if parts is None else tuple(parts)
         self.stopped = stopped
+        self.messages = [{"role": "assistant", "content": str(text)}] if messages is None \
+            else messages
+        self.environment = environment
         return self
 
     @property
@@ -114,17 +127,26 @@ class ToolFailure(ValueError):
     """The tool itself failed (raised, hung, answered a non-string): the run stops."""
 
 
-def call_tools(task, fn: Callable, calls: list[tuple[str, str]], timeout: float
-               ) -> list[tuple[str | None, bool]]:
-    """fn(text, reference) for each call, in order, each within `timeout` seconds: (observation or
-    None, whether it was a ToolError) each. One daemon thread runs them all (a thread per call cost
-    0.8 ms on the CPU, more than the calls), and one that hangs cannot hold the process at exit."""
+@dataclass
+class ToolMessages:
+    """A turn's function calls answered (functions.py): the tool messages, one per call in order,
+    and how many of them tell the model its mistake."""
+    messages: list[dict]
+    errors: int
+
+
+def call_tools(task, fn: Callable, calls: list[tuple], timeout: float
+               ) -> list[tuple[str | ToolMessages | None, int]]:
+    """fn(*call) for each call, in order, each within `timeout` seconds (a call's first two
+    arguments are the text and the reference its failures name): (observation or None, the model's
+    mistakes in it) each. One daemon thread runs them all (a thread per call cost 0.8 ms on the
+    CPU, more than the calls), and one that hangs cannot hold the process at exit."""
     results: queue.Queue = queue.Queue()
 
     def run():
-        for text, reference in calls:
+        for call in calls:
             try:
-                results.put(("ok", fn(text, reference)))
+                results.put(("ok", fn(*call)))
             except ToolError as e:
                 results.put(("model", f"error: {e}"))
             except Exception as e:  # the tool's own failure: reported with its input
@@ -134,22 +156,27 @@ def call_tools(task, fn: Callable, calls: list[tuple[str, str]], timeout: float
     name = getattr(fn, "__name__", repr(fn))
     where = f"task {task.name}: tool {name}"
     answers = []
-    for text, reference in calls:
+    for text, reference, *_ in calls:
         try:
             kind, value = results.get(timeout=timeout)
         except queue.Empty:
             raise ToolFailure(f"{where} did not answer within --tool_timeout {timeout:g} s on "
                               f"text {text!r} (reference {reference!r}); make it faster or raise "
                               "the timeout") from None
+        if kind == "raised" and isinstance(value, ToolFailure):  # said in full where it happened
+            raise value
         if kind == "raised":
             raise ToolFailure(f"{where} raised {type(value).__name__}: {value} on text {text!r} "
                               f"(reference {reference!r}); a call the model got wrong should "
                               "raise tools.ToolError")
-        if value is not None and not isinstance(value, str):
+        if value is not None and not isinstance(value, (str, ToolMessages)):
             raise ToolFailure(f"{where} returned {type(value).__name__} {str(value)[:60]!r} on "
                               f"text {text!r}; a tool returns the observation's text, or None to "
                               "end the episode")
-        answers.append((value, kind == "model"))
+        if isinstance(value, ToolMessages):
+            answers.append((value, value.errors))
+        else:
+            answers.append((value, int(kind == "model")))
     return answers
 
 
@@ -168,59 +195,129 @@ def call_ids(tool: Tool, tokenizer, stop_ids: tuple[int, ...]) -> tuple[int, ...
 
 class Responder:
     """Episodes.respond for one rollout: each waiting row's episode so far (a Completion) to its
-    tool's observation ids. Keeps where each row's answers went and which were ToolErrors."""
+    tool's observation ids. Keeps where each row's answers went, what they said and how many
+    mistakes they told; with function tools (`toolbox`, functions.py) it holds the rollout's
+    session: each row's environment, and the examples as reset() left their prompts."""
 
     def __init__(self, task, tokenizer, examples: list[tuple], num_samples: int,
-                 cfg: ToolConfig, prompt_cfg=None):
-        self.task, self.tokenizer, self.examples = task, tokenizer, examples
+                 cfg: ToolConfig, prompt_cfg=None, toolbox=None):
+        self.task, self.tokenizer, self.toolbox = task, tokenizer, toolbox
         self.G, self.cfg = num_samples, cfg
+        self.session = toolbox.start(examples, num_samples) if toolbox else None
+        self.examples = self.session.examples if self.session else examples
         self.system_prompt = prompt_cfg.system_prompt if prompt_cfg else ""  # a conversation
         self.variables = prompt_cfg.template_variables() if prompt_cfg else {}  # the prompt's
-        self.answers: dict[int, list[tuple[int, int, bool]]] = {}  # row -> (start, end, error)
+        # row -> (start, end, mistakes told, the answer's messages), one per answered turn
+        self.answers: dict[int, list[tuple[int, int, int, list[dict]]]] = {}
+        self.dropped: set[str] = set()  # characters of error messages the tokenizer cannot write
 
     def __call__(self, calls: list[tuple[int, list[int]]]) -> list[list[int] | None]:
+        return self.apply(calls, self.answer(calls))
+
+    def answer(self, calls: list[tuple[int, list[int]]]) -> list[tuple]:
+        """The tool's answers to the waiting rows, (observation, mistakes) each: the task's Tool,
+        or the session's function calls (under tensor parallelism, on the first rank alone)."""
         texts = [self.completion(row, tokens) for row, tokens in calls]
-        examples = [self.examples[row // self.G] for row, _ in calls]
-        answered = call_tools(self.task, self.task.tool.fn,
-                              [(text, reference) for text, (_, reference) in zip(texts, examples)],
+        references = [self.examples[row // self.G][1] for row, _ in calls]
+        if self.session is not None:
+            return call_tools(self.task, self.session.respond,
+                              [(t, ref, row) for t, ref, (row, _) in zip(texts, references, calls)],
                               self.cfg.tool_timeout)
+        return call_tools(self.task, self.task.tool.fn, list(zip(texts, references)),
+                          self.cfg.tool_timeout)
+
+    def apply(self, calls: list[tuple[int, list[int]]], answered: list[tuple]
+              ) -> list[list[int] | None]:
+        """Each answer as the row's observation ids (None: the episode ends), recorded."""
         answers = []
-        for (observation, error), (row, tokens), text, (prompt, _) in zip(answered, calls, texts,
-                                                                         examples):
-            ids = None if observation is None else self.encode(prompt, observation, tokens[-1],
-                                                               text)
-            if ids is not None:  # the row's tokens from len(tokens) on are the tool's
+        for (observation, errors), (row, tokens) in zip(answered, calls):
+            prompt = self.examples[row // self.G][0]
+            ids = None
+            if observation is not None:
+                messages = observation.messages if isinstance(observation, ToolMessages) \
+                    else [{"role": "tool", "content": observation}]
+                ids = self.encode(prompt, messages, tokens, errors)
+                # the row's tokens from len(tokens) on are the tool's
                 self.answers.setdefault(row, []).append((len(tokens), len(tokens) + len(ids),
-                                                         error))
+                                                         errors, messages))
             answers.append(ids)
         return answers
 
     def completion(self, row: int, tokens: list[int]) -> Completion:
         """The row's episode so far: its earlier answers are the tool's parts."""
         own = [True] * len(tokens)
-        for start, end, _ in self.answers.get(row, []):
+        for start, end, _, _ in self.answers.get(row, []):
             own[start:end] = [False] * (end - start)
         decode = self.tokenizer.decode
         return Completion(decode(tokens), split_parts(decode, tokens, own), stopped=False)
 
     def errors(self, calls: list[int]) -> int:
-        """The ToolErrors among the calls that counted, calls[row] of each row (episodes.py): a
+        """The mistakes told in the calls that counted, calls[row] of each row (episodes.py): a
         row's first answers, since an answer the budget cut ends its row."""
-        return sum(error for row, answers in self.answers.items()
-                   for _, _, error in answers[:calls[row]])
+        return sum(errors for row, answers in self.answers.items()
+                   for _, _, errors, _ in answers[:calls[row]])
 
-    def encode(self, prompt, observation: str, end: int, text: str) -> list[int]:
-        """The observation's ids as the prompt's format writes it (the module docstring)."""
+    def completions(self, texts: list[str], ids: list[list[int]], stopped: list[bool],
+                    policy: list[list[bool]]) -> list[Completion]:
+        """What the reward functions see: each row's text (the stop token left out), its parts,
+        its messages (TRL's completion) and its environment."""
+        decode, rows = self.tokenizer.decode, []
+        for row, (text, x, stop, own) in enumerate(zip(texts, ids, stopped, policy)):
+            x = x[:len(x) - stop]
+            env = self.session.environments[row] if self.session else None
+            rows.append(Completion(text, split_parts(decode, x, own[:len(x)]), stop,
+                                   self.conversation(row, x), env))
+        return rows
+
+    def conversation(self, row: int, ids: list[int]) -> list[dict]:
+        """The row as messages: the model's turns as assistant messages (content and, for function
+        tools, tool_calls), each answer's tool messages after the turn that called."""
+        def assistant(tokens: list[int]) -> dict:
+            text = self.tokenizer.decode(tokens)
+            return self.toolbox.assistant(text) if self.toolbox else {"role": "assistant",
+                                                                      "content": text}
+        messages, at = [], 0
+        for start, end, _, answer in self.answers.get(row, []):
+            messages += [assistant(ids[at:start]), *answer]
+            at = end
+        if at < len(ids) or not messages:  # else the budget ended the row in a tool's answer
+            messages.append(assistant(ids[at:]))
+        return messages
+
+    def encode(self, prompt, messages: list[dict], tokens: list[int], errors: int) -> list[int]:
+        """The answer's ids as the prompt's format writes it (the module docstring): a plain-text
+        prompt's the text itself, a conversation's the template's tool messages."""
+        schemas = self.toolbox.schemas if self.toolbox else None
+        text = messages[0]["content"]
         try:
-            if isinstance(prompt, str) and not self.system_prompt:
-                return self.tokenizer.encode_text(observation, add_special_tokens=False)
-            if isinstance(prompt, str):  # --system_prompt made it a conversation
-                prompt = [{"role": "system", "content": self.system_prompt},
-                          {"role": "user", "content": prompt}]
+            if isinstance(prompt, str) and not self.system_prompt and schemas is None:
+                return self.encode_text(text, errors)
+            if isinstance(prompt, str):  # --system_prompt (or the tools) made it a conversation
+                prompt = [{"role": "system", "content": self.system_prompt}] * bool(
+                    self.system_prompt) + [{"role": "user", "content": prompt}]
             # the end token the row wrote is the template's: not written twice
-            return self.tokenizer.encode_observation(prompt, observation,
-                                                     self.tokenizer.decode([end]), self.variables)
+            return self.tokenizer.encode_observation(prompt, messages,
+                                                     self.tokenizer.decode(tokens[-1:]), schemas,
+                                                     self.variables)
         except ValueError as e:
-            raise ToolFailure(f"task {self.task.name}: the tool's answer {observation!r} to text "
-                              f"{text!r} cannot go into the row: {e} (a fresh model's "
+            said = self.tokenizer.decode(tokens)
+            raise ToolFailure(f"task {self.task.name}: the tool's answer {text!r} to text "
+                              f"{said!r} cannot go into the row: {e} (a fresh model's "
                               "tokenizer holds the task's alphabet only)") from None
+
+    def encode_text(self, text: str, errors: int) -> list[int]:
+        """A plain-text answer's ids. An error message (the model's mistake, free text) keeps the
+        characters the tokenizer can write and drops the others (`dropped`: the run says which);
+        the tool's own answer must be written whole."""
+        try:
+            return self.tokenizer.encode_text(text, add_special_tokens=False)
+        except ValueError:
+            if not errors:
+                raise
+        ids = []
+        for char in text:
+            try:
+                ids += self.tokenizer.encode_text(char, add_special_tokens=False)
+            except ValueError:
+                self.dropped.add(char)
+        return ids

@@ -52,6 +52,7 @@ import checkpoint
 import cli
 import compiling
 import dp
+import functions
 import grpo
 import memory
 import plan
@@ -186,6 +187,7 @@ class Run:
     tokenizer: tk.PromptTokenizer
     stop_ids: tuple[int, ...]        # config.json's and generation_config.json's eos ids
     call_ids: tuple[int, ...]        # the task's tool-call token ids; () = no tool (tools.py)
+    toolbox: functions.Toolbox | None  # the task's function tools and environment
     generation_config: dict | None   # the source's, copied into every checkpoint
     model: Llama
     sampler: Llama                   # the trainer itself, or a copy in --sampler_dtype
@@ -201,6 +203,7 @@ class Run:
     logprob_fn: object = None        # TP: vocab-parallel logprobs
     signals: checkpoint.StopSignals = field(default_factory=checkpoint.StopSignals)
     notes: list[str] = field(default_factory=list)  # lines printed at the first step
+    dropped: set[str] = field(default_factory=set)  # characters of tool errors said dropped
 
     @property
     def local_prompts(self) -> int:  # this dp rank's share of the generation batch
@@ -255,14 +258,20 @@ def setup(values: dict[str, object]) -> Run:
     plan.fit(mem, cfgs, model, sampler, reference, local_prompts, groups.tp_size, device.type,
              explicit)  # --memory_budget's micro-batch and chunk, or the default's bound
     stop_ids = stop_token_ids(model.config, generation_config)
-    call_ids = ()
+    call_ids, toolbox = (), None
     if task.tool is not None and cfgs.tools.tools:
         try:
             call_ids = tools.call_ids(task.tool, tokenizer, stop_ids)
         except ValueError as e:
             raise ValueError(f"task {task.name}: {e}") from None
-    run = Run(cfgs, rank, groups, device, task, tokenizer, stop_ids, call_ids, generation_config,
-              model, sampler, reference, optimizer, mem, cache, start=start,
+    if task.tools or task.environment_factory is not None:
+        toolbox, note = functions.build(task, tokenizer, stop_ids, groups.tp_size)
+        task = dataclasses.replace(task, rewards=[*task.rewards, (toolbox.reward, 1.0)]
+                                   ) if toolbox.reward else task
+        call_ids = stop_ids if cfgs.tools.tools else ()  # a call ends the model's turn
+        notes.append(note)
+    run = Run(cfgs, rank, groups, device, task, tokenizer, stop_ids, call_ids, toolbox,
+              generation_config, model, sampler, reference, optimizer, mem, cache, start=start,
               opt_step=start * cfgs.grpo.mu,
               health=report.Health(cfg.max_bad_steps, cfg.max_unscored_steps, cfg.max_flat_steps))
     if cfg.eval_every:  # the split may be empty: then there is no evaluation
@@ -278,14 +287,16 @@ def setup(values: dict[str, object]) -> Run:
     return run
 
 
+
 # -----------------------------------------------------------------------------
 # Prompts and rewards
 
 
-def draw_prompts(run: Run, step: int, round: int = 0) -> tuple[list[list[int]], list[tuple], int]:
-    """This rank's prompts as token ids, its (prompt, reference) examples, and how many prompts
-    were truncated. The whole batch is a function of (seed, step, round) alone, so a resumed run
-    draws the same one."""
+def draw_prompts(run: Run, step: int, round: int = 0) -> tuple[list[list[int]], list[tuple], int,
+                                                              tools.Responder | None]:
+    """This rank's prompts as token ids, its (prompt, reference) examples, how many prompts were
+    truncated, and the rollout's tool (its environments reset, their text in the prompts). The
+    whole batch is a function of (seed, step, round) alone, so a resumed run draws the same one."""
     cfg = run.cfgs.train
     rng = random.Random(cfg.seed * 1_000_003 + step if not round else f"{cfg.seed}:{step}:{round}")
     try:
@@ -295,8 +306,10 @@ def draw_prompts(run: Run, step: int, round: int = 0) -> tuple[list[list[int]], 
         raise StopTraining(str(e)) from None
     lo = run.groups.dp_rank * run.local_prompts
     examples = examples[lo:lo + run.local_prompts]
+    responder = episodes_for(run, examples, run.cfgs.rollout.num_samples)
+    examples = responder.examples if responder else examples
     ids, truncated = encode_prompts(run, [prompt for prompt, _ in examples])
-    return ids, examples, truncated
+    return ids, examples, truncated, responder
 
 
 def encode_prompts(run: Run, prompts: list) -> tuple[list[list[int]], int]:
@@ -304,8 +317,9 @@ def encode_prompts(run: Run, prompts: list) -> tuple[list[list[int]], int]:
     against the model's context."""
     hint = ""
     try:
-        ids, truncated = run.tokenizer.encode_prompts(prompts, run.cfgs.prompt,
-                                                      run.cfgs.train.max_prompt_len)
+        ids, truncated = run.tokenizer.encode_prompts(
+            prompts, run.cfgs.prompt, run.cfgs.train.max_prompt_len,
+            run.toolbox.schemas if run.toolbox else None)
         hint = " (lower --max_prompt_len or --max_new_tokens)"
         if ids:
             rollout.check_prompts(ids, run.stop_ids, run.cfgs.rollout.max_new_tokens,
@@ -316,20 +330,24 @@ def encode_prompts(run: Run, prompts: list) -> tuple[list[list[int]], int]:
 
 
 def episodes_for(run: Run, examples: list[tuple], G: int) -> tools.Responder | None:
-    """The rollout's tool (tools.py), or None when the task has none (or --tools false)."""
-    if not run.call_ids:
+    """The rollout's tool (tools.py; with --tools false it answers nothing but still builds the
+    completions' messages and environments), or None when the task has none."""
+    if not run.task.has_tools:
         return None
-    return tools.Responder(run.task, run.tokenizer, examples, G, run.cfgs.tools, run.cfgs.prompt)
+    return tools.Responder(run.task, run.tokenizer, examples, G, run.cfgs.tools, run.cfgs.prompt,
+                           run.toolbox)
 
 
 def sample(run: Run, prompts: list[list[int]], cfg: rollout.RolloutConfig, seed: int | None,
            responder: tools.Responder | None) -> rollout.Rollout:
     """rollout.generate with this run's sampler, cache and stops, and the task's tool."""
     episodes = None
-    if responder is not None:
-        # Under tensor parallelism the first tp rank calls the tool, the others get its answers.
-        respond = responder if run.groups.tp_size == 1 else partial(
-            tp.on_first_rank, responder, run.groups, tools.ToolFailure)
+    if responder is not None and run.call_ids:
+        respond = responder
+        if run.groups.tp_size > 1:  # the first tp rank calls the tool, each rank writes its answers
+            def respond(calls):
+                return responder.apply(calls, tp.on_first_rank(responder.answer, run.groups,
+                                                               tools.ToolFailure, calls))
         episodes = rollout.Episodes(respond, run.call_ids, run.cfgs.tools.max_turns)
     with run.phase("rollout"):
         rollout.sync_weights(run.sampler, run.model)
@@ -337,18 +355,21 @@ def sample(run: Run, prompts: list[list[int]], cfg: rollout.RolloutConfig, seed:
                                 cache=run.cache, logits_fn=run.logits_fn, episodes=episodes)
 
 
-def completion_texts(run: Run, out: rollout.Rollout) -> list:
+def completion_texts(run: Run, out: rollout.Rollout, responder: tools.Responder | None) -> list:
     """What the reward functions see: each row's text without its stop token; for a task with a
-    tool, a tools.Completion each, the model's text told from the tool's answers, and whether the
-    row stopped."""
+    tool, a tools.Completion each (the model's text told from the tool's answers, the messages,
+    the environment). Error messages' characters the tokenizer lacks are said once."""
     ids, stopped = out.completions(), out.stopped.tolist()
     texts = run.tokenizer.decode_completions(ids, stopped)
-    if run.task.tool is None:
+    if responder is None:
         return texts
+    if responder.dropped - run.dropped and run.rank == 0:
+        run.dropped |= responder.dropped
+        print(f"note: task {run.task.name}: tool error messages hold characters the tokenizer "
+              f"cannot write, dropped from the rows: {''.join(sorted(run.dropped))!r}; add them "
+              "to the task's alphabet to keep them", flush=True)
     own = out.policy.tolist() if out.policy is not None else [[True] * len(x) for x in ids]
-    return [tools.Completion(text, tools.split_parts(run.tokenizer.decode, x[:len(x) - s],
-                                                     flags[:len(x) - s]), s)
-            for text, x, s, flags in zip(texts, ids, stopped, own)]
+    return responder.completions(texts, ids, stopped, own)
 
 # -----------------------------------------------------------------------------
 # One step
@@ -360,19 +381,18 @@ def sample_round(run: Run, step: int, round: int) -> tuple[grpo.GRPOBatch, torch
     cfgs, G = run.cfgs, run.cfgs.rollout.num_samples
     t0 = time.perf_counter()
     # 1. The step's prompts (each dp rank checks its own: they stop together).
-    prompts, examples, truncated = together(run, draw_prompts, run, step, round)
+    prompts, examples, truncated, responder = together(run, draw_prompts, run, step, round)
     # 2. Rollout: the sampler gets the trainer's weights, then samples G completions per prompt
     # (with a tool: episodes, each rank calling the tool for its own rows).
     seed = cfgs.train.seed * 1_000_003 + step * 7919 + run.groups.dp_rank + (round << 40)
-    responder = episodes_for(run, examples, G)
     out = together(run, sample, run, prompts, cfgs.rollout, seed, responder)
     counts = dict(rollout=time.perf_counter() - t0, truncated=truncated,
                   lengths=float(out.mask.sum()), new_tokens=float(out.stats["new_tokens"]),
                   tool_calls=sum(out.stats.get("calls", [])),
-                  tool_errors=responder.errors(out.stats["calls"]) if responder else 0)
+                  tool_errors=responder.errors(out.stats["calls"]) if run.call_ids else 0)
     # 3. Rewards: each reward function's score, summed as TRL sums them (None leaves one out).
     stopped = out.stopped.tolist()
-    texts = completion_texts(run, out)
+    texts = completion_texts(run, out, responder)
     examples = [example for example in examples for _ in range(G)]  # (N,)
     references = [ref for _, ref in examples]
     rewards = together(run, tasks.total_rewards, run.task, texts, references)
@@ -495,14 +515,16 @@ def evaluate(run: Run) -> tuple[dict, list[dict]]:
     t0 = time.perf_counter()
     items = run.eval.examples[run.groups.dp_rank::run.groups.dp_size]
     greedy = dataclasses.replace(run.cfgs.rollout, num_samples=1, temperature=0.0)
-    prompts = together(run, encode_prompts, run, [prompt for prompt, _ in items])[0]
-    texts, stopped = [], []
+    texts, stopped, shown = [], [], []  # shown: the prompts as the model saw them
     for first in range(0, len(items), run.local_prompts):  # batches the KV cache was sized for
-        part = slice(first, first + run.local_prompts)
-        out = together(run, sample, run, prompts[part], greedy, None,
-                       episodes_for(run, items[part], 1))
+        part = items[first:first + run.local_prompts]
+        responder = together(run, episodes_for, run, part, 1)  # environments reset
+        part = responder.examples if responder else part
+        shown += part
+        prompts = together(run, encode_prompts, run, [prompt for prompt, _ in part])[0]
+        out = together(run, sample, run, prompts, greedy, None, responder)
         stopped += out.stopped.tolist()
-        texts += completion_texts(run, out)
+        texts += completion_texts(run, out, responder)
     references = [ref for _, ref in items]
     scores = together(run, tasks.total_rewards, run.task, texts, references)
     correct = together(run, tasks.correct_flags, run.task, texts, references)
@@ -511,7 +533,7 @@ def evaluate(run: Run) -> tuple[dict, list[dict]]:
         [scored.sum().item(), len(scored), sum(correct or []), len(items)], run.groups, run.device)
     rewards = [None if math.isnan(x) else x for x in scores.tolist()]  # None: unscored
     samples = [dict(prompt=p, completion=t, reference=r, reward=x, stopped=s, correct=c)
-               for (p, r), t, x, s, c in zip(items, texts, rewards, stopped,
+               for (p, r), t, x, s, c in zip(shown, texts, rewards, stopped,
                                               correct or [None] * len(items))]
     samples = dp.interleave(samples, run.groups)  # every rank's, in the split's order
     return dict(eval_reward=total / count if count else None,

@@ -409,6 +409,23 @@ def test_an_answer_the_tokenizer_cannot_write_stops_the_run_in_one_line(tmp_path
     assert "cannot go into the row" in err and err.count("\n") == 1
 
 
+def test_an_error_message_the_tokenizer_cannot_write_is_cut_to_what_it_can_and_said_once(
+        tmp_path, capsys):
+    """Regression: a ToolError's "error: ..." (the model's mistake, free text) stopped a fresh
+    model's run as a tool failure when a character of it was outside the task's alphabet. Now the
+    row gets the characters the tokenizer writes, and one line says which were dropped."""
+    spec = write_module(tmp_path, "badcall", "import tools\ndef tool(text, ref):\n"
+                        "    raise tools.ToolError('Bad call!')\n"
+                        "task = tasks.Task('badcall', tasks.sample_lookup, tasks.lookup.rewards, "
+                        "alphabet=tasks.lookup.alphabet + 'lo', max_new_tokens=24, "
+                        "tool=tools.Tool(tool, call='?'))\n")
+    code, out = run(tmp_path, "--task", spec, "--steps", "2", "--eval_every", "0")
+    said = capsys.readouterr().out
+    assert code == 0 and sum(r["tool_errors"] for r in records(out)) > 0
+    lines = [line for line in said.splitlines() if "dropped from the rows" in line]
+    assert len(lines) == 1 and "' !:Ber'" in lines[0], lines  # "error: Bad call!" less "abcdlo"
+
+
 def test_a_call_token_that_is_not_one_token_is_refused_in_one_line(tmp_path, capsys):
     spec = write_module(tmp_path, "longcall", "import tools\ntask = tasks.Task('longcall', "
                         "tasks.sample_lookup, tasks.lookup.rewards, alphabet=tasks.lookup.alphabet,"
@@ -444,6 +461,11 @@ def test_a_chat_checkpoints_observation_is_the_templates_tool_message(tmp_path):
     episode = responder.completion(0, call + [end] + answers[0] + more + [end])
     assert episode.observations == [tokenizer.decode(answers[0])]
     assert episode.answer == "So <calc>36 + 1</calc><|im_end|>"
+    # TRL's view of the same row: the model's turns, the tool's message as the tool wrote it
+    assert responder.conversation(0, call + [end] + answers[0] + more) == [
+        {"role": "assistant", "content": "Let me see. <calc>12 * 3</calc><|im_end|>"},
+        {"role": "tool", "content": "result: 36"},
+        {"role": "assistant", "content": "So <calc>36 + 1</calc>"}]
     assert tokenizer.decode(responder([(0, call + [end] + answers[0] + more + [end])])[0]) == (
         "\n<|im_start|>user" + turn.replace("36", "37"))
 
@@ -542,18 +564,19 @@ def test_the_calculator_answers_the_turn_that_called_and_computes_only_arithmeti
     assert tasks.calculator(answered, "") is None  # answered already: this turn holds no call
 
 
-def scripted_chat_checkpoint(path, script: str) -> str:
-    """A ChatML checkpoint (test_tokenizer's, with <calc> and </calc> added as tokens) whose model
-    writes `script` and ends its turn after every generation prompt, sampled or greedy: its layers
-    add nothing to the residual (o_proj and down_proj 0), so the next token is a function of the
-    current one alone, a table written into the embeddings (one-hot rows) and the head."""
+def scripted_chat_checkpoint(path, script: str, added: tuple[str, ...] = ("<calc>", "</calc>")
+                             ) -> str:
+    """A ChatML checkpoint (test_tokenizer's, with `added` as tokens, <calc> and </calc>) whose
+    model writes `script` and ends its turn after every generation prompt, sampled or greedy: its
+    layers add nothing to the residual (o_proj and down_proj 0), so the next token is a function
+    of the current one alone, a table written into the embeddings (one-hot rows) and the head."""
     from tokenizers import Tokenizer
     import random
     import hf
     from test_tokenizer import write_checkpoint
     path = write_checkpoint(path, "qwen")
     tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
-    tok.add_tokens(["<calc>", "</calc>"])
+    tok.add_tokens(list(added))
     tok.save(os.path.join(path, "tokenizer.json"))
     tokenizer = tk.load_tokenizer(path)
     prompt = tokenizer.encode(tasks.chat_calc.sample(random.Random(0))[0], tk.PromptConfig())

@@ -1,0 +1,492 @@
+"""
+Function tools as a chat checkpoint calls them, in TRL's shape (GRPOTrainer's `tools=` and
+`environment_factory`): Python functions announced by the chat template, the model's native calls
+parsed and dispatched, and environments that keep a row's state.
+
+1. Schemas. A function with type hints and a Google-style docstring becomes the JSON schema that
+   transformers' get_json_schema builds (name, description, parameters: types, descriptions,
+   `(choices: [...])` enums, required), which the checkpoint's chat template renders as
+   `apply_chat_template(messages, tools=schemas)` does (tokenizer.py): Qwen's `# Tools` system
+   block, Llama 3.1's JSON in the first user message. A template that renders no tools (SmolLM2's)
+   leaves the announcing to the task's own prompt, and the first step says so.
+2. Calls. The model's turn ends (its stop token: tools.Tool's call ""), and its calls are parsed in
+   the family's format: "hermes" (Qwen, Hermes: `<tool_call>{"name": ..., "arguments": {...}}
+   </tool_call>`, several in a turn) or "llama3_json" (Llama 3.1: the turn is a JSON object with
+   "name" and "parameters"), chosen from the template's text unless the task names it. Each call
+   is dispatched by name with its arguments checked against the schema; the answers are the
+   template's tool messages, one per call, in order (tools.Responder writes them into the row). A
+   turn with no call ends the episode.
+3. Mistakes and failures. Malformed JSON, an unknown tool, missing, unexpected or ill-typed
+   arguments and a tool's own tools.ToolError are the model's mistakes: its tool message says
+   "error: ...", and the step line counts them. A tool that raises anything else is a bug in the
+   tool: the run stops in one line (TRL tells the model any exception; a broken tool would then be
+   trained on in silence).
+4. Environments. `environment_factory()` makes one instance per rollout row; its public methods
+   (not reset, not get_reward, no leading "_") are that row's tools beside the task's functions.
+   `reset(prompt=..., reference=...)` (the keywords it accepts) runs before the episode, and a
+   string it returns is appended to the last message of the prompt (TRL's rule). The G rows of a
+   group share one prompt (prefilled once), so their resets must return the same text. A
+   `get_reward()` method is a reward function of weight 1 (named after the class) that scores each
+   row from its own instance's state after the episode.
+5. What a reward sees: tools.Completion, and its `messages` (TRL's completion): the assistant
+   turns (content, and tool_calls in TRL's {"type": "function", "function": {...}} shape), the
+   tool messages ({"role": "tool", "name", "content"}), and `environment`, the row's instance.
+
+Leaves out: async tools and rewards, several environments in one task, tools under tensor
+parallelism with an environment (its state lives on one rank: refused), multimodal tool answers.
+Tested by tests/test_functions.py.
+"""
+
+import enum
+import inspect
+import json
+import re
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from tools import ToolError, ToolFailure, ToolMessages
+
+FORMATS = ("hermes", "llama3_json")
+
+# -----------------------------------------------------------------------------
+# Schemas: a function's type hints and docstring, as transformers' get_json_schema builds them
+
+SIMPLE_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean",
+                type(None): "null", list: "array", tuple: "array", dict: "object"}
+SCALARS = {int: "integer", float: "number", str: "string", bool: "boolean", type(None): "null"}
+
+
+def enum_schema(values: list) -> dict:
+    """{"type", "enum"}: the values' JSON types, each once, in the order they first appear."""
+    if not values or any(type(v) not in SCALARS for v in values):
+        raise ValueError(f"an enum's values must be int, float, str, bool or None, got {values!r}")
+    kinds = list(dict.fromkeys(SCALARS[type(v)] for v in values))
+    return {"type": kinds[0] if len(kinds) == 1 else kinds, "enum": list(values)}
+
+
+def type_schema(hint) -> dict:
+    """A type hint as a JSON schema: basic types, Enum and Literal, list/tuple/dict of those, unions
+    (a type list where every member is a plain type, else anyOf; None makes it nullable)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is None and isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return enum_schema([member.value for member in hint])
+    if origin is None:
+        if hint is Any:
+            return {}
+        if hint not in SIMPLE_TYPES:
+            raise ValueError(f"type hint {hint!r} has no JSON schema (use int, float, str, bool, "
+                             "Enum, Literal, or list, tuple, dict and unions of those)")
+        return {"type": SIMPLE_TYPES[hint]}
+    if origin is typing.Union or origin is types.UnionType:
+        members = [type_schema(t) for t in args if t is not type(None)]
+        if len(members) == 1:
+            schema = members[0]
+        elif all(m.keys() == {"type"} and isinstance(m["type"], str) for m in members):
+            names = sorted({m["type"] for m in members})
+            schema = {"type": names[0] if len(names) == 1 else names}
+        else:
+            schema = {"anyOf": members}
+        if type(None) in args:
+            schema["nullable"] = True
+        return schema
+    if origin is typing.Literal:
+        return enum_schema(list(args))
+    if origin is list:
+        return {"type": "array", "items": type_schema(args[0])} if args else {"type": "array"}
+    if origin is tuple:
+        if len(args) == 1 or ... in args:
+            raise ValueError(f"type hint {hint!r}: a tuple of one element or of any length has "
+                             "no fixed JSON schema; use list[...]")
+        return {"type": "array", "prefixItems": [type_schema(t) for t in args]}
+    if origin is dict:
+        schema = {"type": "object"}
+        if len(args) == 2:
+            schema["additionalProperties"] = type_schema(args[1])
+        return schema
+    raise ValueError(f"type hint {hint!r} has no JSON schema")
+
+
+SECTION = re.compile(r"(Args:|Returns:|Raises:|\Z)")
+ARG_LINE = re.compile(r"^([ \t]*)(\w+)(?:[ \t]*\([^()\n]*\))?:\s*(.*)$")
+
+
+def parse_docstring(doc: str) -> tuple[str, dict[str, str], str | None]:
+    """A Google-style docstring: the description (before Args:/Returns:/Raises:), each argument's
+    description (its continuation lines joined by spaces, a "(type)" after the name skipped) and
+    the Returns: text."""
+    description = doc[:SECTION.search(doc).start()].strip()
+    args: dict[str, str] = {}
+    block = re.search(r"\n\s*Args:\n(.*?)[\n\s]*(?:Returns:|Raises:|\Z)", doc, re.S)
+    if block:
+        lines = [line for line in block.group(1).split("\n") if line.strip()]
+        indent, name = None, None
+        for line in lines:
+            found = ARG_LINE.match(line)
+            if found and (indent is None or len(found.group(1)) <= len(indent)):
+                indent, name = found.group(1), found.group(2)
+                args[name] = found.group(3)
+            elif name is not None:  # a continuation line of the argument above
+                args[name] += "\n" + line
+        args = {k: re.sub(r"\s*\n+\s*", " ", v.strip()) for k, v in args.items()}
+    returns = re.search(r"\n\s*Returns:\n\s*(.*?)[\n\s]*(?:Raises:|\Z)", doc, re.S)
+    return description, args, returns.group(1).strip() if returns else None
+
+
+def json_schema(fn: Callable) -> dict:
+    """{"type": "function", "function": {name, description, parameters[, return]}}, key for key as
+    transformers.utils.get_json_schema(fn) (tests/test_functions.py), or one ValueError."""
+    name = getattr(fn, "__name__", "operation")
+    doc = inspect.getdoc(fn)
+    if not doc:
+        raise ValueError(f"tool {name} has no docstring: a tool's schema is its type hints and "
+                         "a Google-style docstring (a description, then Args: with one line each)")
+    description, described, returns = parse_docstring(doc.strip())
+    signature = inspect.signature(fn)
+    hints = typing.get_type_hints(fn)
+    params = list(signature.parameters.values())
+    if params and params[0].name in ("self", "cls") and params[0].annotation is params[0].empty:
+        params = params[1:]  # a function defined in a class, not bound
+    required = []
+    for p in params:
+        if p.name not in hints:
+            raise ValueError(f"tool {name}: argument {p.name!r} has no type hint")
+        if p.default is p.empty:
+            required.append(p.name)
+    properties, returned = {}, None
+    for arg, hint in hints.items():
+        if arg == "return":
+            try:  # the model never writes the return value: a hint with no schema is left out
+                returned = type_schema(hint)
+            except ValueError:
+                pass
+            continue
+        if arg not in {p.name for p in params}:
+            continue
+        try:
+            properties[arg] = type_schema(hint)
+        except ValueError as e:
+            raise ValueError(f"tool {name}: argument {arg!r}: {e}") from None
+        if arg not in described:
+            raise ValueError(f"tool {name}: the docstring's Args: does not describe {arg!r}")
+        text = described[arg]
+        choices = re.search(r"\(choices:\s*(.*?)\)\s*$", text, flags=re.I)
+        if choices:
+            values = json.loads(choices.group(1))
+            properties[arg]["enum"] = [c.strip() if isinstance(c, str) else c for c in values]
+            text = text[:choices.start()].strip()
+        properties[arg]["description"] = text
+    parameters = {"type": "object", "properties": properties}
+    if required:
+        parameters["required"] = required
+    function = {"name": name, "description": description, "parameters": parameters}
+    if returned is not None:
+        if returns is not None:
+            returned["description"] = returns
+        function["return"] = returned
+    return {"type": "function", "function": function}
+
+# -----------------------------------------------------------------------------
+# Calls: the model's turn parsed in its family's format
+
+
+def call_format(named: str, template: str | None) -> str:
+    """The task's format if it names one, else the one the chat template writes: hermes where it
+    shows <tool_call>, llama3_json where it asks for "parameters" (Llama 3.1). "" when neither."""
+    if named:
+        if named not in FORMATS:
+            raise ValueError(f"tool_format {named!r} is not one of {', '.join(FORMATS)}")
+        return named
+    template = template or ""
+    if "<tool_call>" in template:
+        return "hermes"
+    if '"parameters"' in template or "'parameters'" in template:
+        return "llama3_json"
+    return ""
+
+
+HERMES = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.S)
+
+
+def one_call(body: str) -> dict:
+    """A call's JSON text to {"name", "arguments"}; a ToolError for the model's malformed call."""
+    try:
+        call = json.loads(body)
+    except json.JSONDecodeError as e:
+        raise ToolError(f"the tool call is not valid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        raise ToolError('a tool call is a JSON object with a "name" and its "arguments"')
+    arguments = call.get("arguments", call.get("parameters", {}))
+    if isinstance(arguments, str):  # some models write the arguments as a JSON string
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            pass
+    if not isinstance(arguments, dict):
+        raise ToolError(f"{call['name']}'s arguments must be a JSON object, got "
+                        f"{json.dumps(arguments)[:60]}")
+    return {"name": call["name"], "arguments": arguments}
+
+
+def parse_turn(text: str, fmt: str) -> tuple[str, list]:
+    """The model's turn (its end token removed) as (content, calls): each call a {"name",
+    "arguments"} dict or the ToolError its malformed text makes. hermes: every <tool_call> block
+    (one the turn's end cut off too), the content the text outside them; llama3_json: a turn that
+    starts with a JSON object holding "name" is calls (objects one after another), else content."""
+    calls: list = []
+    if fmt == "hermes":
+        for body in HERMES.findall(text):
+            try:
+                calls.append(one_call(body.strip()))
+            except ToolError as e:
+                calls.append(e)
+        return HERMES.sub("", text).strip(), calls
+    rest = text.strip().removeprefix("<|python_tag|>").lstrip()
+    if not (rest.startswith("{") and '"name"' in rest):
+        return text.strip(), []
+    decoder = json.JSONDecoder()
+    while rest:
+        try:
+            _, end = decoder.raw_decode(rest)
+        except json.JSONDecodeError:
+            end = len(rest)  # the rest is one malformed call
+        try:
+            calls.append(one_call(rest[:end]))
+        except ToolError as e:
+            calls.append(e)
+        rest = rest[end:].lstrip().lstrip(";").lstrip()
+    return "", calls
+
+# -----------------------------------------------------------------------------
+# Arguments checked against the schema, as the model's mistakes
+
+
+def type_error(value, schema: dict) -> str | None:
+    """Why value does not fit schema (JSON's types: an integer is not a bool, a number is an
+    integer or a float), or None."""
+    if value is None and schema.get("nullable"):
+        return None
+    if "anyOf" in schema:
+        fits = any(type_error(value, s) is None for s in schema["anyOf"])
+        return None if fits else f"{json.dumps(value)} fits none of its types"
+    if "enum" in schema and value not in schema["enum"]:
+        return f"{json.dumps(value)} is not one of {json.dumps(schema['enum'])}"
+    kinds = schema.get("type")
+    if kinds is None:
+        return None
+    checks = {"integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+              "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+              "string": lambda v: isinstance(v, str), "boolean": lambda v: isinstance(v, bool),
+              "null": lambda v: v is None, "array": lambda v: isinstance(v, list),
+              "object": lambda v: isinstance(v, dict)}
+    names = [kinds] if isinstance(kinds, str) else kinds
+    if not any(checks.get(k, lambda v: True)(value) for k in names):
+        return f"{json.dumps(value)[:40]} is not {' or '.join(names)}"
+    if isinstance(value, list) and "items" in schema:
+        return next(filter(None, (type_error(v, schema["items"]) for v in value)), None)
+    if isinstance(value, list) and "prefixItems" in schema:
+        if len(value) != len(schema["prefixItems"]):
+            return f"{json.dumps(value)[:40]} does not hold {len(schema['prefixItems'])} items"
+        return next(filter(None, map(type_error, value, schema["prefixItems"])), None)
+    if isinstance(value, dict) and "additionalProperties" in schema:
+        extra = schema["additionalProperties"]
+        return next(filter(None, (type_error(v, extra) for v in value.values())), None)
+    return None
+
+
+def check_arguments(schema: dict, arguments: dict) -> None:
+    """A ToolError naming the first missing, unexpected or ill-typed argument."""
+    function = schema["function"]
+    properties = function["parameters"]["properties"]
+    name = function["name"]
+    for arg in function["parameters"].get("required", []):
+        if arg not in arguments:
+            raise ToolError(f"{name} is missing its argument {arg!r}")
+    for arg, value in arguments.items():
+        if arg not in properties:
+            raise ToolError(f"{name} has no argument {arg!r} (its arguments: "
+                            f"{', '.join(properties) or 'none'})")
+        why = type_error(value, properties[arg])
+        if why:
+            raise ToolError(f"{name}'s argument {arg!r}: {why}")
+
+# -----------------------------------------------------------------------------
+# The task's tools: functions and an environment, checked once; one session per rollout
+
+
+def environment_methods(instance) -> list[Callable]:
+    """An environment's tools: its class's public functions, bound to the instance, but reset and
+    get_reward (listed on the class: a property is never evaluated)."""
+    return [getattr(instance, name)
+            for name, _ in inspect.getmembers(type(instance), inspect.isfunction)
+            if not name.startswith("_") and name not in ("reset", "get_reward")]
+
+
+def reset_keywords(reset: Callable, **fields) -> dict:
+    """The fields a reset() accepts by name (all of them where it takes **kwargs)."""
+    params = inspect.signature(reset).parameters.values()
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return fields
+    return {k: v for k, v in fields.items() if k in {p.name for p in params}}
+
+
+class Toolbox:
+    """A task's function tools and environment factory, checked at setup: their schemas, the call
+    format, the environment's get_reward as a reward function. `ends`: the texts of the tokens
+    that end a turn (the stop ids), cut from a turn before it is parsed."""
+
+    def __init__(self, task, template: str | None, ends: list[str]):
+        self.task_name, self.factory, self.ends = task.name, task.environment_factory, ends
+        methods, self.reward = [], None
+        if self.factory is not None:
+            probe = self.factory()
+            if not callable(getattr(probe, "reset", None)):
+                raise ValueError(f"task {task.name}: environment "
+                                 f"{type(probe).__name__} has no reset() method")
+            methods = environment_methods(probe)
+            if callable(getattr(probe, "get_reward", None)):
+                self.reward = environment_reward(type(probe).__name__)
+        self.functions = list(task.tools)
+        try:
+            self.schemas = [json_schema(fn) for fn in self.functions + methods]
+        except ValueError as e:
+            raise ValueError(f"task {task.name}: {e}") from None
+        names = [s["function"]["name"] for s in self.schemas]
+        if len(set(names)) < len(names):
+            raise ValueError(f"task {task.name}: two tools share a name ({', '.join(names)})")
+        if not names:
+            raise ValueError(f"task {task.name}: its environment has no public method to call")
+        self.format = call_format(task.tool_format, template)
+        if not self.format:
+            raise ValueError(f"task {task.name}: the chat template shows no tool-call format; "
+                             f"name it: tasks.Task(..., tool_format=\"hermes\" or "
+                             "\"llama3_json\")")
+
+    def start(self, examples: list[tuple], G: int) -> "Session":
+        """One rollout's session: an environment per row (prompt-major, G rows a prompt), reset,
+        its text appended to the prompt's last message."""
+        environments = [self.factory() if self.factory else None for _ in range(len(examples) * G)]
+        prompted = []
+        for i, (prompt, reference) in enumerate(examples):
+            texts = [self.reset(env, prompt, reference) for env in environments[i * G:(i + 1) * G]]
+            if len(set(texts)) > 1:
+                raise ToolFailure(f"task {self.task_name}: reset() returned different texts for "
+                                  f"the {G} rows of one prompt ({texts[0]!r}, {texts[1]!r}, "
+                                  "...); the rows of a group share their prompt: make reset's "
+                                  "text a function of its prompt and reference")
+            if texts[0]:
+                if isinstance(prompt, str):
+                    prompt = prompt + texts[0]
+                else:
+                    prompt = [*prompt[:-1], {**prompt[-1],
+                                             "content": prompt[-1]["content"] + texts[0]}]
+            prompted.append((prompt, reference))
+        return Session(self, prompted, environments)
+
+    def reset(self, environment, prompt, reference) -> str:
+        if environment is None:
+            return ""
+        name = type(environment).__name__
+        try:
+            text = environment.reset(**reset_keywords(environment.reset, prompt=prompt,
+                                                      reference=reference))
+        except Exception as e:
+            raise ToolFailure(f"task {self.task_name}: environment {name}.reset raised "
+                              f"{type(e).__name__}: {e} (reference {reference!r})") from None
+        if text is not None and not isinstance(text, str):
+            raise ToolFailure(f"task {self.task_name}: environment {name}.reset returned "
+                              f"{type(text).__name__}; it returns a string to append to the "
+                              "prompt, or None")
+        return text or ""
+
+    def turn(self, text: str) -> str:
+        """A turn's text without the token that ended it."""
+        for end in self.ends:
+            if end and text.endswith(end):
+                return text[:-len(end)]
+        return text
+
+    def assistant(self, text: str) -> dict:
+        """A turn of the model as TRL's completion message: content, and its well-formed calls."""
+        content, calls = parse_turn(self.turn(text), self.format)
+        message = {"role": "assistant", "content": content}
+        good = [c for c in calls if isinstance(c, dict)]
+        if good:
+            message["tool_calls"] = [{"type": "function", "function": c} for c in good]
+        return message
+
+
+def environment_reward(name: str) -> Callable:
+    """get_reward() of the row's environment, as a task's reward function named after its class."""
+    def reward(completion, reference):
+        return completion.environment.get_reward()
+    reward.__name__ = name
+    return reward
+
+
+@dataclass
+class Session:
+    """One rollout's tools: the examples as reset left them, and each row's environment."""
+    box: Toolbox
+    examples: list[tuple]
+    environments: list
+
+    def respond(self, text, reference, row: int) -> ToolMessages | None:
+        """The calls of the row's turn (text.answer: what the model wrote since the last tool
+        message) answered in order, or None: the turn holds no call, the episode ends."""
+        _, calls = parse_turn(self.box.turn(text.answer), self.box.format)
+        if not calls:
+            return None
+        env = self.environments[row]
+        tools = {fn.__name__: fn for fn in self.box.functions}
+        tools.update({fn.__name__: fn for fn in environment_methods(env)} if env else {})
+        schemas = {s["function"]["name"]: s for s in self.box.schemas}
+        messages, errors = [], 0
+        for call in calls:
+            name = call["name"] if isinstance(call, dict) else ""
+            try:
+                if isinstance(call, ToolError):
+                    raise call
+                if name not in tools:
+                    raise ToolError(f"there is no tool {name!r} (the tools: "
+                                    f"{', '.join(tools)})")
+                check_arguments(schemas[name], call["arguments"])
+                content = self.call(tools[name], call["arguments"], reference)
+            except ToolError as e:
+                content, errors = f"error: {e}", errors + 1
+            messages.append({"role": "tool", "name": name, "content": content})
+        return ToolMessages(messages, errors)
+
+    def call(self, fn: Callable, arguments: dict, reference) -> str:
+        """fn(**arguments) as text (str() of what is not a string, as TRL writes it); a ToolError
+        passes to the model, anything else stops the run."""
+        try:
+            result = fn(**arguments)
+        except ToolError:
+            raise
+        except Exception as e:
+            raise ToolFailure(f"task {self.box.task_name}: tool {fn.__name__} raised "
+                              f"{type(e).__name__}: {e} on arguments {json.dumps(arguments)} "
+                              f"(reference {reference!r}); a call the model got wrong should "
+                              "raise tools.ToolError") from None
+        return result if isinstance(result, str) else str(result)
+
+
+def build(task, tokenizer, stop_ids: tuple[int, ...], tp_size: int) -> tuple[Toolbox, str]:
+    """The task's function tools for a run on this tokenizer (tokenizer.PromptTokenizer), checked,
+    and a note when the chat template does not render them (the task's prompt must announce them,
+    as SmolLM2's must)."""
+    template = tokenizer.template_source()
+    if template is None:
+        raise ValueError(f"task {task.name}: function tools need a chat checkpoint (--model DIR "
+                         "whose tokenizer has a chat template)")
+    if task.environment_factory is not None and tp_size > 1:
+        raise ValueError(f"task {task.name}: an environment keeps its state on one rank; run it "
+                         "with --tp 1")
+    toolbox = Toolbox(task, template, [tokenizer.decode([i]) for i in stop_ids])
+    name = toolbox.schemas[0]["function"]["name"]
+    shown = name in tokenizer.render([{"role": "user", "content": ""}], toolbox.schemas)
+    return toolbox, "" if shown else (f"task {task.name}: the chat template does not render "
+                                      f"tools; the task's own prompt must announce {name} and "
+                                      f"the call format ({toolbox.format})")
