@@ -222,6 +222,22 @@ def test_prompts_with_tools_equal_apply_chat_template(kind, tmp_path):
         CONVERSATION, tools=TOOLS, add_generation_prompt=True, return_dict=True)["input_ids"])
 
 
+def test_tools_and_chat_template_kwargs_reach_the_template_together(tmp_path):
+    """Qwen3 with its tools announced and thinking off (--chat_template_kwargs): the prompt's ids
+    equal apply_chat_template(..., tools=..., enable_thinking=False)'s."""
+    path = published("qwen3", tmp_path)
+    from transformers import AutoTokenizer
+    ref = AutoTokenizer.from_pretrained(path)
+    ours = tk.load_tokenizer(path)
+    schemas = [functions.json_schema(fn) for fn in TOOLS]
+    cfg = tk.PromptConfig(chat_template_kwargs='{"enable_thinking": false}')
+    ids = ours.encode(CONVERSATION, cfg, schemas)
+    assert ids == list(ref.apply_chat_template(
+        CONVERSATION, tools=TOOLS, add_generation_prompt=True, enable_thinking=False,
+        return_dict=True)["input_ids"])
+    assert ours.decode(ids).endswith("<think>\n\n</think>\n\n") and "# Tools" in ours.decode(ids)
+
+
 @pytest.mark.parametrize("kind", ["qwen3", "llama3_1"])
 def test_a_row_with_native_calls_and_their_tool_messages_equals_apply_chat_template(kind,
                                                                                     tmp_path):

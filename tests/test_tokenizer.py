@@ -476,7 +476,7 @@ def test_chat_template_kwargs_reach_the_template_as_apply_chat_templates_do(tmp_
     variables = json.loads(kwargs or "{}")
     messages = CONVERSATIONS[0]
     empty_thought = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
-    assert ours.render(messages, variables).endswith(empty_thought) == (kwargs == THINKING[1])
+    assert ours.render(messages, variables=variables).endswith(empty_thought) == (kwargs == THINKING[1])
     ref = reference(path)
     for messages in CONVERSATIONS:
         assert ours.encode(messages, cfg) == list(ref.apply_chat_template(
@@ -484,7 +484,7 @@ def test_chat_template_kwargs_reach_the_template_as_apply_chat_templates_do(tmp_
     ids = ours.encode(messages, cfg)
     for content, result in TOOL_CALLS:
         ids += ours.encode_text(content, add_special_tokens=False)
-        observation = ours.encode_observation(messages, result, "", variables)
+        observation = ours.encode_observation(messages, result, "", variables=variables)
         ids += observation
         messages = messages + [{"role": "assistant", "content": content},
                                {"role": "tool", "content": result}]
@@ -515,7 +515,7 @@ def test_qwen3s_published_template_encodes_as_transformers_thinking_on_and_off(k
     for content, result in TOOL_CALLS:
         ids += ours.encode_text(content, add_special_tokens=False) + [ours.tok.token_to_id(
             "<|im_end|>")]  # the model's turn ends with its stop token, already in the row
-        observation = ours.encode_observation(messages, result, "<|im_end|>", variables)
+        observation = ours.encode_observation(messages, result, "<|im_end|>", variables=variables)
         ids += observation
         messages = messages + [{"role": "assistant", "content": content},
                                {"role": "tool", "content": result}]
