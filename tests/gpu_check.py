@@ -207,7 +207,7 @@ def seed_figures(out: str, steps: int, status: str) -> dict:
 
 def tests_command(dry: bool, tests: list[str] | None = None) -> list[str]:
     """CUDA_TESTS (dry: one small file), or `tests` by id, one at a time."""
-    cmd = [sys.executable, "-m", "pytest", "-p", "deadline", "--deadline", "60", "-rfE", "-v",
+    cmd = [sys.executable, "-m", "pytest", "-p", "deadline", "--deadline", "90", "-rfE", "-v",
            "-p", "no:cacheprovider"]
     if tests:
         return cmd + tests
