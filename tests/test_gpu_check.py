@@ -11,6 +11,7 @@ import sys
 import time
 
 import gpu_check
+import graphs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -30,9 +31,11 @@ def test_the_dry_run_runs_every_part_through_the_compiled_routes(tmp_path):
         row = parts["decode"][f"P8 {route}"]
         assert 0 < row["floor_share"] <= 1 and row["decode_tokens_s"] > 0, (route, row)
         assert row["timed_compiles"] == 0, row  # the timed rollout compiled nothing more
-    assert parts["decode"]["P8 engine, compiled + graphs"]["compiles"] >= 1  # inductor ran
     eager, compiled = parts["kernels"]["bf16 kernel"], parts["kernels"]["bf16 kernel, compiled"]
-    assert 0 < compiled["per_layer"] < eager["per_layer"] and compiled["rest"] >= 0, parts["kernels"]
+    assert eager["per_layer"] > 0 and eager["rest"] >= 0, parts["kernels"]
+    if not graphs.unsupported():  # below graphs.MIN_TORCH the compiled routes run eagerly
+        assert parts["decode"]["P8 engine, compiled + graphs"]["compiles"] >= 1  # inductor ran
+        assert 0 < compiled["per_layer"] < eager["per_layer"] and compiled["rest"] >= 0
     train = parts["train"]
     for lengths in ("uniform", "mean 1/3"):
         for forward in ("padded", "packed", "naive"):
