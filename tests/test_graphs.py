@@ -86,6 +86,29 @@ def decoders(model: Llama, G: int, new: int) -> tuple[decode.Decoder, decode.Dec
     return *pair, first
 
 
+def step_against_float64(model: Llama, wide: Llama, compiled: decode.Decoder,
+                         eager: decode.Decoder, tokens: torch.Tensor,
+                         seqs: list[list[int]]) -> torch.Tensor:
+    """One step of both decoders on `tokens` (each active row's, appended to its sequence in
+    `seqs`): the compiled step's logits (on q/k/v and gate/up stacked anew, as generate's compiled
+    route) and the eager step's each within ULPS of the float64 forward of each row's whole
+    sequence, the compiled greedy picks the float64 forward's (near ties aside). The compiled
+    step's logits (N, V), float64."""
+    for i, r in enumerate(compiled.layout.rows):
+        seqs[r].append(int(tokens[i]))
+    with fused_projections(model):
+        got = compiled.step(tokens).double()
+    want = eager.step(tokens).double()
+    exact = torch.stack([wide(torch.tensor([seqs[r]]))[0, -1]
+                         for r in compiled.layout.rows])  # (N, V)
+    for logits in (got, want):
+        torch.testing.assert_close(logits, exact, rtol=0, atol=bf16_tol(exact))
+    top2 = exact.topk(2, dim=-1).values
+    near = top2[:, 0] - top2[:, 1] < 2 * bf16_tol(exact)  # either pick is right in bf16
+    assert ((got.argmax(-1) == exact.argmax(-1)) | near).all()
+    return got
+
+
 @needs_compile
 def test_compiled_bf16_step_equals_the_eager_step_and_compiles_once_a_structure(model, wide,
                                                                                kernel_route):
@@ -115,19 +138,8 @@ def test_compiled_bf16_step_equals_the_eager_step_and_compiles_once_a_structure(
                 for d in (compiled, eager):
                     d.drop(keep, filled=t)
                 tokens = tokens[torch.tensor(keep)]
-            for i, r in enumerate(compiled.layout.rows):
-                seqs[r].append(int(tokens[i]))
             assert compiled.t == eager.t == t  # each step feeds every row at index t
-            with fused_projections(model):  # as generate's compiled route: stacked each step
-                got = compiled.step(tokens).double()
-            want = eager.step(tokens).double()
-            exact = torch.stack([wide(torch.tensor([seqs[r]]))[0, -1]
-                                 for r in compiled.layout.rows])  # (N, V)
-            for logits in (got, want):
-                torch.testing.assert_close(logits, exact, rtol=0, atol=bf16_tol(exact))
-            top2 = exact.topk(2, dim=-1).values
-            near = top2[:, 0] - top2[:, 1] < 2 * bf16_tol(exact)  # either pick is right in bf16
-            assert ((got.argmax(-1) == exact.argmax(-1)) | near).all()
+            got = step_against_float64(model, wide, compiled, eager, tokens, seqs)
             tokens = got.argmax(-1)
             counts.append(compiled.compiled.compiles)
     assert compiled.attention.slots is None and compiled.attention.prompt_valid.shape == (2, 2)
@@ -252,18 +264,7 @@ def test_the_compiled_qwen3_step_runs_its_q_k_norms_inside_on_stacked_projection
     seqs = [list(p) for p in sorted(PROMPTS, key=len, reverse=True) for _ in range(G)]
     with torch.inference_mode():
         for t in range(new - 1):
-            for i, r in enumerate(compiled.layout.rows):
-                seqs[r].append(int(tokens[i]))
-            with fused_projections(model):
-                got = compiled.step(tokens).double()
-            want = eager.step(tokens).double()
-            exact = torch.stack([wide(torch.tensor([seqs[r]]))[0, -1]
-                                 for r in compiled.layout.rows])  # (N, V)
-            for logits in (got, want):
-                torch.testing.assert_close(logits, exact, rtol=0, atol=bf16_tol(exact))
-            top2 = exact.topk(2, dim=-1).values
-            near = top2[:, 0] - top2[:, 1] < 2 * bf16_tol(exact)
-            assert ((got.argmax(-1) == exact.argmax(-1)) | near).all()
+            got = step_against_float64(model, wide, compiled, eager, tokens, seqs)
             tokens = got.argmax(-1)
     assert compiled.compiled.compiles >= 1
     for mine, theirs in zip(compiled.attention.own_k, eager.attention.own_k):
@@ -334,6 +335,12 @@ def test_nan_logits_on_the_compiled_route_stop_the_rollout_naming_the_step(model
     embedding row for a token the greedy rollout first draws at completion index j makes the
     logits of each row fed it NaN from step j + 1 on: the rollout stops at its next check with
     one line naming step j + 1, where the compiled race drew token 0 from them in silence."""
+    assert_a_nan_embedding_row_stops_the_compiled_rollout(model)
+
+
+def assert_a_nan_embedding_row_stops_the_compiled_rollout(model: Llama) -> None:
+    """A NaN embedding row for a token the greedy compiled rollout first draws at completion
+    index j (a copy of model poisoned): the rollout stops naming decode step j + 1."""
     knobs = dict(num_samples=2, max_new_tokens=10, temperature=0.0, check_every=3,
                  compile_decode="true")
     poisoned = copy.deepcopy(model)

@@ -1,15 +1,14 @@
 """graphs.py on a CUDA GPU: the compiled and captured bf16 decode step against the captured eager one
 (the tolerances of tests/test_graphs.py), and the kernels it launches."""
 
-import copy
-
 import pytest
 import torch
 
 import rollout
 from model import Llama
 from rollout import RolloutConfig
-from test_graphs import LOGPROB_TOL, first_fed_token, near_tie
+from test_graphs import (LOGPROB_TOL, assert_a_nan_embedding_row_stops_the_compiled_rollout,
+                         near_tie)
 from test_rollout import CFG, PROMPTS, qwen3_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -57,15 +56,7 @@ def test_nan_logits_on_the_compiled_cuda_route_stop_the_rollout_naming_the_step(
     greedy rollout first draws at completion index j makes the logits of each row fed it NaN
     from step j + 1: the rollout stops at its next check naming step j + 1 (tests/test_graphs.py's
     test on the CPU)."""
-    poisoned = copy.deepcopy(models[0])
-    knobs = dict(num_samples=2, max_new_tokens=10, temperature=0.0, check_every=3,
-                 compile_decode="true")
-    clean = rollout.generate(poisoned, PROMPTS, RolloutConfig(**knobs), seed=0)
-    token, j = first_fed_token(clean, PROMPTS)
-    with torch.no_grad():
-        poisoned.model.embed_tokens.weight[token] = float("nan")
-    with pytest.raises(rollout.NonFiniteLogits, match=f"at decode step {j + 1} "):
-        rollout.generate(poisoned, PROMPTS, RolloutConfig(**knobs), seed=0)
+    assert_a_nan_embedding_row_stops_the_compiled_rollout(models[0])
 
 
 def test_the_compiled_step_launches_fewer_kernels_a_layer():
