@@ -312,7 +312,7 @@ def check_arguments(schema: dict, arguments: dict) -> None:
             raise ToolError(f"{name}'s argument {arg!r}: {why}")
 
 # -----------------------------------------------------------------------------
-# The task's tools: functions and an environment, checked once; one session per rollout
+# The task's tools: functions and an environment, checked once; one RolloutTools per rollout
 
 
 def environment_methods(instance) -> list[Callable]:
@@ -363,8 +363,8 @@ class Toolbox:
                              f"name it: tasks.Task(..., tool_format=\"hermes\" or "
                              "\"llama3_json\")")
 
-    def start(self, examples: list[tuple], G: int) -> "Session":
-        """One rollout's session: an environment per row (prompt-major, G rows a prompt), reset,
+    def start(self, examples: list[tuple], G: int) -> "RolloutTools":
+        """One rollout's tools: an environment per row (prompt-major, G rows a prompt), reset,
         its text appended to the prompt's last message."""
         environments = [self.factory() if self.factory else None for _ in range(len(examples) * G)]
         prompted = []
@@ -382,7 +382,7 @@ class Toolbox:
                     prompt = [*prompt[:-1], {**prompt[-1],
                                              "content": prompt[-1]["content"] + texts[0]}]
             prompted.append((prompt, reference))
-        return Session(self, prompted, environments)
+        return RolloutTools(self, prompted, environments)
 
     def reset(self, environment, prompt, reference) -> str:
         if environment is None:
@@ -426,7 +426,7 @@ def environment_reward(name: str) -> Callable:
 
 
 @dataclass
-class Session:
+class RolloutTools:
     """One rollout's tools: the examples as reset left them, and each row's environment."""
     box: Toolbox
     examples: list[tuple]

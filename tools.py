@@ -197,14 +197,15 @@ class Responder:
     """Episodes.respond for one rollout: each waiting row's episode so far (a Completion) to its
     tool's observation ids. Keeps where each row's answers went, what they said and how many
     mistakes they told; with function tools (`toolbox`, functions.py) it holds the rollout's
-    session: each row's environment, and the examples as reset() left their prompts."""
+    tools (functions.RolloutTools): each row's environment, and the examples as reset() left
+    their prompts."""
 
     def __init__(self, task, tokenizer, examples: list[tuple], num_samples: int,
                  cfg: ToolConfig, prompt_cfg=None, toolbox=None):
         self.task, self.tokenizer, self.toolbox = task, tokenizer, toolbox
         self.G, self.cfg = num_samples, cfg
-        self.session = toolbox.start(examples, num_samples) if toolbox else None
-        self.examples = self.session.examples if self.session else examples
+        self.rollout_tools = toolbox.start(examples, num_samples) if toolbox else None
+        self.examples = self.rollout_tools.examples if self.rollout_tools else examples
         self.system_prompt = prompt_cfg.system_prompt if prompt_cfg else ""  # a conversation
         self.variables = prompt_cfg.template_variables() if prompt_cfg else {}  # the prompt's
         # row -> (start, end, mistakes told, the answer's messages), one per answered turn
@@ -216,11 +217,12 @@ class Responder:
 
     def answer(self, calls: list[tuple[int, list[int]]]) -> list[tuple]:
         """The tool's answers to the waiting rows, (observation, mistakes) each: the task's Tool,
-        or the session's function calls (under tensor parallelism, on the first rank alone)."""
+        or the calls of the rollout's function tools (under tensor parallelism, on the first rank
+        alone)."""
         texts = [self.completion(row, tokens) for row, tokens in calls]
         references = [self.examples[row // self.G][1] for row, _ in calls]
-        if self.session is not None:
-            return call_tools(self.task, self.session.respond,
+        if self.rollout_tools is not None:
+            return call_tools(self.task, self.rollout_tools.respond,
                               [(t, ref, row) for t, ref, (row, _) in zip(texts, references, calls)],
                               self.cfg.tool_timeout)
         return call_tools(self.task, self.task.tool.fn, list(zip(texts, references)),
@@ -264,7 +266,7 @@ class Responder:
         decode, rows = self.tokenizer.decode, []
         for row, (text, x, stop, own) in enumerate(zip(texts, ids, stopped, policy)):
             x = x[:len(x) - stop]
-            env = self.session.environments[row] if self.session else None
+            env = self.rollout_tools.environments[row] if self.rollout_tools else None
             rows.append(Completion(text, split_parts(decode, x, own[:len(x)]), stop,
                                    self.conversation(row, x), env))
         return rows

@@ -244,7 +244,7 @@ def child_env() -> dict:
 
 
 def start(cmd: list[str], log: str) -> subprocess.Popen:
-    """cmd in a new session (its own process group: everything it starts is in it)."""
+    """cmd in a process group of its own (start_new_session): everything it starts is in it."""
     with open(log, "w") as f:
         return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT,
                                 env=child_env(), start_new_session=True)

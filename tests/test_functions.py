@@ -255,13 +255,13 @@ def test_a_row_with_native_calls_and_their_tool_messages_equals_apply_chat_templ
                       environment_factory=Game)
     box = functions.Toolbox(task, ours.template_source(), [end])
     assert box.format == ("hermes" if kind == "qwen3" else "llama3_json")  # from the template
-    session = box.start([(CONVERSATION, "5")], 1)
+    kit = box.start([(CONVERSATION, "5")], 1)
     if kind == "qwen3":
         turn = ('<tool_call>\n{"name": "multiply", "arguments": {"a": 412, "b": 739}}\n'
                 '</tool_call>\n<tool_call>\n{"name": "guess", "arguments": {"n": 7}}\n</tool_call>')
     else:
         turn = '{"name": "multiply", "parameters": {"a": 412, "b": 739}}'
-    answer = session.respond(tools.Completion(turn + end), "5", 0)
+    answer = kit.respond(tools.Completion(turn + end), "5", 0)
     assert [m["content"] for m in answer.messages] == ["304468", "lower"][:len(answer.messages)]
     assistant = box.assistant(turn + end)
     messages = CONVERSATION + [assistant, *answer.messages]
@@ -327,7 +327,7 @@ def test_hermes_and_llama3_json_turns_parse_every_call_in_order():
     assert 'a JSON object with a "name"' in str(calls[1])
 
 
-def session(**task_fields) -> functions.Session:
+def rollout_tools(**task_fields) -> functions.RolloutTools:
     task = tasks.Task("t", tasks.sample_chat_multiply, [], tool_format="hermes", **task_fields)
     return functions.Toolbox(task, None, ["<|im_end|>"]).start([("What?", "5")], 2)
 
@@ -339,7 +339,7 @@ def call(name: str, **arguments) -> str:
 def test_each_call_is_dispatched_by_name_and_each_mistake_told_to_the_model():
     """One tool message per call, in order; malformed JSON, an unknown tool, a missing, unexpected
     or ill-typed argument and a tool's ToolError are the model's mistakes: told and counted."""
-    s = session(tools=[multiply, lookup], environment_factory=Game)
+    s = rollout_tools(tools=[multiply, lookup], environment_factory=Game)
     turn = "".join([call("multiply", a=4, b=5), "<tool_call>{oops</tool_call>", call("divide", a=1),
                     call("multiply", a=4), call("multiply", a=4, b=5, c=6),
                     call("multiply", a=4, b="5"), call("multiply", a=4, b=True),
@@ -373,7 +373,7 @@ def test_a_tool_that_raises_stops_the_run_in_one_line():
             a: Anything.
         """
         raise KeyError("boom")
-    s = session(tools=[broken])
+    s = rollout_tools(tools=[broken])
     with pytest.raises(tools.ToolFailure) as e:
         s.respond(tools.Completion(call("broken", a=1)), "5", 0)
     assert str(e.value) == ("task t: tool broken raised KeyError: 'boom' on arguments {\"a\": 1} "
