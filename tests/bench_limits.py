@@ -194,12 +194,14 @@ ROLLOUT_ROUTES = {"engine, compiled + graphs": (True, "true"), "engine, graphs":
                   "engine, eager": (False, "false")}  # (cuda_graphs, compile_decode)
 
 
-def rollout_part(name: str, lim: dict, device: str = "cuda",
+def rollout_rows(name: str, lim: dict, device: str = "cuda",
                  routes: tuple[str, ...] = tuple(ROLLOUT_ROUTES),
-                 transformers: tuple[str, ...] = tuple(HF_CACHES)) -> list[dict]:
+                 transformers: tuple[str, ...] = tuple(HF_CACHES)):
     """Decode tokens/s of each route and transformers' generate with each of `transformers`'
-    caches (HF_CACHES) on the same weights and prompts, and the share of the copy-bandwidth floor
-    a decode step reaches; x generate is against the fastest of those. Returns the rows."""
+    caches (HF_CACHES) on the same weights and prompts (the same in every call: the weights are
+    drawn from fixed seeds), and the share of the copy-bandwidth floor (lim["copy"]) a decode step
+    reaches. Yields each row as it is measured (a caller with a time limit keeps the rows so far);
+    the engine's rows get x generate, against the fastest cache measured here, once those ran."""
     model = build(name, torch.bfloat16, device)
     V = model.config.vocab_size
     prompts = torch.randint(V, (BP, P), generator=torch.Generator().manual_seed(0)).tolist()
@@ -217,11 +219,15 @@ def rollout_part(name: str, lim: dict, device: str = "cuda",
                          step_ms=step * 1e3, floor_share=(weights + kv) / lim["copy"] / GB / step,
                          compiles=warm["compiles"], compile_seconds=warm["compile_seconds"],
                          timed_compiles=stats["compiles"]))  # 0 unless a layout compiled again
-    hf_seconds = hf_generate_seconds(model, prompts, transformers)
+        yield rows[-1]
     engine = list(rows)
-    for cache, seconds in hf_seconds.items():
-        rows.append(dict(shape=name, P=P, route=HF_CACHES[cache], cache=cache, seconds=seconds,
-                         tokens_s=BP * G * NEW / seconds))
+    hf_seconds = {}
+    for cache in transformers:  # one cache at a time: the dynamic one's figure before the static
+        hf_seconds.update(hf_generate_seconds(model, prompts, (cache,)))  # one's compile
+        if cache in hf_seconds:
+            rows.append(dict(shape=name, P=P, route=HF_CACHES[cache], cache=cache,
+                             seconds=hf_seconds[cache], tokens_s=BP * G * NEW / hf_seconds[cache]))
+            yield rows[-1]
     for row in engine:  # against transformers at its best
         if hf_seconds:
             row["over_generate"] = min(hf_seconds.values()) / row["seconds"]
@@ -242,23 +248,30 @@ def rollout_part(name: str, lim: dict, device: str = "cuda",
     del model
     if device == "cuda":
         torch.cuda.empty_cache()
-    return rows
+
+
+def rollout_part(*args, **kwargs) -> list[dict]:
+    """rollout_rows' rows, all of them."""
+    return list(rollout_rows(*args, **kwargs))
 
 
 def train_flops(model: Llama, prompt_lens: list[int], completion_lens: list[int]) -> float:
     """3 x the forward's matmul FLOPs of the work that must be done: every prompt token once per
-    group, every completion token, the lm_head on completion tokens, causal attention (a row's
-    tokens on its prompt and on themselves). The same count for every route."""
+    group, every completion token but the last of its row (n - 1 of a row's n are fed: the last
+    is only scored), the lm_head where a completion token is scored (n positions: the prompt's
+    last and the n - 1 fed), causal attention (a fed token on its prompt and on its row's tokens
+    up to itself). The same count for every route."""
     c = model.config
     group = len(completion_lens) // len(prompt_lens)
     body = sum(p.numel() for n, p in model.named_parameters()
                if "layers." in n and n.endswith("proj.weight"))
-    tokens = sum(prompt_lens) + sum(completion_lens)
+    fed = [max(n - 1, 0) for n in completion_lens]
+    tokens = sum(prompt_lens) + sum(fed)
     head = 2 * c.vocab_size * c.hidden_size * sum(completion_lens)
     width = c.num_attention_heads * c.head_dim
     # QK^T and PV: 4 * width flops per (query, key) pair; causal pairs of the prompt and of each row
     pairs = sum(p * (p + 1) / 2 for p in prompt_lens) + sum(
-        n * prompt_lens[i // group] + n * (n + 1) / 2 for i, n in enumerate(completion_lens))
+        f * prompt_lens[i // group] + f * (f + 1) / 2 for i, f in enumerate(fed))
     attention = 4 * width * pairs * c.num_hidden_layers
     return 3 * (2 * body * tokens + head + attention)
 
@@ -283,16 +296,28 @@ ROUTES = {"padded": "prompts padded to P, rows to NEW, each prompt once per grou
           "naive": "each prompt repeated for its G rows, padded"}
 
 
-def train_part(name: str, lim: dict, device: str = "cuda", compile: bool = True,
-               repeats: int = 3) -> list[dict]:
-    """GRPO forward + backward (grpo.accumulate) by route, at uniform lengths and at a mean of
-    1/3 (micro-batches by tokens, and by a fixed count of 4 groups: module docstring), bf16 autocast over the fp32 master on CUDA (fp32 on
-    the CPU), the blocks compiled or not (train.py's --compile_blocks): seconds, MFU against the measured
-    matmul rate, and packed against padded beside the valid tokens' share. Returns the rows."""
+# The train part's rows in the order a caller with a time limit wants them: the goals' figures
+# first (packed against padded at uniform lengths, then at a mean of 1/3), then the repeated
+# prompt, then micro-batches by a fixed count of 4 groups at a mean of 1/3 (the launch-bound step
+# a count gives). Micro-batches otherwise as train.py picks them on a GPU (plan.fit: whole groups
+# up to a token budget, here the uniform batch's tokens, which fit an H100 at these shapes).
+TRAIN_ROWS = (("uniform", "padded"), ("uniform", "packed"), ("mean 1/3", "padded"),
+              ("mean 1/3", "packed"), ("uniform", "naive"), ("mean 1/3", "naive"),
+              ("mean 1/3, 4 groups a micro-batch", "padded"),
+              ("mean 1/3, 4 groups a micro-batch", "packed"))
+TRAIN_CASES = {"uniform": (1.0, 0), "mean 1/3": (1 / 3, 0),
+               "mean 1/3, 4 groups a micro-batch": (1 / 3, 4)}  # (mean length, groups)
+
+
+def train_rows(name: str, lim: dict, device: str = "cuda", compile: bool = True,
+               repeats: int = 3):
+    """GRPO forward + backward (grpo.accumulate) by route (ROUTES) and lengths (TRAIN_ROWS' order),
+    bf16 autocast over the fp32 master on CUDA (fp32 on the CPU), the blocks compiled or not
+    (train.py's --compile_blocks): seconds, MFU against the measured matmul rate, and packed
+    against padded beside the valid tokens' share. Yields each row as it is measured."""
     model = build(name, torch.float32, device).train()
     if compile:
         compiling.compile_blocks(model.model.layers)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
     original = grpo.completion_logprobs
     cuda = device == "cuda"
     route = packing.cuda_route(torch.bfloat16, model.config.head_dim) if cuda else ("cpu", "")
@@ -301,62 +326,73 @@ def train_part(name: str, lim: dict, device: str = "cuda", compile: bool = True,
           f"attention route {route[0]} {route[1]}; blocks {'compiled' if compile else 'eager'}; "
           f"matmul {lim['matmul']:,.0f} TFLOP/s\n"
           "| lengths | forward | micro-batches | s | valid / padded tokens | packed / padded | "
-          "TFLOP/s | MFU | peak GB |\n|---|---|---|---|---|---|---|---|---|")
-    rows = []
-    # Micro-batches as train.py picks them on a GPU (plan.fit: whole groups up to a token budget,
-    # here the uniform batch's tokens, which fit an H100 at these shapes), and the fixed count of
-    # 4 groups a micro-batch beside it at a mean of 1/3: the launch-bound step a count gives.
-    cases = (("uniform", 1.0, 0, tuple(ROUTES)), ("mean 1/3", 1 / 3, 0, tuple(ROUTES)),
-             ("mean 1/3, 4 groups a micro-batch", 1 / 3, 4, ("padded", "packed")))
-    for label, mean, groups, forwards in cases:
-        batch = grpo_batch(model.config.vocab_size, device, mean)
-        prompt_lens = batch.prompt_lens.tolist()
-        completion_lens = batch.mask.sum(1).tolist()
-        flops = train_flops(model, prompt_lens, completion_lens)
-        valid = sum(prompt_lens) + sum(max(n - 1, 0) for n in completion_lens)
-        share = valid / (BP * P + BP * G * (NEW - 1))
-        cfg = grpo.GRPOConfig(chunk_bytes=plan.GPU_CHUNK_BYTES if cuda else
-                              grpo.GRPOConfig.chunk_bytes, micro_batch_groups=groups or 1,
-                              micro_batch_tokens=0 if groups else BP * (P + G * NEW))
-        micro = len(grpo.micro_batches(batch, cfg))
-        seconds = {}
-        for forward in forwards:
-            grpo.completion_logprobs = functools.partial(original, forward=forward)
+          "TFLOP/s | MFU | peak GB |\n|---|---|---|---|---|---|---|---|---|", flush=True)
+    cases, seconds = {}, {}
+    for label, forward in TRAIN_ROWS:
+        if label not in cases:
+            mean, groups = TRAIN_CASES[label]
+            batch = grpo_batch(model.config.vocab_size, device, mean)
+            prompt_lens = batch.prompt_lens.tolist()
+            completion_lens = batch.mask.sum(1).tolist()
+            valid = sum(prompt_lens) + sum(max(n - 1, 0) for n in completion_lens)
+            cfg = grpo.GRPOConfig(chunk_bytes=plan.GPU_CHUNK_BYTES if cuda else
+                                  grpo.GRPOConfig.chunk_bytes, micro_batch_groups=groups or 1,
+                                  micro_batch_tokens=0 if groups else BP * (P + G * NEW))
+            cases[label] = (batch, cfg, train_flops(model, prompt_lens, completion_lens),
+                            valid / (BP * P + BP * G * (NEW - 1)),
+                            len(grpo.micro_batches(batch, cfg)))
+        batch, cfg, flops, share, micro = cases[label]
+        grpo.completion_logprobs = functools.partial(original, forward=forward)
 
-            def step():
-                with torch.autocast("cuda", dtype=torch.bfloat16) if cuda else nullcontext():
-                    grpo.accumulate(model, batch, cfg)
-                model.zero_grad(set_to_none=False)
-            try:
-                step()
-                if cuda:
-                    torch.cuda.reset_peak_memory_stats()
-                compiled_before = compiling.compile_seconds()
-                seconds[forward] = timed(step, repeats)
-                recompiled = compiling.compile_seconds() - compiled_before  # 0: none timed
-            finally:
-                grpo.completion_logprobs = original
-            peak = torch.cuda.max_memory_allocated() / GB if cuda else None  # strict JSON
-            rate = flops / seconds[forward] / 1e12
-            ratio = seconds[forward] / seconds["padded"]  # padded runs first
-            rows.append(dict(shape=name, lengths=label, forward=forward, micro_batches=micro,
-                             seconds=seconds[forward], tflops=rate, mfu=rate / lim["matmul"],
-                             valid_share=share, over_padded=ratio, peak_gb=peak,
-                             compiled=compile, route=route[0], timed_compile_s=recompiled))
-            over = f"{ratio:.2f} ({ratio / share:.2f}x the share)"
-            print(f"| {label} | {forward} | {micro} | {seconds[forward]:.3f} | {share:.2f} | "
-                  f"{over} | {rate:,.1f} | {rate / lim['matmul']:.0%} | "
-                  f"{'-' if peak is None else f'{peak:.1f}'} |", flush=True)
+        def step():
+            with torch.autocast("cuda", dtype=torch.bfloat16) if cuda else nullcontext():
+                grpo.accumulate(model, batch, cfg)
+            model.zero_grad(set_to_none=False)
+        try:
+            step()
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            compiled_before = compiling.compile_seconds()
+            seconds[label, forward] = timed(step, repeats)
+            recompiled = compiling.compile_seconds() - compiled_before  # 0: none timed
+        finally:
+            grpo.completion_logprobs = original
+        peak = torch.cuda.max_memory_allocated() / GB if cuda else None  # strict JSON
+        rate = flops / seconds[label, forward] / 1e12
+        ratio = seconds[label, forward] / seconds[label, "padded"]  # padded runs first
+        row = dict(shape=name, lengths=label, forward=forward, micro_batches=micro,
+                   seconds=seconds[label, forward], tflops=rate, mfu=rate / lim["matmul"],
+                   valid_share=share, over_padded=ratio, peak_gb=peak, compiled=compile,
+                   route=route[0], timed_compile_s=recompiled)
+        over = f"{ratio:.2f} ({ratio / share:.2f}x the share)"
+        print(f"| {label} | {forward} | {micro} | {row['seconds']:.3f} | {share:.2f} | "
+              f"{over} | {rate:,.1f} | {row['mfu']:.0%} | "
+              f"{'-' if peak is None else f'{peak:.1f}'} |", flush=True)
+        yield row
+    del model
+    if cuda:
+        torch.cuda.empty_cache()
+
+
+def train_part(name: str, lim: dict, device: str = "cuda", compile: bool = True,
+               repeats: int = 3) -> list[dict]:
+    """train_rows' rows, all of them, with the goals' two ratios and the optimizer's step."""
+    rows = list(train_rows(name, lim, device, compile, repeats))
     uniform, ragged = (next(r for r in rows if r["forward"] == "packed" and r["lengths"] == label)
                        for label in ("uniform", "mean 1/3"))  # the token budget's
     print(f"packed / padded: {uniform['over_padded']:.2f} at uniform lengths (goal <= 1.0), "
           f"{ragged['over_padded'] / ragged['valid_share']:.2f}x the token share "
           f"{ragged['valid_share']:.2f} at a mean of 1/3 (goal <= 1.2)")
+    model = build(name, torch.float32, device)
+    model.zero_grad(set_to_none=False)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
     opt = timed(optimizer.step, repeats)
     print(f"AdamW step (fp32, {sum(p.numel() for p in model.parameters()) / 1e6:,.0f} M params): "
           f"{opt * 1e3:.1f} ms")
     del model, optimizer
-    if cuda:
+    if device == "cuda":
         torch.cuda.empty_cache()
     return rows
 
