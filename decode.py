@@ -237,8 +237,14 @@ def shared_prompt_attention_decode_cuda(q: Tensor, k: Tensor, v: Tensor, own_bia
     share = (lse_p - lse_o.view(grid)).sigmoid_()[..., None]  # (Bp, G, Hkv, rep, 1) float32
     # Computed in float32 and written once, rounded, into a (S, H, 1, D) tensor of q's dtype: the
     # kernel's outputs come in its own strided layouts (out_o (S, rep, Hkv, D) in memory on CUDA).
+    own = out_o.view(*grid, D) * (1 - share)
+    if torch.compiler.is_compiling():
+        # torch.compile cannot trace an out= into a view of y when the result takes out_o's
+        # strides (it views the result back as y and fails); inductor fuses this form into one
+        # kernel anyway.
+        return torch.addcmul(own, out_p, share).to(q.dtype).reshape(S, H, 1, D)
     y = q.new_empty(S, H, 1, D)
-    torch.addcmul(out_o.view(*grid, D) * (1 - share), out_p, share, out=y.view(*grid, D))
+    torch.addcmul(own, out_p, share, out=y.view(*grid, D))
     return y
 
 

@@ -77,14 +77,22 @@ def softmax_grads(z: Tensor, targets: Tensor, lse: Tensor, entropy: Tensor,
     return grad_z.scatter_add_(1, targets[:, None], g)  # + g onehot
 
 
-def uncached_autocast(device_type: str):
-    """The caller's autocast, without its cast-weight cache. NOTE a footgun: forward runs with grad
-    off, so a cached bf16 copy of lm_head's weight made there has no graph, and torch 2.5 hands
-    that copy to the backward's rebuild: the weight then gets no gradient at all."""
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The caller's autocast dtype on device_type, None where autocast is off."""
     if not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
+
+
+def uncached_autocast(device_type: str, dtype: torch.dtype | None):
+    """Autocast to dtype (None: off), without its cast-weight cache: forward's state, also in a
+    backward called outside the autocast block (torch's advice for backward), where the rebuilt
+    chunk must compute as forward did. NOTE a footgun: forward runs with grad off, so a cached
+    bf16 copy of lm_head's weight made there has no graph, and torch 2.5 hands that copy to the
+    backward's rebuild: the weight then gets no gradient at all."""
+    if dtype is None:
         return contextlib.nullcontext()
-    return torch.autocast(device_type, dtype=torch.get_autocast_dtype(device_type),
-                          cache_enabled=False)
+    return torch.autocast(device_type, dtype=dtype, cache_enabled=False)
 
 
 def head_copy(model, device_type: str) -> Tensor | None:
@@ -134,10 +142,11 @@ class ChunkedSoftmaxLogprobs(torch.autograd.Function):
         lse = torch.empty_like(logp)
         ctx.kept = None
         ctx.weight = head_copy(model, h.device.type)  # (V, C) bf16 under autocast, else None
+        ctx.autocast = autocast_dtype(h.device.type)  # backward rebuilds chunks as forward ran
         for start in range(0, h.shape[0], chunk_size):
             rows = slice(start, start + chunk_size)
             keep = keep_last and start + chunk_size >= h.shape[0]
-            with torch.set_grad_enabled(keep), uncached_autocast(h.device.type):
+            with torch.set_grad_enabled(keep), uncached_autocast(h.device.type, ctx.autocast):
                 h_chunk = h[rows].detach().requires_grad_(keep)
                 # (n_chunk, V), a graph if kept
                 z = head_logits(model, h_chunk, temperature, ctx.weight)
@@ -171,7 +180,7 @@ class ChunkedSoftmaxLogprobs(torch.autograd.Function):
             if kept is not None and kept[0] == start:
                 _, h_chunk, z = kept  # from forward
             else:
-                with torch.enable_grad(), uncached_autocast(h.device.type):
+                with torch.enable_grad(), uncached_autocast(h.device.type, ctx.autocast):
                     h_chunk = h[rows].detach().requires_grad_()
                     z = head_logits(ctx.model, h_chunk, ctx.temperature, copy)  # (n_chunk, V)
             grad_z = softmax_grads(z.detach(), targets[rows], lse[rows], entropy[rows],

@@ -155,6 +155,26 @@ def test_compiled_bf16_step_equals_the_eager_step_and_compiles_once_a_structure(
 
 
 @needs_compile
+def test_the_compiled_step_takes_the_cuda_kernels_strided_outputs(model, wide, monkeypatch):
+    """CUDA's memory-efficient kernel returns its (B, H, M, D) output laid out as (B, M, H, D) in
+    memory: the step's merge of its two parts compiles over those strides (torch.compile cannot
+    trace the eager merge's out= into a view of y there: it fell back to eager on an H200) and
+    stays within ULPS of the float64 forward, padded prompts, rep 2 x Hkv 2."""
+    def strided(q, k, v, bias):  # the fused CPU kernel, its output laid out as CUDA's
+        out, lse = decode.cpu_flash(q, k, v, bias)
+        return out.transpose(1, 2).contiguous().transpose(1, 2), lse
+    monkeypatch.setattr(decode, "kernel_for", lambda device, dtype, head_dim: strided)
+    monkeypatch.setattr(graphs, "REFUSED", {})
+    G, new = 2, 5
+    compiled, eager, tokens = decoders(model, G, new)
+    seqs = [list(p) for p in sorted(PROMPTS, key=len, reverse=True) for _ in range(G)]
+    with torch.inference_mode():
+        for t in range(new - 1):
+            tokens = step_against_float64(model, wide, compiled, eager, tokens, seqs).argmax(-1)
+    assert compiled.compiled.compiles >= 1 and not graphs.REFUSED  # compiled, not fallen back
+
+
+@needs_compile
 def test_the_compiled_draw_equals_the_eager_race_on_the_same_clocks():
     """sampling.sample_raced compiled (rollout.py runs it so beside a compiled step) against itself
     eager on the same clocks, bf16 logits (the compiled step's) with masked ids: greedy,

@@ -547,6 +547,31 @@ def test_chunked_logprobs_under_bf16_autocast_give_the_head_its_gradient():
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
 
 
+def test_chunked_logprobs_backward_outside_autocast_rebuilds_chunks_as_forward_ran():
+    """torch's advice is backward outside the autocast block (the GPU tests call it so): the
+    chunked Function's backward rebuilds each chunk's logits under forward's autocast, not the
+    caller's at backward time, which mixed float32 hidden states with the bf16 head copy (a
+    RuntimeError on an H200). The same gradients, bit for bit, as a backward inside the block."""
+    cfg = M.ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                        num_attention_heads=2, num_key_value_heads=1)
+    model = M.Llama(cfg).init_weights(0)
+    tokens = torch.randint(0, 96, (1, 11), generator=torch.Generator().manual_seed(1))
+    targets = torch.randint(0, 96, (11,), generator=torch.Generator().manual_seed(2))
+    grads = []
+    for inside in (True, False):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = model.hidden(tokens)[0]
+            logp, entropy = logprobs.chunked_logprobs(model, h, targets, chunk_size=3)
+            loss = logp.sum() - 0.3 * entropy.sum()
+            if inside:
+                loss.backward()
+        if not inside:
+            loss.backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
 class CastCounter(TorchDispatchMode):
     """Counts the casts of a (V, C) tensor between float32 and bf16, both ways."""
 

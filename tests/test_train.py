@@ -1021,7 +1021,10 @@ def test_a_gpu_plan_takes_the_training_attention_route_from_packing(monkeypatch,
     assert repeated(*big[:5], "128", "--kv_heads", "16")  # head_dim 8: padded
     monkeypatch.setattr(packing, "VARLEN", True)  # a torch with varlen_attn and flash kernels
     monkeypatch.setattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)
-    assert packing.device_capability() is None  # this machine has no GPU to ask
+    def no_gpu():  # as on a machine without a GPU, on a GPU machine too
+        raise RuntimeError("No CUDA GPUs are available")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", no_gpu)
+    assert packing.device_capability() is None  # no GPU to ask
     assert not repeated("--dim", "64", "--layers", "2", "--dtype", "bfloat16")  # varlen
     assert repeated("--dim", "64", "--layers", "2")  # float32: padded again
 
