@@ -25,7 +25,6 @@ which also skips the scaling table: a real checkpoint makes them minutes each).
 
 import collections
 import dataclasses
-import functools
 import math
 import os
 import sys
@@ -408,8 +407,8 @@ def launches(decoder: decode.Decoder, tokens: torch.Tensor) -> collections.Count
     allocations (OpCount: a kernel each on CUDA) of an eager step, and of a compiled one the
     calls its graph makes (inductor's generated kernels, profiled, and the aten ops it calls:
     matmuls, attention)."""
-    run = decoder.forward if decoder.compiled is None else functools.partial(decoder.compiled,
-                                                                             decoder)
+    # generate's route: compiled_forward marks the layout's dims dynamic before the first compile
+    run = decoder.forward if decoder.compiled is None else decoder.compiled_forward
     with fused_projections(decoder.model, decoder.compiled is not None):  # as generate's
         return _launches(run, decoder, tokens)
 
@@ -421,6 +420,11 @@ def _launches(run, decoder: decode.Decoder, tokens: torch.Tensor) -> collections
         return count.ops
     with torch.inference_mode():  # generate's mode: the same compiled graph
         if tokens.is_cuda:
+            # Twice before the capture, so that any compile (or recompile) is over by then: on an
+            # H200 a compile inside GraphedStep's capture failed ("operation not permitted when
+            # stream is capturing") and the step fell back to eager.
+            run(tokens)
+            run(tokens)
             graph = graphs.GraphedStep(run, tokens)
             activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
             with torch.profiler.profile(activities=activities) as prof:

@@ -64,6 +64,14 @@ def test_resume_continues_exactly(tmp_path):
     a, b = records(full)[2:], records(resumed)
     assert [r["step"] for r in b] == [3, 4]
     for ra, rb in zip(a, b):  # exact: same prompts, seeds, weights and optimizer state on the same CPU
+        if torch.cuda.is_available():
+            # A GPU's run is not bit-reproducible across processes (reduction order in its
+            # kernels): two unresumed runs on an H200 differed by 6e-8 in the loss at step 4, where
+            # the resumed run equalled its original bit for bit. The sampled tokens must not move.
+            assert ra["reward"] == rb["reward"]
+            assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-6)
+            assert rb["entropy"] == pytest.approx(ra["entropy"], rel=1e-6)
+            continue
         assert (ra["reward"], ra["loss"], ra["entropy"]) == (rb["reward"], rb["loss"], rb["entropy"])
 
 
