@@ -45,6 +45,7 @@ finite dataset, with a line that says how many were held out and how many remain
 
 import ast
 import importlib
+import inspect
 import json
 import math
 import numbers
@@ -62,7 +63,7 @@ import torch
 
 import functions
 from grpo import combine_rewards
-from tools import Completion, Tool, ToolError
+from tools import Completion, Tool, ToolError, run_async
 
 Reward = Callable[[str, str], "float | None"]
 
@@ -95,6 +96,33 @@ class Task:
 
 class RewardError(ValueError):
     """A reward function raised, or returned something that is not a reward."""
+
+
+class Example(tuple):
+    """A (prompt, reference) pair and `columns`: the fields of the row it came from (a dataset's
+    JSON line, or a dict a task's sample returns third), which an environment's reset() and a
+    reward in TRL's form get by name, as TRL passes a dataset's columns."""
+    columns: dict
+
+    def __new__(cls, prompt, reference, columns: dict | None = None):
+        self = super().__new__(cls, (prompt, reference))
+        self.columns = dict(columns or {})
+        return self
+
+    def with_prompt(self, prompt) -> "Example":
+        return Example(prompt, self[1], self.columns)
+
+
+def as_example(task: Task, drawn) -> Example:
+    """What a task's sample returned, (prompt, reference) or (prompt, reference, columns), as an
+    Example; one line for anything else."""
+    if isinstance(drawn, Example):
+        return drawn
+    if not (isinstance(drawn, (tuple, list)) and len(drawn) in (2, 3)
+            and (len(drawn) == 2 or isinstance(drawn[2], dict))):
+        raise ValueError(f"task {task.name}: its sample returned {short(drawn)}; it returns "
+                         "(prompt, reference), or (prompt, reference, columns: a dict)")
+    return Example(*drawn)
 
 
 def load_task(spec: str, data: str, data_flag: str = "--task_data") -> Task:
@@ -166,29 +194,85 @@ def check_statistics(task: Task, rewards: torch.Tensor) -> None:
 
 
 def call(task: Task, fn: Callable, text: str, ref: str):
-    """fn(text, ref), a user's function: what it raises is reported with the input that broke it."""
+    """fn(text, ref), a user's function (awaited when it is async): what it raises is reported
+    with the input that broke it."""
     try:
-        return fn(text, ref)
+        value = fn(text, ref)
+        return run_async(value) if inspect.isawaitable(value) else value
     except Exception as e:
         name = getattr(fn, "__name__", repr(fn))
         raise RewardError(f"task {task.name}: reward function {name} raised {type(e).__name__}: "
                           f"{e} on completion {text!r} (reference {ref!r})") from None
 
 
-def score(task: Task, texts: list[str], references: list[str]) -> torch.Tensor:
+def trl_form(fn: Callable) -> bool:
+    """Whether a reward function is written in TRL's form, fn(prompts, completions, **kwargs) ->
+    a list (it names `prompts` or `completions`, or takes keywords alone), not this project's
+    per-row fn(completion, reference)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: per row
+        return False
+    names = {p.name for p in params}
+    keywords_only = all(p.kind in (p.KEYWORD_ONLY, p.VAR_KEYWORD) for p in params)
+    return bool(names & {"prompts", "completions"}) or (bool(names) and keywords_only)
+
+
+def call_trl(task: Task, fn: Callable, texts: list, examples: list) -> list:
+    """fn as TRL's GRPOTrainer calls a reward: prompts=, completions= (a conversation's as message
+    lists: a Completion's messages, TRL's completion), every column of the examples as a keyword
+    list, and `environments` for a task with one; awaited when async. One value a completion."""
+    prompts = [prompt for prompt, _ in examples]
+    chat = task.tools or task.environment_factory is not None
+    completions = [getattr(t, "messages", [{"role": "assistant", "content": str(t)}])
+                   if chat or isinstance(p, list) else str(t) for t, p in zip(texts, prompts)]
+    keys = dict.fromkeys(k for e in examples for k in getattr(e, "columns", {}))
+    kwargs = {k: [getattr(e, "columns", {}).get(k) for e in examples] for k in keys
+              if k not in ("prompt", "completion", "completion_ids")}
+    kwargs["reference"] = [reference for _, reference in examples]
+    if task.environment_factory is not None:
+        kwargs["environments"] = [getattr(t, "environment", None) for t in texts]
+    name = getattr(fn, "__name__", repr(fn))
+    try:
+        values = fn(prompts=prompts, completions=completions, **kwargs)
+        values = run_async(values) if inspect.isawaitable(values) else values
+    except Exception as e:
+        raise RewardError(f"task {task.name}: reward function {name} raised {type(e).__name__}: "
+                          f"{e} on {len(texts)} completions (the first {str(texts[0])!r})"
+                          ) from None
+    if isinstance(values, (numpy.ndarray, torch.Tensor)):
+        values = values.tolist()
+    if not isinstance(values, (list, tuple)) or len(values) != len(texts):
+        raise RewardError(f"task {task.name}: reward function {name} (TRL's form: it names "
+                          f"prompts or completions) returned {short(values)}; it returns a list "
+                          f"of {len(texts)} rewards, one a completion")
+    return list(values)
+
+
+def score(task: Task, texts: list[str], references: list[str],
+          examples: list | None = None) -> torch.Tensor:
     """(N, F) rewards of N completions by the task's F reward functions, NaN where a function
-    returned None (grpo.combine_rewards sums them, weighted, as TRL does)."""
-    # Python floats, one tensor at the end: a write per element would be an op each (2 a row).
-    columns = [[check_reward(call(task, fn, text, ref), fn, text, ref, task)
-                for text, ref in zip(texts, references)] for fn, _ in task.rewards]
+    returned None (grpo.combine_rewards sums them, weighted, as TRL does). examples: each
+    completion's (prompt, reference) as the model saw it (tasks.Example: with its columns), for
+    the functions in TRL's form."""
+    if examples is None:
+        examples = [(None, ref) for ref in references]
+    columns = []  # Python floats, one tensor at the end: a write per element would be an op each
+    for fn, _ in task.rewards:
+        values = call_trl(task, fn, texts, examples) if trl_form(fn) else \
+            [call(task, fn, text, ref) for text, ref in zip(texts, references)]
+        columns.append([check_reward(value, fn, text, ref, task)
+                        for value, text, ref in zip(values, texts, references)])
     per_function = torch.tensor(columns, dtype=torch.float64)
     return per_function.reshape(len(task.rewards), len(texts)).T.contiguous()  # (N, F)
 
 
-def total_rewards(task: Task, texts: list[str], references: list[str]) -> torch.Tensor:
+def total_rewards(task: Task, texts: list[str], references: list[str],
+                  examples: list | None = None) -> torch.Tensor:
     """(N,) float64: each completion's rewards summed as TRL sums them (grpo.combine_rewards),
     NaN where no function scored it; statistics that overflow stop the run."""
-    total = combine_rewards(score(task, texts, references), [w for _, w in task.rewards])
+    total = combine_rewards(score(task, texts, references, examples),
+                            [w for _, w in task.rewards])
     check_statistics(task, total)
     return total
 
@@ -444,7 +528,7 @@ def jsonl_math(data: str) -> Task:
                 answer = str(row["answer"]).split("####")[-1].strip()
                 if parse_number(answer) is None:
                     raise ValueError(f"{data}:{i}: answer {row['answer']!r} holds no number")
-                examples.append((prompt, str(parse_number(answer))))
+                examples.append(Example(prompt, str(parse_number(answer)), row))
     except FileNotFoundError:
         raise ValueError(f"{data}: file not found") from None
     except (OSError, UnicodeDecodeError) as e:  # a folder, a binary file, no permission
@@ -747,7 +831,7 @@ def prompt_key(prompt) -> str:
 
 def distinct(examples) -> list[tuple]:
     """The examples with distinct prompts, first occurrence kept, in order."""
-    return list({prompt_key(p): (p, r) for p, r in reversed(list(examples))}.values())[::-1]
+    return list({prompt_key(e[0]): e for e in reversed(list(examples))}.values())[::-1]
 
 
 @dataclass
@@ -781,8 +865,8 @@ def eval_split(task: Task, eval_task: Task | None, count: int, seed: int) -> Eva
     for _ in range(100 * count):
         if len(found) == count:
             break
-        prompt, reference = task.sample(rng)
-        found.setdefault(prompt_key(prompt), (prompt, reference))
+        example = as_example(task, task.sample(rng))
+        found.setdefault(prompt_key(example[0]), example)
     if len(found) < count:  # the stream ran dry: fewer distinct prompts; training keeps half
         found = dict(list(found.items())[:len(found) // 2])
     return EvalSplit(list(found.values()), set(found))
@@ -791,7 +875,7 @@ def eval_split(task: Task, eval_task: Task | None, count: int, seed: int) -> Eva
 def draw_training_example(task: Task, split: EvalSplit, rng: random.Random) -> tuple:
     """A (prompt, reference) the evaluation does not hold out."""
     for _ in range(1000):
-        example = task.sample(rng)
+        example = as_example(task, task.sample(rng))
         if prompt_key(example[0]) not in split.held_out:
             return example
     raise ValueError(f"task {task.name}: 1000 draws in a row were held out for the evaluation; "
