@@ -9,31 +9,37 @@ parsed and dispatched, and environments that keep a row's state.
    `apply_chat_template(messages, tools=schemas)` does (tokenizer.py): Qwen's `# Tools` system
    block, Llama 3.1's JSON in the first user message. A template that renders no tools (SmolLM2's)
    leaves the announcing to the task's own prompt, and the first step says so.
-2. Calls. The model's turn ends (its stop token: tools.Tool's call ""), and its calls are parsed in
-   the family's format: "hermes" (Qwen, Hermes: `<tool_call>{"name": ..., "arguments": {...}}
-   </tool_call>`, several in a turn) or "llama3_json" (Llama 3.1: the turn is a JSON object with
-   "name" and "parameters"), chosen from the template's text unless the task names it. Each call
-   is dispatched by name with its arguments checked against the schema; the answers are the
-   template's tool messages, one per call, in order (tools.Responder writes them into the row). A
-   turn with no call ends the episode.
-3. Mistakes and failures. Malformed JSON, an unknown tool, missing, unexpected or ill-typed
-   arguments and a tool's own tools.ToolError are the model's mistakes: its tool message says
-   "error: ...", and the step line counts them. A tool that raises anything else is a bug in the
-   tool: the run stops in one line (TRL tells the model any exception; a broken tool would then be
-   trained on in silence).
-4. Environments. `environment_factory()` makes one instance per rollout row; its public methods
-   (not reset, not get_reward, no leading "_") are that row's tools beside the task's functions.
-   `reset(prompt=..., reference=...)` (the keywords it accepts) runs before the episode, and a
-   string it returns is appended to the last message of the prompt (TRL's rule). The G rows of a
-   group share one prompt (prefilled once), so their resets must return the same text. A
-   `get_reward()` method is a reward function of weight 1 (named after the class) that scores each
-   row from its own instance's state after the episode.
+2. Calls. The model's turn ends (its stop token: tools.Tool's call ""), and it is parsed as TRL
+   parses it with tools (transformers' parse_response with TRL's response template for the
+   family, given the prompt and the tools): "hermes" (Qwen, Hermes: `<tool_call>{"name": ...,
+   "arguments": {...}}</tool_call>`, several in a turn; a Qwen3 `<think>...</think>` becomes
+   reasoning_content) or "llama3_json" (Llama 3.1: one JSON object with "name" and "parameters"
+   ending the turn), chosen from the template's text unless the task names it. String arguments
+   are typed by the tool's schema ("5" -> 5 for an integer). A turn whose call does not parse
+   (malformed or unclosed JSON, no name) is plain text, as in TRL: no call. Each call is
+   dispatched by name; the answers are the template's tool messages, one per call, plain
+   functions' first and then the async ones' (TRL gathers those), and tools.Responder writes them
+   into the row. A turn with no call ends the episode.
+3. Mistakes and failures. An unknown tool, missing, unexpected or ill-typed arguments (checked
+   against the schema) and a tool's own tools.ToolError are the model's mistakes: its tool
+   message says "error: ...", and the step line counts them. A tool that raises anything else
+   is a bug in the tool: the run stops in one line (TRL tells the model any exception; a broken
+   tool would then be trained on in silence); the checks keep the model's mistakes from raising.
+4. Environments. `environment_factory()` makes the environments of a pool (TRL's: made once,
+   reset before every episode); their public methods (not reset, not get_reward, no leading "_")
+   are that row's tools beside the task's functions. `reset(**columns)` gets the example's
+   columns (tasks.Example), prompt and reference (the keywords it accepts), and a string it
+   returns is appended to the last message of the prompt (TRL's rule). The G rows of a group
+   share one prompt (prefilled once), so their resets must return the same text. A
+   `get_reward()` method (awaited when async) is a reward function of weight 1 (named after the
+   class) that scores each row from its own instance's state after the episode.
 5. What a reward sees: tools.Completion, and its `messages` (TRL's completion): the assistant
-   turns (content, and tool_calls in TRL's {"type": "function", "function": {...}} shape), the
-   tool messages ({"role": "tool", "name", "content"}), and `environment`, the row's instance.
+   turns (content, reasoning_content, and tool_calls in TRL's {"type": "function", "function":
+   {...}} shape), the tool messages ({"role": "tool", "name", "content"}), and `environment`,
+   the row's instance. A reward in TRL's form gets these as TRL passes them (tasks.py).
 
-Leaves out: async tools and rewards, several environments in one task, tools under tensor
-parallelism with an environment (its state lives on one rank: refused), multimodal tool answers.
+Leaves out: several environments in one task, tools under tensor parallelism with an environment
+(its state lives on one rank: refused), multimodal tool answers.
 Tested by tests/test_functions.py.
 """
 

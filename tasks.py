@@ -1,8 +1,13 @@
 """
 Tasks: where prompts come from and how completions are scored.
 
-A task is a `Task`: a function that draws one (prompt, reference) pair from a random.Random, and
-one or more reward functions `reward(completion, reference) -> float | None`, each with a weight.
+A task is a `Task`: a function that draws one (prompt, reference) pair from a random.Random (or
+(prompt, reference, columns): the fields of its row, an `Example`'s), and one or more reward
+functions, each with a weight: `reward(completion, reference) -> float | None` per row, or in
+TRL's form, `reward(prompts, completions, **kwargs) -> list` for all the rows at once (trl_form;
+completions as message lists for a conversation, the examples' columns and reference as keyword
+lists, `environments` with an environment: a TRL user's reward file, unchanged; TRL's
+completion_ids, trainer_state, log_extra and log_metric are not passed). Either may be async.
 The reward of a completion is the weighted sum over the functions; None (or NaN) means "could not
 score": that function is left out, and a completion no function could score is left out of its
 group's statistics (grpo.group_advantages) and counted in the log. For a task with a tool the
@@ -24,7 +29,8 @@ Built in:
 - `tasks:jsonl_math` with `--task_data FILE`: one {"prompt": ..., "answer": ...} per line
   (GSM8K's "question" for "prompt" and answers such as "... #### 42" are accepted); a prompt is a
   string or a conversation (a list of {"role", "content"} messages, rendered with the checkpoint's
-  chat template); the last number in the completion is compared.
+  chat template); the last number in the completion is compared. Every field of a line is a
+  column of its example (an environment's reset and a TRL-form reward get them by name).
 - `tasks:chat_add`: "What is 47 + 85?" as a chat message, for a pretrained chat checkpoint
   (--model); generated here, no data file. Correct when the last number of the completion is the
   sum; the reward is 1 for correct, else 0, so eval_reward is the share correct.
@@ -72,6 +78,7 @@ Reward = Callable[[str, str], "float | None"]
 class Task:
     name: str
     sample: Callable[[random.Random], tuple]  # rng -> (prompt: text or conversation, reference)
+    # [, columns: a dict of the example's other fields, for reset() and TRL-form rewards]
     rewards: list[tuple[Reward, float]] = field(default_factory=list)  # (reward fn, weight)
     alphabet: str = ""         # the characters a fresh character-level tokenizer needs
     max_new_tokens: int = 0    # the task's completion budget (0: train.py's setting decides)
@@ -796,7 +803,8 @@ def product(reference: str) -> str:
 def final_answer_correct(completion: Completion, reference: str) -> float:
     """TRL's way to read an episode: its last message (`completions[i][-1]["content"]` there) is
     the model's final turn, and its last number is the product. A last message that is the tool's
-    (the budget ended the row there) earns nothing: the tool's text is not the model's answer."""
+    (the budget ended the row right after it) earns nothing: the tool's text is not the model's
+    answer."""
     last = completion.messages[-1]
     return answer_correct(last["content"], product(reference)) if last["role"] == "assistant" \
         else 0.0

@@ -27,8 +27,9 @@ None, or does not answer within --tool_timeout seconds stops the run in one line
 and the input (train.py checkpoints the last finished step first). A call the MODEL got wrong (a
 malformed expression) is not a failure: the tool raises ToolError(message) and the row gets
 "error: message" as its observation, counted in the step's tool_errors. A call counts (calls,
-tool_errors, the turns) only once its whole answer entered the row: one cut by the completion
-budget ends the row uncounted. A fresh model's tokenizer holds the task's alphabet alone: an
+tool_errors, the turns) only once its whole answer entered the row: an answer that does not fit
+in the completion budget is rolled back (episodes.py, as TRL's tool loop): the row ends at its
+call, uncounted. A fresh model's tokenizer holds the task's alphabet alone: an
 error message's characters outside it are dropped from the row, and the run says which once
 (`Responder.dropped`); a tool's own answer that the tokenizer cannot write stops the run.
 
@@ -274,7 +275,7 @@ class Responder:
 
     def errors(self, calls: list[int]) -> int:
         """The mistakes told in the calls that counted, calls[row] of each row (episodes.py): a
-        row's first answers, since an answer the budget cut ends its row."""
+        row's first answers, since an answer the budget could not hold ends its row."""
         return sum(errors for row, answers in self.answers.items()
                    for _, _, errors, _ in answers[:calls[row]])
 
@@ -294,15 +295,14 @@ class Responder:
         """The row as messages: the model's turns as assistant messages (for function tools as
         TRL parses them, from each turn's ids with its end token: content, reasoning_content,
         tool_calls), each answer's tool messages after the turn that called. An answer the budget
-        cut is rolled back, as TRL rolls it back: the row's last message is the turn that called
-        (its tokens stay in the row as context, trained on by nothing)."""
+        could not hold was rolled back (episodes.py): the row's last message is the call."""
         def assistant(tokens: list[int]) -> dict:
             text = self.tokenizer.decode(tokens)
             return self.toolbox.assistant(text) if self.toolbox else {"role": "assistant",
                                                                       "content": text}
         messages, at = [], 0
         for start, end, _, answer in self.answers.get(row, []):
-            if end > len(ids):  # the budget cut this answer: the row ends at the call
+            if end > len(ids):  # rolled back (the budget): the row ends at the call
                 return messages + [assistant(ids[at:start])]
             messages += [assistant(ids[at:start]), *answer]
             at = end

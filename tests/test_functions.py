@@ -796,10 +796,11 @@ def test_a_trl_style_task_with_function_tools_and_an_environment_runs_through_tr
 
 
 def test_an_answer_the_budget_cuts_is_rolled_back_from_the_messages(tmp_path, monkeypatch):
-    """The budget (8 tokens: the 4 of the call and its end, 4 of the tool's message) cuts the
-    answer: as TRL rolls it back, the row's messages end with the model's call, so TRL's reward
-    reading the last message sees the call, not the tool's text; the call counts nowhere (its
-    side effect stays: the tool ran, as in TRL)."""
+    """The budget (8 tokens: the 4 of the call and its end, 4 for the tool's message) cannot
+    hold the answer: as TRL rolls it back, the row ends at the model's call (stopped, its end
+    token the turn's) and its messages with it, so TRL's reward reading the last message sees
+    the call, not the tool's text; the call counts nowhere (its side effect stays: the tool ran,
+    as in TRL)."""
     path = scripted_chat_checkpoint(tmp_path / "qwen", CALL, added=("<tool_call>", "</tool_call>",
                                                                     CALL[11:-12]))
     spec = write_module(tmp_path, "counter", TRL_TASK.replace("MAX", "8"))
@@ -816,8 +817,27 @@ def test_an_answer_the_budget_cuts_is_rolled_back_from_the_messages(tmp_path, mo
     assert code == 0 and record["tool_calls"] == 0
     assert [m["role"] for m in seen[0].messages] == ["assistant"]
     assert seen[0].messages[0]["tool_calls"][0]["function"]["name"] == "increment"
-    assert seen[0].observations and not seen[0].stopped  # the cut answer's tokens: context
+    assert seen[0] == CALL and not seen[0].observations and seen[0].stopped  # rolled back
     assert record["reward"] == pytest.approx(0.5 + 0.2)
+
+
+def test_the_docs_example_runs_through_train(tmp_path):
+    """docs/tools.md's task (an async tool of a pooled environment reset with a column, a reward
+    in TRL's form, unchanged) runs one step on a checkpoint that calls increment: every row's
+    call is answered, and the environment's reward reads the row's count."""
+    with open(os.path.join(ROOT, "docs", "tools.md")) as f:
+        text = f.read()
+    section = text[text.index("## Function tools and environments"):]
+    code = section[section.index("```python\n") + 10:section.index("```\n", 10)]
+    spec = write_module(tmp_path, "mytools", code.replace("max_new_tokens=128",
+                                                          "max_new_tokens=64, tool_format='hermes'"))
+    path = scripted_chat_checkpoint(tmp_path / "qwen", CALL, added=("<tool_call>", "</tool_call>",
+                                                                    CALL[11:-12]))
+    code, out = run(tmp_path, "--model", path, "--task", spec, "--steps", "1", "--eval_every",
+                    "0", "--max_turns", "1")
+    record = records(out)[0]
+    assert code == 0 and record["tool_calls"] == 1 and record["tool_errors"] == 0
+    assert 0 <= record["reward"] <= 1  # count 2 against a target of 1 to 3; no product written
 
 
 def test_with_tools_false_the_call_is_text_and_the_environment_still_scores(tmp_path):
