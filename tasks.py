@@ -245,8 +245,8 @@ def call_trl(task: Task, fn: Callable, texts: list, examples: list) -> list:
         values = run_async(values) if inspect.isawaitable(values) else values
     except Exception as e:
         raise RewardError(f"task {task.name}: reward function {name} raised {type(e).__name__}: "
-                          f"{e} on {len(texts)} completions (the first {str(texts[0])!r})"
-                          ) from None
+                          f"{e} on {len(texts)} completions (the first "
+                          f"{str(texts[0]) if texts else ''!r})") from None
     if isinstance(values, (numpy.ndarray, torch.Tensor)):
         values = values.tolist()
     if not isinstance(values, (list, tuple)) or len(values) != len(texts):

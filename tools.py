@@ -139,15 +139,17 @@ class ToolMessages:
 
 
 LOOP: list = []  # the event loop async tools and rewards run on, started on first use
+LOOP_LOCK = threading.Lock()
 
 
 def run_async(awaitable):
     """An async tool's, reward's or get_reward's result, awaited on one event loop that a daemon
     thread keeps for the whole run (TRL's way: what a tool keeps across calls, a client session,
     stays on one loop), from whichever thread asks."""
-    if not LOOP:
-        LOOP.append(asyncio.new_event_loop())
-        threading.Thread(target=LOOP[0].run_forever, daemon=True).start()
+    with LOOP_LOCK:
+        if not LOOP:
+            LOOP.append(asyncio.new_event_loop())
+            threading.Thread(target=LOOP[0].run_forever, daemon=True).start()
 
     async def wait():
         return await awaitable

@@ -1,9 +1,11 @@
 """functions.py: function tools in TRL's shape. Schemas equal transformers' get_json_schema; prompts
 rendered with them, and whole tool-calling conversations (the model's call text, the tool messages),
 equal transformers' apply_chat_template ids on the published Qwen3 and Llama 3.1 tokenizer files;
-native calls are parsed as TRL's parse_response parses them; each call is dispatched by name, the
-model's mistakes told to it and counted, a broken tool stops the run; environments (one per row,
-reset, get_reward) end to end through train.py.
+turns are parsed as TRL's parse_response(..., tools=...) parses them (thoughts, typed arguments,
+calls that do not parse); each call is dispatched by name (async ones awaited), the model's
+mistakes told to it and counted, a broken tool stops the run; environments (a pool, reset with
+the example's columns, get_reward) and rewards in TRL's form (against TRL's _calculate_rewards)
+end to end through train.py.
 
 The published tokenizer files are not in the repository: QWEN3_TOKENIZER_DIR and
 LLAMA31_TOKENIZER_DIR name directories holding tokenizer.json and tokenizer_config.json (the npm
