@@ -219,7 +219,7 @@ class Grammar:
     """An assistant turn's regions as TRL's response template for the family writes them (its
     qwen3_template, llama3_template): each region opens and closes with a pattern; text outside
     them is the content, which the end-of-turn token closes."""
-    anchor: str          # the assistant header: what the generation prompt writes after it opens the turn
+    anchor: str          # the assistant header (the turn opens after the prompt's last one)
     opens: tuple         # (pattern that opens a region, its field)
     closes: dict         # field -> the pattern that closes it
     end: str             # the end-of-turn token: closes the content (TRL also cuts it from its end)

@@ -18,6 +18,7 @@ import asyncio
 import enum
 import json
 import os
+import random
 import shutil
 import sys
 from typing import Any, Literal, Optional
@@ -601,7 +602,7 @@ def test_reset_gets_every_column_of_the_example(tmp_path):
         return "Guess:", "3", {"answer": 3, "source": "drawn"}
     drawn = tasks.Task("d", sample, [])
     split = tasks.eval_split(drawn, None, 1, 0)
-    example = tasks.draw_training_example(drawn, tasks.EvalSplit([]), __import__("random").Random(0))
+    example = tasks.draw_training_example(drawn, tasks.EvalSplit([]), random.Random(0))
     assert split.examples[0].columns == example.columns == {"answer": 3, "source": "drawn"}
     with pytest.raises(ValueError, match="^task d: its sample returned 'Guess:'; it returns "):
         tasks.as_example(drawn, "Guess:")
@@ -831,8 +832,8 @@ def test_the_docs_example_runs_through_train(tmp_path):
         text = f.read()
     section = text[text.index("## Function tools and environments"):]
     code = section[section.index("```python\n") + 10:section.index("```\n", 10)]
-    spec = write_module(tmp_path, "mytools", code.replace("max_new_tokens=128",
-                                                          "max_new_tokens=64, tool_format='hermes'"))
+    code = code.replace("max_new_tokens=128", "max_new_tokens=64, tool_format='hermes'")
+    spec = write_module(tmp_path, "mytools", code)
     path = scripted_chat_checkpoint(tmp_path / "qwen", CALL, added=("<tool_call>", "</tool_call>",
                                                                     CALL[11:-12]))
     code, out = run(tmp_path, "--model", path, "--task", spec, "--steps", "1", "--eval_every",
