@@ -17,8 +17,9 @@ Rows holds each row as the decode loop (rollout.py) writes it, and the two piece
   call with no turns left (max_turns) ends it, not stopped. A row that reached the budget ends.
 - answer: the tool answers the waiting rows (`respond`, one call per check for all of them:
   train.py runs the task's tool there, with its timeout). An observation is written into the row,
-  marked as not sampled (policy False, logprob 0); one that reaches the budget ends the row there.
-  A call counts (the row's `calls`) once its whole observation is in the row.
+  marked as not sampled (policy False, logprob 0), and counts as a call (the row's `calls`). One
+  that does not fit in the budget is rolled back, as TRL's tool loop rolls it back: the row ends
+  at its call, stopped when the call token is a stop id (TRL's completion ends with its EOS).
 
 Leaves out: the decoding itself (rollout.py, decode.py), tools running concurrently with decoding
 (they run at the check, while the batch waits), stop strings (calls and stops are token ids).
@@ -105,6 +106,7 @@ class Rows:
             self.length[r] = j + 1  # what it decoded past the call or stop is dropped
             if tokens[j] in call_ids and self.calls[r] < episodes.max_turns:
                 waiting.append((r, j, tokens[:j + 1]))
+                self.stopped[r] = tokens[j] in stop_ids  # how it ends if its answer is cut
             else:  # a stop, or a call with no turns left: the row ends
                 self.ended[r] = True
                 self.stopped[r] = tokens[j] in stop_ids
@@ -128,18 +130,20 @@ class Rows:
                 raise ValueError(f"the tool's observation has token id {bad[0]!r} outside the "
                                  f"vocabulary [0, {vocab})")
             room = len(self.tokens) - self.length[r]  # the budget counts observation tokens too
-            # A call counts (a row's turns, the stats) once its whole answer is in the row; one
-            # the budget cuts ends the row, uncounted.
-            self.calls[r] += len(observation) <= room
-            part = observation[:room]
-            span = slice(self.length[r], self.length[r] + len(part))
-            self.tokens[span, r] = torch.tensor(part, dtype=torch.long, device=self.tokens.device)
+            if len(observation) > room:  # rolled back: the row ends at its call, uncounted
+                self.ended[r] = True
+                continue
+            self.calls[r] += 1
+            self.stopped[r] = False
+            span = slice(self.length[r], self.length[r] + len(observation))
+            self.tokens[span, r] = torch.tensor(observation, dtype=torch.long,
+                                                device=self.tokens.device)
             self.logprobs[span, r] = 0.0
             self.policy[span, r] = False
-            self.length[r] += len(part)
+            self.length[r] += len(observation)
             self.scanned[r] = self.length[r]
             if len(observation) < room:  # room for at least one more sampled token
-                feeds.append((r, [tokens[j]] + part, j))
+                feeds.append((r, [tokens[j]] + observation, j))
             else:
                 self.ended[r] = True
         return feeds

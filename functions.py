@@ -9,44 +9,52 @@ parsed and dispatched, and environments that keep a row's state.
    `apply_chat_template(messages, tools=schemas)` does (tokenizer.py): Qwen's `# Tools` system
    block, Llama 3.1's JSON in the first user message. A template that renders no tools (SmolLM2's)
    leaves the announcing to the task's own prompt, and the first step says so.
-2. Calls. The model's turn ends (its stop token: tools.Tool's call ""), and its calls are parsed in
-   the family's format: "hermes" (Qwen, Hermes: `<tool_call>{"name": ..., "arguments": {...}}
-   </tool_call>`, several in a turn) or "llama3_json" (Llama 3.1: the turn is a JSON object with
-   "name" and "parameters"), chosen from the template's text unless the task names it. Each call
-   is dispatched by name with its arguments checked against the schema; the answers are the
-   template's tool messages, one per call, in order (tools.Responder writes them into the row). A
-   turn with no call ends the episode.
-3. Mistakes and failures. Malformed JSON, an unknown tool, missing, unexpected or ill-typed
-   arguments and a tool's own tools.ToolError are the model's mistakes: its tool message says
-   "error: ...", and the step line counts them. A tool that raises anything else is a bug in the
-   tool: the run stops in one line (TRL tells the model any exception; a broken tool would then be
-   trained on in silence).
-4. Environments. `environment_factory()` makes one instance per rollout row; its public methods
-   (not reset, not get_reward, no leading "_") are that row's tools beside the task's functions.
-   `reset(prompt=..., reference=...)` (the keywords it accepts) runs before the episode, and a
-   string it returns is appended to the last message of the prompt (TRL's rule). The G rows of a
-   group share one prompt (prefilled once), so their resets must return the same text. A
-   `get_reward()` method is a reward function of weight 1 (named after the class) that scores each
-   row from its own instance's state after the episode.
+2. Calls. The model's turn ends (its stop token: tools.Tool's call ""), and it is parsed as TRL
+   parses it with tools (transformers' parse_response with TRL's response template for the
+   family, given the prompt and the tools): "hermes" (Qwen, Hermes: `<tool_call>{"name": ...,
+   "arguments": {...}}</tool_call>`, several in a turn; a Qwen3 `<think>...</think>` becomes
+   reasoning_content) or "llama3_json" (Llama 3.1: one JSON object with "name" and "parameters"
+   ending the turn), chosen from the template's text unless the task names it. String arguments
+   are typed by the tool's schema ("5" -> 5 for an integer). A turn whose call does not parse
+   (malformed or unclosed JSON, no name) is plain text, as in TRL: no call. Each call is
+   dispatched by name; the answers are the template's tool messages, one per call, plain
+   functions' first and then the async ones' (TRL gathers those), and tools.Responder writes them
+   into the row. A turn with no call ends the episode.
+3. Mistakes and failures. An unknown tool, missing, unexpected or ill-typed arguments (checked
+   against the schema) and a tool's own tools.ToolError are the model's mistakes: its tool
+   message says "error: ...", and the step line counts them. A tool that raises anything else
+   is a bug in the tool: the run stops in one line (TRL tells the model any exception; a broken
+   tool would then be trained on in silence); the checks keep the model's mistakes from raising.
+4. Environments. `environment_factory()` makes the environments of a pool (TRL's: made once,
+   reset before every episode); their public methods (not reset, not get_reward, no leading "_")
+   are that row's tools beside the task's functions. `reset(**columns)` gets the example's
+   columns (tasks.Example), prompt and reference (the keywords it accepts), and a string it
+   returns is appended to the last message of the prompt (TRL's rule). The G rows of a group
+   share one prompt (prefilled once), so their resets must return the same text. A
+   `get_reward()` method (awaited when async) is a reward function of weight 1 (named after the
+   class) that scores each row from its own instance's state after the episode.
 5. What a reward sees: tools.Completion, and its `messages` (TRL's completion): the assistant
-   turns (content, and tool_calls in TRL's {"type": "function", "function": {...}} shape), the
-   tool messages ({"role": "tool", "name", "content"}), and `environment`, the row's instance.
+   turns (content, reasoning_content, and tool_calls in TRL's {"type": "function", "function":
+   {...}} shape), the tool messages ({"role": "tool", "name", "content"}), and `environment`,
+   the row's instance. A reward in TRL's form gets these as TRL passes them (tasks.py).
 
-Leaves out: async tools and rewards, several environments in one task, tools under tensor
-parallelism with an environment (its state lives on one rank: refused), multimodal tool answers.
+Leaves out: several environments in one task, tools under tensor parallelism with an environment
+(its state lives on one rank: refused), multimodal tool answers.
 Tested by tests/test_functions.py.
 """
 
+import asyncio
 import enum
 import inspect
 import json
+import math
 import re
 import types
 import typing
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from tools import ToolError, ToolFailure, ToolMessages
+from tools import ToolError, ToolFailure, ToolMessages, run_async
 
 FORMATS = ("hermes", "llama3_json")
 
@@ -206,57 +214,151 @@ def call_format(named: str, template: str | None) -> str:
     return ""
 
 
-HERMES = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.S)
+@dataclass(frozen=True)
+class Grammar:
+    """An assistant turn's regions as TRL's response template for the family writes them (its
+    qwen3_template, llama3_template): each region opens and closes with a pattern; text outside
+    them is the content, which the end-of-turn token closes."""
+    anchor: str          # the assistant header (the turn opens after the prompt's last one)
+    opens: tuple         # (pattern that opens a region, its field)
+    closes: dict         # field -> the pattern that closes it
+    end: str             # the end-of-turn token: closes the content (TRL also cuts it from its end)
 
 
-def one_call(body: str) -> dict:
-    """A call's JSON text to {"name", "arguments"}; a ToolError for the model's malformed call."""
+GRAMMARS = {
+    "hermes": Grammar("<|im_start|>assistant\n",
+                      ((re.compile(re.escape("<think>")), "reasoning_content"),
+                       (re.compile(re.escape("<tool_call>")), "tool_calls")),
+                      {"reasoning_content": re.compile(r"</think>\s*"),
+                       "tool_calls": re.compile(r"</tool_call>\s*"),
+                       "content": re.compile(r"<\|im_end\|>\s*")}, "<|im_end|>"),
+    "llama3_json": Grammar("<|start_header_id|>assistant<|end_header_id|>\n\n",
+                           ((re.compile(r'\{"name":\s*"(?P<name>[^"]+)",\s*"parameters":\s*'),
+                             "tool_calls"),),
+                           {"tool_calls": re.compile(r"\}<\|eot_id\|>\s*"),
+                            "content": re.compile(r"<\|eot_id\|>\s*")}, "<|eot_id|>"),
+}
+
+
+def regions(text: str, grammar: Grammar) -> list[tuple[str, str, dict]]:
+    """The turn's regions in order, (field, body, the open pattern's named groups) each, as
+    transformers' ResponseParser cuts a whole response: in the content, the earliest open or
+    content close wins (the longer on a tie, an open before a close); inside a region only its
+    close counts; a region the text ends inside runs to the end."""
+    found, pos, field, body, groups, opened = [], 0, "content", "", {}, False
+    while True:
+        if field != "content":
+            m = grammar.closes[field].search(text, pos)
+            body += text[pos:m.start() if m else len(text)]
+            found.append((field, body, groups))
+            if m is None:
+                return found
+            pos, field, body, groups = m.end(), "content", "", {}
+            continue
+        marks = [(m.start(), m.start() - m.end(), 0, name, m) for pattern, name in grammar.opens
+                 if (m := pattern.search(text, pos))]
+        if (m := grammar.closes["content"].search(text, pos)):
+            marks.append((m.start(), m.start() - m.end(), 1, "content", m))
+        start = min(marks, key=lambda x: x[:4])[0] if marks else len(text)
+        if start > pos:
+            body, opened = body + text[pos:start], True
+        if opened:
+            found.append(("content", body, {}))
+        if not marks:
+            return found
+        _, _, kind, name, m = min(marks, key=lambda x: x[:4])
+        pos, body, opened = m.end(), "", False
+        if kind == 0:
+            field, groups = name, m.groupdict()
+
+
+def schema_types(schema: dict) -> list[str]:
+    """The JSON types a schema allows (its type or types, its anyOf's; nullable adds "null")."""
+    kinds = schema.get("type", [])
+    kinds = [kinds] if isinstance(kinds, str) else list(kinds)
+    for member in schema.get("anyOf", []):
+        kinds += schema_types(member)
+    return kinds + ["null"] * (bool(schema.get("nullable")) and "null" not in kinds)
+
+
+def typed(raw: str, kinds: list[str]):
+    """A string argument as the first of its schema's types it reads as ("5" -> 5 for an
+    integer, "3.0" -> 3, "true"/"1" -> True, "null" -> None, JSON text for an array or object),
+    else the string itself: transformers' casting in parse_response(..., tools=...)."""
+    for kind in kinds:
+        try:
+            if kind == "integer":
+                try:
+                    return int(raw)
+                except ValueError:
+                    number = float(raw)
+                    if number.is_integer():
+                        return int(number)
+            elif kind == "number":
+                number = float(raw)
+                if math.isfinite(number):
+                    return int(number) if number.is_integer() and "." not in raw else number
+            elif kind == "boolean" and raw.strip().lower() in ("true", "1", "false", "0"):
+                return raw.strip().lower() in ("true", "1")
+            elif kind == "null" and raw.strip() in ("null", "None"):
+                return None
+            elif kind in ("object", "array"):
+                value = json.loads(raw)
+                if isinstance(value, dict if kind == "object" else list):
+                    return value
+        except ValueError:
+            continue
+    return raw
+
+
+def type_arguments(function: dict, schemas: dict[str, dict]) -> None:
+    """The call's string arguments typed by its tool's schema, in place (`typed`)."""
+    schema, arguments = schemas.get(function.get("name")), function.get("arguments")
+    if schema is None or not isinstance(arguments, dict):
+        return
+    properties = schema["function"]["parameters"]["properties"]
+    for key, value in arguments.items():
+        kinds = schema_types(properties[key]) if key in properties else []
+        if kinds and isinstance(value, str):
+            arguments[key] = typed(value, kinds)
+        elif kinds and isinstance(value, list) and "array" not in kinds:
+            arguments[key] = [typed(v, kinds) if isinstance(v, str) else v for v in value]
+
+
+def parse_turn(text: str, fmt: str, schemas: list[dict] = (), opening: str = "",
+               ends: list[str] = ()) -> dict:
+    """The model's turn (its end token included, as decoded) as the assistant message TRL's
+    parse_response(tokenizer, ids, prefix=..., tools=...) makes of it: `reasoning_content` (a
+    Qwen3 thought), `tool_calls` ({"type": "function", "function": {"name", "arguments"}}, the
+    arguments typed by the schemas) and `content`. `opening`: what the generation prompt wrote
+    after the assistant header (Qwen3 without thinking: an empty thought). A turn that does not
+    parse (a call's JSON malformed, or unclosed: its body runs into the end token; a call with no
+    name) is plain text, as in TRL: its content, the end tokens (`ends`) cut, and no call."""
+    grammar = GRAMMARS[fmt]
+    by_name = {s["function"]["name"]: s for s in schemas}
+    message: dict = {"role": "assistant"}
     try:
-        call = json.loads(body)
-    except json.JSONDecodeError as e:
-        raise ToolError(f"the tool call is not valid JSON ({e.msg} at column {e.colno})") from None
-    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-        raise ToolError('a tool call is a JSON object with a "name" and its "arguments"')
-    arguments = call.get("arguments", call.get("parameters", {}))
-    if isinstance(arguments, str):  # some models write the arguments as a JSON string
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            pass
-    if not isinstance(arguments, dict):
-        raise ToolError(f"{call['name']}'s arguments must be a JSON object, got "
-                        f"{json.dumps(arguments)[:60]}")
-    return {"name": call["name"], "arguments": arguments}
-
-
-def parse_turn(text: str, fmt: str) -> tuple[str, list]:
-    """The model's turn (its end token removed) as (content, calls): each call a {"name",
-    "arguments"} dict or the ToolError its malformed text makes. hermes: every <tool_call> block
-    (one the turn's end cut off too), the content the text outside them; llama3_json: a turn that
-    starts with a JSON object holding "name" is calls (objects one after another), else content."""
-    calls: list = []
-    if fmt == "hermes":
-        for body in HERMES.findall(text):
-            try:
-                calls.append(one_call(body.strip()))
-            except ToolError as e:
-                calls.append(e)
-        return HERMES.sub("", text).strip(), calls
-    rest = text.strip().removeprefix("<|python_tag|>").lstrip()
-    if not (rest.startswith("{") and '"name"' in rest):
-        return text.strip(), []
-    decoder = json.JSONDecoder()
-    while rest:
-        try:
-            _, end = decoder.raw_decode(rest)
-        except json.JSONDecodeError:
-            end = len(rest)  # the rest is one malformed call
-        try:
-            calls.append(one_call(rest[:end]))
-        except ToolError as e:
-            calls.append(e)
-        rest = rest[end:].lstrip().lstrip(";").lstrip()
-    return "", calls
+        for field, body, groups in regions(opening + text, grammar):
+            if field != "tool_calls":
+                message[field] = body.strip()
+                continue
+            function = json.loads(body)
+            if fmt == "llama3_json":  # the arguments are the body, the name the opening's
+                function = {"name": groups["name"], "arguments": function}
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                raise ValueError("a call is a JSON object with a name")
+            if function.get("arguments") is None:
+                function["arguments"] = {}
+            type_arguments(function, by_name)
+            message.setdefault("tool_calls", []).append({"type": "function",
+                                                         "function": function})
+    except ValueError:  # json's JSONDecodeError included
+        for end in ends:
+            text = text.replace(end, "") if end else text
+        return {"role": "assistant", "content": text}
+    message = {k: v for k, v in message.items() if v not in ("", [], None)}
+    message["content"] = message.get("content", "").removesuffix(grammar.end)
+    return message
 
 # -----------------------------------------------------------------------------
 # Arguments checked against the schema, as the model's mistakes
@@ -334,13 +436,17 @@ def reset_keywords(reset: Callable, **fields) -> dict:
 class Toolbox:
     """A task's function tools and environment factory, checked at setup: their schemas, the call
     format, the environment's get_reward as a reward function. `ends`: the texts of the tokens
-    that end a turn (the stop ids), cut from a turn before it is parsed."""
+    that end a turn (the stop ids); `opening`: what the chat template's generation prompt writes
+    after the assistant header (build() reads it), where the parse of a turn starts. The
+    environments are a pool, as TRL keeps one: made once (the probe is the first), reset before
+    each episode, more made only when a rollout has more rows than the pool (`made` counts)."""
 
     def __init__(self, task, template: str | None, ends: list[str]):
         self.task_name, self.factory, self.ends = task.name, task.environment_factory, ends
+        self.opening, self.pool, self.made = "", [], 0
         methods, self.reward = [], None
         if self.factory is not None:
-            probe = self.factory()
+            probe = self.make()
             if not callable(getattr(probe, "reset", None)):
                 raise ValueError(f"task {task.name}: environment "
                                  f"{type(probe).__name__} has no reset() method")
@@ -363,13 +469,25 @@ class Toolbox:
                              f"name it: tasks.Task(..., tool_format=\"hermes\" or "
                              "\"llama3_json\")")
 
+    def make(self):
+        """A new environment, into the pool."""
+        self.pool.append(self.factory())
+        self.made += 1
+        return self.pool[-1]
+
     def start(self, examples: list[tuple], G: int) -> "RolloutTools":
-        """One rollout's tools: an environment per row (prompt-major, G rows a prompt), reset,
-        its text appended to the prompt's last message."""
-        environments = [self.factory() if self.factory else None for _ in range(len(examples) * G)]
+        """One rollout's tools: an environment per row (prompt-major, G rows a prompt) from the
+        pool, reset, its text appended to the prompt's last message. reset gets the example's
+        columns (tasks.Example: a dataset row's), prompt and reference."""
+        rows = len(examples) * G if self.factory else 0
+        while len(self.pool) < rows:
+            self.make()
+        environments = self.pool[:rows] if self.factory else [None] * (len(examples) * G)
         prompted = []
-        for i, (prompt, reference) in enumerate(examples):
-            texts = [self.reset(env, prompt, reference) for env in environments[i * G:(i + 1) * G]]
+        for i, example in enumerate(examples):
+            prompt, reference = example
+            fields = {**getattr(example, "columns", {}), "prompt": prompt, "reference": reference}
+            texts = [self.reset(env, fields) for env in environments[i * G:(i + 1) * G]]
             if len(set(texts)) > 1:
                 raise ToolFailure(f"task {self.task_name}: reset() returned different texts for "
                                   f"the {G} rows of one prompt ({texts[0]!r}, {texts[1]!r}, "
@@ -381,46 +499,38 @@ class Toolbox:
                 else:
                     prompt = [*prompt[:-1], {**prompt[-1],
                                              "content": prompt[-1]["content"] + texts[0]}]
-            prompted.append((prompt, reference))
+            prompted.append(example.with_prompt(prompt) if hasattr(example, "with_prompt")
+                            else (prompt, reference))
         return RolloutTools(self, prompted, environments)
 
-    def reset(self, environment, prompt, reference) -> str:
+    def reset(self, environment, fields: dict) -> str:
         if environment is None:
             return ""
         name = type(environment).__name__
         try:
-            text = environment.reset(**reset_keywords(environment.reset, prompt=prompt,
-                                                      reference=reference))
+            text = environment.reset(**reset_keywords(environment.reset, **fields))
         except Exception as e:
             raise ToolFailure(f"task {self.task_name}: environment {name}.reset raised "
-                              f"{type(e).__name__}: {e} (reference {reference!r})") from None
+                              f"{type(e).__name__}: {e} (reference "
+                              f"{fields['reference']!r})") from None
         if text is not None and not isinstance(text, str):
             raise ToolFailure(f"task {self.task_name}: environment {name}.reset returned "
                               f"{type(text).__name__}; it returns a string to append to the "
                               "prompt, or None")
         return text or ""
 
-    def turn(self, text: str) -> str:
-        """A turn's text without the token that ended it."""
-        for end in self.ends:
-            if end and text.endswith(end):
-                return text[:-len(end)]
-        return text
-
     def assistant(self, text: str) -> dict:
-        """A turn of the model as TRL's completion message: content, and its well-formed calls."""
-        content, calls = parse_turn(self.turn(text), self.format)
-        message = {"role": "assistant", "content": content}
-        good = [c for c in calls if isinstance(c, dict)]
-        if good:
-            message["tool_calls"] = [{"type": "function", "function": c} for c in good]
-        return message
+        """A turn of the model (its end token included) as TRL's completion message
+        (parse_turn): content, reasoning_content, its calls with their arguments typed."""
+        return parse_turn(text, self.format, self.schemas, self.opening, self.ends)
 
 
 def environment_reward(name: str) -> Callable:
-    """get_reward() of the row's environment, as a task's reward function named after its class."""
+    """get_reward() of the row's environment (awaited when it is async, as TRL awaits it), as a
+    task's reward function named after its class."""
     def reward(completion, reference):
-        return completion.environment.get_reward()
+        value = completion.environment.get_reward()
+        return run_async(value) if inspect.isawaitable(value) else value
     reward.__name__ = name
     return reward
 
@@ -434,49 +544,72 @@ class RolloutTools:
 
     def respond(self, text, reference, row: int) -> ToolMessages | None:
         """The calls of the row's turn (text.answer: what the model wrote since the last tool
-        message) answered in order, or None: the turn holds no call, the episode ends."""
-        _, calls = parse_turn(self.box.turn(text.answer), self.box.format)
+        message) answered, or None: the turn holds no call, the episode ends. The order is TRL's:
+        the answers of plain functions (and the mistakes) in the calls' order, then the async
+        functions' (awaited together)."""
+        calls = self.box.assistant(text.answer).get("tool_calls")
         if not calls:
             return None
         env = self.environments[row]
         tools = {fn.__name__: fn for fn in self.box.functions}
         tools.update({fn.__name__: fn for fn in environment_methods(env)} if env else {})
         schemas = {s["function"]["name"]: s for s in self.box.schemas}
-        messages, errors = [], 0
+        answers, waiting = [], []
         for call in calls:
-            name = call["name"] if isinstance(call, dict) else ""
+            name, arguments = call["function"]["name"], call["function"]["arguments"]
             try:
-                if isinstance(call, ToolError):
-                    raise call
                 if name not in tools:
                     raise ToolError(f"there is no tool {name!r} (the tools: "
                                     f"{', '.join(tools)})")
-                check_arguments(schemas[name], call["arguments"])
-                content = self.call(tools[name], call["arguments"], reference)
+                if not isinstance(arguments, dict):
+                    raise ToolError(f"{name}'s arguments must be a JSON object, got "
+                                    f"{json.dumps(arguments)[:60]}")
+                check_arguments(schemas[name], arguments)
+                result = self.call(tools[name], arguments, reference)
             except ToolError as e:
-                content, errors = f"error: {e}", errors + 1
-            messages.append({"role": "tool", "name": name, "content": content})
-        return ToolMessages(messages, errors)
+                answers.append((name, e))
+                continue
+            if inspect.isawaitable(result):
+                waiting.append((tools[name], arguments, result))
+            else:
+                answers.append((name, result))
+        if waiting:
+            async def gather():
+                return await asyncio.gather(*(w[2] for w in waiting), return_exceptions=True)
+            results = run_async(gather())
+            for (fn, arguments, _), result in zip(waiting, results):
+                if isinstance(result, Exception) and not isinstance(result, ToolError):
+                    raise self.failure(fn, arguments, reference, result)
+                answers.append((fn.__name__, result))
+        messages = [{"role": "tool", "name": name,
+                     "content": f"error: {result}" if isinstance(result, ToolError)
+                     else result if isinstance(result, str) else str(result)}
+                    for name, result in answers]
+        return ToolMessages(messages, sum(isinstance(r, ToolError) for _, r in answers))
 
-    def call(self, fn: Callable, arguments: dict, reference) -> str:
-        """fn(**arguments) as text (str() of what is not a string, as TRL writes it); a ToolError
-        passes to the model, anything else stops the run."""
+    def call(self, fn: Callable, arguments: dict, reference):
+        """fn(**arguments): its result (a coroutine for an async function, awaited by respond); a
+        ToolError passes to the model, anything else stops the run."""
         try:
-            result = fn(**arguments)
+            return fn(**arguments)
         except ToolError:
             raise
         except Exception as e:
-            raise ToolFailure(f"task {self.box.task_name}: tool {fn.__name__} raised "
-                              f"{type(e).__name__}: {e} on arguments {json.dumps(arguments)} "
-                              f"(reference {reference!r}); a call the model got wrong should "
-                              "raise tools.ToolError") from None
-        return result if isinstance(result, str) else str(result)
+            raise self.failure(fn, arguments, reference, e) from None
+
+    def failure(self, fn: Callable, arguments: dict, reference, e: Exception) -> ToolFailure:
+        return ToolFailure(f"task {self.box.task_name}: tool {fn.__name__} raised "
+                           f"{type(e).__name__}: {e} on arguments {json.dumps(arguments)} "
+                           f"(reference {reference!r}); a call the model got wrong should "
+                           "raise tools.ToolError")
 
 
-def build(task, tokenizer, stop_ids: tuple[int, ...], tp_size: int) -> tuple[Toolbox, str]:
+def build(task, tokenizer, stop_ids: tuple[int, ...], tp_size: int,
+          variables: dict | None = None) -> tuple[Toolbox, str]:
     """The task's function tools for a run on this tokenizer (tokenizer.PromptTokenizer), checked,
     and a note when the chat template does not render them (the task's prompt must announce them,
-    as SmolLM2's must)."""
+    as SmolLM2's must). variables: --chat_template_kwargs, for the generation prompt's opening
+    (Qwen3 with enable_thinking false writes an empty thought there)."""
     template = tokenizer.template_source()
     if template is None:
         raise ValueError(f"task {task.name}: function tools need a chat checkpoint (--model DIR "
@@ -486,7 +619,10 @@ def build(task, tokenizer, stop_ids: tuple[int, ...], tp_size: int) -> tuple[Too
                          "with --tp 1")
     toolbox = Toolbox(task, template, [tokenizer.decode([i]) for i in stop_ids])
     name = toolbox.schemas[0]["function"]["name"]
-    shown = name in tokenizer.render([{"role": "user", "content": ""}], toolbox.schemas)
-    return toolbox, "" if shown else (f"task {task.name}: the chat template does not render "
-                                      f"tools; the task's own prompt must announce {name} and "
-                                      f"the call format ({toolbox.format})")
+    rendered = tokenizer.render([{"role": "user", "content": ""}], toolbox.schemas, variables)
+    anchor = GRAMMARS[toolbox.format].anchor
+    # as transformers' parser reads the prompt: from its last assistant header on
+    toolbox.opening = rendered.rsplit(anchor, 1)[1] if anchor in rendered else ""
+    return toolbox, "" if name in rendered else (
+        f"task {task.name}: the chat template does not render tools; the task's own prompt must "
+        f"announce {name} and the call format ({toolbox.format})")

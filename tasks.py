@@ -1,8 +1,13 @@
 """
 Tasks: where prompts come from and how completions are scored.
 
-A task is a `Task`: a function that draws one (prompt, reference) pair from a random.Random, and
-one or more reward functions `reward(completion, reference) -> float | None`, each with a weight.
+A task is a `Task`: a function that draws one (prompt, reference) pair from a random.Random (or
+(prompt, reference, columns): the fields of its row, an `Example`'s), and one or more reward
+functions, each with a weight: `reward(completion, reference) -> float | None` per row, or in
+TRL's form, `reward(prompts, completions, **kwargs) -> list` for all the rows at once (trl_form;
+completions as message lists for a conversation, the examples' columns and reference as keyword
+lists, `environments` with an environment: a TRL user's reward file, unchanged; TRL's
+completion_ids, trainer_state, log_extra and log_metric are not passed). Either may be async.
 The reward of a completion is the weighted sum over the functions; None (or NaN) means "could not
 score": that function is left out, and a completion no function could score is left out of its
 group's statistics (grpo.group_advantages) and counted in the log. For a task with a tool the
@@ -24,7 +29,8 @@ Built in:
 - `tasks:jsonl_math` with `--task_data FILE`: one {"prompt": ..., "answer": ...} per line
   (GSM8K's "question" for "prompt" and answers such as "... #### 42" are accepted); a prompt is a
   string or a conversation (a list of {"role", "content"} messages, rendered with the checkpoint's
-  chat template); the last number in the completion is compared.
+  chat template); the last number in the completion is compared. Every field of a line is a
+  column of its example (an environment's reset and a TRL-form reward get them by name).
 - `tasks:chat_add`: "What is 47 + 85?" as a chat message, for a pretrained chat checkpoint
   (--model); generated here, no data file. Correct when the last number of the completion is the
   sum; the reward is 1 for correct, else 0, so eval_reward is the share correct.
@@ -45,6 +51,7 @@ finite dataset, with a line that says how many were held out and how many remain
 
 import ast
 import importlib
+import inspect
 import json
 import math
 import numbers
@@ -62,7 +69,7 @@ import torch
 
 import functions
 from grpo import combine_rewards
-from tools import Completion, Tool, ToolError
+from tools import Completion, Tool, ToolError, run_async
 
 Reward = Callable[[str, str], "float | None"]
 
@@ -71,6 +78,7 @@ Reward = Callable[[str, str], "float | None"]
 class Task:
     name: str
     sample: Callable[[random.Random], tuple]  # rng -> (prompt: text or conversation, reference)
+    # [, columns: a dict of the example's other fields, for reset() and TRL-form rewards]
     rewards: list[tuple[Reward, float]] = field(default_factory=list)  # (reward fn, weight)
     alphabet: str = ""         # the characters a fresh character-level tokenizer needs
     max_new_tokens: int = 0    # the task's completion budget (0: train.py's setting decides)
@@ -95,6 +103,33 @@ class Task:
 
 class RewardError(ValueError):
     """A reward function raised, or returned something that is not a reward."""
+
+
+class Example(tuple):
+    """A (prompt, reference) pair and `columns`: the fields of the row it came from (a dataset's
+    JSON line, or a dict a task's sample returns third), which an environment's reset() and a
+    reward in TRL's form get by name, as TRL passes a dataset's columns."""
+    columns: dict
+
+    def __new__(cls, prompt, reference, columns: dict | None = None):
+        self = super().__new__(cls, (prompt, reference))
+        self.columns = dict(columns or {})
+        return self
+
+    def with_prompt(self, prompt) -> "Example":
+        return Example(prompt, self[1], self.columns)
+
+
+def as_example(task: Task, drawn) -> Example:
+    """What a task's sample returned, (prompt, reference) or (prompt, reference, columns), as an
+    Example; one line for anything else."""
+    if isinstance(drawn, Example):
+        return drawn
+    if not (isinstance(drawn, (tuple, list)) and len(drawn) in (2, 3)
+            and (len(drawn) == 2 or isinstance(drawn[2], dict))):
+        raise ValueError(f"task {task.name}: its sample returned {short(drawn)}; it returns "
+                         "(prompt, reference), or (prompt, reference, columns: a dict)")
+    return Example(*drawn)
 
 
 def load_task(spec: str, data: str, data_flag: str = "--task_data") -> Task:
@@ -166,29 +201,85 @@ def check_statistics(task: Task, rewards: torch.Tensor) -> None:
 
 
 def call(task: Task, fn: Callable, text: str, ref: str):
-    """fn(text, ref), a user's function: what it raises is reported with the input that broke it."""
+    """fn(text, ref), a user's function (awaited when it is async): what it raises is reported
+    with the input that broke it."""
     try:
-        return fn(text, ref)
+        value = fn(text, ref)
+        return run_async(value) if inspect.isawaitable(value) else value
     except Exception as e:
         name = getattr(fn, "__name__", repr(fn))
         raise RewardError(f"task {task.name}: reward function {name} raised {type(e).__name__}: "
                           f"{e} on completion {text!r} (reference {ref!r})") from None
 
 
-def score(task: Task, texts: list[str], references: list[str]) -> torch.Tensor:
+def trl_form(fn: Callable) -> bool:
+    """Whether a reward function is written in TRL's form, fn(prompts, completions, **kwargs) ->
+    a list (it names `prompts` or `completions`, or takes keywords alone), not this project's
+    per-row fn(completion, reference)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: per row
+        return False
+    names = {p.name for p in params}
+    keywords_only = all(p.kind in (p.KEYWORD_ONLY, p.VAR_KEYWORD) for p in params)
+    return bool(names & {"prompts", "completions"}) or (bool(names) and keywords_only)
+
+
+def call_trl(task: Task, fn: Callable, texts: list, examples: list) -> list:
+    """fn as TRL's GRPOTrainer calls a reward: prompts=, completions= (a conversation's as message
+    lists: a Completion's messages, TRL's completion), every column of the examples as a keyword
+    list, and `environments` for a task with one; awaited when async. One value a completion."""
+    prompts = [prompt for prompt, _ in examples]
+    chat = task.tools or task.environment_factory is not None
+    completions = [getattr(t, "messages", [{"role": "assistant", "content": str(t)}])
+                   if chat or isinstance(p, list) else str(t) for t, p in zip(texts, prompts)]
+    keys = dict.fromkeys(k for e in examples for k in getattr(e, "columns", {}))
+    kwargs = {k: [getattr(e, "columns", {}).get(k) for e in examples] for k in keys
+              if k not in ("prompt", "completion", "completion_ids")}
+    kwargs["reference"] = [reference for _, reference in examples]
+    if task.environment_factory is not None:
+        kwargs["environments"] = [getattr(t, "environment", None) for t in texts]
+    name = getattr(fn, "__name__", repr(fn))
+    try:
+        values = fn(prompts=prompts, completions=completions, **kwargs)
+        values = run_async(values) if inspect.isawaitable(values) else values
+    except Exception as e:
+        raise RewardError(f"task {task.name}: reward function {name} raised {type(e).__name__}: "
+                          f"{e} on {len(texts)} completions (the first "
+                          f"{str(texts[0]) if texts else ''!r})") from None
+    if isinstance(values, (numpy.ndarray, torch.Tensor)):
+        values = values.tolist()
+    if not isinstance(values, (list, tuple)) or len(values) != len(texts):
+        raise RewardError(f"task {task.name}: reward function {name} (TRL's form: it names "
+                          f"prompts or completions) returned {short(values)}; it returns a list "
+                          f"of {len(texts)} rewards, one a completion")
+    return list(values)
+
+
+def score(task: Task, texts: list[str], references: list[str],
+          examples: list | None = None) -> torch.Tensor:
     """(N, F) rewards of N completions by the task's F reward functions, NaN where a function
-    returned None (grpo.combine_rewards sums them, weighted, as TRL does)."""
-    # Python floats, one tensor at the end: a write per element would be an op each (2 a row).
-    columns = [[check_reward(call(task, fn, text, ref), fn, text, ref, task)
-                for text, ref in zip(texts, references)] for fn, _ in task.rewards]
+    returned None (grpo.combine_rewards sums them, weighted, as TRL does). examples: each
+    completion's (prompt, reference) as the model saw it (tasks.Example: with its columns), for
+    the functions in TRL's form."""
+    if examples is None:
+        examples = [(None, ref) for ref in references]
+    columns = []  # Python floats, one tensor at the end: a write per element would be an op each
+    for fn, _ in task.rewards:
+        values = call_trl(task, fn, texts, examples) if trl_form(fn) else \
+            [call(task, fn, text, ref) for text, ref in zip(texts, references)]
+        columns.append([check_reward(value, fn, text, ref, task)
+                        for value, text, ref in zip(values, texts, references)])
     per_function = torch.tensor(columns, dtype=torch.float64)
     return per_function.reshape(len(task.rewards), len(texts)).T.contiguous()  # (N, F)
 
 
-def total_rewards(task: Task, texts: list[str], references: list[str]) -> torch.Tensor:
+def total_rewards(task: Task, texts: list[str], references: list[str],
+                  examples: list | None = None) -> torch.Tensor:
     """(N,) float64: each completion's rewards summed as TRL sums them (grpo.combine_rewards),
     NaN where no function scored it; statistics that overflow stop the run."""
-    total = combine_rewards(score(task, texts, references), [w for _, w in task.rewards])
+    total = combine_rewards(score(task, texts, references, examples),
+                            [w for _, w in task.rewards])
     check_statistics(task, total)
     return total
 
@@ -444,7 +535,7 @@ def jsonl_math(data: str) -> Task:
                 answer = str(row["answer"]).split("####")[-1].strip()
                 if parse_number(answer) is None:
                     raise ValueError(f"{data}:{i}: answer {row['answer']!r} holds no number")
-                examples.append((prompt, str(parse_number(answer))))
+                examples.append(Example(prompt, str(parse_number(answer)), row))
     except FileNotFoundError:
         raise ValueError(f"{data}: file not found") from None
     except (OSError, UnicodeDecodeError) as e:  # a folder, a binary file, no permission
@@ -712,7 +803,8 @@ def product(reference: str) -> str:
 def final_answer_correct(completion: Completion, reference: str) -> float:
     """TRL's way to read an episode: its last message (`completions[i][-1]["content"]` there) is
     the model's final turn, and its last number is the product. A last message that is the tool's
-    (the budget ended the row there) earns nothing: the tool's text is not the model's answer."""
+    (the budget ended the row right after it) earns nothing: the tool's text is not the model's
+    answer."""
     last = completion.messages[-1]
     return answer_correct(last["content"], product(reference)) if last["role"] == "assistant" \
         else 0.0
@@ -747,7 +839,7 @@ def prompt_key(prompt) -> str:
 
 def distinct(examples) -> list[tuple]:
     """The examples with distinct prompts, first occurrence kept, in order."""
-    return list({prompt_key(p): (p, r) for p, r in reversed(list(examples))}.values())[::-1]
+    return list({prompt_key(e[0]): e for e in reversed(list(examples))}.values())[::-1]
 
 
 @dataclass
@@ -781,8 +873,8 @@ def eval_split(task: Task, eval_task: Task | None, count: int, seed: int) -> Eva
     for _ in range(100 * count):
         if len(found) == count:
             break
-        prompt, reference = task.sample(rng)
-        found.setdefault(prompt_key(prompt), (prompt, reference))
+        example = as_example(task, task.sample(rng))
+        found.setdefault(prompt_key(example[0]), example)
     if len(found) < count:  # the stream ran dry: fewer distinct prompts; training keeps half
         found = dict(list(found.items())[:len(found) // 2])
     return EvalSplit(list(found.values()), set(found))
@@ -791,7 +883,7 @@ def eval_split(task: Task, eval_task: Task | None, count: int, seed: int) -> Eva
 def draw_training_example(task: Task, split: EvalSplit, rng: random.Random) -> tuple:
     """A (prompt, reference) the evaluation does not hold out."""
     for _ in range(1000):
-        example = task.sample(rng)
+        example = as_example(task, task.sample(rng))
         if prompt_key(example[0]) not in split.held_out:
             return example
     raise ValueError(f"task {task.name}: 1000 draws in a row were held out for the evaluation; "

@@ -27,8 +27,9 @@ None, or does not answer within --tool_timeout seconds stops the run in one line
 and the input (train.py checkpoints the last finished step first). A call the MODEL got wrong (a
 malformed expression) is not a failure: the tool raises ToolError(message) and the row gets
 "error: message" as its observation, counted in the step's tool_errors. A call counts (calls,
-tool_errors, the turns) only once its whole answer entered the row: one cut by the completion
-budget ends the row uncounted. A fresh model's tokenizer holds the task's alphabet alone: an
+tool_errors, the turns) only once its whole answer entered the row: an answer that does not fit
+in the completion budget is rolled back (episodes.py, as TRL's tool loop): the row ends at its
+call, uncounted. A fresh model's tokenizer holds the task's alphabet alone: an
 error message's characters outside it are dropped from the row, and the run says which once
 (`Responder.dropped`); a tool's own answer that the tokenizer cannot write stops the run.
 
@@ -39,6 +40,8 @@ Leaves out: tools running on a GPU.
 Tested by tests/test_episodes.py.
 """
 
+import asyncio
+import inspect
 import queue
 import threading
 from dataclasses import dataclass
@@ -135,6 +138,24 @@ class ToolMessages:
     errors: int
 
 
+LOOP: list = []  # the event loop async tools and rewards run on, started on first use
+LOOP_LOCK = threading.Lock()
+
+
+def run_async(awaitable):
+    """An async tool's, reward's or get_reward's result, awaited on one event loop that a daemon
+    thread keeps for the whole run (TRL's way: what a tool keeps across calls, a client session,
+    stays on one loop), from whichever thread asks."""
+    with LOOP_LOCK:
+        if not LOOP:
+            LOOP.append(asyncio.new_event_loop())
+            threading.Thread(target=LOOP[0].run_forever, daemon=True).start()
+
+    async def wait():
+        return await awaitable
+    return asyncio.run_coroutine_threadsafe(wait(), LOOP[0]).result()
+
+
 def call_tools(task, fn: Callable, calls: list[tuple], timeout: float
                ) -> list[tuple[str | ToolMessages | None, int]]:
     """fn(*call) for each call, in order, each within `timeout` seconds (a call's first two
@@ -146,7 +167,8 @@ def call_tools(task, fn: Callable, calls: list[tuple], timeout: float
     def run():
         for call in calls:
             try:
-                results.put(("ok", fn(*call)))
+                value = fn(*call)  # an async tool's coroutine is awaited
+                results.put(("ok", run_async(value) if inspect.isawaitable(value) else value))
             except ToolError as e:
                 results.put(("model", f"error: {e}"))
             except Exception as e:  # the tool's own failure: reported with its input
@@ -255,7 +277,7 @@ class Responder:
 
     def errors(self, calls: list[int]) -> int:
         """The mistakes told in the calls that counted, calls[row] of each row (episodes.py): a
-        row's first answers, since an answer the budget cut ends its row."""
+        row's first answers, since an answer the budget could not hold ends its row."""
         return sum(errors for row, answers in self.answers.items()
                    for _, _, errors, _ in answers[:calls[row]])
 
@@ -265,24 +287,28 @@ class Responder:
         its messages (TRL's completion) and its environment."""
         decode, rows = self.tokenizer.decode, []
         for row, (text, x, stop, own) in enumerate(zip(texts, ids, stopped, policy)):
-            x = x[:len(x) - stop]
+            kept = x[:len(x) - stop]
             env = self.rollout_tools.environments[row] if self.rollout_tools else None
-            rows.append(Completion(text, split_parts(decode, x, own[:len(x)]), stop,
-                                   self.conversation(row, x), env))
+            rows.append(Completion(text, split_parts(decode, kept, own[:len(kept)]), stop,
+                                   self.conversation(row, x if self.toolbox else kept), env))
         return rows
 
     def conversation(self, row: int, ids: list[int]) -> list[dict]:
-        """The row as messages: the model's turns as assistant messages (content and, for function
-        tools, tool_calls), each answer's tool messages after the turn that called."""
+        """The row as messages: the model's turns as assistant messages (for function tools as
+        TRL parses them, from each turn's ids with its end token: content, reasoning_content,
+        tool_calls), each answer's tool messages after the turn that called. An answer the budget
+        could not hold was rolled back (episodes.py): the row's last message is the call."""
         def assistant(tokens: list[int]) -> dict:
             text = self.tokenizer.decode(tokens)
             return self.toolbox.assistant(text) if self.toolbox else {"role": "assistant",
                                                                       "content": text}
         messages, at = [], 0
         for start, end, _, answer in self.answers.get(row, []):
+            if end > len(ids):  # rolled back (the budget): the row ends at the call
+                return messages + [assistant(ids[at:start])]
             messages += [assistant(ids[at:start]), *answer]
             at = end
-        if at < len(ids) or not messages:  # else the budget ended the row in a tool's answer
+        if at < len(ids) or not messages:  # else the row ends with a whole answer (TRL's too)
             messages.append(assistant(ids[at:]))
         return messages
 

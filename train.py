@@ -265,7 +265,8 @@ def setup(values: dict[str, object]) -> Run:
         except ValueError as e:
             raise ValueError(f"task {task.name}: {e}") from None
     if task.tools or task.environment_factory is not None:
-        toolbox, note = functions.build(task, tokenizer, stop_ids, groups.tp_size)
+        toolbox, note = functions.build(task, tokenizer, stop_ids, groups.tp_size,
+                                        cfgs.prompt.template_variables())
         task = dataclasses.replace(task, rewards=[*task.rewards, (toolbox.reward, 1.0)]
                                    ) if toolbox.reward else task
         call_ids = stop_ids if cfgs.tools.tools else ()  # a call ends the model's turn
@@ -395,7 +396,7 @@ def sample_round(run: Run, step: int, round: int) -> tuple[grpo.GRPOBatch, torch
     texts = completion_texts(run, out, responder)
     examples = [example for example in examples for _ in range(G)]  # (N,)
     references = [ref for _, ref in examples]
-    rewards = together(run, tasks.total_rewards, run.task, texts, references)
+    rewards = together(run, tasks.total_rewards, run.task, texts, references, examples)
     counts["correct"] = sum(together(run, tasks.correct_flags, run.task, texts, references) or [])
     counts["shown"] = [dict(prompt=p, completion=t, reference=r, reward=x, stopped=s)
                        for (p, r), t, x, s in zip(examples, texts, rewards.tolist(), stopped)
@@ -526,7 +527,7 @@ def evaluate(run: Run) -> tuple[dict, list[dict]]:
         stopped += out.stopped.tolist()
         texts += completion_texts(run, out, responder)
     references = [ref for _, ref in items]
-    scores = together(run, tasks.total_rewards, run.task, texts, references)
+    scores = together(run, tasks.total_rewards, run.task, texts, references, shown)
     correct = together(run, tasks.correct_flags, run.task, texts, references)
     scored = scores[~scores.isnan()]
     total, count, right, prompts = dp.all_reduce(

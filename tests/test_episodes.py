@@ -64,8 +64,9 @@ def recomputed_episode(model: Llama, prompt: list[int], row: int, budget: int,
             observation = tool(row, tokens)
             if observation is None:
                 return tokens, policy, True, calls
-            calls += len(observation) <= budget - len(tokens)  # a call counts once its answer
-            observation = observation[:budget - len(tokens)]  # is in the row whole
+            if len(observation) > budget - len(tokens):  # rolled back, as TRL's tool loop does:
+                return tokens, policy, token in STOPS, calls  # the row ends at its call
+            calls += 1
             seq += observation
             tokens += observation
             policy += [False] * len(observation)
@@ -256,9 +257,9 @@ def test_greedy_episodes_equal_transformers_generate_turn_by_turn(tmp_path):
                 break
             calls += 1
             observation = tool(r, seq[len(prompt):])
-            if observation is None:
-                break
-            seq += observation[:20 - (len(seq) - len(prompt))]
+            if observation is None or len(seq) - len(prompt) + len(observation) > 20:
+                break  # the episode's end, or an answer past the budget: rolled back
+            seq += observation
         assert out.completions()[r] == seq[len(prompt):], r
 
 # -----------------------------------------------------------------------------
@@ -621,8 +622,9 @@ def test_chat_calc_answers_a_chat_checkpoints_calls_end_to_end(tmp_path, script,
     assert sample["reward"] == 0.0  # "4*9" after the last answer: 9 is not the product
 
 def test_a_call_whose_answer_the_budget_cuts_counts_as_no_call_and_no_error(tmp_path):
-    """The call's answer (an error message) does not fit in what is left of the budget: the row
-    ends at the budget with the part that fits, and neither the call nor its error counts."""
+    """The call's answer (an error message) does not fit in what is left of the budget: as TRL's
+    tool loop, the answer is rolled back, the row ends at its call (stopped: the call is the
+    end of the model's turn), and neither the call nor its error counts."""
     path = scripted_chat_checkpoint(tmp_path / "qwen", "<calc>4*x</calc>")
     code, out = run(tmp_path, "--model", path, "--task", "tasks:chat_calc", "--steps", "1",
                     "--eval_every", "1", "--eval_prompts", "2", "--max_new_tokens", "40")
@@ -630,8 +632,7 @@ def test_a_call_whose_answer_the_budget_cuts_counts_as_no_call_and_no_error(tmp_
     assert code == 0 and record["tool_calls"] == 0 and record["tool_errors"] == 0
     with open(os.path.join(out, "samples.jsonl")) as f:
         sample = json.loads(f.readline())
-    assert sample["completion"].startswith("<calc>4*x</calc><|im_end|>\n<|im_start|>user")
-    assert not sample["stopped"]  # the budget ended it
+    assert sample["completion"] == "<calc>4*x</calc>" and sample["stopped"]
 
 # -----------------------------------------------------------------------------
 # Against TRL 1.16: its multi-turn path (rollout_func with env_mask, the mask its tool loop

