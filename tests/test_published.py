@@ -3,7 +3,7 @@ checkpoint in the Hub's layout gives transformers' logits, and the published Qwe
 chat templates render prompts and tool turns as transformers renders them.
 
 transformers is not a requirement of the engine, so its answers are committed beside the inputs
-(tests/fixtures/, written by tests/fixtures/make_fixtures.py from transformers 5.24): without it
+(tests/fixtures/, written by tests/make_fixtures.py from transformers 5.24): without it
 these tests compare with the saved answers; with it they also compare with transformers live, and
 the saved answers with its (a stale fixture fails). Provenance of the templates:
 tests/fixtures/chat_templates/README.md.
@@ -19,12 +19,11 @@ from safetensors.torch import load_file, save_file
 import hf
 import tokenizer as tk
 import tolerance
-from hf_reference import REQUIRED, chat_text
+from make_fixtures import CHECKPOINT, LOGITS, TEMPLATES, chat_text
 
-FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
-CHECKPOINT = os.path.join(FIXTURES, "qwen3-tiny")  # Hub layout: tied, lm_head.weight stored too
-SAVED = load_file(os.path.join(FIXTURES, "qwen3-tiny-logits.safetensors"))  # input_ids, logits
-with open(os.path.join(FIXTURES, "chat_templates", "renders.json")) as f:
+REQUIRED = os.environ.get("REFERENCES_REQUIRED") == "1"  # CI's step with the references
+SAVED = load_file(LOGITS)  # input_ids (B, T), transformers' logits (B, T, V) of CHECKPOINT
+with open(os.path.join(TEMPLATES, "renders.json")) as f:
     RENDERS = json.load(f)
 
 
@@ -111,7 +110,7 @@ def test_a_published_template_renders_as_transformers(name, case):
     prompt) equals transformers' apply_chat_template text; a row that ends with tool messages
     is the prompt before the call, the model's turn, then the tool turn the engine writes after
     it (tokenizer.tool_turn)."""
-    with open(os.path.join(FIXTURES, "chat_templates", name)) as f:
+    with open(os.path.join(TEMPLATES, name)) as f:
         template = f.read()
     special_tokens = RENDERS[name]["special_tokens"]
     ours = tk.PromptTokenizer(None, {"tokenizer_config.json": json.dumps(special_tokens),

