@@ -244,6 +244,16 @@ def test_tp2_gloo_matches_tp1_and_writes_the_same_tensors(tmp_path, arch):
     (["--out", ""], "--out is empty"),
     (["--max_new_tokens", "2000"], "--max_new_tokens 2000 leaves no room for a prompt in the "
                                    "model's context of 1024 tokens"),
+    (["--eval_samples", "4"], "--eval_samples 4 at --eval_temperature 0 (greedy) would be copies "
+                              "of one completion; sample them, e.g. Qwen3's thinking mode: "
+                              "--eval_temperature 0.6 --eval_top_p 0.95 --eval_top_k 20"),
+    (["--eval_samples", "17", "--eval_temperature", "1"], "--eval_samples 17 exceeds the "
+     "rollout's rows a rank (4 prompts x --num_samples 4); lower it or raise --prompts_per_step"),
+    (["--eval_samples", "0"], "--eval_samples must be >= 1, got 0"),
+    (["--eval_temperature", "-1"], "--eval_temperature must be a finite number >= 0 (0 = greedy)"),
+    (["--eval_temperature", "nan"], "--eval_temperature must be a finite number >= 0"),
+    (["--eval_top_p", "0"], "--eval_top_p must be in (0, 1] (1 = off), got 0.0"),
+    (["--eval_top_k", "-2"], "--eval_top_k must be >= 0, got -2"),
     (["--task", "tasks:REVERSE_LEN"], "--task tasks:REVERSE_LEN: is a int, not a tasks.Task"),
     (["--task", "tasks:parse_number"], "--task tasks:parse_number: is a NoneType, not a tasks.Task"),
 ])
@@ -589,6 +599,64 @@ def test_eval_scores_greedy_completions_of_prompts_training_never_draws(tmp_path
         if "eval_reward" in r:
             assert 0 <= r["eval_correct"] <= 1 and 0 <= r["eval_reward"] <= 1
             assert r["eval_correct"] <= r["eval_reward"] + 1e-9  # correct means reward 1
+
+
+def samples_of(out) -> list[dict]:
+    with open(os.path.join(out, "samples.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.mark.parametrize("k", [4, 8])  # 8 > --num_samples 4: fewer prompts a batch
+def test_eval_samples_k_report_mean_correct_and_pass_at_k(tmp_path, monkeypatch, capsys, k):
+    """--eval_samples k at --eval_temperature > 0: k completions of each held-out prompt drawn
+    with the eval's own knobs, scored one by one; eval_correct is their mean, eval_pass_at_k the
+    share of prompts with one of its k correct, both recomputed here from samples.jsonl. The
+    sampled completions differ, and a second run draws the same ones (a seeded stream)."""
+    drawn = []
+    generate = train.rollout.generate
+    monkeypatch.setattr(train.rollout, "generate", lambda model, prompts, cfg, *a, **kw: drawn.append(
+        (len(prompts), cfg.num_samples, cfg.temperature, cfg.top_k, cfg.top_p))
+        or generate(model, prompts, cfg, *a, **kw))
+    flags = ["--steps", "2", "--eval_every", "2", "--eval_prompts", "6", "--eval_samples", str(k),
+             "--eval_temperature", "1.5", "--eval_top_p", "0.9", "--eval_top_k", "8"]
+    code, out = run(tmp_path, *flags)
+    assert code == 0
+    per_batch = 4 * min(4, k) // k  # the cache's rows: 4 prompts x 4 samples
+    evals = [d for d in drawn if d[1:] == (k, 1.5, 8, 0.9)]
+    batches = [min(per_batch, 6 - first) for first in range(0, 6, per_batch)]
+    assert [n for n, *_ in evals] == batches * 2  # steps 1 and 2
+    assert [d for d in drawn if d not in evals] == [(4, 4, 1.0, 0, 1.0)] * 2  # training's own
+    samples, recs = samples_of(out), strict_records(out)
+    for step, rec in ((1, recs[0]), (2, recs[1])):
+        mine = [x for x in samples if x["step"] == step]
+        assert len(mine) == 6 * k and [x["sample"] for x in mine] == list(range(k)) * 6
+        prompts = [mine[i]["prompt"] for i in range(0, 6 * k, k)]
+        assert all(x["prompt"] == prompts[i // k] for i, x in enumerate(mine))
+        flags_ = [x["correct"] for x in mine]
+        assert rec["eval_samples"] == k
+        assert rec["eval_correct"] == pytest.approx(sum(flags_) / (6 * k))
+        assert rec["eval_pass_at_k"] == pytest.approx(
+            sum(any(flags_[i:i + k]) for i in range(0, 6 * k, k)) / 6)
+        assert rec["eval_reward"] == pytest.approx(sum(x["reward"] for x in mine) / (6 * k))
+        assert len({x["completion"] for x in mine[:k]}) > 1  # drawn, not one greedy copy
+    assert f"correct, pass@{k} " in capsys.readouterr().out
+    code, again = run(tmp_path, *flags, out="again")
+    assert code == 0 and [x["completion"] for x in samples_of(again)] == [
+        x["completion"] for x in samples]
+
+
+def test_the_default_eval_is_greedy_with_one_completion_a_prompt(tmp_path, monkeypatch):
+    """Without the eval flags, as before: temperature 0, one completion per prompt, no pass@k."""
+    drawn = []
+    generate = train.rollout.generate
+    monkeypatch.setattr(train.rollout, "generate", lambda model, prompts, cfg, *a, **kw: drawn.append(
+        (cfg.num_samples, cfg.temperature)) or generate(model, prompts, cfg, *a, **kw))
+    code, out = run(tmp_path, "--steps", "1", "--eval_prompts", "8")
+    assert code == 0 and drawn == [(4, 1.0), (1, 0.0), (1, 0.0)]
+    rec = strict_records(out)[0]
+    assert "eval_pass_at_k" not in rec and "eval_samples" not in rec
+    assert [set(x) for x in samples_of(out)] == [{"step", "prompt", "completion", "reference",
+                                                  "reward", "stopped", "correct"}] * 8
 
 
 def test_prompt_template_wraps_each_prompt(tmp_path, monkeypatch):
