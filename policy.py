@@ -9,6 +9,9 @@ before each rollout) and the frozen reference (the initial policy, when beta > 0
   on every rank.
 - master_dtype, autocast: --dtype bfloat16 is mixed precision (FSDP's and Megatron's): the trainer's
   weights and AdamW state in float32, forward and backward under bf16 autocast, a bf16 sampler.
+- cpu_precision: where bf16 runs at all. A CPU without native bf16 (no AVX512_BF16 or AMX) falls
+  back to kernels 20-60x slower than float32 (docs/measurements.md): there --dtype bfloat16 runs as
+  --dtype float32 (--cpu_bf16 auto) and says so at start, with the cost it measured.
 - compile_model: --compile_blocks, the trainer's blocks compiled (compiling.py); on CUDA the
   training attention's route (packing.cuda_route).
 - build: the three from the run's flags, the trainer's blocks compiled and checkpointed
@@ -23,6 +26,8 @@ Tested by tests/test_train.py (fresh and loaded models, bf16's master weights, c
 
 import contextlib
 import copy
+import dataclasses
+import time
 
 import torch
 
@@ -52,6 +57,54 @@ def autocast(cfg, device: torch.device):
     if cfg.dtype != "bfloat16":
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=torch.bfloat16)
+
+
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively: AVX512_BF16 or AMX, and oneDNN allowed to use
+    bf16 (ONEDNN_MAX_CPU_ISA caps it: AVX2 runs an AVX-512 CPU as an AVX2 one)."""
+    cpu = torch.cpu  # the flags' functions are private (torch >= 2.3): absent means unknown, no
+    flags = [getattr(cpu, name, lambda: False)() for name in ("_is_avx512_bf16_supported",
+                                                               "_is_amx_tile_supported")]
+    return (any(flags) and torch.backends.mkldnn.is_available()
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def bf16_cost(C: int, I: int, tokens: int = 64) -> tuple[float, float]:
+    """Seconds of one linear's forward and backward (C -> I, the model's MLP, over `tokens` rows)
+    under bf16 autocast, and in float32: the best of two each, after one."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, C, generator=gen, requires_grad=True)  # both gradients, as a block's
+    w = torch.randn(I, C, generator=gen, requires_grad=True)
+
+    def seconds(dtype: torch.dtype) -> float:
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+                torch.nn.functional.linear(x, w).float().sum().backward()
+            best = min(best, time.perf_counter() - t0)
+        return best
+    return seconds(torch.bfloat16), seconds(torch.float32)
+
+
+def cpu_precision(cfg, device: torch.device, config: ModelConfig | None):
+    """(cfg, line): --dtype bfloat16 on a CPU without native bf16 (--cpu_bf16 auto) becomes
+    --dtype float32, what a user of such a CPU wants (the README's CPU commands at their speed),
+    and the line says so with the cost of one of the model's linears measured here (config: the
+    checkpoint's, None: the fresh model's). Elsewhere cfg as it is and ""."""
+    if (cfg.dtype != "bfloat16" or device.type != "cpu" or cfg.cpu_bf16 == "true"
+            or native_bf16()):
+        return cfg, ""
+    C = config.hidden_size if config else cfg.dim
+    I = config.intermediate_size if config else cfg.dim * 11 // 4  # build_model's
+    bf16, fp32 = bf16_cost(C, I)
+    isa = torch.backends.cpu.get_cpu_capability()
+    return dataclasses.replace(cfg, dtype="float32"), (
+        f"note: --dtype bfloat16 runs as --dtype float32 here: this CPU ({isa}) has no native "
+        f"bf16 (AVX512_BF16 or AMX), and a bf16 linear of this model's MLP ({C} -> {I}, 64 "
+        f"tokens, forward and backward) took {bf16 * 1e3:.1f} ms against {fp32 * 1e3:.1f} ms "
+        f"in float32 ({bf16 / fp32:.0f}x); float32 weights and checkpoints (--cpu_bf16 true "
+        "insists on bf16)")
 
 
 def build_model(cfg, task: Task, source: str, device: torch.device,

@@ -28,7 +28,7 @@ depend on how the batch is split.
 
 Each knob lives in the dataclass of the file that uses it; `--field value` is routed to its owner
 (cli.py). --dtype bfloat16: fp32 master weights and AdamW state, bf16 autocast, a bf16 sampler
-(policy.py).
+(policy.py); float32 on a CPU without native bf16, said at start.
 Leaves out: pipeline parallelism, multi-node launch details, wandb.
 Shapes: Bp prompts, G samples per prompt, N = Bp*G completions, Tr completion length.
 Tested by tests/test_train.py.
@@ -81,6 +81,7 @@ class TrainConfig:
     heads: int = 4                   # fresh model: attention heads
     kv_heads: int = 2                # fresh model: key/value heads (GQA)
     dtype: str = "float32"           # compute: float32, or bfloat16 (fp32 master weights, autocast)
+    cpu_bf16: str = "auto"           # bf16 on a CPU: auto (AVX512_BF16/AMX only, else float32), true
     sampler_dtype: str = ""          # sampler weights; "" = --dtype (bf16: a copy of the master)
     compile_blocks: str = "auto"     # blocks' training forward compiled: auto (CUDA), true, false
     compile_cache: str = "runs/compile_cache"  # torch's compile caches, kept for the next run
@@ -243,7 +244,12 @@ def setup(values: dict[str, object]) -> Run:
     source = resume_dir or cfg.model
     budget = cfgs.rollout.max_new_tokens or task.max_new_tokens or 256  # 0: the task's own
     cfgs.rollout = dataclasses.replace(cfgs.rollout, max_new_tokens=budget)
-    cli.check_budget(budget, load_config(source).max_position_embeddings if source else 1024)
+    config = load_config(source) if source else None
+    cli.check_budget(budget, config.max_position_embeddings if config else 1024)
+    cfgs.train, note = policy.cpu_precision(cfg, device, config)  # bf16 where the CPU has it
+    cfg = cfgs.train
+    if note and rank == 0:  # at once: a run's first step can take minutes on a CPU
+        print(note, flush=True)
     # The trainer, the sampler and the reference (the initial policy: built before any checkpoint
     # is loaded), compiled and checkpointed as the flags say.
     model, tokenizer, sampler, reference, built = policy.build(cfgs, task, source, resume_dir,

@@ -5,6 +5,7 @@ import json
 import math
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -26,8 +27,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Small enough for seconds per run on a 2-core CPU; one thread so parallel test workers do not thrash.
 # The multi-process runs below are the gloo path, also on a machine with one GPU.
 GLOO = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+# --cpu_bf16 true: the --dtype bfloat16 tests test bf16 on any CPU, one without native bf16 too (its
+# default, float32 there: test_bf16_on_a_cpu_without_it_runs_as_float32_and_says_so)
 FAST = ["--prompts_per_step", "4", "--num_samples", "4", "--dim", "32", "--layers", "1", "--threads", "1",
-        "--micro_batch_groups", "2"]
+        "--micro_batch_groups", "2", "--cpu_bf16", "true"]
 
 
 def records(out) -> list[dict]:
@@ -250,6 +253,8 @@ def test_tp2_gloo_matches_tp1_and_writes_the_same_tensors(tmp_path, arch):
     (["--eval_samples", "17", "--eval_temperature", "1"], "--eval_samples 17 exceeds the "
      "rollout's rows a rank (4 prompts x --num_samples 4); lower it or raise --prompts_per_step"),
     (["--eval_samples", "0"], "--eval_samples must be >= 1, got 0"),
+    (["--cpu_bf16", "false"], "--cpu_bf16 must be auto (bf16 on a CPU with AVX512_BF16 or AMX, "
+                              "else float32) or true, got 'false'"),
     (["--eval_temperature", "-1"], "--eval_temperature must be a finite number >= 0 (0 = greedy)"),
     (["--eval_temperature", "nan"], "--eval_temperature must be a finite number >= 0"),
     (["--eval_top_p", "0"], "--eval_top_p must be in (0, 1] (1 = off), got 0.0"),
@@ -1007,6 +1012,52 @@ def test_bf16_at_mu_1_scores_no_old_logprobs_and_trains_as_if_it_did(tmp_path, m
     keys = ("reward", "loss", "entropy", "sampler_ratio_mean", "grad_norm")
     assert [[r[k] for k in keys] for r in records(fast)] == [[r[k] for k in keys]
                                                              for r in records(slow)]
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_bf16_on_a_cpu_without_it_runs_as_float32_and_says_so(tmp_path, monkeypatch, capsys,
+                                                              native):
+    """A CPU without AVX512_BF16 or AMX runs bf16 matmuls 10-60x slower than float32
+    (docs/measurements.md): there --dtype bfloat16 runs as --dtype float32, said in one line before
+    the first step with the cost measured; --cpu_bf16 true keeps bf16; a CPU with it, bf16."""
+    monkeypatch.setattr(train.policy, "native_bf16", lambda: native)
+    args = ["--dtype", "bfloat16", "--steps", "1", "--eval_every", "0", "--cpu_bf16", "auto"]
+    code, out = run(tmp_path, *args)
+    printed = capsys.readouterr().out
+    assert code == 0
+    note = [line for line in printed.splitlines() if "--dtype bfloat16 runs as" in line]
+    from safetensors import safe_open
+    with safe_open(os.path.join(out, "step-000001", "model.safetensors"), "pt") as f:
+        dtypes = {f.get_tensor(k).dtype for k in f.keys()}
+    if native:
+        assert note == [] and dtypes == {torch.bfloat16}
+        return
+    assert len(note) == 1 and printed.index(note[0]) < printed.index("step 1/1")
+    assert re.fullmatch(r"note: --dtype bfloat16 runs as --dtype float32 here: this CPU \(\w+\) "
+                        r"has no native bf16 \(AVX512_BF16 or AMX\), and a bf16 linear of this "
+                        r"model's MLP \(32 -> 88, 64 tokens, forward and backward\) took [\d.]+ ms "
+                        r"against [\d.]+ ms in float32 \(\d+x\); float32 weights and checkpoints "
+                        r"\(--cpu_bf16 true insists on bf16\)", note[0]), note[0]
+    assert dtypes == {torch.float32} and not os.path.exists(os.path.join(out, "step-000001",
+                                                                         "master"))
+    assert json.load(open(os.path.join(out, "step-000001", "config.json")))["dtype"] == "float32"
+    code, forced = run(tmp_path, *args, "--cpu_bf16", "true", out="forced")
+    with safe_open(os.path.join(forced, "step-000001", "model.safetensors"), "pt") as f:
+        assert code == 0 and {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+    assert "runs as --dtype float32" not in capsys.readouterr().out
+
+
+def test_native_bf16_follows_the_cpu_and_onednns_cap():
+    """ONEDNN_MAX_CPU_ISA=AVX2 (how docs/measurements.md emulates an AVX2-only CPU) takes native
+    bf16 away, whatever the CPU; without the cap, the CPU's own flags decide."""
+    env = {**GLOO, "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+    ask = [sys.executable, "-c", "import policy; print(policy.native_bf16())"]
+    capped = subprocess.run(ask, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert capped.stdout.strip() == "False", capped.stderr[-2000:]
+    flags = open("/proc/cpuinfo").read().split() if os.path.exists("/proc/cpuinfo") else None
+    if flags is not None:  # Linux: the kernel's flags say what the CPU has
+        has = "avx512_bf16" in flags or "amx_tile" in flags
+        assert train.policy.native_bf16() == has
 
 
 def test_bf16_resume_continues_exactly(tmp_path):
