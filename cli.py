@@ -196,8 +196,8 @@ def check_config(cfgs) -> None:
             raise ValueError(f"--dim {cfg.dim} must be a multiple of 2 x --heads {cfg.heads} "
                              "(an even head width for rotary embeddings)")
     if cfg.cpu_bf16 not in ("auto", "true"):
-        raise ValueError(f"--cpu_bf16 must be auto (bf16 on a CPU with AVX512_BF16 or AMX, else "
-                         f"float32) or true, got {cfg.cpu_bf16!r}")
+        raise ValueError(f"--cpu_bf16 must be auto (bf16 kernels on a CPU with AVX512_BF16 or "
+                         f"AMX, else float32 matmuls) or true, got {cfg.cpu_bf16!r}")
     if cfg.compile_blocks not in ("auto", "true", "false"):
         raise ValueError(f"--compile_blocks must be auto (on CUDA only), true or false, got "
                          f"{cfg.compile_blocks!r}")

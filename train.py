@@ -28,7 +28,7 @@ depend on how the batch is split.
 
 Each knob lives in the dataclass of the file that uses it; `--field value` is routed to its owner
 (cli.py). --dtype bfloat16: fp32 master weights and AdamW state, bf16 autocast, a bf16 sampler
-(policy.py); float32 on a CPU without native bf16, said at start.
+(policy.py); on a CPU without native bf16, bf16's values multiplied in float32, said at start.
 Leaves out: pipeline parallelism, multi-node launch details, wandb.
 Shapes: Bp prompts, G samples per prompt, N = Bp*G completions, Tr completion length.
 Tested by tests/test_train.py.
@@ -81,7 +81,7 @@ class TrainConfig:
     heads: int = 4                   # fresh model: attention heads
     kv_heads: int = 2                # fresh model: key/value heads (GQA)
     dtype: str = "float32"           # compute: float32, or bfloat16 (fp32 master weights, autocast)
-    cpu_bf16: str = "auto"           # bf16 on a CPU: auto (AVX512_BF16/AMX only, else float32), true
+    cpu_bf16: str = "auto"           # CPU: auto (bf16 kernels with AVX512_BF16/AMX, else float32), true
     sampler_dtype: str = ""          # sampler weights; "" = --dtype (bf16: a copy of the master)
     compile_blocks: str = "auto"     # blocks' training forward compiled: auto (CUDA), true, false
     compile_cache: str = "runs/compile_cache"  # torch's compile caches, kept for the next run
@@ -102,7 +102,7 @@ class TrainConfig:
     max_unscored_steps: int = 5      # stop after this many steps in a row with no reward scored
     max_flat_steps: int = 50         # stop after N steps in a row of all-equal groups; 0 = off
     # evaluation
-    eval_every: int = 50             # greedy completions of held-out prompts every N steps; 0 = off
+    eval_every: int = 50             # completions of held-out prompts every N steps; 0 = off
     eval_prompts: int = 64           # held-out prompts (own RNG stream; training never draws them)
     eval_temperature: float = 0.0    # 0 = greedy; a thinking model's (Qwen3: 0.6; greedy loops)
     eval_top_p: float = 1.0          # 1 = off (Qwen3 thinking: 0.95)
@@ -246,8 +246,7 @@ def setup(values: dict[str, object]) -> Run:
     cfgs.rollout = dataclasses.replace(cfgs.rollout, max_new_tokens=budget)
     config = load_config(source) if source else None
     cli.check_budget(budget, config.max_position_embeddings if config else 1024)
-    cfgs.train, note = policy.cpu_precision(cfg, device, config)  # bf16 where the CPU has it
-    cfg = cfgs.train
+    note = policy.cpu_precision(cfg, device, config)  # bf16 without a CPU's bf16 kernels
     if note and rank == 0:  # at once: a run's first step can take minutes on a CPU
         print(note, flush=True)
     # The trainer, the sampler and the reference (the initial policy: built before any checkpoint
