@@ -279,8 +279,8 @@ def refuse_unsupported(d: dict, arch: str, refuse: Callable) -> None:
 def sliding_layers(d: dict) -> list[int]:
     """The layers transformers' Qwen2 and Qwen3 configs make sliding_attention when config.json
     gives no layer_types (given ones are checked as they stand): with use_sliding_window and a
-    sliding_window, layer i slides when i >= max_window_layers (28 when absent). Qwen3's configs
-    write use_sliding_window true beside max_window_layers >= their layer count: every layer full."""
+    sliding_window, layer i slides when i >= max_window_layers (28 when absent). A config with
+    use_sliding_window true beside max_window_layers >= its layer count: every layer full."""
     if not d.get("use_sliding_window") or d.get("sliding_window") is None or \
             d.get("layer_types") is not None:
         return []
@@ -519,4 +519,4 @@ def tied_copy_message(files: dict[str, str]) -> str:
     return (f"{files[TIED_COPY]}: tensor '{TIED_COPY}' differs from '{EMBEDDING}', which "
             "config.json ties it to (tie_word_embeddings true): transformers 4 would drop the "
             "copy, transformers 5 untie the two. Set tie_word_embeddings false to load both, or "
-            f"delete the copy to tie the head to the embedding")
+            "delete the copy to tie the head to the embedding")

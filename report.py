@@ -12,7 +12,8 @@ The step line, field by field (STEP_LINE below; `python train.py --help` prints 
 Completions shown: every evaluation prints the first --show_samples held-out prompts (the same ones
 each time, so a reader sees them change) with the (first) completion, the reference and the reward,
 and OUT/samples.jsonl gets every completion (step, prompt, completion, reference, reward, stopped,
-correct; and sample, its index among the prompt's k, when --eval_samples k > 1); --show_rollouts N prints N of the step's sampled completions after each step line.
+correct; and sample, its index among the prompt's k, when --eval_samples k > 1); --show_rollouts N
+prints N of the step's sampled completions after each step line.
 
 Health: a run stops in one line (after a checkpoint) when for N steps in a row no update was finite
 (--max_bad_steps), no reward was scored (--max_unscored_steps), or every group's rewards were all

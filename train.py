@@ -81,7 +81,7 @@ class TrainConfig:
     heads: int = 4                   # fresh model: attention heads
     kv_heads: int = 2                # fresh model: key/value heads (GQA)
     dtype: str = "float32"           # compute: float32, or bfloat16 (fp32 master weights, autocast)
-    cpu_bf16: str = "auto"           # CPU: auto (bf16 kernels with AVX512_BF16/AMX, else float32), true
+    cpu_bf16: str = "auto"           # CPU bf16 kernels: auto (AVX512_BF16/AMX; else float32), true
     sampler_dtype: str = ""          # sampler weights; "" = --dtype (bf16: a copy of the master)
     compile_blocks: str = "auto"     # blocks' training forward compiled: auto (CUDA), true, false
     compile_cache: str = "runs/compile_cache"  # torch's compile caches, kept for the next run
