@@ -161,14 +161,24 @@ def check_config(cfgs) -> None:
     Configs)."""
     cfg = cfgs.train
     positive = ("prompts_per_step", "max_prompt_len", "steps", "max_bad_steps",
-                "max_unscored_steps", "eval_prompts", "dim", "layers", "heads", "kv_heads")
+                "max_unscored_steps", "eval_prompts", "eval_samples", "dim", "layers", "heads",
+                "kv_heads")
     for name in positive:
         if getattr(cfg, name) < 1:
             raise ValueError(f"--{name} must be >= 1, got {getattr(cfg, name)}")
     for name in ("lr", "weight_decay", "grad_clip", "save_every", "warmup_steps", "eval_every",
-                 "threads"):
+                 "threads", "eval_top_k"):
         if getattr(cfg, name) < 0:
             raise ValueError(f"--{name} must be >= 0, got {getattr(cfg, name)}")
+    if not 0 <= cfg.eval_temperature < float("inf"):  # NaN too
+        raise ValueError(f"--eval_temperature must be a finite number >= 0 (0 = greedy), got "
+                         f"{cfg.eval_temperature}")
+    if not 0 < cfg.eval_top_p <= 1:
+        raise ValueError(f"--eval_top_p must be in (0, 1] (1 = off), got {cfg.eval_top_p}")
+    if cfg.eval_samples > 1 and cfg.eval_temperature == 0:
+        raise ValueError(f"--eval_samples {cfg.eval_samples} at --eval_temperature 0 (greedy) "
+                         "would be copies of one completion; sample them, e.g. Qwen3's thinking "
+                         "mode: --eval_temperature 0.6 --eval_top_p 0.95 --eval_top_k 20")
     if cfg.dtype == "float16":
         raise ValueError("--dtype float16 is not supported: without loss scaling its gradients "
                          "underflow and its weights overflow to NaN; use --dtype bfloat16 (fp32 "
@@ -185,6 +195,9 @@ def check_config(cfgs) -> None:
         if cfg.dim % (2 * cfg.heads):
             raise ValueError(f"--dim {cfg.dim} must be a multiple of 2 x --heads {cfg.heads} "
                              "(an even head width for rotary embeddings)")
+    if cfg.cpu_bf16 not in ("auto", "true"):
+        raise ValueError(f"--cpu_bf16 must be auto (bf16 kernels on a CPU with AVX512_BF16 or "
+                         f"AMX, else float32 matmuls) or true, got {cfg.cpu_bf16!r}")
     if cfg.compile_blocks not in ("auto", "true", "false"):
         raise ValueError(f"--compile_blocks must be auto (on CUDA only), true or false, got "
                          f"{cfg.compile_blocks!r}")
@@ -239,6 +252,15 @@ def check_budget(max_new_tokens: int, context: int) -> None:
     if max_new_tokens >= context:
         raise ValueError(f"--max_new_tokens {max_new_tokens} leaves no room for a prompt in the "
                          f"model's context of {context} tokens (max_position_embeddings); lower it")
+
+
+def check_eval_samples(eval_samples: int, local_prompts: int, num_samples: int) -> None:
+    """The evaluation's k completions of a prompt share the rollout's KV cache (sized for a dp
+    rank's prompts x --num_samples rows): one prompt's k must fit in it."""
+    if eval_samples > local_prompts * num_samples:
+        raise ValueError(f"--eval_samples {eval_samples} exceeds the rollout's rows a rank "
+                         f"({local_prompts} prompts x --num_samples {num_samples}); lower it or "
+                         "raise --prompts_per_step")
 
 
 def check_dp(prompts_per_step: int, dp_size: int) -> None:

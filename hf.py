@@ -4,10 +4,12 @@ The Hugging Face format: checkpoint directories in and out (tokenizers: tokenize
 Checkpoints in: config.json in the transformers 4 layout (top-level rope_theta / rope_scaling) or
 the 5 layout (rope_parameters), for LlamaForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM. Every
 field that changes the math is read; anything model.py would not compute exactly as transformers
-does (MoE such as Qwen3MoeForCausalLM, sliding windows, other rope types, partial rotary, a field of
-the wrong type, a tensor no module uses) is refused with one line naming the file and the field or
-tensor. Weights are read with safetensors only (model.safetensors, or the shards its index
-lists), never unpickled. Checkpoints out: a config.json both versions read alike, and
+does (MoE such as Qwen3MoeForCausalLM, a layer that slides its window, other rope types, partial
+rotary, a field of the wrong type, a tensor no module uses) is refused with one line naming the file
+and the field or tensor. A tied checkpoint may store its lm_head.weight beside the embedding, as the
+Hub's Qwen3-0.6B and 1.7B do: the copy is loaded when it equals the embedding, refused when not.
+Weights are read with safetensors only (model.safetensors, or the shards its index lists), never
+unpickled. Checkpoints out: a config.json both versions read alike, and
 generation_config.json when given one. stop_token_ids: config.json's and generation_config.json's
 eos ids together.
 
@@ -31,6 +33,8 @@ from model import ARCHITECTURES, Llama, ModelConfig
 # writes that field, LlamaConfig.save_pretrained alone does not).
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                "qwen3": "Qwen3ForCausalLM"}
+# A tied model's head and embedding; the Hub's Qwen3-0.6B and 1.7B store the head too (a copy).
+TIED_COPY, EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
 
 # -----------------------------------------------------------------------------
 # Checkpoint directories: the model in and out
@@ -41,6 +45,8 @@ def load_model(path: str, device: str | torch.device = "cpu",
     """The model an HF checkpoint directory describes, or one ValueError saying why not."""
     cfg = load_config(path)
     files = check_checkpoint(path, expected_shapes(cfg))  # name -> file; names, shapes checked
+    if tied_copy_differs(cfg, files):
+        raise ValueError(tied_copy_message(files))
     with torch.device("meta"):
         model = Llama(cfg)
     allocate(model, device, dtype)  # NOTE: re-creates every parameter, which unties lm_head
@@ -135,11 +141,12 @@ FIELD_TYPES = {
     "rope_theta": "number?", "rope_scaling": "object?", "rope_parameters": "object?",
     "partial_rotary_factor": "number?", "tie_word_embeddings": "bool", "attention_bias": "bool",
     "mlp_bias": "bool", "use_sliding_window": "bool", "sliding_window": "size?",
-    "layer_types": "names?",
+    "max_window_layers": "count?", "layer_types": "names?",
     "pretraining_tp": "size?", "attention_dropout": "number",
     "bos_token_id": "id?", "pad_token_id": "id?", "eos_token_id": "ids?",
 }
 EXPECTED = {"names": "a list of strings", "name": "a string", "size": "a positive integer",
+            "count": "an integer >= 0",
             "number": "a number", "object": "a JSON object", "bool": "true or false",
             "id": "a token id (an integer >= 0)", "ids": "a token id or a list of token ids"}
 
@@ -166,6 +173,7 @@ def json_value_is(value, kind: str) -> bool:
         return isinstance(value, list) and all(isinstance(v, str) for v in value)
     return {"name": isinstance(value, str),
             "size": is_int and value > 0,
+            "count": is_int and value >= 0,
             "id": is_int and value >= 0,
             "number": isinstance(value, (int, float)) and not isinstance(value, bool),
             "object": isinstance(value, dict),
@@ -245,10 +253,15 @@ def refuse_unsupported(d: dict, arch: str, refuse: Callable) -> None:
                     "moe_intermediate_size"):
         if d.get(moe_key):
             refuse(moe_key, "declares a mixture of experts; this engine runs dense models only")
-    if d.get("use_sliding_window"):
-        refuse("use_sliding_window", "asks for sliding-window attention, which is not supported")
-    if arch == "LlamaForCausalLM" and d.get("sliding_window"):
-        refuse("sliding_window", "asks for sliding-window attention, which is not supported")
+    if arch == "LlamaForCausalLM":  # no such fields in transformers' Llama: refused, not guessed
+        for field in ("use_sliding_window", "sliding_window"):
+            if d.get(field):
+                refuse(field, "asks for sliding-window attention, which is not supported")
+    elif layers := sliding_layers(d):
+        L, first = d["num_hidden_layers"], layers[0]
+        refuse("use_sliding_window", f"is true with sliding_window {d['sliding_window']} and "
+                                     f"max_window_layers {first}: layers {first}-{L - 1} of {L} "
+                                     "would slide their window, which is not supported")
     if other := [t for t in d.get("layer_types") or [] if t != "full_attention"]:
         refuse("layer_types", f"has {other[0]!r}; only 'full_attention' layers are supported")
     if d.get("hidden_act", "silu") != "silu":
@@ -261,6 +274,17 @@ def refuse_unsupported(d: dict, arch: str, refuse: Callable) -> None:
         refuse("quantization_config", "is set; only unquantized checkpoints are loaded")
     if d.get("partial_rotary_factor") not in (None, 1.0):
         refuse("partial_rotary_factor", "is not 1; rotary embeddings here cover the whole head")
+
+
+def sliding_layers(d: dict) -> list[int]:
+    """The layers transformers' Qwen2 and Qwen3 configs make sliding_attention when config.json
+    gives no layer_types (given ones are checked as they stand): with use_sliding_window and a
+    sliding_window, layer i slides when i >= max_window_layers (28 when absent). A config with
+    use_sliding_window true beside max_window_layers >= its layer count: every layer full."""
+    if not d.get("use_sliding_window") or d.get("sliding_window") is None or \
+            d.get("layer_types") is not None:
+        return []
+    return list(range(d.get("max_window_layers", 28), d["num_hidden_layers"]))
 
 
 def rope_from_hf(d: dict, refuse: Callable) -> tuple[float, dict | None]:
@@ -427,18 +451,20 @@ def check_checkpoint(path: str, expected: dict[str, tuple[int, ...]]) -> dict[st
     """Refuse a checkpoint whose tensors are not exactly `expected` (names and full shapes, from
     expected_shapes): a missing, unused or misshaped tensor is one error naming the file and tensor.
     An unused tensor means the model is not the one the file describes: refused, never dropped.
-    Returns name -> file. Both loaders call it: load_model, and tp.load_sharded before it
-    reads its slices."""
+    One exception: a tied model's stored copy of the embedding (TIED_COPY, the Hub's layout of
+    Qwen3-0.6B and 1.7B), which must have the embedding's shape; the loaders check its values
+    (tied_copy_differs). Returns name -> file, the copy included. Both loaders call it: load_model,
+    and tp.load_sharded before it reads its slices."""
     tensors = checkpoint_tensors(path)
     if missing := sorted(set(expected) - set(tensors)):
         raise ValueError(f"{path}: checkpoint is missing {len(missing)} tensors, "
                          f"e.g. '{missing[0]}'")
-    if unused := sorted(set(tensors) - set(expected)):
+    tied = TIED_COPY not in expected  # expected_shapes leaves a tied lm_head out
+    copy = {TIED_COPY} & set(tensors) if tied else set()
+    if unused := sorted(set(tensors) - set(expected) - copy):
         name = unused[0]
         why = "no module of the model config.json describes uses it"
-        if name == "lm_head.weight":  # transformers would untie them if they differ: ambiguous
-            why = "config.json ties lm_head to the embedding (set tie_word_embeddings false)"
-        elif name.endswith(".bias"):
+        if name.endswith(".bias"):
             why = "config.json declares no such bias (see its attention_bias / mlp_bias)"
         elif name.endswith(("q_norm.weight", "k_norm.weight")):
             why = "config.json's architecture has no per-head q/k norms (Qwen3ForCausalLM has)"
@@ -449,4 +475,48 @@ def check_checkpoint(path: str, expected: dict[str, tuple[int, ...]]) -> dict[st
         if found != shape:
             raise ValueError(f"{file}: tensor '{name}' has shape {found}, "
                              f"config.json implies {shape}")
-    return {name: tensors[name][0] for name in expected}
+    if copy and tensors[TIED_COPY][1] != expected[EMBEDDING]:
+        raise ValueError(f"{tensors[TIED_COPY][0]}: tensor '{TIED_COPY}' has shape "
+                         f"{tensors[TIED_COPY][1]}, not the shape {expected[EMBEDDING]} of the "
+                         "embedding config.json ties it to (tie_word_embeddings)")
+    return {name: tensors[name][0] for name in [*expected, *copy]}
+
+# -----------------------------------------------------------------------------
+# A tied model's stored copy of its embedding
+
+# transformers 4 ties lm_head to the embedding on load and ignores a stored lm_head.weight;
+# transformers 5.24 unties the two when the copy differs (with a warning). Equal, both compute the
+# same model, and so does this one; different, the checkpoint means two models: refused.
+COMPARE_BYTES = 64 * 2**20  # rows compared at a time: memory stays bounded, whatever the vocab
+
+
+def tied_copy_differs(cfg: ModelConfig, files: dict[str, str], start: int = 0,
+                      stop: int | None = None) -> bool:
+    """Whether a tied model's stored copy of the embedding (files: check_checkpoint's) differs from
+    the embedding in rows [start, stop) (tp.load_sharded: a rank's own); False when none is stored
+    or the model is untied. Bit for bit in the stored dtype (a NaN equals itself); different dtypes
+    compare by value."""
+    if not cfg.tie_word_embeddings or TIED_COPY not in files:
+        return False
+    with safe_open(files[TIED_COPY], framework="pt") as fc, \
+            safe_open(files[EMBEDDING], framework="pt") as fe:
+        copy, embedding = fc.get_slice(TIED_COPY), fe.get_slice(EMBEDDING)
+        V, C = embedding.get_shape()
+        stop = V if stop is None else stop
+        rows = max(1, COMPARE_BYTES // (8 * C))  # float64 at most, below
+        for lo in range(start, stop, rows):
+            a, b = copy[lo:min(lo + rows, stop)], embedding[lo:min(lo + rows, stop)]
+            if a.dtype == b.dtype:  # the bits: NaN rows equal as stored
+                ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+                a, b = a.view(ints[a.element_size()]), b.view(ints[b.element_size()])
+            if not torch.equal(a.double() if a.is_floating_point() else a,
+                               b.double() if b.is_floating_point() else b):
+                return True
+    return False
+
+
+def tied_copy_message(files: dict[str, str]) -> str:
+    return (f"{files[TIED_COPY]}: tensor '{TIED_COPY}' differs from '{EMBEDDING}', which "
+            "config.json ties it to (tie_word_embeddings true): transformers 4 would drop the "
+            "copy, transformers 5 untie the two. Set tie_word_embeddings false to load both, or "
+            "delete the copy to tie the head to the embedding")

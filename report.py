@@ -7,12 +7,13 @@ The step line, field by field (STEP_LINE below; `python train.py --help` prints 
 
     step 12/800 | reward 0.412 ± 0.21 | loss -0.0012 | ent 1.935 | clip 0.000 | |dlogp| 1.8e-07
     | len 4.0 | 51234 tok/s | roll 0.02s lp 0.00s train 0.04s | max RSS 0.37 GB | eval 0.650 (20%
-    correct)
+    correct, pass@4 45%)
 
 Completions shown: every evaluation prints the first --show_samples held-out prompts (the same ones
-each time, so a reader sees them change) with the greedy completion, the reference and the reward,
-and OUT/samples.jsonl gets every one of them (step, prompt, completion, reference, reward, stopped,
-correct); --show_rollouts N prints N of the step's sampled completions after each step line.
+each time, so a reader sees them change) with the (first) completion, the reference and the reward,
+and OUT/samples.jsonl gets every completion (step, prompt, completion, reference, reward, stopped,
+correct; and sample, its index among the prompt's k, when --eval_samples k > 1); --show_rollouts N
+prints N of the step's sampled completions after each step line.
 
 Health: a run stops in one line (after a checkpoint) when for N steps in a row no update was finite
 (--max_bad_steps), no reward was scored (--max_unscored_steps), or every group's rewards were all
@@ -43,7 +44,8 @@ tool; errors: the model's mistakes told: a ToolError, a malformed or unknown fun
 tok/s: the rollout's new tokens per second | roll, lp, train: seconds in the rollout, the old and
 reference logprobs (mu > 1, beta > 0), training; compile: of those, the seconds torch.compile took
 (a step that compiled) | max RSS (CPU) or max allocated (GPU) | eval: mean held-out greedy reward
-(share fully correct), every --eval_every steps"""
+(share fully correct; with --eval_samples k > 1, of all k per prompt, and pass@k: the share of
+prompts with one of its k fully correct), every --eval_every steps"""
 
 # -----------------------------------------------------------------------------
 # The step's record and line
@@ -150,9 +152,10 @@ def step_line(record: dict, steps: int, beta: float) -> str:
     else:
         parts.append(f"max allocated {record['max_allocated_gb']:.2f} GB")
     if record.get("eval_reward") is not None:
-        right = record["eval_correct"]
-        parts.append(f"eval {record['eval_reward']:.3f}"
-                     + (f" ({right:.0%} correct)" if right is not None else ""))
+        right, passed = record["eval_correct"], record.get("eval_pass_at_k")
+        k = f"pass@{record['eval_samples']} {passed:.0%}" if passed is not None else ""
+        parts.append(f"eval {record['eval_reward']:.3f}" + (
+            f" ({right:.0%} correct{', ' + k if k else ''})" if right is not None else ""))
     return " | ".join(parts + faults(record))
 
 # -----------------------------------------------------------------------------

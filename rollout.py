@@ -437,13 +437,19 @@ def _extend(decoder: Decoder, rows: Rows, feeds: list[tuple[int, list[int], int]
 # Weight sync: the sampler receives the trainer's weights
 
 
-def sampler_for(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+def sampler_for(model: torch.nn.Module, dtype: torch.dtype,
+                values: torch.dtype | None = None) -> torch.nn.Module:
     """The trainer itself when it is in the sampler's dtype, else a frozen copy in that dtype (a
     bf16 sampler of an fp32 master: --dtype bfloat16, or --sampler_dtype), synced before each
-    rollout."""
-    if dtype == next(model.parameters()).dtype:
+    rollout. values: the copy holds its weights rounded to that dtype (bf16's values in float32,
+    on a CPU without native bf16: policy.py), and every sync rounds them again."""
+    if dtype == next(model.parameters()).dtype and values is None:
         return model
-    return copy.deepcopy(model).to(dtype).requires_grad_(False)
+    sampler = copy.deepcopy(model).to(dtype).requires_grad_(False)
+    if values is not None:
+        sampler.weight_values = values
+        sync_weights(sampler, model)
+    return sampler
 
 
 @torch.no_grad()
@@ -465,5 +471,9 @@ def sync_weights(sampler: torch.nn.Module, model: torch.nn.Module) -> None:
                              f"{tuple(targets[name].shape)} in the sampler, "
                              f"{tuple(sources[name].shape)} in the trainer")
     names = list(targets)
+    if (values := getattr(sampler, "weight_values", None)) is not None:  # sampler_for's rounding
+        for n in names:  # one tensor at a time: one rounded copy alive at once
+            targets[n].copy_(sources[n].to(values))
+        return
     # One multi-tensor copy (a few kernels on CUDA, not one a parameter), cast as copy_ casts.
     torch._foreach_copy_([targets[n] for n in names], [sources[n] for n in names])

@@ -47,7 +47,8 @@ from safetensors import safe_open
 from torch import Tensor
 from torch.autograd import Function
 
-from hf import allocate, check_checkpoint, expected_shapes, load_config, load_model
+from hf import (EMBEDDING, allocate, check_checkpoint, expected_shapes, load_config, load_model,
+                tied_copy_differs, tied_copy_message)
 from model import (MLP, Attention, Block, Llama, RMSNorm, at_last, causal_attention, rms_norm,
                    rope_inv_freq)
 
@@ -513,6 +514,13 @@ def load_sharded(path: str, groups: ParallelGroups, device: str | torch.device,
     files = check_checkpoint(path, expected_shapes(cfg))  # name -> file; full names, shapes checked
     with torch.device("meta"):  # shapes only: slicing meta tensors allocates nothing
         model = shard_model(Llama(cfg), groups, sequence_parallel)
+    # A tied model's stored copy of the embedding (the Hub's Qwen3-0.6B): each rank compares its
+    # own vocab rows, then all-reduce(MAX) over the tp group: every rank refuses alike, or none.
+    _, start, stop = model.tp_state.sharded[EMBEDDING]
+    differs = torch.tensor([float(tied_copy_differs(cfg, files, start, stop))], device=device)
+    dist.all_reduce(differs, op=dist.ReduceOp.MAX, group=groups.tp_group)
+    if differs.item():
+        raise ValueError(tied_copy_message(files))
     allocate(model, device, dtype)  # NOTE: re-creates every parameter: unties lm_head
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight

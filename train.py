@@ -28,7 +28,7 @@ depend on how the batch is split.
 
 Each knob lives in the dataclass of the file that uses it; `--field value` is routed to its owner
 (cli.py). --dtype bfloat16: fp32 master weights and AdamW state, bf16 autocast, a bf16 sampler
-(policy.py).
+(policy.py); on a CPU without native bf16, bf16's values multiplied in float32, said at start.
 Leaves out: pipeline parallelism, multi-node launch details, wandb.
 Shapes: Bp prompts, G samples per prompt, N = Bp*G completions, Tr completion length.
 Tested by tests/test_train.py.
@@ -81,6 +81,7 @@ class TrainConfig:
     heads: int = 4                   # fresh model: attention heads
     kv_heads: int = 2                # fresh model: key/value heads (GQA)
     dtype: str = "float32"           # compute: float32, or bfloat16 (fp32 master weights, autocast)
+    cpu_bf16: str = "auto"           # CPU bf16 kernels: auto (AVX512_BF16/AMX; else float32), true
     sampler_dtype: str = ""          # sampler weights; "" = --dtype (bf16: a copy of the master)
     compile_blocks: str = "auto"     # blocks' training forward compiled: auto (CUDA), true, false
     compile_cache: str = "runs/compile_cache"  # torch's compile caches, kept for the next run
@@ -101,8 +102,12 @@ class TrainConfig:
     max_unscored_steps: int = 5      # stop after this many steps in a row with no reward scored
     max_flat_steps: int = 50         # stop after N steps in a row of all-equal groups; 0 = off
     # evaluation
-    eval_every: int = 50             # greedy completions of held-out prompts every N steps; 0 = off
+    eval_every: int = 50             # completions of held-out prompts every N steps; 0 = off
     eval_prompts: int = 64           # held-out prompts (own RNG stream; training never draws them)
+    eval_temperature: float = 0.0    # 0 = greedy; a thinking model's (Qwen3: 0.6; greedy loops)
+    eval_top_p: float = 1.0          # 1 = off (Qwen3 thinking: 0.95)
+    eval_top_k: int = 0              # 0 = off (Qwen3 thinking: 20)
+    eval_samples: int = 1            # k completions per held-out prompt: mean correct and pass@k
     show_samples: int = 3            # held-out completions printed per eval (samples.jsonl: all)
     show_rollouts: int = 0           # sampled completions printed after each step line
     # memory and threads
@@ -225,6 +230,8 @@ def setup(values: dict[str, object]) -> Run:
     cfg = cfgs.train
     groups = tp.make_groups(cfgs.parallel.tp)
     cli.check_dp(cfg.prompts_per_step, groups.dp_size)
+    cli.check_eval_samples(cfg.eval_samples, cfg.prompts_per_step // groups.dp_size,
+                           cfgs.rollout.num_samples)
     checkpoint.check_out_dir(cfg.out, cfg.resume, cfg.overwrite)
     checkpoint.lock_out_dir(cfg.out)  # one run per --out, before anything is written there
     if rank == 0 and changes:
@@ -237,7 +244,11 @@ def setup(values: dict[str, object]) -> Run:
     source = resume_dir or cfg.model
     budget = cfgs.rollout.max_new_tokens or task.max_new_tokens or 256  # 0: the task's own
     cfgs.rollout = dataclasses.replace(cfgs.rollout, max_new_tokens=budget)
-    cli.check_budget(budget, load_config(source).max_position_embeddings if source else 1024)
+    config = load_config(source) if source else None
+    cli.check_budget(budget, config.max_position_embeddings if config else 1024)
+    note = policy.cpu_precision(cfg, device, config)  # bf16 without a CPU's bf16 kernels
+    if note and rank == 0:  # at once: a run's first step can take minutes on a CPU
+        print(note, flush=True)
     # The trainer, the sampler and the reference (the initial policy: built before any checkpoint
     # is loaded), compiled and checkpointed as the flags say.
     model, tokenizer, sampler, reference, built = policy.build(cfgs, task, source, resume_dir,
@@ -509,37 +520,54 @@ def step_record(run: Run, step: int, rewards: torch.Tensor, counts: dict,
                               **report.memory_figures(run.device, run.mem))
 
 
-def evaluate(run: Run) -> tuple[dict, list[dict]]:
-    """Greedy completions of the held-out prompts (each dp rank a share), scored by the task's own
-    reward functions: the mean reward and, where the task defines one, the share fully correct;
-    and every prompt's completion (samples.jsonl), in the split's order, on every rank."""
+def evaluate(run: Run, step: int) -> tuple[dict, list[dict]]:
+    """k = --eval_samples completions of each held-out prompt (each dp rank a share), greedy or
+    sampled as --eval_temperature/--eval_top_p/--eval_top_k say, scored by the task's own reward
+    functions: the mean reward and, where the task defines `correct`, the share of completions fully
+    correct and (k > 1) pass@k, the share of prompts with at least one of its k correct; and every
+    completion (samples.jsonl), prompt by prompt in the split's order, on every rank."""
     t0 = time.perf_counter()
+    cfg, k = run.cfgs.train, run.cfgs.train.eval_samples
     items = run.eval.examples[run.groups.dp_rank::run.groups.dp_size]
-    greedy = dataclasses.replace(run.cfgs.rollout, num_samples=1, temperature=0.0)
+    drawn = dataclasses.replace(run.cfgs.rollout, num_samples=k, temperature=cfg.eval_temperature,
+                                top_k=cfg.eval_top_k, top_p=cfg.eval_top_p)
+    # the rows the KV cache was sized for: as many prompts a batch as training's, fewer when k > G
+    per_batch = max(1, run.local_prompts * min(run.cfgs.rollout.num_samples, k) // k)
     texts, stopped, shown = [], [], []  # shown: the prompts as the model saw them
-    for first in range(0, len(items), run.local_prompts):  # batches the KV cache was sized for
-        part = items[first:first + run.local_prompts]
-        responder = together(run, episodes_for, run, part, 1)  # environments reset
+    for first in range(0, len(items), per_batch):
+        part = items[first:first + per_batch]
+        responder = together(run, episodes_for, run, part, k)  # environments reset
         part = responder.examples if responder else part
         shown += part
         prompts = together(run, encode_prompts, run, [prompt for prompt, _ in part])[0]
-        out = together(run, sample, run, prompts, greedy, None, responder)
+        # sampled: a stream of its own per (seed, step, rank, batch), apart from training's rounds
+        seed = (None if drawn.temperature == 0 else cfg.seed * 1_000_003 + step * 7919
+                + run.groups.dp_rank + ((first + 1) << 48))
+        out = together(run, sample, run, prompts, drawn, seed, responder)
         stopped += out.stopped.tolist()
         texts += completion_texts(run, out, responder)
-    references = [ref for _, ref in items]
-    scores = together(run, tasks.total_rewards, run.task, texts, references, shown)
+    examples = [example for example in shown for _ in range(k)]  # (prompts * k,), prompt-major
+    references = [ref for _, ref in examples]
+    scores = together(run, tasks.total_rewards, run.task, texts, references, examples)
     correct = together(run, tasks.correct_flags, run.task, texts, references)
     scored = scores[~scores.isnan()]
-    total, count, right, prompts = dp.all_reduce(
-        [scored.sum().item(), len(scored), sum(correct or []), len(items)], run.groups, run.device)
+    passed = sum(any(correct[i:i + k]) for i in range(0, len(correct), k)) if correct else 0
+    total, count, right, solved, prompts = dp.all_reduce(
+        [scored.sum().item(), len(scored), sum(correct or []), passed, len(items)], run.groups,
+        run.device)
     rewards = [None if math.isnan(x) else x for x in scores.tolist()]  # None: unscored
-    samples = [dict(prompt=p, completion=t, reference=r, reward=x, stopped=s, correct=c)
-               for (p, r), t, x, s, c in zip(shown, texts, rewards, stopped,
-                                              correct or [None] * len(items))]
-    samples = dp.interleave(samples, run.groups)  # every rank's, in the split's order
-    return dict(eval_reward=total / count if count else None,
-                eval_correct=right / prompts if run.task.correct is not None else None,
-                t_eval=time.perf_counter() - t0), samples
+    samples = [dict(prompt=shown[i // k][0], completion=t, reference=r, reward=x, stopped=s,
+                    correct=c, **(dict(sample=i % k) if k > 1 else {}))
+               for i, (t, r, x, s, c) in enumerate(zip(texts, references, rewards, stopped,
+                                                       correct or [None] * len(texts)))]
+    by_prompt = [samples[i:i + k] for i in range(0, len(samples), k)]
+    samples = [s for group in dp.interleave(by_prompt, run.groups) for s in group]  # every rank's
+    record = dict(eval_reward=total / count if count else None,
+                  eval_correct=right / (prompts * k) if run.task.correct is not None else None)
+    if k > 1:
+        record["eval_pass_at_k"] = solved / prompts if run.task.correct is not None else None
+        record["eval_samples"] = k
+    return dict(record, t_eval=time.perf_counter() - t0), samples
 
 
 def print_plan(argv: list[str]) -> int:
@@ -605,7 +633,7 @@ def train(run: Run) -> None:
         try:
             if run.eval.examples and (i == 0 or (i + 1) % max(cfg.eval_every, 1) == 0
                                  or i + 1 == cfg.steps):
-                evaluation, samples = evaluate(run)
+                evaluation, samples = evaluate(run, i)
                 record.update(evaluation)
         except StopTraining as e:  # after step i's update: the checkpoint below holds i + 1
             failed = e
@@ -616,7 +644,9 @@ def train(run: Run) -> None:
             if i == run.start:  # what setup decided, and the memory phases' table
                 for line in run.notes + ([run.mem.report()] if cfg.phases else []):
                     bar.write(line)
-            for line in report.sample_lines(rollouts, samples[:cfg.show_samples], len(samples)):
+            k = cfg.eval_samples  # shown: each prompt's first completion
+            for line in report.sample_lines(rollouts, samples[::k][:cfg.show_samples],
+                                            len(samples) // k):
                 bar.write(line)
         if failed:
             raise StopTraining(f"{failed}; step {i + 1} is saved at {save(run, i + 1)}")

@@ -3,6 +3,8 @@
     python tests/bench_bf16.py                 # CPU
     python tests/bench_bf16.py --device cuda
     python tests/bench_bf16.py --plans         # --plan in bf16 of three published shapes, TP 1 and 2
+    python tests/bench_bf16.py --matmuls       # a CPU's bf16 matmuls against float32, 1 thread
+    ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 python tests/bench_bf16.py --matmuls  # AVX2's
 
 One step = forward and backward of a next-token loss over a batch, then AdamW (fp32 state):
 - fp32:     float32 weights, no autocast (the baseline);
@@ -17,6 +19,12 @@ max_memory_allocated). Time: interleaved rounds after a warm-up, each variant's 
 
 --plans writes config.json files shaped like Qwen2.5-0.5B, Qwen2.5-1.5B and Llama-3.2-1B (shapes
 only: --plan reads no weight) and tabulates `train.py --plan --dtype bfloat16` at TP 1 and 2.
+
+--matmuls times, in bf16 and in float32, the three products of SmolLM2-135M's MLP linear (576 ->
+1536) over 512 tokens (the forward, and the backward's input and weight gradients), and
+policy.bf16_cost (the line a run prints where it finds no native bf16): a CPU without AVX512_BF16
+or AMX takes torch's fallback kernels, emulated on one that has them by holding oneDNN and ATen to
+AVX2 (the second command).
 """
 
 import argparse
@@ -79,6 +87,39 @@ def plans() -> None:
                       f"{mb['grads']:,.0f} | {mb['optimizer']:,.0f} | {peak} |")
 
 
+def matmuls(rounds: int) -> None:
+    """bf16 against float32 on this CPU, one thread (train.py's default --threads 1)."""
+    import policy
+    torch.set_num_threads(1)
+    N, C, I = 512, 576, 1536
+    rows = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        gen = torch.Generator().manual_seed(0)
+        x, w, g = (torch.randn(*shape, generator=gen).to(dtype) for shape in
+                   ((N, C), (I, C), (N, I)))
+        products = {"forward x @ w.T (512x576 @ 576x1536)": lambda: x @ w.t(),
+                    "input grad g @ w (512x1536 @ 1536x576)": lambda: g @ w,
+                    "weight grad g.T @ x (1536x512 @ 512x576)": lambda: g.t() @ x}
+        for name, fn in products.items():
+            fn()
+            best = float("inf")
+            for _ in range(rounds):
+                t0 = time.perf_counter()
+                fn()
+                best = min(best, time.perf_counter() - t0)
+            rows.setdefault(name, {})[dtype] = best
+    bf16, fp32 = policy.bf16_cost(C, I)
+    rows["policy.bf16_cost: autocast linear fwd+bwd, 64 tokens"] = {torch.bfloat16: bf16,
+                                                                    torch.float32: fp32}
+    print(f"ATen {torch.backends.cpu.get_cpu_capability()}, oneDNN bf16 "
+          f"{torch.ops.mkldnn._is_mkldnn_bf16_supported()}, policy.native_bf16() "
+          f"{policy.native_bf16()}; 1 thread, best of {rounds}\n")
+    print("| product | float32 ms | bf16 ms | bf16 / float32 |\n|---|---|---|---|")
+    for name, t in rows.items():
+        a, b = t[torch.float32] * 1e3, t[torch.bfloat16] * 1e3
+        print(f"| {name} | {a:.1f} | {b:.1f} | {b / a:.1f}x |")
+
+
 class Variant:
     def __init__(self, kind: str, cfg: ModelConfig, device: str):
         self.kind = kind
@@ -120,9 +161,12 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--plans", action="store_true", help="the --plan table instead")
+    ap.add_argument("--matmuls", action="store_true", help="a CPU's bf16 matmuls instead")
     args = ap.parse_args()
     if args.plans:
         return plans()
+    if args.matmuls:
+        return matmuls(args.rounds)
     torch.set_num_threads(2)
     cfg = ModelConfig(vocab_size=8000, hidden_size=256, intermediate_size=704,
                       num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4)

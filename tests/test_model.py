@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 import tolerance
-from hf_reference import save_random_hf_model
+from hf_reference import save_random_hf_model, store_tied_copy
 from memtrace import allocator_peak
 
 import hf
@@ -367,8 +367,13 @@ LLAMA3_NO_LEN = {k: v for k, v in LLAMA3.items() if k != "original_max_position_
     (dict(QWEN3, num_experts=128, moe_intermediate_size=768),
      "field 'num_experts' declares a mixture of experts; this engine runs dense models only"),
     (dict(QWEN3, head_dim=DELETE), "field 'head_dim' is missing"),
-    (dict(QWEN3, use_sliding_window=True, sliding_window=4096),
-     "field 'use_sliding_window' asks for sliding-window attention, which is not supported"),
+    (dict(QWEN3, use_sliding_window=True, sliding_window=4096, max_window_layers=1),
+     "field 'use_sliding_window' is true with sliding_window 4096 and max_window_layers 1: "
+     "layers 1-1 of 2 would slide their window, which is not supported"),
+    (dict(QWEN3, use_sliding_window=True, sliding_window=4096, num_hidden_layers=40),  # past
+     "field 'use_sliding_window' is true with sliding_window 4096 and max_window_layers 28: "
+     "layers 28-39 of 40 would slide their window, which is not supported"),  # the default 28
+    (dict(QWEN3, max_window_layers=-1), "field 'max_window_layers' is -1, expected an integer >= 0"),
     (dict(QWEN3, layer_types=["full_attention", "sliding_attention"]),
      "field 'layer_types' has 'sliding_attention'; only 'full_attention' layers are supported"),
     (dict(model_type="qwen2"),
@@ -477,8 +482,6 @@ def test_missing_and_misshaped_tensors_are_refused(tmp_path):
      "model.layers.0.self_attn.o_proj.bias (2 such tensors)", "config.json declares no such bias"),
     (dict(mlp_bias=True), dict(mlp_bias=False),
      "model.layers.0.mlp.down_proj.bias (6 such tensors)", "config.json declares no such bias"),
-    (dict(), dict(tie_word_embeddings=True), "lm_head.weight (1 such tensors)",
-     "config.json ties lm_head to the embedding (set tie_word_embeddings false)"),
     # A Qwen3 checkpoint under a Llama config.json: the same tensors but its q/k norms
     (dict(architecture="Qwen3ForCausalLM"),
      dict(architectures=["LlamaForCausalLM"], model_type="llama"),
@@ -492,6 +495,68 @@ def test_unused_tensors_are_refused_never_dropped(tmp_path, written, config, ten
     message = f"model.safetensors: tensor '{name}' is not used {count}: {why}"
     with pytest.raises(ValueError, match=re.escape(message)):
         hf.load_model(str(tmp_path))
+
+
+@pytest.mark.parametrize("shard", [None, 20_000])
+def test_a_tied_checkpoint_with_its_stored_copy_loads_as_without_it(tmp_path, shard):
+    """The Hub's Qwen3-0.6B and 1.7B: tie_word_embeddings true and lm_head.weight stored too (one
+    file, or beside the embedding in a shard). Regression: refused as an unused tensor. Loaded,
+    the head is the embedding itself, as without the copy; a NaN in both loads too (bit-equal)."""
+    m = make(architecture="Qwen3ForCausalLM", tie_word_embeddings=True)
+    with torch.no_grad():
+        m.model.embed_tokens.weight[5, 3] = float("nan")
+    hf.save_model(m, str(tmp_path), max_shard_bytes=shard)
+    store_tied_copy(tmp_path)
+    assert "lm_head.weight" in hf.checkpoint_tensors(str(tmp_path))
+    loaded = hf.load_model(str(tmp_path))
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    for (name, a), b in zip(loaded.state_dict().items(), m.state_dict().values()):
+        assert torch.equal(a.nan_to_num(), b.nan_to_num()), name
+
+
+@pytest.mark.parametrize("change, message", [
+    (slice(95, 96), "tensor 'lm_head.weight' differs from 'model.embed_tokens.weight', which "
+     "config.json ties it to (tie_word_embeddings true): transformers 4 would drop the copy, "
+     "transformers 5 untie the two. Set tie_word_embeddings false to load both, or delete the "
+     "copy to tie the head to the embedding"),
+    ("shape", "tensor 'lm_head.weight' has shape (95, 64), not the shape (96, 64) of the "
+     "embedding config.json ties it to (tie_word_embeddings)"),
+])
+def test_a_tied_checkpoint_whose_stored_copy_differs_is_refused(tmp_path, change, message,
+                                                                  monkeypatch):
+    """A copy that is not the embedding means two models (transformers 5 unties them): one line.
+    Its last row differs, in the last chunk compared (hf.COMPARE_BYTES shrunk to 10 rows)."""
+    monkeypatch.setattr(hf, "COMPARE_BYTES", 10 * 64 * 8)
+    hf.save_model(make(tie_word_embeddings=True), str(tmp_path))
+    if change == "shape":
+        f = str(tmp_path / "model.safetensors")
+        sd = {k: t.clone() for k, t in load_file(f).items()}
+        save_file(dict(sd, **{"lm_head.weight": sd["model.embed_tokens.weight"][:95].clone()}), f)
+    else:
+        store_tied_copy(tmp_path, change)
+    with pytest.raises(ValueError) as error:
+        hf.load_model(str(tmp_path))
+    assert str(error.value) == f"{tmp_path / 'model.safetensors'}: {message}"
+
+
+@pytest.mark.parametrize("differs", [False, True])
+def test_transformers_ties_an_equal_stored_copy_and_unties_a_different_one(tmp_path, differs):
+    """The reference for the two tests above: transformers 5 loads the Hub's layout tied and
+    computes the logits this engine does; a copy that differs it unties (a different model),
+    which this engine refuses."""
+    transformers = pytest.importorskip("transformers")
+    hf_checkpoint(tmp_path, "Qwen3Config", head_dim=24, tie_word_embeddings=True)
+    store_tied_copy(tmp_path, slice(0, 1) if differs else None)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
+    assert (theirs.lm_head.weight is theirs.model.embed_tokens.weight) == (not differs)
+    if differs:
+        with pytest.raises(ValueError, match="tensor 'lm_head.weight' differs from"):
+            hf.load_model(str(tmp_path))
+        return
+    ours = hf.load_model(str(tmp_path))
+    x = torch.randint(0, 96, (2, 30), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert_logits_close(ours(x), theirs(x).logits, ours.config)
 
 
 def test_a_tensor_no_module_has_is_refused_and_shards_must_match_their_index(tmp_path):
@@ -681,6 +746,52 @@ def test_qwen3_logits_equal_transformers_in_float32_and_float64(tmp_path, monkey
         monkeypatch.setattr(modeling_qwen3.Qwen3RMSNorm, "forward", rms_norm_in_its_dtype)
         got, want = ours.double()(x), theirs.double()(x).logits
     torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+
+
+def test_qwen3_configs_that_ask_for_sliding_windows_on_no_layer_load():
+    """use_sliding_window true beside max_window_layers >= the layer count (or no sliding_window)
+    makes every layer full attention in transformers' Qwen2/Qwen3 configs. Regression: refused."""
+    base = hf.config_from_hf(QWEN3_0_6B_V4)
+    for window in (dict(sliding_window=4096, max_window_layers=28),
+                   dict(sliding_window=4096, max_window_layers=36), dict(sliding_window=None)):
+        assert hf.config_from_hf(dict(QWEN3_0_6B_V4, use_sliding_window=True, **window)) == base
+    with pytest.raises(ValueError, match="layers 27-27 of 28 would slide their window"):
+        hf.config_from_hf(dict(QWEN3_0_6B_V4, use_sliding_window=True, sliding_window=4096,
+                               max_window_layers=27))
+
+
+@pytest.mark.parametrize("window", [
+    dict(use_sliding_window=True, sliding_window=8, max_window_layers=2),  # = L: none slides
+    dict(use_sliding_window=True, sliding_window=8, max_window_layers=5),
+    dict(use_sliding_window=True, sliding_window=8),  # transformers' default 28 > L = 2
+    dict(use_sliding_window=True, sliding_window=None, max_window_layers=0),  # no window
+    dict(use_sliding_window=False, sliding_window=8, max_window_layers=0),  # off
+    dict(use_sliding_window=True, sliding_window=8, max_window_layers=1),  # layer 1 slides
+    dict(use_sliding_window=True, sliding_window=8, max_window_layers=0),  # both slide
+])
+@pytest.mark.parametrize("config_class", ["Qwen2Config", "Qwen3Config"])
+def test_sliding_window_fields_are_read_as_transformers_reads_them(tmp_path, window, config_class):
+    """config.json without layer_types (transformers 4's files): transformers derives them from
+    use_sliding_window, sliding_window and max_window_layers. Where it makes every layer full
+    attention this engine loads the checkpoint and gives its logits over 30 tokens (a window of 8
+    would change them); where a layer slides, it is refused, naming those layers."""
+    transformers = pytest.importorskip("transformers")
+    kw = dict(head_dim=24) if config_class == "Qwen3Config" else {}
+    hf_checkpoint(tmp_path, config_class, **kw, **window)
+    file = tmp_path / "config.json"
+    d = {k: v for k, v in json.loads(file.read_text()).items() if k != "layer_types"}
+    file.write_text(json.dumps(dict(d, **window)))  # as given (transformers 5 writes null windows)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32,
+                                                               attn_implementation="eager")
+    sliding = [i for i, t in enumerate(theirs.config.layer_types) if t == "sliding_attention"]
+    if sliding:
+        with pytest.raises(ValueError, match=f"layers {sliding[0]}-{sliding[-1]} of 2 would slide"):
+            hf.load_model(str(tmp_path))
+        return
+    ours = hf.load_model(str(tmp_path))
+    x = torch.randint(0, 96, (2, 30), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert_logits_close(ours(x), theirs(x).logits, ours.config)
 
 
 @pytest.mark.parametrize("config_class, arch", [("LlamaConfig", "LlamaForCausalLM"),

@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from torch.utils.checkpoint import checkpoint
 
 import tolerance
-from hf_reference import save_random_hf_model
+from hf_reference import save_random_hf_model, store_tied_copy
 
 import dp
 import grpo
@@ -344,6 +344,10 @@ def check_load_and_full_state_dict(name: str, cfg: M.ModelConfig, groups: tp.Par
         for i, (wrong, _) in enumerate(WRONG[name]):
             hf.save_model(M.Llama(dataclasses.replace(cfg, **wrong)), f"{path}_wrong{i}")
             shutil.copy(f"{path}/config.json", f"{path}_wrong{i}/config.json")
+        if cfg.tie_word_embeddings:  # the Hub's layout: the embedding stored again as lm_head
+            for copy, rows in (("copy", None), ("other", slice(V - 1, V))):
+                shutil.copytree(path, f"{path}_{copy}")
+                store_tied_copy(f"{path}_{copy}", rows)
     dist.barrier()
     for i, (_, error) in enumerate(WRONG[name]):
         with pytest.raises(ValueError, match=error):
@@ -355,6 +359,13 @@ def check_load_and_full_state_dict(name: str, cfg: M.ModelConfig, groups: tp.Par
         assert torch.equal(a, b), n
     if cfg.tie_word_embeddings:
         assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+        # with its stored copy, the same model; a copy that differs in the last rank's rows alone
+        # is refused by every rank (each compares its own rows: the flag is all-reduced)
+        with_copy = tp.load_sharded(f"{path}_copy", groups, "cpu", torch.float32)
+        for (n, a), b in zip(with_copy.state_dict().items(), loaded.state_dict().values()):
+            assert torch.equal(a, b), n
+        with pytest.raises(ValueError, match="tensor 'lm_head.weight' differs from 'model.embed"):
+            tp.load_sharded(f"{path}_other", groups, "cpu", torch.float32)
     # The same tensors, under the same names, as a TP=1 model's (a tied lm_head once, as the
     # embedding: a TP checkpoint of a tied model once held an extra lm_head.weight).
     gathered = tp.full_state_dict(loaded, groups)

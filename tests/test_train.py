@@ -5,6 +5,7 @@ import json
 import math
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -26,8 +27,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Small enough for seconds per run on a 2-core CPU; one thread so parallel test workers do not thrash.
 # The multi-process runs below are the gloo path, also on a machine with one GPU.
 GLOO = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+# --cpu_bf16 true: the --dtype bfloat16 tests test bf16 on any CPU, one without native bf16 too (its
+# default, float32 there: test_bf16_on_a_cpu_without_it_runs_as_float32_and_says_so)
 FAST = ["--prompts_per_step", "4", "--num_samples", "4", "--dim", "32", "--layers", "1", "--threads", "1",
-        "--micro_batch_groups", "2"]
+        "--micro_batch_groups", "2", "--cpu_bf16", "true"]
 
 
 def records(out) -> list[dict]:
@@ -252,6 +255,18 @@ def test_tp2_gloo_matches_tp1_and_writes_the_same_tensors(tmp_path, arch):
     (["--out", ""], "--out is empty"),
     (["--max_new_tokens", "2000"], "--max_new_tokens 2000 leaves no room for a prompt in the "
                                    "model's context of 1024 tokens"),
+    (["--eval_samples", "4"], "--eval_samples 4 at --eval_temperature 0 (greedy) would be copies "
+                              "of one completion; sample them, e.g. Qwen3's thinking mode: "
+                              "--eval_temperature 0.6 --eval_top_p 0.95 --eval_top_k 20"),
+    (["--eval_samples", "17", "--eval_temperature", "1"], "--eval_samples 17 exceeds the "
+     "rollout's rows a rank (4 prompts x --num_samples 4); lower it or raise --prompts_per_step"),
+    (["--eval_samples", "0"], "--eval_samples must be >= 1, got 0"),
+    (["--cpu_bf16", "false"], "--cpu_bf16 must be auto (bf16 kernels on a CPU with AVX512_BF16 "
+                              "or AMX, else float32 matmuls) or true, got 'false'"),
+    (["--eval_temperature", "-1"], "--eval_temperature must be a finite number >= 0 (0 = greedy)"),
+    (["--eval_temperature", "nan"], "--eval_temperature must be a finite number >= 0"),
+    (["--eval_top_p", "0"], "--eval_top_p must be in (0, 1] (1 = off), got 0.0"),
+    (["--eval_top_k", "-2"], "--eval_top_k must be >= 0, got -2"),
     (["--task", "tasks:REVERSE_LEN"], "--task tasks:REVERSE_LEN: is a int, not a tasks.Task"),
     (["--task", "tasks:parse_number"], "--task tasks:parse_number: is a NoneType, not a tasks.Task"),
 ])
@@ -597,6 +612,64 @@ def test_eval_scores_greedy_completions_of_prompts_training_never_draws(tmp_path
         if "eval_reward" in r:
             assert 0 <= r["eval_correct"] <= 1 and 0 <= r["eval_reward"] <= 1
             assert r["eval_correct"] <= r["eval_reward"] + 1e-9  # correct means reward 1
+
+
+def samples_of(out) -> list[dict]:
+    with open(os.path.join(out, "samples.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.mark.parametrize("k", [4, 8])  # 8 > --num_samples 4: fewer prompts a batch
+def test_eval_samples_k_report_mean_correct_and_pass_at_k(tmp_path, monkeypatch, capsys, k):
+    """--eval_samples k at --eval_temperature > 0: k completions of each held-out prompt drawn
+    with the eval's own knobs, scored one by one; eval_correct is their mean, eval_pass_at_k the
+    share of prompts with one of its k correct, both recomputed here from samples.jsonl. The
+    sampled completions differ, and a second run draws the same ones (a seeded stream)."""
+    drawn = []
+    generate = train.rollout.generate
+    monkeypatch.setattr(train.rollout, "generate", lambda model, prompts, cfg, *a, **kw: drawn.append(
+        (len(prompts), cfg.num_samples, cfg.temperature, cfg.top_k, cfg.top_p))
+        or generate(model, prompts, cfg, *a, **kw))
+    flags = ["--steps", "2", "--eval_every", "2", "--eval_prompts", "6", "--eval_samples", str(k),
+             "--eval_temperature", "1.5", "--eval_top_p", "0.9", "--eval_top_k", "8"]
+    code, out = run(tmp_path, *flags)
+    assert code == 0
+    per_batch = 4 * min(4, k) // k  # the cache's rows: 4 prompts x 4 samples
+    evals = [d for d in drawn if d[1:] == (k, 1.5, 8, 0.9)]
+    batches = [min(per_batch, 6 - first) for first in range(0, 6, per_batch)]
+    assert [n for n, *_ in evals] == batches * 2  # steps 1 and 2
+    assert [d for d in drawn if d not in evals] == [(4, 4, 1.0, 0, 1.0)] * 2  # training's own
+    samples, recs = samples_of(out), strict_records(out)
+    for step, rec in ((1, recs[0]), (2, recs[1])):
+        mine = [x for x in samples if x["step"] == step]
+        assert len(mine) == 6 * k and [x["sample"] for x in mine] == list(range(k)) * 6
+        prompts = [mine[i]["prompt"] for i in range(0, 6 * k, k)]
+        assert all(x["prompt"] == prompts[i // k] for i, x in enumerate(mine))
+        flags_ = [x["correct"] for x in mine]
+        assert rec["eval_samples"] == k
+        assert rec["eval_correct"] == pytest.approx(sum(flags_) / (6 * k))
+        assert rec["eval_pass_at_k"] == pytest.approx(
+            sum(any(flags_[i:i + k]) for i in range(0, 6 * k, k)) / 6)
+        assert rec["eval_reward"] == pytest.approx(sum(x["reward"] for x in mine) / (6 * k))
+        assert len({x["completion"] for x in mine[:k]}) > 1  # drawn, not one greedy copy
+    assert f"correct, pass@{k} " in capsys.readouterr().out
+    code, again = run(tmp_path, *flags, out="again")
+    assert code == 0 and [x["completion"] for x in samples_of(again)] == [
+        x["completion"] for x in samples]
+
+
+def test_the_default_eval_is_greedy_with_one_completion_a_prompt(tmp_path, monkeypatch):
+    """Without the eval flags, as before: temperature 0, one completion per prompt, no pass@k."""
+    drawn = []
+    generate = train.rollout.generate
+    monkeypatch.setattr(train.rollout, "generate", lambda model, prompts, cfg, *a, **kw: drawn.append(
+        (cfg.num_samples, cfg.temperature)) or generate(model, prompts, cfg, *a, **kw))
+    code, out = run(tmp_path, "--steps", "1", "--eval_prompts", "8")
+    assert code == 0 and drawn == [(4, 1.0), (1, 0.0), (1, 0.0)]
+    rec = strict_records(out)[0]
+    assert "eval_pass_at_k" not in rec and "eval_samples" not in rec
+    assert [set(x) for x in samples_of(out)] == [{"step", "prompt", "completion", "reference",
+                                                  "reward", "stopped", "correct"}] * 8
 
 
 def test_prompt_template_wraps_each_prompt(tmp_path, monkeypatch):
@@ -947,6 +1020,65 @@ def test_bf16_at_mu_1_scores_no_old_logprobs_and_trains_as_if_it_did(tmp_path, m
     keys = ("reward", "loss", "entropy", "sampler_ratio_mean", "grad_norm")
     assert [[r[k] for k in keys] for r in records(fast)] == [[r[k] for k in keys]
                                                              for r in records(slow)]
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_bf16_on_a_cpu_without_it_multiplies_in_float32_and_says_so(tmp_path, monkeypatch, capsys,
+                                                                    native):
+    """A CPU without AVX512_BF16 or AMX runs bf16 matmuls 5-40x slower than float32
+    (docs/measurements.md). There --dtype bfloat16 keeps bf16's values and multiplies in float32:
+    the sampler a float32 copy holding the master rounded to bf16 (after every sync), the trainer
+    without autocast; checkpoints as bf16's. Said in one line before the first step, with the cost
+    measured. --cpu_bf16 true keeps the bf16 kernels; a CPU with native bf16 has them."""
+    monkeypatch.setattr(train.policy, "native_bf16", lambda: native)
+    args = [*FAST, "--dtype", "bfloat16", "--steps", "2", "--eval_every", "0", "--cpu_bf16", "auto"]
+    code = train.main(args + ["--out", str(tmp_path / "run")])
+    printed = capsys.readouterr().out
+    assert code == 0
+    note = [line for line in printed.splitlines() if "bf16 multiplies in float32" in line]
+    from safetensors import safe_open
+    step = tmp_path / "run" / "step-000002"
+    with safe_open(str(step / "model.safetensors"), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}  # as bf16's
+    assert os.path.isdir(step / "master")
+    run_ = train.setup(train.parse_args(args + ["--out", str(tmp_path / "setup")]))
+    train.step(run_, 0)  # an update: the master moved below bf16's resolution too
+    kernels = train.policy.autocast(run_.cfgs.train, run_.device)
+    with run_.phase("rollout"):  # where the sampler's weights live
+        train.rollout.sync_weights(run_.sampler, run_.model)
+        sampled = {n: p.clone() for n, p in run_.sampler.named_parameters()}
+    if native:
+        assert note == [] and isinstance(kernels, torch.autocast)
+        assert all(p.dtype == torch.bfloat16 for p in sampled.values())
+        return
+    assert len(note) == 1 and printed.index(note[0]) < printed.index("step 1/2")
+    assert re.fullmatch(r"note: bf16 multiplies in float32 here: this CPU \(\w+\) has no native "
+                        r"bf16 \(AVX512_BF16 or AMX\), and a bf16 linear of this model's MLP "
+                        r"\(32 -> 88, 64 tokens, forward and backward\) took [\d.]+ ms against "
+                        r"[\d.]+ ms in float32 \(\d+x\); the sampler holds bf16's values in "
+                        r"float32, the trainer runs without autocast \(--cpu_bf16 true: bf16 "
+                        r"kernels anyway\)", note[0]), note[0]
+    assert not isinstance(kernels, torch.autocast)
+    for name, p in run_.model.named_parameters():
+        assert sampled[name].dtype == torch.float32
+        assert torch.equal(sampled[name], p.detach().to(torch.bfloat16).float()), name
+    assert any(not torch.equal(p.detach(), sampled[n]) for n, p in run_.model.named_parameters())
+    capsys.readouterr()  # setup()'s own line above
+    code = train.main(args + ["--cpu_bf16", "true", "--out", str(tmp_path / "forced")])
+    assert code == 0 and "bf16 multiplies in float32" not in capsys.readouterr().out
+
+
+def test_native_bf16_follows_the_cpu_and_onednns_cap():
+    """ONEDNN_MAX_CPU_ISA=AVX2 (how docs/measurements.md emulates an AVX2-only CPU) takes native
+    bf16 away, whatever the CPU; without the cap, the CPU's own flags decide."""
+    env = {**GLOO, "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+    ask = [sys.executable, "-c", "import policy; print(policy.native_bf16())"]
+    capped = subprocess.run(ask, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert capped.stdout.strip() == "False", capped.stderr[-2000:]
+    flags = open("/proc/cpuinfo").read().split() if os.path.exists("/proc/cpuinfo") else None
+    if flags is not None:  # Linux: the kernel's flags say what the CPU has
+        has = "avx512_bf16" in flags or "amx_tile" in flags
+        assert train.policy.native_bf16() == has
 
 
 def test_bf16_resume_continues_exactly(tmp_path):
