@@ -51,6 +51,7 @@ import argparse
 import ctypes
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -280,15 +281,15 @@ def tests_figures(log: str) -> dict:
     """Counts and failing test ids from pytest's -v lines, which are there even when the run was
     cut: `[gw0] [ 1%] PASSED tests/x.py::test_y` (xdist), `tests/x.py::test_y PASSED`, and the
     -rfE summary's `FAILED tests/x.py::test_y - message`; the tests collected (`collected N items`,
-    or xdist's `N workers [M items]`), so that those a cut never reached are counted."""
+    `collecting ... collected N items` under -v, or xdist's `N workers [M items]`), so that those a
+    cut never reached are counted."""
     status: dict[str, str] = {}
     collected = None
     for line in log.splitlines():
         words = line.split()
-        if words[:1] == ["collected"] and len(words) > 1 and words[1].isdigit():
-            collected = int(words[1])
-        if "workers [" in line and line.rstrip().endswith("items]"):
-            collected = int(line.rsplit("[", 1)[1].split()[0])
+        count = re.search(r"collected (\d+) items?\b|workers \[(\d+) items?\]", line)
+        if count:
+            collected = int(count.group(1) or count.group(2))
         ids = [w for w in words if "::" in w]
         kind = next((w for w in words if w in ("PASSED", "FAILED", "ERROR", "SKIPPED")), None)
         if ids and kind and status.get(ids[0]) not in ("FAILED", "ERROR"):
@@ -706,7 +707,7 @@ def summary(report: dict) -> list[tuple[str, str, str]]:
     def ratio(a, b, fmt="{:.1f}x") -> str:
         return fmt.format(a / b) if a is not None and b else "missing"
     rows = []
-    for P in ("P8",) if report["dry_run"] else ("P64", "P512"):
+    for P in () if "decode" not in parts else ("P8",) if report["dry_run"] else ("P64", "P512"):
         dynamic = value("decode", f"{P} transformers dynamic", "seconds")
         static = value("generate_static", f"{P} transformers static", "seconds")
         best = min((s for s in (dynamic, static) if s is not None), default=None)

@@ -209,6 +209,7 @@ def test_the_tests_part_names_the_failures_of_a_run_cut_short():
                        skipped=1, not_reached=2,
                        failed=["tests/test_a.py::test_two[0.7-30]", "tests/test_b.py::test_five"])
     assert gpu_check.tests_figures("collected 3 items\n")["not_reached"] == 3
+    assert gpu_check.tests_figures("collecting ... collected 1 item\n")["not_reached"] == 1
 
 
 def test_the_card_peak_is_the_datasheets_dense_bf16_rate():
