@@ -67,7 +67,8 @@ def test_the_dry_run_runs_every_part_through_the_compiled_routes(tmp_path):
                 "| first step's compile (s), cold / warm", "| bf16 default, seeds 0-4",
                 "| default run: s whole"):
         assert row in table, table
-    assert "missing" not in table, table
+    if importlib.util.find_spec("transformers"):  # without it, x generate has no figure
+        assert "missing" not in table, table
     log = (out / "gpu_check.log").read_text()
     for name in every:  # one combined log: every part's own output in it
         assert f"===== {name}: {name}.log" in log or name == "seeds", name
