@@ -31,6 +31,7 @@ from decode import kernel_for
 from graphs import decide, unsupported, worth_compiling
 from grpo import GRPOConfig
 from logprobs import chunk_rows
+from lora import trainable
 from memory import MemoryConfig, PhaseManager
 from model import ModelConfig
 from packing import cuda_route
@@ -465,7 +466,7 @@ def print_run_plan(cfgs, model: nn.Module, sampler: nn.Module, tp_size: int, dp_
     if cfgs.grpo.beta > 0:
         reference = copy.deepcopy(model).requires_grad_(False)
     mem = memory_phases("meta", cfgs.memory, model, sampler, cache,
-                        torch.optim.AdamW(model.parameters()), reference)
+                        torch.optim.AdamW(trainable(model)), reference)
     target = "cuda" if torch.cuda.is_available() else "cpu"
     plan_of = fit(mem, cfgs, model, sampler, reference, Bp, tp_size, target, explicit)
     title = (f"tp {tp_size} x dp {dp_size}; {Bp} prompts x {P} + {r.max_new_tokens} tokens x "

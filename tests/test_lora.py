@@ -1,0 +1,250 @@
+"""lora.py: each clever path against its slow twin, PEFT's files against peft itself, and LoRA
+through train.py (frozen base, checkpoints, resume, --adapter, --merged, bad input).
+
+Tolerances: float64 twins to 1e-12 (the same math in another order); float32 paths by
+tests/tolerance.py (the chain of sums behind a value, at its magnitude).
+"""
+
+import copy
+import dataclasses
+import json
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+import tolerance
+from test_rollout import PROMPTS, generate, logprob_tol, trainer_logprobs
+from test_train import FAST, records, run
+
+import hf
+import lora
+import rollout
+import tasks
+import tokenizer as tk
+import train
+from model import Llama, ModelConfig
+
+CFG = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=96)
+
+
+def adapted(cfg: ModelConfig = CFG, targets: str = "all-linear", dtype=torch.float32,
+            b_std: float = 0.2, **kw) -> Llama:
+    """A std-0.2 model with adapters whose B is random (a zero B would hide a wrong A or scale)."""
+    model = Llama(cfg).init_weights(0, std=0.2).to(dtype)
+    c = lora.LoRAConfig(use_peft=True, lora_target_modules=targets, lora_r=4, lora_alpha=8,
+                        lora_dropout=0.0, **kw)
+    lora.add_adapters(model, c, seed=0)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for _, m in lora.adapted(model):
+            m.lora_B.copy_(torch.randn(m.lora_B.shape, generator=gen) * b_std)
+    return model
+
+# -----------------------------------------------------------------------------
+# The adapted linear against its formula
+
+
+def one_linear(in_: int, out: int, r: int, scaling: float, dropout: float = 0.0):
+    """A module holding one adapted linear `proj`, A and B random."""
+    holder = torch.nn.Module()
+    holder.proj = torch.nn.Linear(in_, out)
+    holder.requires_grad_(False)
+    gen = torch.Generator().manual_seed(2)
+    lora.attach(holder, "proj", torch.randn(r, in_, generator=gen),
+                torch.randn(out, r, generator=gen), scaling, dropout)
+    return holder.proj
+
+
+@pytest.mark.parametrize("rslora", [False, True])
+def test_adapted_linear_equals_its_formula_in_values_and_gradients(rslora):
+    """LoRALinear(x) = W x + b + s B A x, s = alpha / r (alpha / sqrt(r) with rsLoRA), against the
+    formula written out in float64, with the gradients of A, B and x; W and b get none. Float32
+    against float64: the sums of 12 and 3 terms, at the values' magnitude."""
+    c = lora.LoRAConfig(use_peft=True, lora_r=3, lora_alpha=5, lora_dropout=0.0,
+                        use_rslora=rslora)
+    assert c.scaling == 5 / (math.sqrt(3) if rslora else 3)
+    m = one_linear(12, 10, 3, c.scaling)
+    assert isinstance(m, lora.LoRALinear) and m.lora_A.dtype == torch.float32
+    W, b = m.weight.double(), m.bias.double()
+    A = m.lora_A.detach().double().requires_grad_()
+    B = m.lora_B.detach().double().requires_grad_()
+    x = torch.randn(2, 5, 12, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    x64 = x.detach().double().requires_grad_()
+    want = x64 @ W.T + b + c.scaling * (x64 @ A.T) @ B.T
+    got = m(x)
+    g = torch.randn(want.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    (got * g.float()).sum().backward()
+    (want * g).sum().backward()
+    for a, w in ((got, want), (m.lora_A.grad, A.grad), (m.lora_B.grad, B.grad),
+                 (x.grad, x64.grad)):
+        torch.testing.assert_close(a.double(), w, **tolerance.reordered(12 + 3 + 10, w.abs().max()))
+    assert m.weight.grad is None and m.bias.grad is None
+
+
+def test_dropout_acts_on_the_adapters_input_in_the_loss_forward_only():
+    """With dropout the base part is untouched (W x + b exactly) and the update sees dropout(x);
+    without gradients (the sampler, old logprobs) or in eval mode there is none."""
+    m = one_linear(16, 8, 2, 2.0, dropout=0.5)
+    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(5))
+    exact = F.linear(x, m.weight, m.bias) + 2.0 * F.linear(F.linear(x, m.lora_A), m.lora_B)
+    with torch.no_grad():
+        assert torch.equal(m(x), exact)
+    m.eval()
+    assert torch.equal(m(x), exact)
+    m.train()
+    torch.manual_seed(0)
+    y = m(x)
+    torch.manual_seed(0)
+    dropped = F.dropout(x, 0.5)
+    want = F.linear(x, m.weight, m.bias) + 2.0 * F.linear(F.linear(dropped, m.lora_A), m.lora_B)
+    torch.testing.assert_close(y, want, rtol=0, atol=0)
+    assert not torch.equal(y, exact)
+
+
+def test_a_is_drawn_as_peft_draws_it_and_b_is_zero():
+    """PEFT's reset_lora_parameters: kaiming_uniform_(A, a=sqrt(5)), B zero, i.e. A uniform in
+    +-1/sqrt(in). Ours and PEFT's own draw on the same shape: every value inside the bound, the
+    extremes within 0.1% of it, the standard deviation bound/sqrt(3) within 3% (8 x 4096 draws:
+    its sampling error is ~0.6%). A fresh adapted model is its base exactly."""
+    peft = pytest.importorskip("peft")
+    from peft.tuners.lora.layer import Linear as PeftLinear
+    twin = PeftLinear(torch.nn.Linear(4096, 16), "default", peft.LoraConfig(r=8, lora_alpha=16),
+                      r=8, lora_alpha=16)
+    assert twin.lora_B["default"].weight.abs().max() == 0
+    wide = dataclasses.replace(CFG, hidden_size=4096, num_attention_heads=32,
+                               num_key_value_heads=32, intermediate_size=64, num_hidden_layers=1,
+                               vocab_size=8)
+    model = Llama(wide)
+    c = lora.LoRAConfig(use_peft=True, lora_r=8)
+    lora.add_adapters(model, c, targets=["model.layers.0.self_attn.q_proj"])
+    q = model.model.layers[0].self_attn.q_proj
+    bound = 1 / math.sqrt(4096)
+    for A in (q.lora_A.detach(), twin.lora_A["default"].weight.detach()):
+        assert A.shape == (8, 4096)
+        assert A.abs().max() <= bound and A.abs().max() > 0.999 * bound
+        assert abs(A.std().item() / (bound / math.sqrt(3)) - 1) < 0.03
+    assert q.lora_B.abs().max() == 0
+    model = Llama(CFG).init_weights(0)
+    base = copy.deepcopy(model)
+    lora.add_adapters(model, c)
+    tokens = torch.tensor([PROMPTS[0]])
+    assert torch.equal(model(tokens), base(tokens))
+
+
+def test_adapters_are_reproducible_by_seed_and_differ_between_modules():
+    a, b = Llama(CFG), Llama(CFG)
+    c = lora.LoRAConfig(use_peft=True, lora_target_modules="all-linear")
+    lora.add_adapters(a, c, seed=3)
+    lora.add_adapters(b, c, seed=3)
+    As = [m.lora_A for _, m in lora.adapted(a)]
+    assert all(torch.equal(x, m.lora_A) for x, (_, m) in zip(As, lora.adapted(b)))
+    assert not torch.equal(As[0], As[2][:, :64])  # q_proj and v_proj of layer 0: other draws
+
+# -----------------------------------------------------------------------------
+# Targets, the frozen base, the flags
+
+
+def test_targets_default_to_peft_mapping_all_linear_and_names():
+    """No target: PEFT's mapping for the architecture (q_proj, v_proj for Llama, Qwen2, Qwen3,
+    read from peft itself); all-linear: every linear but lm_head; names match a module's last
+    parts."""
+    constants = pytest.importorskip("peft.utils.constants")
+    mapping = constants.TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
+    for arch, key in (("LlamaForCausalLM", "llama"), ("Qwen2ForCausalLM", "qwen2"),
+                      ("Qwen3ForCausalLM", "qwen3")):
+        assert lora.DEFAULT_TARGETS[arch] == tuple(mapping[key])
+    model = Llama(CFG)
+    assert lora.target_modules(model, "") == [f"model.layers.{i}.self_attn.{p}"
+                                             for i in range(2) for p in ("q_proj", "v_proj")]
+    every = lora.target_modules(model, "all-linear")
+    assert len(every) == 2 * 7 and "lm_head" not in every
+    assert lora.target_modules(model, "down_proj, o_proj") == [
+        f"model.layers.{i}.{p}" for i in range(2) for p in ("self_attn.o_proj", "mlp.down_proj")]
+
+
+def test_a_target_that_matches_nothing_names_the_models_linears():
+    with pytest.raises(ValueError) as e:
+        lora.target_modules(Llama(CFG), "q_proj,query_key_value")
+    assert str(e.value) == ("--lora_target_modules 'query_key_value' matches no linear of the "
+                            "model; its linears: down_proj,gate_proj,k_proj,o_proj,q_proj,up_proj,"
+                            "v_proj (or all-linear)")
+
+
+def test_the_base_is_frozen_and_the_optimizer_holds_the_adapters_alone():
+    """After add_adapters only A and B train (float32 on a bf16 base, which stays bf16); an AdamW
+    step over lora.trainable changes them and no bit of the base."""
+    model = adapted(dtype=torch.bfloat16)
+    base = {n: p.detach().clone() for n, p in model.named_parameters() if not lora.is_adapter(n)}
+    params = dict(model.named_parameters())
+    trainable = [n for n, p in params.items() if p.requires_grad]
+    assert trainable and all(lora.is_adapter(n) for n in trainable)
+    assert all(params[n].dtype == torch.float32 for n in trainable)
+    assert all(t.dtype == torch.bfloat16 for t in base.values())
+    opt = torch.optim.AdamW(lora.trainable(model), lr=1e-2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(torch.tensor([PROMPTS[0]])).float().logsumexp(-1).sum().backward()
+    opt.step()
+    assert len(opt.state) == len(trainable)
+    for n, p in model.named_parameters():
+        if lora.is_adapter(n):
+            continue
+        assert p.grad is None and torch.equal(p, base[n]), n
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--use_peft", "--lora_r", "0"], "--lora_r must be >= 1 (the adapters' rank), got 0"),
+    (["--use_peft", "--lora_target_modules", "qkv"],
+     "--lora_target_modules 'qkv' matches no linear of the model; its linears: "
+     "down_proj,gate_proj,k_proj,o_proj,q_proj,up_proj,v_proj (or all-linear)"),
+    (["--use_peft", "--beta", "0.1"], "--use_peft with --beta > 0 is not supported here"),
+])
+def test_bad_lora_input_is_one_line_and_writes_nothing(tmp_path, capsys, args, message):
+    code, out = run(tmp_path, *args)
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"error: {message}") and err.count("\n") == 1, err
+    assert not os.path.exists(out) or os.listdir(out) in ([], [".lock"])
+
+# -----------------------------------------------------------------------------
+# The sampler: the adapted model, without a copy
+
+
+@pytest.mark.parametrize("prepacked", [True, False])
+def test_sampler_logprobs_equal_the_trainers_forward_on_the_adapted_model(prepacked):
+    """The sampler decodes on the adapted model itself (the update applied in each linear, or
+    merged into the prepacked copy rollout.py makes of each float32 weight anyway); its logprobs
+    equal a full forward's within logprob_tol, as the plain model's do (tests/test_rollout.py).
+    And the adapters matter: the base samples other tokens."""
+    model = adapted().eval()
+    G, T = 3, 20
+    out = generate(model, PROMPTS, num_samples=G, max_new_tokens=T, temperature=1.0, seed=5,
+                   stop_ids=(5, 9), prepacked_linears=prepacked)
+    for row, completion in enumerate(out.completions()):
+        want = trainer_logprobs(model, PROMPTS[row // G], completion, 1.0, 0, 1.0)
+        torch.testing.assert_close(torch.tensor(out.logprob_lists()[row]), want,
+                                   **logprob_tol(model))
+    assert all("forward" not in vars(m) for m in model.modules())  # prepacking undone
+    plain = Llama(CFG).init_weights(0, std=0.2).eval()
+    other = generate(plain, PROMPTS, num_samples=G, max_new_tokens=T, temperature=1.0, seed=5,
+                     stop_ids=(5, 9), prepacked_linears=prepacked)
+    assert not torch.equal(other.tokens, out.tokens)
+
+
+def test_merge_equals_the_adapted_model():
+    """lora.merge folds s B A into W: the logits of the merged model (plain nn.Linear) equal the
+    adapted model's in float64 to 1e-12."""
+    model = adapted().double()
+    for _, m in lora.adapted(model):
+        m.lora_A.data, m.lora_B.data = m.lora_A.data.double(), m.lora_B.data.double()
+    tokens = torch.tensor([PROMPTS[2]])
+    with torch.no_grad():
+        want = model(tokens)
+        lora.merge(model)
+        got = model(tokens)
+    assert not lora.adapted(model) and all(type(m) is not lora.LoRALinear
+                                           for m in model.modules())
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
