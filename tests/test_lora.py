@@ -248,3 +248,135 @@ def test_merge_equals_the_adapted_model():
     assert not lora.adapted(model) and all(type(m) is not lora.LoRALinear
                                            for m in model.modules())
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+# -----------------------------------------------------------------------------
+# PEFT's files, train.py's checkpoints, --adapter, --merged
+
+
+def base_checkpoint(tmp_path, name: str = "base", **kw) -> str:
+    """A random Llama as a Hugging Face directory with a char tokenizer for tasks:reverse."""
+    tok = tk.build_char_tokenizer(tasks.load_task("tasks:reverse", "").alphabet)
+    shape = {**dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2), **kw}
+    cfg = ModelConfig(vocab_size=tok.get_vocab_size(), bos_token_id=tok.token_to_id("<bos>"),
+                      eos_token_id=tok.token_to_id("<eos>"), **shape)
+    path = str(tmp_path / name)
+    hf.save_model(Llama(cfg).init_weights(0, std=0.2), path)
+    tok.save(os.path.join(path, "tokenizer.json"))
+    return path
+
+
+def engine_logits(base: str, adapter: str, tokens: torch.Tensor) -> torch.Tensor:
+    model = hf.load_model(base)
+    lora.load_adapter(model, adapter)
+    with torch.no_grad():
+        return model(tokens)
+
+
+def peft_logits(base: str, adapter: str, tokens: torch.Tensor) -> torch.Tensor:
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    with torch.no_grad():
+        return peft.PeftModel.from_pretrained(hf_model, adapter).eval()(tokens).logits
+
+
+def logits_tol(path: str, want: torch.Tensor) -> dict:
+    cfg = hf.load_config(path)
+    return tolerance.reordered(tolerance.model_depth(cfg, 16, "logits"), want.abs().max())
+
+
+def test_a_checkpoint_is_a_peft_adapter_peft_loads_to_the_engines_logits(tmp_path):
+    """OUT/step-N holds adapter_config.json and adapter_model.safetensors (PEFT's key names) beside
+    the optimizer state and no model weights; peft.PeftModel.from_pretrained(base, OUT/step-N)
+    gives the engine's logits (float32, summation order)."""
+    base = base_checkpoint(tmp_path)
+    code, out = run(tmp_path, "--model", base, "--use_peft", "--lora_target_modules",
+                    "all-linear", "--lora_dropout", "0", "--lr", "1e-2", "--steps", "2")
+    assert code == 0
+    step = os.path.join(out, "step-000002")
+    assert {"adapter_config.json", "adapter_model.safetensors", "optimizer-tp0.safetensors",
+            "trainer_state.json"} <= set(os.listdir(step))
+    assert "model.safetensors" not in os.listdir(step)
+    config = json.load(open(os.path.join(step, "adapter_config.json")))
+    assert (config["r"], config["lora_alpha"], config["base_model_name_or_path"]) == (16, 32, base)
+    assert config["target_modules"] == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj",
+                                        "up_proj", "v_proj"]
+    saved = load_file(os.path.join(step, "adapter_model.safetensors"))
+    assert "base_model.model.model.layers.1.mlp.down_proj.lora_B.weight" in saved
+    assert len(saved) == 2 * 7 * 2
+    assert any(k.endswith("lora_B.weight") and t.abs().max() > 0 for k, t in saved.items())
+    tokens = torch.tensor([[1, 5, 7, 9, 11, 3, 4, 8]])
+    want = engine_logits(base, step, tokens)
+    torch.testing.assert_close(peft_logits(base, step, tokens), want, **logits_tol(base, want))
+    with torch.no_grad():
+        plain = hf.load_model(base)(tokens)
+    assert (plain - want).abs().max() > 1e-3  # the adapter moved the logits
+
+
+def test_resume_continues_a_lora_run_exactly(tmp_path):
+    """Stopped at step 2 and resumed from its adapter and optimizer state, a LoRA run logs what an
+    uninterrupted one logs, and ends at the same adapter bit for bit."""
+    base = base_checkpoint(tmp_path)
+    args = ["--model", base, "--use_peft", "--lr", "1e-2"]
+    code, full = run(tmp_path, *args, "--steps", "4", "--save_every", "2", out="full")
+    assert code == 0
+    code, resumed = run(tmp_path, "--resume", os.path.join(full, "step-000002"), out="resumed")
+    assert code == 0
+    a, b = records(full)[2:], records(resumed)
+    assert [r["step"] for r in b] == [3, 4]
+    for ra, rb in zip(a, b):
+        assert (ra["reward"], ra["loss"], ra["entropy"]) == (rb["reward"], rb["loss"], rb["entropy"])
+    x = load_file(os.path.join(full, "step-000004", "adapter_model.safetensors"))
+    y = load_file(os.path.join(resumed, "step-000004", "adapter_model.safetensors"))
+    assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+
+def test_adapter_starts_a_run_and_merged_writes_the_adapted_model(tmp_path, capsys):
+    """--model BASE --adapter DIR starts from a PEFT adapter (its r, alpha and targets); --merged
+    OUT writes base + adapter as a Hugging Face directory whose logits are the adapted model's
+    (transformers reads it too)."""
+    base = base_checkpoint(tmp_path)
+    code, first = run(tmp_path, "--model", base, "--use_peft", "--lora_r", "4",
+                      "--lora_alpha", "16", "--lr", "1e-2", "--steps", "2", out="first")
+    assert code == 0
+    adapter = os.path.join(first, "step-000002")
+    code, second = run(tmp_path, "--model", base, "--adapter", adapter, "--steps", "1",
+                       "--lr", "1e-9", out="second")
+    assert code == 0 and "LoRA: r 4, alpha 16, scale 4," in capsys.readouterr().out
+    merged = str(tmp_path / "merged")
+    assert train.main(["--model", base, "--adapter", adapter, "--merged", merged]) == 0
+    assert f"wrote {merged}" in capsys.readouterr().out
+    tokens = torch.tensor([[1, 5, 7, 9, 11, 3, 4, 8]])
+    want = engine_logits(base, adapter, tokens)
+    with torch.no_grad():
+        got = hf.load_model(merged)(tokens)
+    torch.testing.assert_close(got, want, **logits_tol(base, want))
+    transformers = pytest.importorskip("transformers")
+    with torch.no_grad():
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(merged)(tokens).logits
+    torch.testing.assert_close(theirs, want, **logits_tol(base, want))
+
+
+def test_an_adapter_that_does_not_fit_the_base_is_one_line_and_writes_nothing(tmp_path, capsys):
+    """An adapter of another model's shapes, or one whose config names a base directory whose
+    config.json is not --model's, is refused in one line; --out stays empty."""
+    base = base_checkpoint(tmp_path)
+    wide = base_checkpoint(tmp_path, "wide", intermediate_size=96)
+    model = hf.load_model(wide)
+    c = lora.LoRAConfig(use_peft=True, lora_target_modules="all-linear")
+    lora.add_adapters(model, c)
+    adapter = str(tmp_path / "adapter")
+    os.makedirs(adapter)
+    lora.save_adapter(adapter, dict(model.named_parameters()), c, "some/hub-name")
+    code, out = run(tmp_path, "--model", base, "--adapter", adapter)
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert "model.layers.0.mlp.down_proj holds A, B of shapes (16, 96), (32, 16); this " \
+           "model's needs (16, 64), (32, 16) (r 16): is --model its base?" in err
+    assert not os.path.exists(out) or os.listdir(out) in ([], [".lock"])
+    lora.save_adapter(adapter, dict(model.named_parameters()), c, wide)  # names its base
+    code, out = run(tmp_path, "--model", base, "--adapter", adapter, out="again")
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"--adapter {adapter} was trained on {wide}, whose config.json differs" in err
