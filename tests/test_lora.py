@@ -380,3 +380,81 @@ def test_an_adapter_that_does_not_fit_the_base_is_one_line_and_writes_nothing(tm
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1, err
     assert f"--adapter {adapter} was trained on {wide}, whose config.json differs" in err
+
+# -----------------------------------------------------------------------------
+# Tensor parallelism: adapters sharded with their linears
+
+
+def check_tp_equals_one_process(cfg: ModelConfig, groups) -> None:
+    """A sharded adapted model (column-parallel: A whole, B by rows; row-parallel: A by columns,
+    B whole) against the adapted full model: add_adapters draws the same A and slices it; the
+    logits, the GRPO loss and every adapter's gradient (gathered) equal one process's, no base
+    weight gets one; the gathered adapters are the full ones; greedy sampling takes the same
+    tokens. Tolerance: test_tp's (a gradient's chain of sums, regrouped over the shards)."""
+    import test_tp
+    import tp
+    full = test_tp.full_model(cfg)
+    c = lora.LoRAConfig(use_peft=True, lora_target_modules="all-linear", lora_r=4, lora_alpha=8,
+                        lora_dropout=0.0)
+    ref = copy.deepcopy(full)
+    targets = lora.add_adapters(ref, c, seed=0)
+    m = tp.shard_model(copy.deepcopy(full), groups)
+    lora.add_adapters(m, c, seed=0)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name in targets:
+            ours, theirs = m.get_submodule(name), ref.get_submodule(name)
+            dim = m.tp_state.sharded[name + ".weight"][0]
+            A = ours.lora_A
+            if dim == 1:  # row-parallel: this rank's columns of the same draw
+                parts = [torch.empty_like(A) for _ in range(groups.tp_size)]
+                torch.distributed.all_gather(parts, A.contiguous(), group=groups.tp_group)
+                A = torch.cat(parts, 1)
+            assert torch.equal(A, theirs.lora_A), name
+            theirs.lora_B.copy_(torch.randn(theirs.lora_B.shape, generator=gen) * 0.2)
+            lora.attach(m, name, theirs.lora_A.detach(), theirs.lora_B.detach(), c.scaling, 0.0)
+    tp.adapt(m)
+    prompts, completions, advantages = test_tp.grpo_batch(cfg)
+    tokens = torch.randint(0, test_tp.V, (3, 6), generator=gen)
+    with torch.no_grad():
+        test_tp.assert_close(tp.gather_vocab(m(tokens), groups), ref(tokens))
+    want = test_tp.grpo_step(ref, prompts, completions, advantages)
+    logprob_fn = lambda logits, targets: tp.vocab_parallel_logprobs(logits, targets, groups)
+    got = test_tp.grpo_step(m, prompts, completions, advantages, logprob_fn)
+    for key in ("loss", "entropy"):
+        assert abs(got[key] - want[key]) <= test_tp.REL * max(1.0, abs(want[key])), key
+    sharded = m.tp_state.sharded
+    theirs = dict(ref.named_parameters())
+    for name, p in m.named_parameters():
+        if not lora.is_adapter(name):
+            assert p.grad is None, name
+            continue
+        grad = p.grad
+        if name in sharded:
+            parts = [torch.empty_like(grad) for _ in range(groups.tp_size)]
+            torch.distributed.all_gather(parts, grad.contiguous(), group=groups.tp_group)
+            grad = torch.cat(parts, sharded[name][0])
+        test_tp.assert_close(grad, theirs[name].grad, msg=name)
+    gathered = tp.full_state_dict(m, groups)
+    assert all(torch.equal(gathered[n], theirs[n]) for n in gathered if lora.is_adapter(n))
+    greedy = rollout.RolloutConfig(num_samples=2, max_new_tokens=6, temperature=0.0)
+    prompts = [[1, 2, 3, 4, 5], [7, 8]]
+    want_tokens = rollout.generate(ref, prompts, greedy).tokens
+    gather = lambda logits: tp.gather_vocab(logits, groups)
+    assert torch.equal(rollout.generate(m, prompts, greedy, logits_fn=gather).tokens, want_tokens)
+
+
+def _tp_worker(rank: int, tmp: str) -> None:
+    import test_tp
+    import tp
+    groups = tp.make_groups(torch.distributed.get_world_size())
+    configs = (["llama", "llama_bias", "qwen_tied"] if groups.tp_size == 2 else ["qwen3"])
+    for name in configs:
+        check_tp_equals_one_process(test_tp.CONFIGS[name], groups)
+
+
+@pytest.mark.parametrize("tp_size", [2, 4])
+def test_tp_adapters_equal_one_process_values_and_gradients(tmp_path, tp_size):
+    """TP = 2 on the Llama layouts (with biases; Qwen2's tied), TP = 4 on Qwen3's, over gloo."""
+    import test_tp
+    test_tp.spawn(_tp_worker, tp_size, tmp_path)
