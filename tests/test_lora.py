@@ -234,6 +234,22 @@ def test_sampler_logprobs_equal_the_trainers_forward_on_the_adapted_model(prepac
     assert not torch.equal(other.tokens, out.tokens)
 
 
+@pytest.mark.skipif(rollout._PREPACK is None, reason="no oneDNN in this torch build")
+def test_the_prepacked_copy_of_an_adapted_linear_holds_the_adapter_merged():
+    """Inside rollout._prepacked_linears an adapted float32 linear runs one matmul on its merged
+    weight, prepacked: its output equals W x + b + s B A x (float32, 64 + r terms in another
+    order); afterwards it is the adapted linear again."""
+    m = one_linear(64, 96, 4, 2.0)
+    x = torch.randn(12, 64, generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        want = m(x)
+        with rollout._prepacked_linears(m, 12, enabled=True):
+            assert "forward" in vars(m)
+            got = m(x)
+    torch.testing.assert_close(got, want, **tolerance.reordered(64 + 4, want.abs().max()))
+    assert "forward" not in vars(m)
+
+
 def test_merge_equals_the_adapted_model():
     """lora.merge folds s B A into W: the logits of the merged model (plain nn.Linear) equal the
     adapted model's in float64 to 1e-12."""
