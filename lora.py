@@ -155,12 +155,6 @@ def target_modules(model: nn.Module, spec: str) -> list[str]:
 # Adding adapters
 
 
-def full_in_out(model: Llama, name: str) -> tuple[int, int]:
-    """The (in, out) widths of linear `name` in the unsharded model (hf.expected_shapes)."""
-    out, in_ = expected_shapes(model.config)[name + ".weight"]
-    return in_, out
-
-
 def shard_of(model: nn.Module, name: str) -> tuple[int, int, int] | None:
     """(dim, start, stop) of this rank's slice of linear `name`'s weight under tensor parallelism
     (tp.py's TPState.sharded), or None: the whole weight."""
@@ -177,9 +171,9 @@ def add_adapters(model: Llama, cfg: LoRAConfig, seed: int = 0,
     zero anyway). Returns the module names."""
     targets = target_modules(model, cfg.lora_target_modules) if targets is None else targets
     model.requires_grad_(False)
+    shapes = expected_shapes(model.config)  # the unsharded model's (out, in) of each weight
     for name in targets:
-        m = model.get_submodule(name)
-        in_, out = full_in_out(model, name)
+        out, in_ = shapes[name + ".weight"]
         gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
         # kaiming_uniform_(a=sqrt(5)) on (r, in): gain sqrt(2 / (1 + 5)), bound gain*sqrt(3/in)
         A = (torch.rand(cfg.lora_r, in_, generator=gen) * 2 - 1) / math.sqrt(in_)  # (r, in)

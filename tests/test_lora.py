@@ -474,3 +474,41 @@ def test_tp_adapters_equal_one_process_values_and_gradients(tmp_path, tp_size):
     """TP = 2 on the Llama layouts (with biases; Qwen2's tied), TP = 4 on Qwen3's, over gloo."""
     import test_tp
     test_tp.spawn(_tp_worker, tp_size, tmp_path)
+
+# -----------------------------------------------------------------------------
+# The memory plan
+
+
+@pytest.mark.parametrize("flags", [[], ["--dtype", "bfloat16", "--activation_checkpoint", "false",
+                                        "--micro_batch_groups", "8", "--max_new_tokens", "32"]],
+                         ids=["fp32", "bf16"])
+def test_lora_plan_is_within_15_percent_of_the_measured_allocator_peak(tmp_path, capsys, flags,
+                                                                       request):
+    """test_train's check of --plan against torch.profiler's allocator peak over two steps, with
+    LoRA on every linear: grads and AdamW state of the adapters alone (float32), the base frozen
+    (in bf16 a bf16 base, no sampler copy, nothing for autocast to cast), and the adapters' own
+    activations (dropout's copies of their inputs). 15%: the plan leaves out small transients."""
+    from test_train import in_a_cpu_process, plan_args, plan_checkpoint
+    from memtrace import allocator_peak
+    if in_a_cpu_process(request):
+        return
+    model = str(tmp_path / "model")
+    plan_checkpoint(model)
+    argv = plan_args(tmp_path, model) + flags + ["--use_peft", "--lora_target_modules",
+                                                 "all-linear"]
+    assert train.main(argv + ["--plan"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header, row = lines[1].split(), next(line.split() for line in lines if line.startswith("train"))
+    planned = max(float(line.split()[-1].replace(",", "")) for line in lines[2:-1]) * 1e6
+    shape = Llama(hf.load_config(model))
+    lora.add_adapters(shape, lora.LoRAConfig(use_peft=True, lora_target_modules="all-linear"))
+    adapters = sum(p.numel() for p in lora.trainable(shape))  # r 16 on every linear
+    for tag, nbytes in (("grads", 4 * adapters), ("optimizer", 8 * adapters)):  # float32
+        assert float(row[header.index(tag)]) == pytest.approx(nbytes / 1e6, abs=0.05), tag
+
+    def two_steps():
+        run = train.setup(train.parse_args(argv))
+        for step in range(2):
+            train.step(run, step)
+    measured = allocator_peak(two_steps)
+    assert abs(planned - measured) <= 0.15 * measured, (planned, measured)
