@@ -3,6 +3,7 @@
     python tests/bench_lora.py                   # CPU, a 8-layer model of width 576 (SmolLM2's)
     python tests/bench_lora.py --layers 30 --vocab 49152   # SmolLM2-135M's whole shape
     python tests/bench_lora.py --device cuda
+    python tests/bench_lora.py --plans          # --plan of the 0.5B and 8B shapes, full vs LoRA
 
 1. Train: one step = forward and backward of a next-token loss over a batch, then AdamW, for
    - full:      every weight trains (float32; under --dtype bfloat16 the fp32 master under bf16
@@ -17,13 +18,19 @@
 2. Decode (float32 on a CPU): rollout.generate on the all-linear adapted model, the adapter merged
    into the prepacked copy rollout.py makes of each weight (its route) against the update applied
    beside the prepacked base, and the plain base model as the floor.
+3. --plans: `train.py --plan --dtype bfloat16` (a GPU's view: shapes only, no weight read) for
+   config.json files shaped like Qwen2.5-0.5B and Llama-3.1-8B, full fine-tuning against LoRA
+   (q_proj,v_proj and all-linear), per tag at its largest phase.
 """
 
 import argparse
 import contextlib
 import functools
+import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -31,6 +38,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import lora  # noqa: E402
+from bench_bf16 import SHAPES  # noqa: E402
+from hf import config_to_hf  # noqa: E402
 import rollout  # noqa: E402
 from memtrace import allocator_peak  # noqa: E402
 from model import Llama, ModelConfig  # noqa: E402
@@ -146,6 +155,46 @@ def decode(cfg: ModelConfig, rounds: int, prompts: int, new: int) -> None:
         print(f"{name:<12}{best[name]:>12.3f}{best[name] / best['merged']:>10.2f}")
 
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LLAMA_8B = ModelConfig(  # Llama-3.1-8B's published config.json
+    vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+    num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
+    rms_norm_eps=1e-5, rope_theta=500000.0,
+    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+PLAN_FLAGS = ["--dtype", "bfloat16", "--prompts_per_step", "8", "--num_samples", "8",
+              "--max_prompt_len", "256", "--max_new_tokens", "512", "--micro_batch_groups", "1",
+              "--activation_checkpoint", "true"]
+PLAN_VARIANTS = {"full": [], "lora q,v": ["--use_peft"],
+                 "lora all": ["--use_peft", "--lora_target_modules", "all-linear"]}
+
+
+def plans() -> None:
+    """One row per shape and variant: the plan's MB per tag at its largest phase, and its peak."""
+    print(f"train.py --plan {' '.join(PLAN_FLAGS)}\n")
+    tags = ("trainer", "weights", "grads", "optimizer", "transient")
+    print("| shape | variant | " + " | ".join(f"{t} MB" for t in tags) + " | peak GB | x full |")
+    print("|---" * (len(tags) + 4) + "|")
+    shapes = {"Qwen2.5-0.5B": SHAPES["Qwen2.5-0.5B"], "Llama-3.1-8B": LLAMA_8B}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, cfg in shapes.items():
+            with open(os.path.join(tmp, "config.json"), "w") as f:
+                json.dump(config_to_hf(cfg, torch.bfloat16), f)
+            full = None
+            for variant, flags in PLAN_VARIANTS.items():
+                out = subprocess.run(
+                    [sys.executable, "train.py", "--plan", "--model", tmp, *PLAN_FLAGS, *flags],
+                    cwd=ROOT, capture_output=True, text=True, check=True).stdout
+                rows = [line.split() for line in out.splitlines()]
+                header = next(r for r in rows if r[:1] == ["phase"])
+                mb = {tag: max(float(r[header.index(tag)].replace(",", "")) for r in rows
+                               if len(r) == len(header) and r[0] != "phase") for tag in tags}
+                peak = float(next(r for r in rows if r[:1] == ["peak"])[1])
+                full = full or peak
+                print(f"| {name} | {variant} | " + " | ".join(f"{mb[t]:,.0f}" for t in tags)
+                      + f" | {peak:.2f} | {peak / full:.2f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cpu")
@@ -153,7 +202,10 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=8000)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--plans", action="store_true", help="the --plan table instead")
     args = ap.parse_args()
+    if args.plans:
+        return plans()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=args.vocab, hidden_size=576, intermediate_size=1536,
