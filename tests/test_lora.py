@@ -196,6 +196,21 @@ def test_the_base_is_frozen_and_the_optimizer_holds_the_adapters_alone():
         assert p.grad is None and torch.equal(p, base[n]), n
 
 
+def test_the_flags_are_trls_model_config_names_with_its_defaults():
+    """--use_peft, --lora_r, --lora_alpha, --lora_dropout, --lora_target_modules and --use_rslora
+    are trl.ModelConfig's fields with its defaults (no target: None there, "" here, both PEFT's
+    mapping); TRL's switches may stand alone, as TRL's parser takes them."""
+    trl = pytest.importorskip("trl")
+    theirs = {f.name: f.default for f in dataclasses.fields(trl.ModelConfig)}
+    ours = {f.name: f.default for f in dataclasses.fields(lora.LoRAConfig)}
+    for name in ("use_peft", "lora_r", "lora_alpha", "lora_dropout", "use_rslora"):
+        assert ours[name] == theirs[name], name
+    assert theirs["lora_target_modules"] is None and ours["lora_target_modules"] == ""
+    values = train.parse_args(["--use_peft", "--use_rslora", "--lora_r", "8"])
+    assert values == dict(use_peft=True, use_rslora=True, lora_r=8)
+    assert train.parse_args(["--use_peft", "false"]) == dict(use_peft=False)
+
+
 @pytest.mark.parametrize("args,message", [
     (["--use_peft", "--lora_r", "0"], "--lora_r must be >= 1 (the adapters' rank), got 0"),
     (["--use_peft", "--lora_target_modules", "qkv"],
