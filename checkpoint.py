@@ -7,6 +7,8 @@ A checkpoint is a directory `OUT/step-000123/` holding:
   special_tokens_map.json, and its generation_config.json (any HF tool, and `--model`, loads it);
 - `master/` under bf16 mixed precision: the fp32 master weights, a Hugging Face directory of their
   own, from which a resume continues exactly;
+- with LoRA, instead of the model: the adapter as PEFT writes it (adapter_config.json,
+  adapter_model.safetensors; lora.py), the base being --model's;
 - `optimizer-tp{r}.safetensors` + `optimizer-tp{r}.json`: the AdamW state of tensor-parallel rank
   r (tensors in safetensors, the rest in JSON: nothing is ever unpickled);
 - `trainer_state.json`: step, every config section, the tp size, torch's RNG state.

@@ -14,6 +14,9 @@ before each rollout) and the frozen reference (the initial policy, when beta > 0
 - build: the three from the run's flags, the trainer's blocks compiled and checkpointed
   (--activation_checkpoint), its embedding's gradient rows straight into .grad (memory.py);
   shapes: the trainer and the sampler on the meta device, for --plan.
+- adapt: with --use_peft (lora.py) the base from --model, frozen in the compute dtype, its adapters
+  fresh, from --adapter's PEFT directory or from the checkpoint being resumed; the sampler is the
+  trainer itself, and there is no reference copy.
 
 Leaves out: the optimizer and the memory phases (train.py, plan.py), the weight sync (rollout.py),
 checkpoints (checkpoint.py). Handed train.py's configs (cfg: its TrainConfig, cfgs: its Configs),
