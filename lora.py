@@ -7,7 +7,8 @@ each targeted linear,
 (rsLoRA, arXiv:2312.03732: s = alpha / sqrt(r)). A is drawn as PEFT draws it (kaiming_uniform with
 a = sqrt(5), i.e. uniform in +-1/sqrt(in)), B is zero: the adapted model starts as the base. The
 dropout acts on the adapter's input alone, and only in a forward that builds gradients (the loss's):
-the sampler and the no-grad logprobs see the adapted model without it.
+the sampler and the no-grad logprobs see the adapted model without it. With beta > 0 the
+reference policy is the base: the trainer with its adapters off (adapters_off), as TRL's.
 
 The flags are TRL's ModelConfig's (--use_peft, --lora_r, --lora_alpha, --lora_dropout,
 --lora_target_modules, --use_rslora) with its defaults; with no target named, PEFT's for the
@@ -25,6 +26,7 @@ Shapes: r rank, in / out a linear's widths (in/tp, out/tp: a tensor-parallel sha
 Tested by tests/test_lora.py; benchmarked by tests/bench_lora.py.
 """
 
+import contextlib
 import json
 import math
 import os
@@ -201,6 +203,22 @@ def attach(model: nn.Module, name: str, A: Tensor, B: Tensor, scaling: float,
     m.dropout = dropout
 
 
+@contextlib.contextmanager
+def adapters_off(model: nn.Module):
+    """Meanwhile every adapted linear computes its base alone: the scale 0, so W x + b + 0, the
+    base's values exactly. A LoRA run's reference policy (beta > 0) is its trainer so, as TRL's
+    is the PEFT model with its adapter disabled: no copy of the base."""
+    modules = [m for _, m in adapted(model)]
+    scales = [m.scaling for m in modules]
+    try:
+        for m in modules:
+            m.scaling = 0.0
+        yield model
+    finally:
+        for m, s in zip(modules, scales):
+            m.scaling = s
+
+
 def trainable(model: nn.Module) -> list[nn.Parameter]:
     """The parameters the optimizer steps: all of them, or with LoRA the adapters alone."""
     return [p for p in model.parameters() if p.requires_grad]
@@ -218,9 +236,6 @@ def check_flags(cfgs) -> None:
     if cfgs.train.sampler_dtype not in ("", cfgs.train.dtype):
         raise ValueError("--use_peft samples from the adapted model itself, in --dtype: drop "
                          "--sampler_dtype")
-    if cfgs.grpo.beta > 0:
-        raise ValueError("--use_peft with --beta > 0 is not supported here (the reference "
-                         "would be the base with its adapters off); use --beta 0")
 
 # -----------------------------------------------------------------------------
 # PEFT's files

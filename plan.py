@@ -299,7 +299,7 @@ def step_plan(mem: PhaseManager, cfgs, model, sampler, reference, prompts: int, 
               target: str, g: GRPOConfig) -> dict[str, dict[str, int]]:
     """phase_peaks for one step of train.py's configs `cfgs` (rollout.max_new_tokens resolved)
     with the GRPO knobs g, `prompts` prompts per rank of cfgs.train.max_prompt_len tokens:
-    phase -> {tag: bytes, "transient", "peak"}; no "reference" phase without one."""
+    phase -> {tag: bytes, "transient", "peak"}; no "reference" phase at beta 0."""
     transients = step_transients(
         model.config, prompts, cfgs.train.max_prompt_len, cfgs.rollout, g,
         getattr(torch, cfgs.train.dtype), next(sampler.parameters()).dtype,  # activations' dtype
@@ -312,7 +312,7 @@ def step_plan(mem: PhaseManager, cfgs, model, sampler, reference, prompts: int, 
         adapter_bytes=lora_activation_bytes(model, getattr(torch, cfgs.train.dtype),
                                             cfgs.lora.lora_dropout))
     plan = phase_peaks(mem, transients, target, cfgs.train.phases)
-    if reference is None:
+    if g.beta == 0:  # no reference (LoRA's is the trainer with its adapters off)
         del plan["reference"]
     return plan
 

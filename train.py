@@ -439,10 +439,11 @@ def step(run: Run, step: int) -> tuple[dict, list[dict]]:
     if g.mu > 1:  # at mu = 1 the ratio is to the current policy: logp.detach() in the loss
         with policy.autocast(run.cfgs.train, run.device):
             batch.old_logp = grpo.batch_logprobs(run.model, batch, g, logprob_fn=run.logprob_fn)
-    if run.reference is not None:
-        with run.phase("reference"), policy.autocast(run.cfgs.train, run.device):
-            batch.ref_logp = grpo.batch_logprobs(run.reference, batch, g,
-                                                 logprob_fn=run.logprob_fn)
+    if g.beta > 0:  # with LoRA the reference is the trainer with its adapters off (lora.py)
+        reference = run.reference or run.model
+        with run.phase("reference"), policy.autocast(run.cfgs.train, run.device), \
+                lora.adapters_off(reference):
+            batch.ref_logp = grpo.batch_logprobs(reference, batch, g, logprob_fn=run.logprob_fn)
     times = {"rollout": counts.pop("rollout"), "logprobs": time.perf_counter() - t0}
     # 6. Train: mu optimizer steps over the generation batch (none when nothing was scored).
     t0 = time.perf_counter()

@@ -216,7 +216,8 @@ def test_the_flags_are_trls_model_config_names_with_its_defaults():
     (["--use_peft", "--lora_target_modules", "qkv"],
      "--lora_target_modules 'qkv' matches no linear of the model; its linears: "
      "down_proj,gate_proj,k_proj,o_proj,q_proj,up_proj,v_proj (or all-linear)"),
-    (["--use_peft", "--beta", "0.1"], "--use_peft with --beta > 0 is not supported here"),
+    (["--use_peft", "--sequence_parallel", "true"], "--use_peft with --sequence_parallel: the "
+                                                     "fused all-gather linears take no adapter"),
 ])
 def test_bad_lora_input_is_one_line_and_writes_nothing(tmp_path, capsys, args, message):
     code, out = run(tmp_path, *args)
@@ -263,6 +264,26 @@ def test_the_prepacked_copy_of_an_adapted_linear_holds_the_adapter_merged():
             got = m(x)
     torch.testing.assert_close(got, want, **tolerance.reordered(64 + 4, want.abs().max()))
     assert "forward" not in vars(m)
+
+
+def test_adapters_off_is_the_base_exactly_and_a_beta_run_scores_the_base(tmp_path):
+    """lora.adapters_off: the adapted model's logits are the base's bit for bit, and the adapters
+    are back after it. A LoRA run with beta > 0 takes the trainer with its adapters off as the
+    reference: its KL is 0 at the first step (B = 0: the policy is the base), above 0 once the
+    adapters moved."""
+    model = adapted()
+    base = Llama(CFG).init_weights(0, std=0.2)
+    tokens = torch.tensor([PROMPTS[0]])
+    with torch.no_grad():
+        before = model(tokens)
+        with lora.adapters_off(model):
+            assert torch.equal(model(tokens), base(tokens))
+        assert torch.equal(model(tokens), before)
+    code, out = run(tmp_path, "--model", base_checkpoint(tmp_path), "--use_peft", "--beta", "0.1",
+                    "--lr", "1e-2", "--steps", "3", "--lora_dropout", "0")
+    assert code == 0
+    kl = [r["kl"] for r in records(out)]
+    assert kl[0] == 0 and kl[-1] > 0, kl
 
 
 def test_merge_equals_the_adapted_model():
