@@ -585,3 +585,32 @@ def test_a_tp2_lora_run_matches_tp1_writes_the_same_adapter_and_resumes(tmp_path
                           timeout=300, env=GLOO)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert [r["step"] for r in records(tmp_path / "tp2")] == [1, 2, 3]
+
+
+def test_an_adapter_peft_wrote_loads_to_pefts_logits(tmp_path):
+    """An adapter written by peft itself (get_peft_model on transformers' model, rsLoRA, B made
+    nonzero, save_pretrained) gives the engine peft's logits: the keys, the scale and the layout
+    read as PEFT means them."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    base = base_checkpoint(tmp_path)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    config = peft.LoraConfig(r=4, lora_alpha=12, target_modules=["o_proj", "up_proj", "k_proj"],
+                             use_rslora=True, lora_dropout=0.0)
+    wrapped = peft.get_peft_model(hf_model, config)
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in wrapped.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    adapter = str(tmp_path / "peft_adapter")
+    wrapped.save_pretrained(adapter)
+    tokens = torch.tensor([[1, 5, 7, 9, 11, 3, 4, 8]])
+    with torch.no_grad():
+        want = wrapped.eval()(tokens).logits
+    got = engine_logits(base, adapter, tokens)
+    torch.testing.assert_close(got, want, **logits_tol(base, want))
+    model = hf.load_model(base)
+    cfg, targets = lora.load_adapter(model, adapter)
+    assert (cfg.lora_r, cfg.lora_alpha, cfg.use_rslora) == (4, 12, True)
+    assert sorted({t.rsplit(".", 1)[-1] for t in targets}) == ["k_proj", "o_proj", "up_proj"]
