@@ -148,8 +148,8 @@ def decode(cfg: ModelConfig, rounds: int, prompts: int, new: int) -> None:
             rollout.generate(m, batch, rc, seed=0)
             best[name] = min(best[name], time.perf_counter() - t0)
     rollout._prepacked_linears = PREPACKED
-    print(f"\ndecode, float32 CPU: {prompts} prompts x 8 samples x {new} new tokens, all-linear r 16;"
-          f" best of {rounds}")
+    print(f"\ndecode, float32 CPU: {prompts} prompts x 8 samples x {new} new tokens, all-linear "
+          f"r 16; best of {rounds}")
     print(f"{'route':<12}{'s/generate':>12}{'x merged':>10}")
     for name in routes:
         print(f"{name:<12}{best[name]:>12.3f}{best[name] / best['merged']:>10.2f}")

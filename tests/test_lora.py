@@ -378,7 +378,8 @@ def test_resume_continues_a_lora_run_exactly(tmp_path):
     a, b = records(full)[2:], records(resumed)
     assert [r["step"] for r in b] == [3, 4]
     for ra, rb in zip(a, b):
-        assert (ra["reward"], ra["loss"], ra["entropy"]) == (rb["reward"], rb["loss"], rb["entropy"])
+        for key in ("reward", "loss", "entropy"):
+            assert ra[key] == rb[key], key
     x = load_file(os.path.join(full, "step-000004", "adapter_model.safetensors"))
     y = load_file(os.path.join(resumed, "step-000004", "adapter_model.safetensors"))
     assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
