@@ -161,17 +161,15 @@ def adapt(cfgs, model: Llama, resume_dir: str) -> str:
         cfgs.lora = dataclasses.replace(c, lora_target_modules=",".join(targets))
     tp.adapt(model)
     c = cfgs.lora
-    count = sum(p.numel() for p in lora.trainable(model)) * max(1, tp_size(model))
+    state = getattr(model, "tp_state", None)  # a shard counts tp times, a replicated one once
+    sharded, tp_size = ({}, 1) if state is None else (state.sharded, state.groups.tp_size)
+    count = sum(p.numel() * (tp_size if name in sharded else 1)
+                for name, p in model.named_parameters() if p.requires_grad)
     kinds = sorted({t.rsplit(".", 1)[-1] for t in targets})
     return (f"LoRA: r {c.lora_r}, alpha {c.lora_alpha}, scale {c.scaling:g}, on "
             f"{len(targets)} linears ({','.join(kinds)}): {count / 1e6:.2f} M trainable "
             f"parameters, the base frozen" + (f", from {c.adapter}" if c.adapter and not resume_dir
                                               else ""))
-
-
-def tp_size(model: Llama) -> int:
-    state = getattr(model, "tp_state", None)
-    return 1 if state is None else state.groups.tp_size
 
 
 def shapes(cfg, task: Task, groups: tp.ParallelGroups, cfgs=None) -> tuple[Llama, Llama]:

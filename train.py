@@ -440,7 +440,7 @@ def step(run: Run, step: int) -> tuple[dict, list[dict]]:
         with policy.autocast(run.cfgs.train, run.device):
             batch.old_logp = grpo.batch_logprobs(run.model, batch, g, logprob_fn=run.logprob_fn)
     if g.beta > 0:  # with LoRA the reference is the trainer with its adapters off (lora.py)
-        reference = run.reference or run.model
+        reference = run.model if run.reference is None else run.reference
         with run.phase("reference"), policy.autocast(run.cfgs.train, run.device), \
                 lora.adapters_off(reference):
             batch.ref_logp = grpo.batch_logprobs(reference, batch, g, logprob_fn=run.logprob_fn)
