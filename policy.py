@@ -160,6 +160,9 @@ def adapt(cfgs, model: Llama, resume_dir: str) -> str:
         targets = lora.add_adapters(model, c, cfgs.train.seed)
         cfgs.lora = dataclasses.replace(c, lora_target_modules=",".join(targets))
     tp.adapt(model)
+    # The adapters' dropout draws from torch's global generator: its masks a function of the seed,
+    # as the rest of the run (not of what happened to draw before; a resume restores its state)
+    torch.manual_seed(cfgs.train.seed)
     c = cfgs.lora
     state = getattr(model, "tp_state", None)  # a shard counts tp times, a replicated one once
     sharded, tp_size = ({}, 1) if state is None else (state.sharded, state.groups.tp_size)

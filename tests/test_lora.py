@@ -385,6 +385,21 @@ def test_resume_continues_a_lora_run_exactly(tmp_path):
     assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
 
 
+def test_a_lora_runs_dropout_is_a_function_of_its_seed(tmp_path):
+    """Two runs of one seed train alike whatever drew from torch's global generator before them:
+    the adapters' dropout masks come from the seed (they once came from whatever the imports
+    had left in the generator, so a change elsewhere in the code changed a run)."""
+    base = base_checkpoint(tmp_path)
+    args = ["--model", base, "--use_peft", "--lora_dropout", "0.5", "--lr", "1e-2", "--steps", "3"]
+    code, first = run(tmp_path, *args, out="first")
+    torch.rand(1000)
+    code2, second = run(tmp_path, *args, out="second")
+    assert code == code2 == 0
+    for a, b in zip(records(first), records(second)):
+        for key in ("reward", "loss", "entropy"):
+            assert a[key] == b[key], key
+
+
 def test_adapter_starts_a_run_and_merged_writes_the_adapted_model(tmp_path, capsys):
     """--model BASE --adapter DIR starts from a PEFT adapter (its r, alpha and targets); --merged
     OUT writes base + adapter as a Hugging Face directory whose logits are the adapted model's
