@@ -7,6 +7,8 @@ A checkpoint is a directory `OUT/step-000123/` holding:
   special_tokens_map.json, and its generation_config.json (any HF tool, and `--model`, loads it);
 - `master/` under bf16 mixed precision: the fp32 master weights, a Hugging Face directory of their
   own, from which a resume continues exactly;
+- with LoRA, instead of the model: the adapter as PEFT writes it (adapter_config.json,
+  adapter_model.safetensors; lora.py), the base being --model's;
 - `optimizer-tp{r}.safetensors` + `optimizer-tp{r}.json`: the AdamW state of tensor-parallel rank
   r (tensors in safetensors, the rest in JSON: nothing is ever unpickled);
 - `trainer_state.json`: step, every config section, the tp size, torch's RNG state.
@@ -34,6 +36,7 @@ import signal
 import socket
 import sys
 import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -74,11 +77,13 @@ def save_checkpoint(out: str, step: int, model_config: ModelConfig, tensors: dic
                     tokenizer, optimizer: torch.optim.Optimizer, config: dict, *, tp_rank: int = 0,
                     tp_size: int = 1, dp_rank: int = 0,
                     generation_config: dict | None = None,
-                    master: dict[str, Tensor] | None = None) -> str:
+                    master: dict[str, Tensor] | None = None,
+                    adapter: Callable[[str, dict[str, Tensor]], None] | None = None) -> str:
     """Collective under torchrun (every rank calls it). `tensors`: the model's full tensors as a
     one-process model names them (train.py gathers a sharded model's: tp.full_state_dict), and
-    `master` the fp32 master weights when they differ; rank 0 writes them. Returns the final
-    directory."""
+    `master` the fp32 master weights when they differ; rank 0 writes them. With `adapter`
+    (LoRA: lora.save_adapter) rank 0 calls adapter(dir, tensors) instead: the adapter alone, as
+    PEFT writes it, the base being --model's. Returns the final directory."""
     final = os.path.join(out, f"step-{step:06d}")
     tmp = final + ".tmp"
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -87,7 +92,10 @@ def save_checkpoint(out: str, step: int, model_config: ModelConfig, tensors: dic
         os.makedirs(tmp)
     _barrier()
     if rank == 0:
-        write_pretrained(tmp, model_config, tensors, generation_config=generation_config)
+        if adapter is not None:
+            adapter(tmp, tensors)
+        else:
+            write_pretrained(tmp, model_config, tensors, generation_config=generation_config)
         tokenizer.save_pretrained(tmp)
         if master is not None:
             write_pretrained(os.path.join(tmp, MASTER), model_config, master)
@@ -150,7 +158,7 @@ def saved_config(resume: str, out: str) -> dict[str, dict]:
 
 # What a checkpoint fixes: its weights' shape, the task and group size its optimizer state learned.
 FIXED_ON_RESUME = ("model", "dim", "layers", "heads", "kv_heads", "task", "task_data",
-                   "num_samples")
+                   "num_samples", "use_peft")
 
 
 def resume_values(values: dict[str, object], owners: dict[str, str],

@@ -10,7 +10,7 @@ config's source is its documentation). This file is given the sections; it impor
 
 A flag it does not know gets the nearest one it does, and TRL's GRPOConfig names (TRL_NAMES) get
 this engine's: `--learning_rate` is `--lr` here; so do this engine's former names (OLD_NAMES). A
-boolean flag always takes its value.
+boolean flag takes its value, but for TRL's switches (SWITCHES: `--use_peft` alone is true).
 
 Leaves out: short flags, config files, environment variables.
 Tested by tests/test_train.py.
@@ -88,6 +88,9 @@ TRL_NAMES = {
     "model_name_or_path": "--model",
     "max_tool_calling_iterations": "--max_turns",
 }
+# TRL's boolean flags its users pass alone (`--use_peft`): true when no value follows. Every other
+# boolean takes its value.
+SWITCHES = ("use_peft", "use_rslora")
 # This engine's former flag names: the one each became.
 OLD_NAMES = {
     "packed_linears": "--prepacked_linears",  # "packed" is the training forward's row of tokens
@@ -135,6 +138,10 @@ def parse_args(argv: list[str], sections: dict[str, type]) -> dict[str, object]:
             raise ValueError(unknown_option(name, owners))
         if not eq:
             last = i + 1 >= len(argv)
+            if name in SWITCHES and (last or argv[i + 1].startswith("--")):
+                values[name] = True  # TRL's switch, alone
+                i += 1
+                continue
             if kinds[name] is bool and (last or argv[i + 1].startswith("--")):
                 # `--overwrite` alone, as a switch: say what it takes
                 raise ValueError(f"--{name} takes a value: --{name} true or --{name} false")

@@ -31,6 +31,7 @@ from decode import kernel_for
 from graphs import decide, unsupported, worth_compiling
 from grpo import GRPOConfig
 from logprobs import chunk_rows
+from lora import adapted, trainable
 from memory import MemoryConfig, PhaseManager
 from model import ModelConfig
 from packing import cuda_route
@@ -114,7 +115,8 @@ def block_bytes(config: ModelConfig, dtype: torch.dtype, tp_size: int = 1,
 def micro_batch_memory(config: ModelConfig, groups: float, G: int, prompt_len: int,
                        completion_len: int, dtype: torch.dtype, *, checkpoint: bool,
                        chunk_size: int, tp_size: int = 1, sequence_parallel: bool = False,
-                       repeated_prompt: bool = False, autocast: bool = False) -> dict[str, int]:
+                       repeated_prompt: bool = False, autocast: bool = False,
+                       frozen: bool = False, adapter_bytes: int = 0) -> dict[str, int]:
     """Bytes one micro-batch of `groups` prompts of P tokens and their N = groups*G completions of
     Tr tokens (T = Tr - 1 fed) holds at its largest moments, per rank, besides the weights, grads
     and optimizer state (memory.py plans those): {"forward", "backward", "no grad"} (the last:
@@ -133,7 +135,11 @@ def micro_batch_memory(config: ModelConfig, groups: float, G: int, prompt_len: i
     Under tensor parallelism a tied head's (V/tp, C) gradient waits in autograd for the
     embedding's, the last node of backward (on one rank both go into .grad: logprobs.py,
     memory.grads_into_weight). autocast (bf16 over fp32 weights): block_bytes' autocast norms,
-    the a-byte copy of every block weight autocast caches for its context (block_weight_bytes)."""
+    the a-byte copy of every block weight autocast caches for its context (block_weight_bytes).
+    frozen (LoRA, lora.py): the base's weights are in the compute dtype, so autocast casts and
+    caches none, and there is no lm_head gradient; adapter_bytes per token (all layers) is what
+    the adapters save besides: lora_activation_bytes."""
+    autocast = autocast and not frozen  # a frozen base is in the compute dtype already
     b = block_bytes(config, dtype, tp_size, sequence_parallel, autocast)
     a = b["residual"] * (tp_size if sequence_parallel else 1) // config.hidden_size
     L = config.num_hidden_layers
@@ -153,17 +159,18 @@ def micro_batch_memory(config: ModelConfig, groups: float, G: int, prompt_len: i
                + autocast * L * block_weight_bytes(config, dtype, tp_size))
     chunk = min(chunk_size or n, n)
     head = chunk * V * 8
-    head_backward = chunk * V * (16 + a) + V * C * a
+    head_backward = chunk * V * (16 + a) + (not frozen) * V * C * a
+    adapters = (prompt + completion) * adapter_bytes
     if checkpoint:
         saved = L * (prompt + completion) * b["residual"] + outside
-        recompute = prompt * full + completion_block
+        recompute = prompt * full + completion_block + adapters // L
         forward = saved + max((prompt + completion) * b["inference"] + row_keys, head)
     else:
-        saved = L * prompt * full + L * completion_block + outside
+        saved = L * prompt * full + L * completion_block + outside + adapters
         recompute = 0
         forward = saved + max(rows * completion_len * C * a, head)
     gradients = (prompt + completion) * 2 * a * config.intermediate_size // tp_size
-    tied = tp_size > 1 and config.tie_word_embeddings  # the tied head's, under tp
+    tied = tp_size > 1 and config.tie_word_embeddings and not frozen  # the tied head's, under tp
     pending = tied * V * C * (4 if autocast else a)
     backward = saved + recompute + max(gradients, head_backward) + pending
     no_grad = n * a * C * 2 + max((prompt + completion) * b["inference"] + row_keys, head)
@@ -192,7 +199,8 @@ def step_transients(config: ModelConfig, prompts: int, prompt_len: int, r: Rollo
                     g: GRPOConfig, dtype: torch.dtype, sampler_dtype: torch.dtype, *,
                     checkpoint: bool, tp_size: int = 1, sequence_parallel: bool = False,
                     old: bool = False, repeated_prompt: bool = False,
-                    cpu: bool = False, stacked: bool = False) -> dict[str, int]:
+                    cpu: bool = False, stacked: bool = False, frozen: bool = False,
+                    adapter_bytes: int = 0) -> dict[str, int]:
     """Each phase's largest transient (bytes per rank) for `prompts` prompts of prompt_len tokens
     and r.max_new_tokens completion tokens: the largest of rollout_memory in rollout; the batch
     kept through the step plus a micro-batch's no-grad forward (old or reference logprobs) or its
@@ -210,7 +218,8 @@ def step_transients(config: ModelConfig, prompts: int, prompt_len: int, r: Rollo
                                chunk_size=chunk_rows(g.chunk_bytes, config.vocab_size, dtype),
                                tp_size=tp_size,
                                sequence_parallel=sequence_parallel,
-                               repeated_prompt=repeated_prompt)
+                               repeated_prompt=repeated_prompt, frozen=frozen,
+                               adapter_bytes=adapter_bytes)
     kept = batch_bytes(prompts * r.num_samples, Tc, old, g.beta > 0)  # through the step
     sampling = rollout_memory(config, prompts, prompt_len, r, sampler_dtype, tp_size, cpu=cpu,
                               stacked=stacked)
@@ -277,11 +286,20 @@ def training_route(model: nn.Module, target: str, dtype: str) -> str:
     return cuda_route(getattr(torch, dtype), model.config.head_dim, worth_compiling(model))[0]
 
 
+def lora_activation_bytes(model: nn.Module, dtype: torch.dtype, dropout: float) -> int:
+    """What a model's LoRA adapters save for backward per token, over all layers, per rank: each
+    adapted linear's r-wide A x (a*r), and with dropout its own dropped copy of its input and the
+    mask (in*(a + 1): q, k and v each drop their shared input apart). 0 without adapters."""
+    a = torch.empty((), dtype=dtype).element_size()
+    return sum(m.lora_A.shape[0] * a + (dropout > 0) * m.lora_A.shape[1] * (a + 1)
+               for _, m in adapted(model))
+
+
 def step_plan(mem: PhaseManager, cfgs, model, sampler, reference, prompts: int, tp_size: int,
               target: str, g: GRPOConfig) -> dict[str, dict[str, int]]:
     """phase_peaks for one step of train.py's configs `cfgs` (rollout.max_new_tokens resolved)
     with the GRPO knobs g, `prompts` prompts per rank of cfgs.train.max_prompt_len tokens:
-    phase -> {tag: bytes, "transient", "peak"}; no "reference" phase without one."""
+    phase -> {tag: bytes, "transient", "peak"}; no "reference" phase at beta 0."""
     transients = step_transients(
         model.config, prompts, cfgs.train.max_prompt_len, cfgs.rollout, g,
         getattr(torch, cfgs.train.dtype), next(sampler.parameters()).dtype,  # activations' dtype
@@ -289,9 +307,12 @@ def step_plan(mem: PhaseManager, cfgs, model, sampler, reference, prompts: int, 
         sequence_parallel=cfgs.parallel.sequence_parallel, old=g.mu > 1,
         repeated_prompt=training_route(model, target, cfgs.train.dtype) == "padded",
         cpu=torch.device(target).type == "cpu",
-        stacked=stacked_decode(cfgs.rollout.compile_decode, sampler, target, tp_size))
+        stacked=stacked_decode(cfgs.rollout.compile_decode, sampler, target, tp_size),
+        frozen=cfgs.lora.use_peft,
+        adapter_bytes=lora_activation_bytes(model, getattr(torch, cfgs.train.dtype),
+                                            cfgs.lora.lora_dropout))
     plan = phase_peaks(mem, transients, target, cfgs.train.phases)
-    if reference is None:
+    if g.beta == 0:  # no reference (LoRA's is the trainer with its adapters off)
         del plan["reference"]
     return plan
 
@@ -465,7 +486,7 @@ def print_run_plan(cfgs, model: nn.Module, sampler: nn.Module, tp_size: int, dp_
     if cfgs.grpo.beta > 0:
         reference = copy.deepcopy(model).requires_grad_(False)
     mem = memory_phases("meta", cfgs.memory, model, sampler, cache,
-                        torch.optim.AdamW(model.parameters()), reference)
+                        torch.optim.AdamW(trainable(model)), reference)
     target = "cuda" if torch.cuda.is_available() else "cpu"
     plan_of = fit(mem, cfgs, model, sampler, reference, Bp, tp_size, target, explicit)
     title = (f"tp {tp_size} x dp {dp_size}; {Bp} prompts x {P} + {r.max_new_tokens} tokens x "

@@ -20,6 +20,9 @@ before each rollout) and the frozen reference (the initial policy, when beta > 0
 - build: the three from the run's flags, the trainer's blocks compiled and checkpointed
   (--activation_checkpoint), its embedding's gradient rows straight into .grad (memory.py);
   shapes: the trainer and the sampler on the meta device, for --plan.
+- adapt: with --use_peft (lora.py) the base from --model, frozen in the compute dtype, its adapters
+  fresh, from --adapter's PEFT directory or from the checkpoint being resumed; the sampler is the
+  trainer itself, and there is no reference copy.
 
 Leaves out: the optimizer and the memory phases (train.py, plan.py), the weight sync (rollout.py),
 checkpoints (checkpoint.py). Handed train.py's configs (cfg: its TrainConfig, cfgs: its Configs),
@@ -29,6 +32,7 @@ Tested by tests/test_train.py (fresh and loaded models, bf16's master weights, c
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import time
 
@@ -37,6 +41,7 @@ import torch
 import checkpoint
 import compiling
 import graphs
+import lora
 import memory
 import packing
 import rollout
@@ -115,12 +120,13 @@ def cpu_precision(cfg, device: torch.device, config: ModelConfig | None) -> str:
             "trainer runs without autocast (--cpu_bf16 true: bf16 kernels anyway)")
 
 
-def build_model(cfg, task: Task, source: str, device: torch.device,
-                groups: tp.ParallelGroups) -> tuple[Llama, tk.PromptTokenizer]:
+def build_model(cfg, task: Task, source: str, device: torch.device, groups: tp.ParallelGroups,
+                frozen: bool = False) -> tuple[Llama, tk.PromptTokenizer]:
     """From a HF directory (--model, or a checkpoint being resumed: its fp32 master/ when it has
     one), or fresh: a char tokenizer for the task's alphabet and a tiny Llama initialised from the
-    seed (the same on every rank). In the trainer's dtype: float32 under bf16 mixed precision."""
-    dtype = master_dtype(cfg)
+    seed (the same on every rank). In the trainer's dtype: float32 under bf16 mixed precision; a
+    frozen base (LoRA's) in the compute dtype, bf16 stays bf16."""
+    dtype = getattr(torch, cfg.dtype) if frozen else master_dtype(cfg)
     if source:
         weights = checkpoint.master_dir(source) or source
         if groups.tp_size > 1:
@@ -179,6 +185,13 @@ def build(cfgs, task: Task, source: str, resume_dir: str, device: torch.device,
     when beta = 0), and compile_model's lines; the trainer's blocks compiled and checkpointed as
     the flags say (after the copies are made: they stay plain)."""
     cfg = cfgs.train
+    if cfgs.lora.use_peft:  # the base from --model (a resumed run's adapter is in its checkpoint)
+        model, tokenizer = build_model(cfg, task, cfg.model, device, groups, frozen=True)
+        notes = [adapt(cfgs, model, resume_dir)]
+        sampler = model  # the adapted model samples itself: no copy of the base
+        notes += compile_model(cfg, model, device, groups)
+        memory.checkpoint_blocks(model.model.layers, cfgs.memory.activation_checkpoint)
+        return model, tokenizer, sampler, None, notes
     model, tokenizer = build_model(cfg, task, source, device, groups)
     reference = None
     if cfgs.grpo.beta > 0:  # on resume, rebuilt from --model (or the seed): the initial policy
@@ -191,14 +204,53 @@ def build(cfgs, task: Task, source: str, resume_dir: str, device: torch.device,
     return model, tokenizer, sampler, reference, notes
 
 
-def shapes(cfg, task: Task, groups: tp.ParallelGroups) -> tuple[Llama, Llama]:
+def adapt(cfgs, model: Llama, resume_dir: str) -> str:
+    """LoRA (lora.py): the base frozen, adapters from a resumed checkpoint, --adapter's PEFT
+    directory, or fresh from the seed; under tensor parallelism each rank's slice (tp.adapt).
+    Returns the line the first step prints."""
+    c = cfgs.lora
+    if resume_dir or c.adapter:
+        path = resume_dir or c.adapter
+        if not resume_dir:
+            lora.check_base(path, cfgs.train.model, model)
+        got, targets = lora.load_adapter(model, path, dropout=c.lora_dropout)
+        cfgs.lora = dataclasses.replace(c, lora_r=got.lora_r, lora_alpha=got.lora_alpha,
+                                        use_rslora=got.use_rslora,
+                                        lora_target_modules=",".join(targets))
+    else:
+        targets = lora.add_adapters(model, c, cfgs.train.seed)
+        cfgs.lora = dataclasses.replace(c, lora_target_modules=",".join(targets))
+    tp.adapt(model)
+    # The adapters' dropout draws from torch's global generator: its masks a function of the seed,
+    # as the rest of the run (not of what happened to draw before; a resume restores its state)
+    torch.manual_seed(cfgs.train.seed)
+    c = cfgs.lora
+    state = getattr(model, "tp_state", None)  # a shard counts tp times, a replicated one once
+    sharded, tp_size = ({}, 1) if state is None else (state.sharded, state.groups.tp_size)
+    count = sum(p.numel() * (tp_size if name in sharded else 1)
+                for name, p in model.named_parameters() if p.requires_grad)
+    kinds = sorted({t.rsplit(".", 1)[-1] for t in targets})
+    return (f"LoRA: r {c.lora_r}, alpha {c.lora_alpha}, scale {c.scaling:g}, on "
+            f"{len(targets)} linears ({','.join(kinds)}): {count / 1e6:.2f} M trainable "
+            f"parameters, the base frozen" + (f", from {c.adapter}" if c.adapter and not resume_dir
+                                              else ""))
+
+
+def shapes(cfg, task: Task, groups: tp.ParallelGroups, cfgs=None) -> tuple[Llama, Llama]:
     """The trainer and the sampler on the meta device, for --plan: from config.json (--model) or
-    the fresh model's flags; no weight is read."""
+    the fresh model's flags; no weight is read. With LoRA (cfgs.lora) the base in the compute
+    dtype, the adapters fresh, the sampler the trainer itself."""
+    frozen = cfgs is not None and cfgs.lora.use_peft
     with torch.device("meta"):  # shapes only
         if cfg.model:
-            model = tp.shard_model(Llama(load_config(cfg.model)).to(master_dtype(cfg)), groups)
+            dtype = getattr(torch, cfg.dtype) if frozen else master_dtype(cfg)
+            model = tp.shard_model(Llama(load_config(cfg.model)).to(dtype), groups)
         else:
-            model = build_model(cfg, task, "", torch.device("meta"), groups)[0]
+            model = build_model(cfg, task, "", torch.device("meta"), groups, frozen)[0]
+    if frozen:
+        lora.add_adapters(model, cfgs.lora)
+        tp.adapt(model)
+        return model, model
     return model, _sampler(cfg, model)
 
 

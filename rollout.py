@@ -63,6 +63,7 @@ from torch import Tensor, nn
 from decode import Decoder, KVCache  # noqa: F401 (rollout.KVCache: train.py, plan.py, memory's)
 from episodes import Episodes, Rows
 from graphs import CompiledStep, decide, dynamic
+from lora import LoRALinear
 from model import ModelConfig, causal_attention, fused_projections
 from sampling import filter_logits, inverse_cdf, race_clocks, sample, sample_raced  # noqa: F401
 
@@ -135,14 +136,18 @@ def _prepacked_linears(model: torch.nn.Module, rows: int, enabled: bool):
     once (for `rows` rows) into the kernel's blocked layout (prepacked); F.linear (MKL) reorders
     it on every call, a large share of the matmul at decode's 128 rows. The cost: a second copy of
     the linear weights while it runs. Outputs equal F.linear's up to summation order
-    (tests/test_rollout.py)."""
+    (tests/test_rollout.py); a LoRA linear's, its adapted output's up to rounding
+    (tests/test_lora.py)."""
     linears = [m for m in model.modules()
-               if enabled and _PREPACK is not None and type(m) is nn.Linear
+               if enabled and _PREPACK is not None and type(m) in (nn.Linear, LoRALinear)
                and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32]
     try:
         for m in linears:  # an instance attribute shadows the class's forward
+            # A LoRA adapter is merged into the prepacked copy (W + s B A): one matmul a linear,
+            # where the update applied beside it costs two more (tests/bench_lora.py).
+            weight = m.merged_weight() if type(m) is LoRALinear else m.weight.detach()
             m.forward = functools.partial(torch.ops.mkldnn._linear_pointwise, B=m.bias, attr="none",
-                                          W=_PREPACK(m.weight.detach(), rows), scalars=[],
+                                          W=_PREPACK(weight, rows), scalars=[],
                                           algorithm="")  # (..., in) -> (..., out)
         yield
     finally:

@@ -49,6 +49,7 @@ from torch.autograd import Function
 
 from hf import (EMBEDDING, allocate, check_checkpoint, expected_shapes, load_config, load_model,
                 tied_copy_differs, tied_copy_message)
+from lora import LoRALinear
 from model import (MLP, Attention, Block, Llama, RMSNorm, at_last, causal_attention, rms_norm,
                    rope_inv_freq)
 
@@ -335,7 +336,7 @@ class RowParallelLinear(nn.Linear):
     without SP; under SP each rank sees only its tokens, so f on the bias sums the grads."""
     def forward(self, x: Tensor, sp: bool = False) -> Tensor:
         group = self.state.groups.tp_group
-        partial = F.linear(x, self.weight)  # (B, T, C), or (N, C) under SP: this rank's share
+        partial = self.partial(x)  # (B, T, C), or (N, C) under SP: this rank's share
         bias = self.bias
         if sp:
             out = ReduceScatterToSP.apply(partial, group)  # (N/tp, C)
@@ -343,6 +344,46 @@ class RowParallelLinear(nn.Linear):
         else:
             out = ReduceFromTP.apply(partial, group)  # (B, T, C)
         return out if bias is None else out + bias
+
+
+    def partial(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight)
+
+
+class ColumnParallelLoRALinear(LoRALinear):
+    """q/k/v/gate/up with a LoRA adapter (lora.py): A (r, C) whole, B this rank's out/tp rows.
+    Every rank's update reads all of A, so its gradient on a rank is a partial sum: f on A sums it
+    over the tp ranks in backward (the grad then whole on each, as a replicated weight's)."""
+    def adapter_weights(self) -> tuple[Tensor, Tensor]:
+        return CopyToTP.apply(self.lora_A, self.state.groups.tp_group), self.lora_B
+
+
+class RowParallelLoRALinear(RowParallelLinear, LoRALinear):
+    """o/down with a LoRA adapter: A this rank's in/tp columns, B (out, r) whole. B A_r x_r is
+    this rank's partial sum of the update: added to the base's partial, it is summed by the same
+    g. B's gradient is a partial sum likewise: f on B sums it over the tp ranks in backward."""
+    def adapter_weights(self) -> tuple[Tensor, Tensor]:
+        return self.lora_A, CopyToTP.apply(self.lora_B, self.state.groups.tp_group)
+
+    def partial(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight) + self.update(x)  # (..., C) this rank's share
+
+
+def adapt(model: Llama) -> Llama:
+    """A sharded model whose linears lora.py gave adapters: their tensor-parallel classes (the same
+    objects, only forward() changes). Untouched without tensor parallelism."""
+    state = getattr(model, "tp_state", None)
+    if state is None:
+        return model
+    for module in model.modules():
+        if type(module) is LoRALinear:
+            module.__class__ = ColumnParallelLoRALinear
+        elif type(module) is RowParallelLinear and hasattr(module, "lora_A"):
+            module.__class__ = RowParallelLoRALinear
+        else:
+            continue
+        module.state = state
+    return model
 
 
 class TPAttention(Attention):

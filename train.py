@@ -54,6 +54,7 @@ import compiling
 import dp
 import functions
 import grpo
+import lora
 import memory
 import plan
 import plot
@@ -64,7 +65,7 @@ import tools
 import tp
 import tasks
 import tokenizer as tk
-from hf import load_config, load_generation_config, stop_token_ids
+from hf import load_config, load_generation_config, load_model, save_model, stop_token_ids
 from model import Llama
 from tasks import Task
 
@@ -124,7 +125,7 @@ class TrainConfig:
 # Every knob has one home: the dataclass of the file that uses it. The CLI routes --name to it.
 SECTIONS = {"train": TrainConfig, "prompt": tk.PromptConfig, "rollout": rollout.RolloutConfig,
             "tools": tools.ToolConfig, "grpo": grpo.GRPOConfig, "memory": memory.MemoryConfig,
-            "parallel": tp.ParallelConfig}
+            "parallel": tp.ParallelConfig, "lora": lora.LoRAConfig}
 
 
 @dataclass
@@ -136,6 +137,7 @@ class Configs:
     grpo: grpo.GRPOConfig
     memory: memory.MemoryConfig
     parallel: tp.ParallelConfig
+    lora: lora.LoRAConfig
 
 
 def parse_args(argv: list[str]) -> dict[str, object]:
@@ -226,6 +228,7 @@ def setup(values: dict[str, object]) -> Run:
         values, changes = checkpoint.resume_values(values, owners, TrainConfig.out)
     cfgs = build_configs(values)
     cli.check_config(cfgs)
+    lora.check_flags(cfgs)
     notes = [cli.recipe_defaults(cfgs, explicit)]
     cfg = cfgs.train
     groups = tp.make_groups(cfgs.parallel.tp)
@@ -242,6 +245,8 @@ def setup(values: dict[str, object]) -> Run:
     task = tasks.load_task(cfg.task, cfg.task_data)
     resume_dir = checkpoint.resolve(cfg.resume, cfg.out) if cfg.resume else ""
     source = resume_dir or cfg.model
+    if cfgs.lora.use_peft:  # a LoRA checkpoint holds the adapter: the base is --model's
+        source = cfg.model
     budget = cfgs.rollout.max_new_tokens or task.max_new_tokens or 256  # 0: the task's own
     cfgs.rollout = dataclasses.replace(cfgs.rollout, max_new_tokens=budget)
     config = load_config(source) if source else None
@@ -255,7 +260,7 @@ def setup(values: dict[str, object]) -> Run:
                                                                device, groups)
     notes += built
     generation_config = load_generation_config(source) if source else None
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.99),
+    optimizer = torch.optim.AdamW(lora.trainable(model), lr=cfg.lr, betas=(0.9, 0.99),
                                   weight_decay=cfg.weight_decay, fused=True)  # plan.py's NOTE
     start = 0
     if resume_dir:
@@ -445,10 +450,11 @@ def step(run: Run, step: int) -> tuple[dict, list[dict]]:
     if g.mu > 1:  # at mu = 1 the ratio is to the current policy: logp.detach() in the loss
         with policy.autocast(run.cfgs.train, run.device):
             batch.old_logp = grpo.batch_logprobs(run.model, batch, g, logprob_fn=run.logprob_fn)
-    if run.reference is not None:
-        with run.phase("reference"), policy.autocast(run.cfgs.train, run.device):
-            batch.ref_logp = grpo.batch_logprobs(run.reference, batch, g,
-                                                 logprob_fn=run.logprob_fn)
+    if g.beta > 0:  # with LoRA the reference is the trainer with its adapters off (lora.py)
+        reference = run.model if run.reference is None else run.reference
+        with run.phase("reference"), policy.autocast(run.cfgs.train, run.device), \
+                lora.adapters_off(reference):
+            batch.ref_logp = grpo.batch_logprobs(reference, batch, g, logprob_fn=run.logprob_fn)
     times = {"rollout": counts.pop("rollout"), "logprobs": time.perf_counter() - t0}
     # 6. Train: mu optimizer steps over the generation batch (none when nothing was scored).
     t0 = time.perf_counter()
@@ -576,6 +582,7 @@ def print_plan(argv: list[str]) -> int:
     WORLD_SIZE (as torchrun sets it) gives dp = world / tp."""
     cfgs = build_configs(values := parse_args([a for a in argv if a != "--plan"]))
     cli.check_config(cfgs)
+    lora.check_flags(cfgs)
     cfg = cfgs.train
     task = tasks.load_task(cfg.task, cfg.task_data)
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -583,8 +590,28 @@ def print_plan(argv: list[str]) -> int:
                                dp_size=max(1, world // cfgs.parallel.tp))
     budget = cfgs.rollout.max_new_tokens or task.max_new_tokens or 256  # as setup()
     cfgs.rollout = dataclasses.replace(cfgs.rollout, max_new_tokens=budget)
-    model, sampler = policy.shapes(cfg, task, groups)
+    model, sampler = policy.shapes(cfg, task, groups, cfgs)
     plan.print_run_plan(cfgs, model, sampler, groups.tp_size, groups.dp_size, values)
+    return 0
+
+
+def write_merged(values: dict[str, object]) -> int:
+    """--model BASE --adapter DIR --merged OUT: the base with the PEFT adapter folded into its
+    weights (lora.merge), written as a Hugging Face directory with the base's tokenizer and
+    generation config; nothing else runs. Float32: the merge rounds nothing."""
+    cfgs = build_configs(values)
+    cfg, c = cfgs.train, cfgs.lora
+    if not cfg.model or not c.adapter:
+        raise ValueError("--merged OUT writes --model BASE merged with --adapter DIR: pass both")
+    if os.path.isdir(c.merged) and os.listdir(c.merged):
+        raise ValueError(f"--merged {c.merged}: the directory is not empty; name a new one")
+    model = load_model(cfg.model, dtype=torch.float32)
+    lora.check_base(c.adapter, cfg.model, model)
+    lora.load_adapter(model, c.adapter)
+    tokenizer = tk.load_tokenizer(cfg.model, model.config.vocab_size)
+    save_model(lora.merge(model), c.merged, generation_config=load_generation_config(cfg.model),
+               tokenizer=tokenizer)
+    print(f"wrote {c.merged}: {cfg.model} with {c.adapter} merged (a Hugging Face directory)")
     return 0
 
 # -----------------------------------------------------------------------------
@@ -600,6 +627,13 @@ def save(run: Run, step: int) -> str:
     else:
         tensors = {name: p.detach() for name, p in run.model.named_parameters()}
     master = None
+    if run.cfgs.lora.use_peft:  # the adapter as PEFT writes it; the base stays --model's
+        return checkpoint.save_checkpoint(run.cfgs.train.out, step, run.model.config, tensors,
+                                          run.tokenizer, run.optimizer,
+                                          dataclasses.asdict(run.cfgs), tp_rank=g.tp_rank,
+                                          tp_size=g.tp_size, dp_rank=g.dp_rank,
+                                          adapter=partial(lora.save_adapter, cfg=run.cfgs.lora,
+                                                          base=run.cfgs.train.model))
     if run.cfgs.train.dtype == "bfloat16":  # model.safetensors in bf16; master/ in fp32
         master, tensors = tensors, {n: t.to(torch.bfloat16) for n, t in tensors.items()}
     return checkpoint.save_checkpoint(run.cfgs.train.out, step, run.model.config, tensors,
@@ -676,7 +710,10 @@ def main(argv: list[str]) -> int:
     try:
         if "--plan" in argv:
             return print_plan(argv)
-        run = setup(parse_args(argv))
+        values = parse_args(argv)
+        if values.get("merged"):
+            return write_merged(values)
+        run = setup(values)
         run.signals.rank = run.rank
         with run.signals:  # Ctrl-C, SIGTERM: finish the step, checkpoint, exit 0
             train(run)
