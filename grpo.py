@@ -15,12 +15,12 @@ Three memory tricks, each tested against its obvious slow twin in tests/test_grp
    Tokens forwarded: Bp*P + N*Tr instead of N*(P + Tr). The prompt stays in the graph, so the
    gradients of all G completions sum into it; a no-grad prompt (what #2669 first did) gives a
    truncated gradient.
-2. No padding (packing.py): prompts and completions run packed in one row of valid tokens only,
+2. No padding (engine/packing.py): prompts and completions run packed in one row of valid tokens only,
    so each weight is used once and nothing (tokens x C)-sized is spent on padding; attention alone
    tells the segments apart. Micro-batches are whole groups, by count or up to a number of valid
    tokens (balanced_bins), and the normalisers are the whole generation batch's, so the split
    changes no loss and no gradient.
-3. Chunked logprobs (logprobs.py): the (tokens x V) logits never exist at once, forward or
+3. Chunked logprobs (engine/logprobs.py): the (tokens x V) logits never exist at once, forward or
    backward; logp and the entropy come back differentiable. A chunk is sized in bytes of logits
    (chunk_rows): a token count fit for V = 16 is 200 MB at V = 49,152.
 
@@ -34,7 +34,7 @@ overlong filtering, the sampler-mismatch correction; and, beyond TRL, dynamic sa
 (keep_informative, with train.py's extra rounds).
 
 Leaves out: sampling (rollout.py), calling the reward functions (train.py), the optimizer step,
-value models, the packed forward itself (packing.py).
+value models, the packed forward itself (engine/packing.py).
 
 Shapes: Bp prompts, G samples per prompt, N = Bp*G rows, P prompt length, Tr completion length,
 n selected (valid) completion tokens, C width, V vocab (V/tp under tensor parallelism).
@@ -54,8 +54,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from logprobs import chunk_rows, chunked_logprobs
-from packing import naive_hidden, packed_hidden, padded_hidden
+from engine.logprobs import chunk_rows, chunked_logprobs
+from engine.packing import naive_hidden, packed_hidden, padded_hidden
 
 # -----------------------------------------------------------------------------
 # Config
@@ -341,7 +341,7 @@ def keep_informative(rounds: list[tuple[GRPOBatch, Tensor]], target: int, first:
     return cat_groups(parts)
 
 # -----------------------------------------------------------------------------
-# Completion logprobs: the packed forward (packing.py) or one of its twins
+# Completion logprobs: the packed forward (engine/packing.py) or one of its twins
 
 FORWARDS = ("packed", "padded", "naive")
 

@@ -40,7 +40,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-from hf import expected_shapes, load_config, read_json_object
+from engine.hf import expected_shapes, load_config, read_json_object
 from model import Llama
 
 # -----------------------------------------------------------------------------

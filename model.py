@@ -6,10 +6,10 @@ attention through F.scaled_dot_product_attention, SwiGLU MLP, optional tied embe
 transformers builds (Llama: attention_bias on q/k/v/o, mlp_bias on gate/up/down; Qwen2: q/k/v;
 Qwen3: attention_bias on q/k/v/o), and Qwen3's RMSNorm over each head's q and k before RoPE
 (q_norm, k_norm: one weight of D shared by the heads).
-Parameter names are Hugging Face's (`model.layers.0.self_attn.q_proj.weight`), so hf.py reads and
+Parameter names are Hugging Face's (`model.layers.0.self_attn.q_proj.weight`), so engine/hf.py reads and
 writes checkpoints as plain safetensors.
 
-Leaves out: file formats (hf.py), any parallelism (tp.py swaps modules), sampling (rollout.py) or
+Leaves out: file formats (engine/hf.py), any parallelism (tp.py swaps modules), sampling (rollout.py) or
 loss (grpo.py).
 
 The one hook the other files need: `attention(layer, q, k, v) -> y`, an optional callable every
@@ -18,7 +18,7 @@ writes a KV cache, grpo.py one that attends completions to a shared prompt. A fo
 (only each row's position last[b] is wanted: a prefill) asks the final layer for those queries
 alone and calls `attention(layer, q, k, v, last=last)` there, q (B, H, 1, D): keys after last[b]
 are that row's padding, which the hook masks (`causal_attention` does). The attention over a
-prompt shared by a group of rows, which rollout.py and grpo.py pass as hooks, is attention.py.
+prompt shared by a group of rows, which rollout.py and grpo.py pass as hooks, is engine/attention.py.
 
 `fused_projections(model)`: meanwhile q/k/v run as one matmul on their weights stacked, and
 gate/up as one (a compiled decode step's fewer kernels; the weights stay where they are).

@@ -8,17 +8,17 @@ per prompt decoded on top of that one shared prompt KV, finished rows dropped as
    D).
 2. Fan-out: each prompt's last-position logits are repeated G times and every row draws its own
    first token (nanochat once broadcast one first token to all G rows).
-3. Decode (decode.py), one loop (_decode) for plain and multi-turn rows: the attention hook
+3. Decode (engine/decode.py), one loop (_decode) for plain and multi-turn rows: the attention hook
    writes each row's key/value into its own completion KV and runs shared-prompt attention
-   (attention.py): the G rows of a group are folded into the query dimension against the one
+   (engine/attention.py): the G rows of a group are folded into the query dimension against the one
    prompt KV (Hydragen) and merged with the row's own keys by log-sum-exp. Prompt KV memory and
    reads / G. On the CPU the groups run in buckets of like prompt lengths (length_buckets), each
-   reading its own prompts' keys: a short prompt's padding is not read. Sampling (sampling.py)
+   reading its own prompts' keys: a short prompt's padding is not read. Sampling (engine/sampling.py)
    has no host sync; each returned logprob is under the distribution actually sampled from, after
    temperature, top-k, top-p (trl#4159, trl#6789: otherwise the GRPO ratio is not 1).
 4. The check, every `check_every` steps (the loop's only host sync; on the CPU, where it costs
    none, also as soon as a row samples a tool's call): a NaN logprob since the last check (NaN
-   or inf logits: sampling.py) stops the rollout with one line naming its step
+   or inf logits: engine/sampling.py) stops the rollout with one line naming its step
    (NonFiniteLogits); each row that sampled a stop id or a call is cut just after it
    (episodes.Rows.check), and finished rows are dropped: the linears run on
    the N active rows only; attention sees them in a Bp' x G' grid. While the step replays a CUDA
@@ -39,7 +39,7 @@ part's softmax as one more score: the same merge in fewer kernels
 for oneDNN (_prepacked_linears).
 CUDA: the decode step is a CUDA graph per layout of active rows (`cuda_graphs`); in bf16 / fp16 it
 is compiled first, and the draw beside it (`compile_decode`: torch.compile, once for every layout,
-its seconds in the stats' compile_seconds; graphs.py), on q/k/v's and gate/up's weights stacked for
+its seconds in the stats' compile_seconds; engine/compiling.py), on q/k/v's and gate/up's weights stacked for
 the rollout (model.fused_projections: one matmul each); the private KV cache is bf16.
 
 Shapes: Bp prompts, G samples per prompt, R = Bp*G rows, N active rows, S = Bp'*G' slots of the
@@ -60,12 +60,12 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
-from decode import Decoder, KVCache  # noqa: F401 (rollout.KVCache: train.py, plan.py, memory's)
-from episodes import Episodes, Rows
-from graphs import CompiledStep, decide, dynamic
+from engine.decode import Decoder, KVCache  # noqa: F401 (rollout.KVCache: train.py, run/plan.py, memory's)
+from engine.episodes import Episodes, Rows
+from engine.compiling import CompiledStep, decide, dynamic
 from lora import LoRALinear
 from model import ModelConfig, causal_attention, fused_projections
-from sampling import filter_logits, inverse_cdf, race_clocks, sample, sample_raced  # noqa: F401
+from engine.sampling import filter_logits, inverse_cdf, race_clocks, sample, sample_raced  # noqa: F401
 
 # -----------------------------------------------------------------------------
 # Config and result
@@ -98,7 +98,7 @@ class RolloutConfig:
             raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
         if self.compile_decode not in ("auto", "true", "false"):
             raise ValueError(f"compile_decode must be auto (CUDA, a model worth compiling: "
-                             f"graphs.worth_compiling), true or false, got {self.compile_decode!r}")
+                             f"compiling.worth_compiling), true or false, got {self.compile_decode!r}")
 
 
 @dataclass
@@ -111,7 +111,7 @@ class Rollout:
     temperature: float   # the distribution the trainer scores them under (trl#4159)
     stats: dict = field(default_factory=dict)
     policy: Tensor | None = None  # (R, Tc) bool; True on sampled tokens, False on a tool's
-                                  # observations (episodes.py); None: every token was sampled
+                                  # observations (engine/episodes.py); None: every token was sampled
 
     def completions(self) -> list[list[int]]:
         """Each row's tokens as a Python list (one host copy): for decoding text and for tests."""
@@ -240,7 +240,7 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], cfg: RolloutConfi
     alone). `logits_fn` maps every (rows, V') logits tensor before sampling (under tensor
     parallelism the all-gather of the vocab shards: every rank sees the same logits and, with the
     same seed, samples the same tokens). `episodes`: rows are multi-turn episodes with a tool
-    (episodes.py); its respond() gets the caller's row ids."""
+    (engine/episodes.py); its respond() gets the caller's row ids."""
     started = time.perf_counter()
     cfg = cfg or RolloutConfig()
     stop_ids = tuple(stop_ids)
@@ -320,7 +320,7 @@ def _callers_rows(respond: Callable, order: list[int], G: int, calls: list) -> l
 
 def draw_structure(logits: Tensor, temperature: float, top_k: int, top_p: float,
                    clocks: tuple[Tensor, ...]) -> str:
-    """What a compile of the draw specialises on (graphs.CompiledStep): the knobs, one row."""
+    """What a compile of the draw specialises on (compiling.CompiledStep): the knobs, one row."""
     rows = " of one row" if len(logits) == 1 else ""
     return f"the draw{rows} at temperature {temperature}, top-k {top_k}, top-p {top_p}"
 
@@ -447,7 +447,7 @@ def sampler_for(model: torch.nn.Module, dtype: torch.dtype,
     """The trainer itself when it is in the sampler's dtype, else a frozen copy in that dtype (a
     bf16 sampler of an fp32 master: --dtype bfloat16, or --sampler_dtype), synced before each
     rollout. values: the copy holds its weights rounded to that dtype (bf16's values in float32,
-    on a CPU without native bf16: policy.py), and every sync rounds them again."""
+    on a CPU without native bf16: train.py), and every sync rounds them again."""
     if dtype == next(model.parameters()).dtype and values is None:
         return model
     sampler = copy.deepcopy(model).to(dtype).requires_grad_(False)

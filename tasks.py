@@ -40,7 +40,7 @@ Built in:
   `lookup_pair`, `lookup_sum`: the model writes its own answer from the tool's, scored on what
   it wrote: tools.Completion), and `tasks:chat_calc`, a product with a calculator (a chat
   checkpoint).
-- with a function tool in TRL's shape (functions.py; a Task's `tools`, `environment_factory`):
+- with a function tool in TRL's shape (tools/functions.py; a Task's `tools`, `environment_factory`):
   `tasks:chat_multiply`, the product by a typed Python function the chat model calls natively
   (Hermes JSON), scored on its messages as a TRL reward reads its completion.
 
@@ -67,7 +67,7 @@ from typing import Callable
 import numpy
 import torch
 
-import functions
+from tools import functions
 from grpo import combine_rewards
 from tools import Completion, Tool, ToolError, run_async
 
@@ -84,8 +84,8 @@ class Task:
     max_new_tokens: int = 0    # the task's completion budget (0: train.py's setting decides)
     correct: Callable[[str, str], bool] | None = None  # a fully correct answer (the eval's share)
     examples: list[tuple] | None = None  # a finite dataset's (prompt, reference) pairs, else None
-    tool: Tool | None = None   # what a row may call mid-completion (tools.py, episodes.py)
-    # Function tools as TRL's GRPOTrainer takes them (functions.py): typed, documented functions
+    tool: Tool | None = None   # what a row may call mid-completion (tools.py, engine/episodes.py)
+    # Function tools as TRL's GRPOTrainer takes them (tools/functions.py): typed, documented functions
     # the chat template announces; a class whose instance (one per row) adds its methods as tools
     tools: list[Callable] = field(default_factory=list)
     environment_factory: Callable | None = None
@@ -757,7 +757,7 @@ def calc_correct(completion: Completion, reference: str) -> float:
 chat_calc = Task("chat_calc", sample_chat_calc, [(calc_correct, 1.0)], max_new_tokens=48,
                  correct=lambda c, r: calc_correct(c, r) == 1.0, tool=Tool(calculator, call=""))
 
-# A function tool as TRL passes it (functions.py): typed and documented, called natively. SmolLM2's
+# A function tool as TRL passes it (tools/functions.py): typed and documented, called natively. SmolLM2's
 # chat template renders no tools, so the system message announces the function (its JSON schema)
 # and the Hermes call format, and one example exchange shows a call, its tool message as SmolLM2's
 # template writes one, and the answer after it. (A system message in Qwen2.5's `# Tools` wording

@@ -1,6 +1,6 @@
 """
 Tensor parallelism (Megatron-LM style, by hand) for model.py's Llama, the tp x dp process groups,
-and the gradient-norm clip over both (dp.py holds data parallelism's collectives); the tp ranks
+the gradient-norm clip over both, and data parallelism's few collectives (at the end); the tp ranks
 hold the same rows, so a task's tool is called on the first alone and its answers broadcast
 (on_first_rank).
 
@@ -28,7 +28,8 @@ backward (memory.checkpoint_blocks) is called with the same `sp` and takes the s
 Leaves out: pipeline parallelism, ZeRO/FSDP, overlap of communication with compute, uneven splits.
 Shapes: B sequences, T tokens, N = B*T tokens, n tokens of a logits chunk, C width, H/Hkv heads,
 D head dim, I SwiGLU width, V vocab; `/tp` means this rank's shard.
-Tested by tests/test_tp.py (gloo, 2 and 4 CPU processes); tests/bench_tp.py counts saved bytes.
+Tested by tests/test_tp.py (gloo, 2 and 4 CPU processes; dp's gradient sum) and tests/test_train.py (dp's
+collectives, 2 gloo processes); tests/bench_tp.py counts saved bytes.
 """
 
 import contextlib
@@ -47,7 +48,7 @@ from safetensors import safe_open
 from torch import Tensor
 from torch.autograd import Function
 
-from hf import (EMBEDDING, allocate, check_checkpoint, expected_shapes, load_config, load_model,
+from engine.hf import (EMBEDDING, allocate, check_checkpoint, expected_shapes, load_config, load_model,
                 tied_copy_differs, tied_copy_message)
 from lora import LoRALinear
 from model import (MLP, Attention, Block, Llama, RMSNorm, at_last, causal_attention, rms_norm,
@@ -726,3 +727,82 @@ def clip_grad_norm(model: nn.Module, max_norm: float, groups: ParallelGroups) ->
     if coef < 1.0:  # a scale of 1 changes no bit
         torch._foreach_mul_(grads, coef)
     return total
+
+
+# Data parallelism. What the dp ranks share each step: each rank of a dp group samples and trains on
+# its own slice of the generation batch, and these few collectives put together what the whole batch
+# needs: every rank's rewards (the group statistics), sums of metrics and token counts (the loss
+# normalisers), the evaluation's completions in their order, and stop decisions taken by all ranks at
+# once (a rank that stopped alone would leave the others waiting in a collective), and the gradient
+# sum.
+# Every function is a no-op at dp size 1 (no process group). Leaves out: overlapping communication
+# with compute, sharded optimizer state (ZeRO).
+
+
+def dp_all_reduce(values: list[float], groups, device: torch.device, op=None) -> list[float]:
+    """The elementwise sum (or `op`) of a list of floats over the dp ranks (through `device`: NCCL
+    reduces device tensors)."""
+    if groups.dp_group is None:
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=groups.dp_group)  # over dp ranks
+    return t.tolist()
+
+
+def dp_reduce_metrics(m: dict, tokens: float, groups, device: torch.device) -> dict:
+    """One optimizer iteration's metrics (grpo.accumulate's) over the dp ranks: the loss summed
+    (each rank's is normalised by global counts), the min of *_min and the max of *_max, the rest
+    means weighted by each rank's `tokens`; grad_norm, updated and finite are already global."""
+    extremes = {k: -1 if k.endswith("_min") else 1 for k in sorted(m) if k[-4:] in ("_min", "_max")}
+    keys = sorted(k for k in m if k not in ("loss", "tokens", "grad_norm", "updated", "finite",
+                                            *extremes))
+    sums = dp_all_reduce([m["loss"], tokens] + [m[k] * tokens for k in keys], groups, device)
+    peaks = dp_all_reduce([s * m[k] for k, s in extremes.items()], groups, device, dist.ReduceOp.MAX)
+    return dict(loss=sums[0], grad_norm=m["grad_norm"], updated=m["updated"], finite=m["finite"],
+                **{k: s / max(sums[1], 1.0) for k, s in zip(keys, sums[2:])},
+                **{k: s * p for (k, s), p in zip(extremes.items(), peaks)})
+
+
+def dp_gather(t: torch.Tensor, groups) -> torch.Tensor:
+    """Every dp rank's tensor, concatenated in dp-rank order (the same on every rank)."""
+    if groups.dp_group is None:
+        return t
+    parts = [torch.empty_like(t) for _ in range(groups.dp_size)]
+    dist.all_gather(parts, t.contiguous(), group=groups.dp_group)  # DP: every rank's rows
+    return torch.cat(parts)
+
+
+def dp_interleave(items: list, groups) -> list:
+    """Every dp rank's share of a list split as items[dp_rank::dp_size], back in its order."""
+    if groups.dp_group is None:
+        return items
+    shares = [None] * groups.dp_size
+    dist.all_gather_object(shares, items, group=groups.dp_group)  # DP: every rank's share
+    return [share[i] for i in range(len(shares[0])) for share in shares if i < len(share)]
+
+
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """Whether any rank (dp and tp) raised the flag: a stop or continue decided together."""
+    t = torch.tensor([float(flag)], device=device)
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # over every rank of the world
+    return bool(t.item())
+
+
+def dp_sum_grads(model: torch.nn.Module, groups) -> None:
+    """Sums the trainable parameters' .grad over the dp group through one flat buffer: copy in, one
+    all-reduce, copy out. SUM, not mean: train.py divides each loss by global counts (over the
+    whole batch on all dp ranks), so the sum is the one-big-batch gradient. The buffer is one more
+    copy of the grads while it lives (Megatron makes the grads views into it instead), so it lives
+    only in this call: kept, it would sit through the rollout phase, where memory.py has released
+    the grads. Trainable params must share one dtype."""
+    if groups.dp_group is None:
+        return
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:  # a missing grad sends zeros: every rank has the same layout
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    flat = torch.cat([p.grad.flatten() for p in params])  # (all trainable numel,)
+    dist.all_reduce(flat, group=groups.dp_group)  # DP: sum over dp ranks of each replica's grad
+    for p, part in zip(params, flat.split([p.numel() for p in params])):
+        p.grad.copy_(part.view_as(p))

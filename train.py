@@ -2,9 +2,9 @@
 GRPO training, end to end: `python train.py` on a CPU, `torchrun --nproc_per_node=N train.py` on
 GPUs.
 
-setup() builds everything once: process groups, the task, the policy (policy.py: the trainer and
-its tokenizer, a sampler copy in another dtype and a frozen reference when asked), the optimizer and
-the memory phases. step() is one GRPO step, docs/design.md's data flow in numbered pieces:
+setup() builds everything once: process groups, the task, the policy's models (build(): the trainer
+and its tokenizer, a sampler copy in another dtype and a frozen reference when asked; LoRA's
+adapters on a frozen base), the optimizer and the memory phases. step() is one GRPO step, docs/design.md's data flow in numbered pieces:
 
     1. draw the step's prompts (a function of seed and step: a resumed run draws the same ones)
     2. rollout phase: sync the sampler's weights from the trainer, sample G completions per prompt
@@ -15,26 +15,27 @@ the memory phases. step() is one GRPO step, docs/design.md's data flow in number
     6. train phase: mu optimizer steps over the generation batch, micro-batch by micro-batch
     7. the step's metrics, token-weighted over ranks and aggregated over the mu iterations
 
-train() runs the steps: one printed line and a metrics.jsonl record each (report.py), the
+train() runs the steps: one printed line and a metrics.jsonl record each (run/report.py), the
 evaluation's completions (samples.jsonl), checkpoints (and the curves so far as metrics.svg,
-plot.py), and clean stops (Ctrl-C or SIGTERM: finish the step, checkpoint, exit 0; a fault or a
+run/plot.py), and clean stops (Ctrl-C or SIGTERM: finish the step, checkpoint, exit 0; a fault or a
 run going nowhere: one line and a checkpoint).
 
 Parallelism: world = tp x dp. The tp ranks of a dp group hold one sharded model (tp.py) and see the
 same prompts and tokens (the first calls the task's tool: tp.on_first_rank); each dp group takes its
-own slice of the prompts; gradients are summed over dp (dp.py gathers rewards and sums counts and
+own slice of the prompts; gradients are summed over dp (tp.py gathers rewards and sums counts and
 metrics). Loss normalisers count the whole generation batch on all ranks, so the update does not
 depend on how the batch is split.
 
 Each knob lives in the dataclass of the file that uses it; `--field value` is routed to its owner
-(cli.py). --dtype bfloat16: fp32 master weights and AdamW state, bf16 autocast, a bf16 sampler
-(policy.py); on a CPU without native bf16, bf16's values multiplied in float32, said at start.
+(run/cli.py). --dtype bfloat16: fp32 master weights and AdamW state, bf16 autocast, a bf16 sampler
+(engine/precision.py); on a CPU without native bf16, bf16's values multiplied in float32, said at start.
 Leaves out: pipeline parallelism, multi-node launch details, wandb.
 Shapes: Bp prompts, G samples per prompt, N = Bp*G completions, Tr completion length.
 Tested by tests/test_train.py.
 """
 
 import contextlib
+import copy
 import dataclasses
 import math
 import os
@@ -48,26 +49,20 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-import checkpoint
-import cli
-import compiling
-import dp
-import functions
 import grpo
 import lora
 import memory
-import plan
-import plot
-import policy
-import report
 import rollout
+import tasks
 import tools
 import tp
-import tasks
-import tokenizer as tk
-from hf import load_config, load_generation_config, load_model, save_model, stop_token_ids
-from model import Llama
+from engine import compiling, packing, precision
+from engine import tokenizer as tk
+from engine.hf import load_config, load_generation_config, load_model, save_model, stop_token_ids
+from model import Llama, ModelConfig
+from run import checkpoint, cli, plan, plot, report
 from tasks import Task
+from tools import functions
 
 # -----------------------------------------------------------------------------
 # Config and command line
@@ -141,12 +136,163 @@ class Configs:
 
 
 def parse_args(argv: list[str]) -> dict[str, object]:
-    """`--field value` for every field of every section: {field: value} (cli.py)."""
+    """`--field value` for every field of every section: {field: value} (run/cli.py)."""
     return cli.parse_args(argv, SECTIONS)
 
 
 def build_configs(values: dict[str, object]) -> Configs:
     return Configs(**cli.build_configs(values, SECTIONS))
+
+
+# -----------------------------------------------------------------------------
+# The policy's models: the trainer (the weights the optimizer steps), the sampler (the trainer
+# itself, or a copy in --sampler_dtype that rollout.sync_weights refreshes before each rollout)
+# and the frozen reference (the initial policy, when beta > 0); with --use_peft (lora.py) the base
+# frozen and adapted, the sampler the trainer itself, no reference copy.
+
+
+def build_model(cfg, task: Task, source: str, device: torch.device, groups: tp.ParallelGroups,
+                frozen: bool = False) -> tuple[Llama, tk.PromptTokenizer]:
+    """From a HF directory (--model, or a checkpoint being resumed: its fp32 master/ when it has
+    one), or fresh: a char tokenizer for the task's alphabet and a tiny Llama initialised from the
+    seed (the same on every rank). In the trainer's dtype: float32 under bf16 mixed precision; a
+    frozen base (LoRA's) in the compute dtype, bf16 stays bf16."""
+    dtype = getattr(torch, cfg.dtype) if frozen else precision.master_dtype(cfg)
+    if source:
+        weights = checkpoint.master_dir(source) or source
+        if groups.tp_size > 1:
+            model = tp.load_sharded(weights, groups, device, dtype)  # each rank reads its slice
+        else:
+            model = load_model(weights, device=device, dtype=dtype)
+        return model, tk.load_tokenizer(source, model.config.vocab_size)
+    if not task.alphabet:
+        raise ValueError(f"task {task.name} has no alphabet for a fresh tokenizer: pass --model "
+                         "DIR")
+    tokenizer = tk.PromptTokenizer(tk.build_char_tokenizer(task.alphabet))
+    mcfg = ModelConfig(vocab_size=tokenizer.num_ids, hidden_size=cfg.dim,
+                       intermediate_size=cfg.dim * 11 // 4, num_hidden_layers=cfg.layers,
+                       num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
+                       max_position_embeddings=1024,
+                       bos_token_id=tokenizer.tok.token_to_id("<bos>"),
+                       eos_token_id=tokenizer.tok.token_to_id("<eos>"))
+    model = Llama(mcfg).init_weights(cfg.seed).to(device=device, dtype=dtype)  # same on every rank
+    if groups.tp_size > 1:
+        tp.shard_model(model, groups)
+    return model, tokenizer
+
+
+def compile_model(cfg, model: Llama, device: torch.device, groups: tp.ParallelGroups) -> list[str]:
+    """--compile_blocks: the blocks' training forward compiled once per model (engine/compiling.py);
+    torch's caches in --compile_cache (for the decode step's compile too: --compile_decode,
+    rollout.py); and on CUDA the training attention's route (packing.cuda_route). Returns the lines
+    the first step prints: what was compiled, or why not, and any fallback."""
+    cache = compiling.use_cache(cfg.compile_cache)
+    notes = []
+    if device.type == "cuda":
+        dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else precision.master_dtype(cfg)
+        notes.append(packing.cuda_route(dtype, model.config.head_dim,
+                                        compiling.worth_compiling(model))[1])
+    if cfg.compile_blocks == "false" or (cfg.compile_blocks == "auto" and device.type != "cuda"):
+        return notes
+    if not compiling.decide(cfg.compile_blocks, model):  # auto on CUDA, a model too small to pay
+        blocks = sum(p.numel() for p in model.model.layers.parameters())
+        return notes + [f"--compile_blocks auto: the blocks run eager ({blocks / 1e6:.1f} M "
+                        f"parameters: a compile pays from {compiling.MIN_COMPILE_PARAMS / 1e6:.0f} "
+                        "M)"]
+    why = compiling.unsupported()
+    if not why and groups.tp_size > 1:
+        why = "a tensor-parallel block has collectives inside it"
+    if why:
+        return notes + [f"--compile_blocks: the blocks run eager: {why}"]
+    compiling.compile_blocks(model.model.layers)
+    return notes + [f"compile: each block's training forward, one graph for every layer and "
+                    f"length, paid at the first step (caches in {cache})"]
+
+
+def build(cfgs, task: Task, source: str, resume_dir: str, device: torch.device,
+          groups: tp.ParallelGroups) -> tuple[Llama, tk.PromptTokenizer, Llama, Llama | None,
+                                              list[str]]:
+    """The trainer (from `source`, or fresh), its tokenizer, the sampler, the reference (None
+    when beta = 0), and compile_model's lines; the trainer's blocks compiled and checkpointed as
+    the flags say (after the copies are made: they stay plain)."""
+    cfg = cfgs.train
+    if cfgs.lora.use_peft:  # the base from --model (a resumed run's adapter is in its checkpoint)
+        model, tokenizer = build_model(cfg, task, cfg.model, device, groups, frozen=True)
+        notes = [adapt(cfgs, model, resume_dir)]
+        sampler = model  # the adapted model samples itself: no copy of the base
+        notes += compile_model(cfg, model, device, groups)
+        memory.checkpoint_blocks(model.model.layers, cfgs.memory.activation_checkpoint)
+        return model, tokenizer, sampler, None, notes
+    model, tokenizer = build_model(cfg, task, source, device, groups)
+    reference = None
+    if cfgs.grpo.beta > 0:  # on resume, rebuilt from --model (or the seed): the initial policy
+        reference = (build_model(cfg, task, cfg.model, device, groups)[0] if resume_dir
+                     else copy.deepcopy(model)).requires_grad_(False)
+    sampler = sampler_copy(cfg, model)
+    notes = compile_model(cfg, model, device, groups)
+    memory.checkpoint_blocks(model.model.layers, cfgs.memory.activation_checkpoint)
+    memory.grads_into_weight(model.model.embed_tokens)
+    return model, tokenizer, sampler, reference, notes
+
+
+def adapt(cfgs, model: Llama, resume_dir: str) -> str:
+    """LoRA (lora.py): the base frozen, adapters from a resumed checkpoint, --adapter's PEFT
+    directory, or fresh from the seed; under tensor parallelism each rank's slice (tp.adapt).
+    Returns the line the first step prints."""
+    c = cfgs.lora
+    if resume_dir or c.adapter:
+        path = resume_dir or c.adapter
+        if not resume_dir:
+            lora.check_base(path, cfgs.train.model, model)
+        got, targets = lora.load_adapter(model, path, dropout=c.lora_dropout)
+        cfgs.lora = dataclasses.replace(c, lora_r=got.lora_r, lora_alpha=got.lora_alpha,
+                                        use_rslora=got.use_rslora,
+                                        lora_target_modules=",".join(targets))
+    else:
+        targets = lora.add_adapters(model, c, cfgs.train.seed)
+        cfgs.lora = dataclasses.replace(c, lora_target_modules=",".join(targets))
+    tp.adapt(model)
+    # The adapters' dropout draws from torch's global generator: its masks a function of the seed,
+    # as the rest of the run (not of what happened to draw before; a resume restores its state)
+    torch.manual_seed(cfgs.train.seed)
+    c = cfgs.lora
+    state = getattr(model, "tp_state", None)  # a shard counts tp times, a replicated one once
+    sharded, tp_size = ({}, 1) if state is None else (state.sharded, state.groups.tp_size)
+    count = sum(p.numel() * (tp_size if name in sharded else 1)
+                for name, p in model.named_parameters() if p.requires_grad)
+    kinds = sorted({t.rsplit(".", 1)[-1] for t in targets})
+    return (f"LoRA: r {c.lora_r}, alpha {c.lora_alpha}, scale {c.scaling:g}, on "
+            f"{len(targets)} linears ({','.join(kinds)}): {count / 1e6:.2f} M trainable "
+            f"parameters, the base frozen" + (f", from {c.adapter}" if c.adapter and not resume_dir
+                                              else ""))
+
+
+def shapes(cfg, task: Task, groups: tp.ParallelGroups, cfgs=None) -> tuple[Llama, Llama]:
+    """The trainer and the sampler on the meta device, for --plan: from config.json (--model) or
+    the fresh model's flags; no weight is read. With LoRA (cfgs.lora) the base in the compute
+    dtype, the adapters fresh, the sampler the trainer itself."""
+    frozen = cfgs is not None and cfgs.lora.use_peft
+    with torch.device("meta"):  # shapes only
+        if cfg.model:
+            dtype = getattr(torch, cfg.dtype) if frozen else precision.master_dtype(cfg)
+            model = tp.shard_model(Llama(load_config(cfg.model)).to(dtype), groups)
+        else:
+            model = build_model(cfg, task, "", torch.device("meta"), groups, frozen)[0]
+    if frozen:
+        lora.add_adapters(model, cfgs.lora)
+        tp.adapt(model)
+        return model, model
+    return model, sampler_copy(cfg, model)
+
+
+def sampler_copy(cfg, model: Llama) -> Llama:
+    """The trainer itself when it is in the sampler's dtype (--sampler_dtype, or --dtype: bf16's is
+    a copy of the fp32 master), else a frozen copy in it (rollout.sampler_for). bf16 where it has
+    no kernels (bf16_kernels): a float32 copy holding the weights rounded to bf16."""
+    dtype = getattr(torch, cfg.sampler_dtype or cfg.dtype)
+    if dtype == torch.bfloat16 and not precision.bf16_kernels(cfg, next(model.parameters()).device):
+        return rollout.sampler_for(model, torch.float32, values=torch.bfloat16)
+    return rollout.sampler_for(model, dtype)
 
 
 # -----------------------------------------------------------------------------
@@ -167,7 +313,7 @@ def together(run, fn, *args):
         result = fn(*args)
     except (StopTraining, tasks.RewardError, tools.ToolFailure, rollout.NonFiniteLogits) as e:
         error = e
-    if dp.any_rank(error is not None, run.device):
+    if tp.any_rank(error is not None, run.device):
         if str(error or "") and run.rank != 0:  # rank 0 prints its own at exit; another's, here
             print(f"error: {error}", file=sys.stderr, flush=True)
         raise StopTraining(str(error or "") if run.rank == 0 else "")
@@ -251,17 +397,17 @@ def setup(values: dict[str, object]) -> Run:
     cfgs.rollout = dataclasses.replace(cfgs.rollout, max_new_tokens=budget)
     config = load_config(source) if source else None
     cli.check_budget(budget, config.max_position_embeddings if config else 1024)
-    note = policy.cpu_precision(cfg, device, config)  # bf16 without a CPU's bf16 kernels
+    note = precision.cpu_precision(cfg, device, config)  # bf16 without a CPU's bf16 kernels
     if note and rank == 0:  # at once: a run's first step can take minutes on a CPU
         print(note, flush=True)
     # The trainer, the sampler and the reference (the initial policy: built before any checkpoint
     # is loaded), compiled and checkpointed as the flags say.
-    model, tokenizer, sampler, reference, built = policy.build(cfgs, task, source, resume_dir,
+    model, tokenizer, sampler, reference, built = build(cfgs, task, source, resume_dir,
                                                                device, groups)
     notes += built
     generation_config = load_generation_config(source) if source else None
     optimizer = torch.optim.AdamW(lora.trainable(model), lr=cfg.lr, betas=(0.9, 0.99),
-                                  weight_decay=cfg.weight_decay, fused=True)  # plan.py's NOTE
+                                  weight_decay=cfg.weight_decay, fused=True)  # run/plan.py's NOTE
     start = 0
     if resume_dir:
         start = checkpoint.load_checkpoint(resume_dir, optimizer, groups.tp_rank, groups.tp_size)
@@ -330,7 +476,7 @@ def draw_prompts(run: Run, step: int, round: int = 0) -> tuple[list[list[int]], 
 
 
 def encode_prompts(run: Run, prompts: list) -> tuple[list[list[int]], int]:
-    """Token ids as transformers/TRL would encode them (tokenizer.py), left-truncated, and checked
+    """Token ids as transformers/TRL would encode them (engine/tokenizer.py), left-truncated, and checked
     against the model's context."""
     hint = ""
     try:
@@ -417,7 +563,7 @@ def sample_round(run: Run, step: int, round: int) -> tuple[grpo.GRPOBatch, torch
     counts["shown"] = [dict(prompt=p, completion=t, reference=r, reward=x, stopped=s)
                        for (p, r), t, x, s in zip(examples, texts, rewards.tolist(), stopped)
                        ][:cfgs.train.show_rollouts]  # this rank's first rows, for the log
-    all_rewards = dp.gather(rewards.to(run.device), run.groups)  # (dp * N,)
+    all_rewards = tp.dp_gather(rewards.to(run.device), run.groups)  # (dp * N,)
     # 4. Group advantages over the whole generation batch; this rank keeps its rows.
     g = cfgs.grpo
     advantages = grpo.group_advantages(all_rewards, G, g.scale, g.std_eps, g.std_correction)
@@ -448,11 +594,11 @@ def step(run: Run, step: int) -> tuple[dict, list[dict]]:
     # 5. Old and reference logprobs, without grad.
     t0 = time.perf_counter()
     if g.mu > 1:  # at mu = 1 the ratio is to the current policy: logp.detach() in the loss
-        with policy.autocast(run.cfgs.train, run.device):
+        with precision.autocast(run.cfgs.train, run.device):
             batch.old_logp = grpo.batch_logprobs(run.model, batch, g, logprob_fn=run.logprob_fn)
     if g.beta > 0:  # with LoRA the reference is the trainer with its adapters off (lora.py)
         reference = run.model if run.reference is None else run.reference
-        with run.phase("reference"), policy.autocast(run.cfgs.train, run.device), \
+        with run.phase("reference"), precision.autocast(run.cfgs.train, run.device), \
                 lora.adapters_off(reference):
             batch.ref_logp = grpo.batch_logprobs(reference, batch, g, logprob_fn=run.logprob_fn)
     times = {"rollout": counts.pop("rollout"), "logprobs": time.perf_counter() - t0}
@@ -471,7 +617,7 @@ def train_phase(run: Run, batch: grpo.GRPOBatch) -> list[dict]:
     the dp ranks (token-weighted sums with their token count), and whether its update ran."""
     cfgs = run.cfgs
     counts = [batch.mask.shape[0], float(batch.loss_mask(cfgs.grpo).sum())]  # rows, loss tokens
-    num_seqs, num_tokens = dp.all_reduce(counts, run.groups, run.device)
+    num_seqs, num_tokens = tp.dp_all_reduce(counts, run.groups, run.device)
     iterations = []
     trim = partial(memory.return_freed_memory, run.device) if run.device.type == "cpu" else None
     with run.phase("train"):
@@ -482,11 +628,11 @@ def train_phase(run: Run, batch: grpo.GRPOBatch) -> list[dict]:
             run.optimizer.zero_grad(set_to_none=True)
             sp = (tp.sequence_parallel(run.model, cfgs.parallel.sequence_parallel)
                   if run.groups.tp_size > 1 else contextlib.nullcontext())
-            with sp, run.mem.activations(run.model), policy.autocast(cfgs.train, run.device):
+            with sp, run.mem.activations(run.model), precision.autocast(cfgs.train, run.device):
                 m = grpo.accumulate(run.model, batch, cfgs.grpo, logprob_fn=run.logprob_fn,
                                     num_seqs=int(num_seqs), num_tokens=max(1, int(num_tokens)),
                                     before_backward=trim)  # the CPU's heap: memory.py
-            dp.sum_grads(run.model, run.groups)
+            tp.dp_sum_grads(run.model, run.groups)
             m["grad_norm"] = tp.clip_grad_norm(run.model, cfgs.train.grad_clip or math.inf,
                                                run.groups)
             # A non-finite loss or gradient anywhere: skip this update on every rank. A gradient
@@ -495,7 +641,7 @@ def train_phase(run: Run, batch: grpo.GRPOBatch) -> list[dict]:
             # The schedule advances on every step, as torch's schedulers do: the lr is a
             # function of the step, and a resumed run rebuilds it from the step.
             finite = math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])
-            (all_finite,) = dp.all_reduce([float(finite)], run.groups, run.device,
+            (all_finite,) = tp.dp_all_reduce([float(finite)], run.groups, run.device,
                                           dist.ReduceOp.MIN)
             m["finite"] = bool(all_finite)
             m["updated"] = m["finite"] and m["grad_norm"] > 0
@@ -503,7 +649,7 @@ def train_phase(run: Run, batch: grpo.GRPOBatch) -> list[dict]:
                 run.optimizer.step()
             run.opt_step += 1
             run.optimizer.zero_grad(set_to_none=True)
-            iterations.append(dp.reduce_metrics(m, m["tokens"], run.groups, run.device))
+            iterations.append(tp.dp_reduce_metrics(m, m["tokens"], run.groups, run.device))
     return iterations
 
 
@@ -513,7 +659,7 @@ def step_record(run: Run, step: int, rewards: torch.Tensor, counts: dict,
     `correct`: the share of the sampled completions the task's predicate calls fully correct."""
     keys = ("lengths", "new_tokens", "truncated", "kept_groups", "correct", "tool_calls",
             "tool_errors")
-    summed = dp.all_reduce([counts[k] for k in keys], run.groups, run.device)  # over dp
+    summed = tp.dp_all_reduce([counts[k] for k in keys], run.groups, run.device)  # over dp
     counts.update(zip(keys, summed))
     zero_std = (~grpo.informative_groups(rewards, run.cfgs.rollout.num_samples)).double().mean()
     correct = counts["correct"] / len(rewards) if run.task.correct is not None else None
@@ -558,7 +704,7 @@ def evaluate(run: Run, step: int) -> tuple[dict, list[dict]]:
     correct = together(run, tasks.correct_flags, run.task, texts, references)
     scored = scores[~scores.isnan()]
     passed = sum(any(correct[i:i + k]) for i in range(0, len(correct), k)) if correct else 0
-    total, count, right, solved, prompts = dp.all_reduce(
+    total, count, right, solved, prompts = tp.dp_all_reduce(
         [scored.sum().item(), len(scored), sum(correct or []), passed, len(items)], run.groups,
         run.device)
     rewards = [None if math.isnan(x) else x for x in scores.tolist()]  # None: unscored
@@ -567,7 +713,7 @@ def evaluate(run: Run, step: int) -> tuple[dict, list[dict]]:
                for i, (t, r, x, s, c) in enumerate(zip(texts, references, rewards, stopped,
                                                        correct or [None] * len(texts)))]
     by_prompt = [samples[i:i + k] for i in range(0, len(samples), k)]
-    samples = [s for group in dp.interleave(by_prompt, run.groups) for s in group]  # every rank's
+    samples = [s for group in tp.dp_interleave(by_prompt, run.groups) for s in group]  # every rank's
     record = dict(eval_reward=total / count if count else None,
                   eval_correct=right / (prompts * k) if run.task.correct is not None else None)
     if k > 1:
@@ -590,7 +736,7 @@ def print_plan(argv: list[str]) -> int:
                                dp_size=max(1, world // cfgs.parallel.tp))
     budget = cfgs.rollout.max_new_tokens or task.max_new_tokens or 256  # as setup()
     cfgs.rollout = dataclasses.replace(cfgs.rollout, max_new_tokens=budget)
-    model, sampler = policy.shapes(cfg, task, groups, cfgs)
+    model, sampler = shapes(cfg, task, groups, cfgs)
     plan.print_run_plan(cfgs, model, sampler, groups.tp_size, groups.dp_size, values)
     return 0
 
@@ -685,7 +831,7 @@ def train(run: Run) -> None:
         if failed:
             raise StopTraining(f"{failed}; step {i + 1} is saved at {save(run, i + 1)}")
         check_health(run, record)
-        stop = dp.any_rank(bool(run.signals.seen), run.device)  # every rank stops after this step
+        stop = tp.any_rank(bool(run.signals.seen), run.device)  # every rank stops after this step
         last = i + 1 == cfg.steps
         if last or stop or (cfg.save_every and (i + 1) % cfg.save_every == 0):
             path = save(run, i + 1)

@@ -22,7 +22,7 @@ only: --plan reads no weight) and tabulates `train.py --plan --dtype bfloat16` a
 
 --matmuls times, in bf16 and in float32, the three products of SmolLM2-135M's MLP linear (576 ->
 1536) over 512 tokens (the forward, and the backward's input and weight gradients), and
-policy.bf16_cost (the line a run prints where it finds no native bf16): a CPU without AVX512_BF16
+precision.bf16_cost (the line a run prints where it finds no native bf16): a CPU without AVX512_BF16
 or AMX takes torch's fallback kernels, emulated on one that has them by holding oneDNN and ATen to
 AVX2 (the second command).
 """
@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from hf import config_to_hf  # noqa: E402
+from engine.hf import config_to_hf  # noqa: E402
 from memtrace import allocator_peak  # noqa: E402
 from model import Llama, ModelConfig  # noqa: E402
 
@@ -89,7 +89,7 @@ def plans() -> None:
 
 def matmuls(rounds: int) -> None:
     """bf16 against float32 on this CPU, one thread (train.py's default --threads 1)."""
-    import policy
+    from engine import precision
     torch.set_num_threads(1)
     N, C, I = 512, 576, 1536
     rows = {}
@@ -108,12 +108,12 @@ def matmuls(rounds: int) -> None:
                 fn()
                 best = min(best, time.perf_counter() - t0)
             rows.setdefault(name, {})[dtype] = best
-    bf16, fp32 = policy.bf16_cost(C, I)
-    rows["policy.bf16_cost: autocast linear fwd+bwd, 64 tokens"] = {torch.bfloat16: bf16,
+    bf16, fp32 = precision.bf16_cost(C, I)
+    rows["precision.bf16_cost: autocast linear fwd+bwd, 64 tokens"] = {torch.bfloat16: bf16,
                                                                     torch.float32: fp32}
     print(f"ATen {torch.backends.cpu.get_cpu_capability()}, oneDNN bf16 "
-          f"{torch.ops.mkldnn._is_mkldnn_bf16_supported()}, policy.native_bf16() "
-          f"{policy.native_bf16()}; 1 thread, best of {rounds}\n")
+          f"{torch.ops.mkldnn._is_mkldnn_bf16_supported()}, precision.native_bf16() "
+          f"{precision.native_bf16()}; 1 thread, best of {rounds}\n")
     print("| product | float32 ms | bf16 ms | bf16 / float32 |\n|---|---|---|---|")
     for name, t in rows.items():
         a, b = t[torch.float32] * 1e3, t[torch.bfloat16] * 1e3

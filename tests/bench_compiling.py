@@ -29,9 +29,9 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import compiling  # noqa: E402
+from engine import compiling  # noqa: E402
 import grpo  # noqa: E402
-import plan  # noqa: E402
+from run import plan  # noqa: E402
 
 
 def build(shape: str, device: torch.device):

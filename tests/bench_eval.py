@@ -2,7 +2,7 @@
 
 The held-out prompts are train.py's evaluation split (tasks.eval_split with the run's --seed and
 --eval_prompts), so the figure is the one a run's `eval_correct` reports, measured again outside the
-run: by rollout.generate (greedy, the checkpoint's stop ids, prompts through tokenizer.py) and by
+run: by rollout.generate (greedy, the checkpoint's stop ids, prompts through engine/tokenizer.py) and by
 transformers' AutoModelForCausalLM.generate (do_sample=False, one prompt at a time: no padding),
 its prompts from AutoTokenizer.apply_chat_template. Both score with the task's own `correct`; the
 table counts the rows where the two sides wrote the same text. Weights in the dtype they are stored
@@ -23,9 +23,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import hf  # noqa: E402
+from engine import hf  # noqa: E402
 import tasks  # noqa: E402
-import tokenizer as tk  # noqa: E402
+from engine import tokenizer as tk  # noqa: E402
 from rollout import RolloutConfig, generate  # noqa: E402
 
 

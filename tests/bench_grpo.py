@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import grpo  # noqa: E402
-import logprobs  # noqa: E402
+from engine import logprobs  # noqa: E402
 import model as M  # noqa: E402
 
 STEP_VARIANTS = {  # name: (shared_prompt, chunked); "seed" is TRL before PR #2669, written out below

@@ -18,7 +18,7 @@ one row per task x seed:
     target         the bar: reverse reaches 0.9 in under 600 s; any other task ends at
                    >= 0.5 and >= 2x its start (last >= max(0.5, 2 * first))
 
-and <out>/<task>.svg with the task's seeds (plot.py). Tables are Markdown, to paste as they are.
+and <out>/<task>.svg with the task's seeds (run/plot.py). Tables are Markdown, to paste as they are.
 
 Variants side by side: each `--variant NAME="FLAGS"` runs every task x seed again with FLAGS added
 (in <out>/NAME/...), and one more table compares them per task: last 10% reward per seed and its
@@ -52,7 +52,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import plot  # noqa: E402
+from run import plot  # noqa: E402
 
 # -----------------------------------------------------------------------------
 # Running
@@ -205,7 +205,7 @@ def supervised(name: str, steps: int, seed: int = 0) -> tuple[float, float]:
     t0 = time.perf_counter()
     task = tasks.load_task(task_spec(name), "")
     cfg = train.TrainConfig(seed=seed)
-    model, tokenizer = train.policy.build_model(cfg, task, "", torch.device("cpu"),
+    model, tokenizer = train.build_model(cfg, task, "", torch.device("cpu"),
                                                 tp.make_groups(1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.99))
     bos = model.config.bos_token_id

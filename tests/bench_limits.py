@@ -51,11 +51,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import compiling  # noqa: E402
+from engine import compiling  # noqa: E402
 import grpo  # noqa: E402
-import hf  # noqa: E402
-import packing  # noqa: E402
-import plan  # noqa: E402
+from engine import hf  # noqa: E402
+from engine import packing  # noqa: E402
+from run import plan  # noqa: E402
 from bench_bf16 import SHAPES  # noqa: E402
 from bench_ragged import tiny_model  # noqa: E402
 from memory import MemoryConfig  # noqa: E402

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import lora  # noqa: E402
 from bench_bf16 import SHAPES  # noqa: E402
-from hf import config_to_hf  # noqa: E402
+from engine.hf import config_to_hf  # noqa: E402
 import rollout  # noqa: E402
 from memtrace import allocator_peak  # noqa: E402
 from model import Llama, ModelConfig  # noqa: E402

@@ -38,7 +38,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
-import hf  # noqa: E402
+from engine import hf  # noqa: E402
 import model as M  # noqa: E402
 from memory import PHASE_TAGS, PhaseManager, checkpoint_blocks, offload_activations  # noqa: E402
 from rollout import KVCache, RolloutConfig, generate, sync_weights  # noqa: E402

@@ -192,7 +192,7 @@ class AttentionSaves:
     attention.SharedPromptAttentionPadded."""
 
     def __init__(self, repeated: bool):
-        import packing
+        from engine import packing
         self.totals = {"prompt K/V per row": 0, "mask": 0}
         self.current = dict(self.totals)
         packing.CPU_FLASH = packing.CPU_FLASH and not repeated

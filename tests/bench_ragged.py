@@ -1,7 +1,7 @@
 """Ragged batches: the padding-free training step and rollout against their padded twins.
 
 Training (grpo.accumulate, one micro-batch of the whole generation batch, fp32, no activation
-checkpointing): the packed forward (packing.py, valid tokens only) against the padded one
+checkpointing): the packed forward (engine/packing.py, valid tokens only) against the padded one
 (completion_logprobs(forward="padded"): every prompt padded to P, every row to T), on batches whose
 prompts and completions have a mean of 1/2 or 1/3 of their longest (the longest present in each).
 Time: the best of interleaved rounds (a shared machine's load hits both alike). Memory: the
@@ -42,9 +42,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import grpo  # noqa: E402
-import hf  # noqa: E402
+from engine import hf  # noqa: E402
 import model as M  # noqa: E402
-import decode  # noqa: E402
+from engine import decode  # noqa: E402
 import rollout  # noqa: E402
 import tasks  # noqa: E402
 from memtrace import allocator_peak  # noqa: E402
@@ -216,7 +216,7 @@ def main() -> None:
                                                   ratio)
             train_row(model, batch, valid, padded, args.rounds, f"1/{round(1 / ratio)}")
         if args.task_batch and not args.model:
-            import tokenizer as tk
+            from engine import tokenizer as tk
             tok = tk.PromptTokenizer(tk.build_char_tokenizer("abcdefgh="))
             small = M.Llama(M.ModelConfig(vocab_size=tok.num_ids, hidden_size=64,
                                           intermediate_size=176, num_hidden_layers=2,

@@ -14,11 +14,11 @@ It uses the same `sample` function, so the difference is the KV/prefill design a
     python tests/bench_rollout.py --breakdown # where a CPU decode step's wall clock goes, P = 64 and 512
     python tests/bench_rollout.py --fused     # the CPU's fused prompt attention vs the generic path
     python tests/bench_rollout.py --compiled  # the bf16 decode step compiled vs eager (CPU: sanity)
-    python tests/bench_rollout.py --tools     # a tool turn (episodes.py) against re-prefilling the row
+    python tests/bench_rollout.py --tools     # a tool turn (engine/episodes.py) against re-prefilling the row
     python tests/bench_rollout.py --kernels   # kernels of a decode step per layer, on each route
                                               # (CUDA: a graph replay, --shape Qwen2.5-0.5B)
     python tests/bench_rollout.py --model DIR --rounds 1  # a Hugging Face checkpoint instead (e.g.
-                                              # SmolLM2-135M-Instruct), loaded by hf.py and by transformers
+                                              # SmolLM2-135M-Instruct), loaded by engine/hf.py and by transformers
 --rounds R sets the interleaved rounds (5); --P 64,512 the prompt lengths (64 alone with --model,
 which also skips the scaling table: a real checkpoint makes them minutes each).
 """
@@ -36,11 +36,11 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import hf  # noqa: E402
-import decode  # noqa: E402
-import graphs  # noqa: E402
+from engine import hf  # noqa: E402
+from engine import decode  # noqa: E402
+from engine import compiling  # noqa: E402
 import rollout  # noqa: E402
-from episodes import Episodes  # noqa: E402
+from engine.episodes import Episodes  # noqa: E402
 from model import Llama, ModelConfig, fused_projections  # noqa: E402
 from rollout import RolloutConfig, generate, sample  # noqa: E402
 
@@ -233,7 +233,7 @@ def fused_vs_generic(model: Llama, P: int, rounds: int) -> None:
 
 
 def compiled_vs_eager(model: Llama, P: int, rounds: int) -> None:
-    """Decode tokens/s of the bf16 kernel route compiled (graphs.CompiledStep) and eager, side by
+    """Decode tokens/s of the bf16 kernel route compiled (compiling.CompiledStep) and eager, side by
     side in interleaved rounds, on the CPU (SDPA's fused CPU kernel in the CUDA kernel's place;
     the CPU's own bf16 route, the fused path, beside them), after a warm-up that compiles: a
     sanity figure, not the goal (the compiled route is CUDA's)."""
@@ -425,7 +425,7 @@ def _launches(run, decoder: decode.Decoder, tokens: torch.Tensor) -> collections
             # stream is capturing") and the step fell back to eager.
             run(tokens)
             run(tokens)
-            graph = graphs.GraphedStep(run, tokens)
+            graph = compiling.GraphedStep(run, tokens)
             activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
             with torch.profiler.profile(activities=activities) as prof:
                 graph(tokens)

@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import attention  # noqa: E402
+from engine import attention  # noqa: E402
 import model as M  # noqa: E402
 from memtrace import allocator_peak  # noqa: E402
 

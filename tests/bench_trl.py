@@ -58,8 +58,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.join(ROOT, "tests")
 sys.path.insert(0, ROOT)
 
-import hf  # noqa: E402
-from tokenizer import build_char_tokenizer  # noqa: E402
+from engine import hf  # noqa: E402
+from engine.tokenizer import build_char_tokenizer  # noqa: E402
 from model import Llama, ModelConfig  # noqa: E402
 from tasks import Task  # noqa: E402
 

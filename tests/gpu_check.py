@@ -109,7 +109,7 @@ def fits(call: str, limits: dict = LIMITS) -> float:
 def cpu_kernel_route() -> None:
     """On the CPU, CUDA's bf16 kernel route with SDPA's fused CPU kernel in its place (as
     tests/test_graphs.py runs it): the decode step takes the route that compiles."""
-    import decode
+    from engine import decode
     decode.kernel_for = lambda device, dtype, head_dim: decode.cpu_flash
 
 
@@ -592,8 +592,8 @@ def gpu_branches() -> dict:
     import bench_compiling  # noqa: F401 (the compile part's child)
     import bench_limits
     import bench_rollout
-    import packing
-    import plan
+    from engine import packing
+    from run import plan
     import train
     import torch
     from model import Llama

@@ -1,4 +1,4 @@
-"""attention.py: the attention over a prompt shared by a group of rows against its slow twin,
+"""engine/attention.py: the attention over a prompt shared by a group of rows against its slow twin,
 the prompt copied per row and one masked softmax (values and gradients)."""
 
 import functools
@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-import attention
+from engine import attention
 import tolerance
-from attention import Segments
+from engine.attention import Segments
 
 # Query heads / kv heads: the tiny models' 4/2, and published layouts (Qwen3-0.6B's 16/8, Qwen2.5-
 # 0.5B's 14/2). At 4/2 rep = Hkv = 2, so a fold that reads the heads as (rep, Hkv) instead of (Hkv,
@@ -95,7 +95,7 @@ def test_shared_prompt_attention_ragged_equals_the_repeated_prompt_values_and_gr
     prompt, rows in buckets of like lengths) against the slow twin on the same rows padded: rows
     of 0 to 9 tokens, a group of empty rows, ragged prompts, GQA layouts (HEADS). Tolerances as
     above."""
-    import packing
+    from engine import packing
     torch.manual_seed(1)
     Bp, G, P, D = 3, 3, 7, 8
     lens = torch.tensor([9, 0, 4, 0, 0, 0, 2, 8, 1])  # (N,) row inputs; group 1 is empty
@@ -212,7 +212,7 @@ def test_shared_prompt_attention_varlen_equals_one_masked_softmax_values_and_gra
     packed tokens: ragged prompts (1 token too), rows of 0 to 9 tokens, a group of empty rows, GQA
     layouts (HEADS). Tolerances as above: a prompt key's gradient sums its group's queries
     (< L rep)."""
-    import packing
+    from engine import packing
     torch.manual_seed(2)
     Bp, G, D = 3, 3, 8
     prompt_lens, row_lens = [7, 3, 1], [9, 0, 4, 0, 0, 0, 2, 8, 1]

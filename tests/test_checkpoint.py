@@ -1,4 +1,4 @@
-"""checkpoint.py's rules for the output directory and for resuming: one run per --out (the lock),
+"""run/checkpoint.py's rules for the output directory and for resuming: one run per --out (the lock),
 flags a checkpoint fixes, nothing written on a refused start."""
 
 import json
@@ -9,7 +9,7 @@ import sys
 import threading
 import time
 
-import checkpoint
+from run import checkpoint
 import train
 from test_train import FAST, ROOT, records, run
 

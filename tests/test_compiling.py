@@ -1,4 +1,4 @@
-"""compiling.py: the blocks' compiled training forward against the eager one (values and gradients),
+"""engine/compiling.py: the blocks' compiled training forward against the eager one (values and gradients),
 one graph per region for every length, and train.py's --compile_blocks: the step that compiled says so,
 the caches land in --compile_cache."""
 
@@ -10,8 +10,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-import compiling
-import graphs
+from engine import compiling
 import grpo
 import memory
 import train
@@ -21,7 +20,7 @@ from test_grpo import (GRAD_REL, V, grads, logp_tol, ragged_batch, ragged_groups
                        weighted_sum)
 from test_train import FAST, in_a_cpu_process
 
-pytestmark = pytest.mark.skipif(bool(graphs.unsupported()), reason=graphs.unsupported())
+pytestmark = pytest.mark.skipif(bool(compiling.unsupported()), reason=compiling.unsupported())
 
 
 def logprobs_and_grads(m, batch) -> tuple[torch.Tensor, dict]:

@@ -1,4 +1,4 @@
-"""episodes.py and tools.py: multi-turn rows against their slow twins. A tool's observation goes
+"""engine/episodes.py and tools.py: multi-turn rows against their slow twins. A tool's observation goes
 into the row's KV cache without recomputing the row: greedy episodes equal a full recompute (and
 transformers' generate) run turn by turn; the continued cache equals a fresh prefill of the whole
 row; the sampler's logprobs of the policy's tokens equal the trainer's; observation tokens carry
@@ -15,10 +15,10 @@ import torch
 import grpo
 import rollout
 import tasks
-import tokenizer as tk
+from engine import tokenizer as tk
 import tolerance
 import tools
-from episodes import Episodes
+from engine.episodes import Episodes
 from model import Llama, ModelConfig
 from rollout import RolloutConfig
 from test_grpo import hf_checkpoint  # noqa: F401 (a fixture)
@@ -195,7 +195,7 @@ def test_on_a_graphed_decoder_a_rollout_without_a_call_drops_rows_as_todays(mode
     that captures graphs, FakeGraph; the plain attention, as a graph's): every drop leaves at
     most 7/8 of the rows, a rollout with no call equals the tool-less one bit for bit, and each
     captures a graph at the start and after each drop only."""
-    import decode
+    from engine import decode
     monkeypatch.setattr(decode, "_CPU_FLASH", None)  # a graph attends to all Tc slots, masked
     monkeypatch.setattr(decode, "GraphedStep", FakeGraph)
     drops = []
@@ -234,7 +234,7 @@ def test_on_a_graphed_decoder_a_rollout_without_a_call_drops_rows_as_todays(mode
 def test_greedy_episodes_equal_transformers_generate_turn_by_turn(tmp_path):
     """transformers' generate until a call or a stop, the observation appended, generate again."""
     from hf_reference import save_random_hf_model
-    import hf
+    from engine import hf
     config = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                   eos_token_id=1, bos_token_id=3)
@@ -455,7 +455,7 @@ def test_a_chat_checkpoints_observation_is_the_templates_tool_message(tmp_path):
     assert tokenizer.decode(answers[0]) == "\n<|im_start|>user" + turn
     assert answers[1] is None
     assert "error: '12 * x' is not arithmetic" in tokenizer.decode(answers[2])
-    # the error counts once its answer is in the row (episodes.py's calls), not before
+    # the error counts once its answer is in the row (engine/episodes.py's calls), not before
     assert responder.errors([1, 0, 1]) == 1 and responder.errors([1, 0, 0]) == 0
     # row 0 goes on: its next call reads its own turn, the tool's answer a part of its own
     more = tokenizer.encode_text("So <calc>36 + 1</calc>", add_special_tokens=False)
@@ -573,7 +573,7 @@ def scripted_chat_checkpoint(path, script: str, added: tuple[str, ...] = ("<calc
     of the current one alone, a table written into the embeddings (one-hot rows) and the head."""
     from tokenizers import Tokenizer
     import random
-    import hf
+    from engine import hf
     from test_tokenizer import write_checkpoint
     path = write_checkpoint(path, "qwen")
     tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
@@ -650,7 +650,7 @@ def test_trls_multi_turn_training_on_our_episodes_trains_the_same_tokens_loss_an
     mu = 2, off-policy old logprobs, so the clip acts)."""
     from test_grpo import (LOGP_TOL, TRL_MICRO_BATCHES, TRL_TEMPERATURE, check_against_trl,
                            our_advantages, trl_batch, trl_scored, trl_trainer)
-    import hf
+    from engine import hf
     G, budget = 2, 16
     prompts, _ = trl_batch(G)  # equal lengths: TRL left-pads prompts (trl_batch says why)
     sampler = hf.load_model(hf_checkpoint[0], dtype=torch.float64).eval()

@@ -1,4 +1,4 @@
-"""functions.py: function tools in TRL's shape. Schemas equal transformers' get_json_schema; prompts
+"""tools/functions.py: function tools in TRL's shape. Schemas equal transformers' get_json_schema; prompts
 rendered with them, and whole tool-calling conversations (the model's call text, the tool messages),
 equal transformers' apply_chat_template ids on the published Qwen3 and Llama 3.1 tokenizer files;
 turns are parsed as TRL's parse_response(..., tools=...) parses them (thoughts, typed arguments,
@@ -25,9 +25,9 @@ from typing import Any, Literal, Optional
 
 import pytest
 
-import functions
+from tools import functions
 import tasks
-import tokenizer as tk
+from engine import tokenizer as tk
 import tools
 from test_episodes import scripted_chat_checkpoint
 from test_train import records, run, write_module

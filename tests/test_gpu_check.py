@@ -14,7 +14,7 @@ import time
 
 import bench_limits
 import gpu_check
-import graphs
+from engine import compiling
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -43,7 +43,7 @@ def test_the_dry_run_runs_every_part_through_the_compiled_routes(tmp_path):
         assert parts["generate_static"]["P8 transformers static"]["seconds"] > 0
     eager, compiled = parts["kernels"]["bf16 kernel"], parts["kernels"]["bf16 kernel, compiled"]
     assert eager["per_layer"] > 0 and eager["rest"] >= 0, parts["kernels"]
-    if not graphs.unsupported():  # below graphs.MIN_TORCH the compiled routes run eagerly
+    if not compiling.unsupported():  # below compiling.MIN_TORCH the compiled routes run eagerly
         assert parts["decode"]["P8 engine, compiled + graphs"]["compiles"] >= 1  # inductor ran
         assert 0 < compiled["per_layer"] < eager["per_layer"] and compiled["rest"] >= 0
     train = parts["train"]

@@ -1,5 +1,5 @@
 """
-Tests of graphs.py on the CPU: the compiled decode step (CUDA's bf16 kernel route, SDPA's fused CPU
+Tests of engine/compiling.py on the CPU: the compiled decode step (CUDA's bf16 kernel route, SDPA's fused CPU
 kernel standing in for CUDA's memory-efficient kernel, as tests/test_rollout.py runs it) against
 the same step run eagerly and against the float64 forward of the same bf16 weights, and its
 compiles.
@@ -20,23 +20,24 @@ import math
 import pytest
 import torch
 
-import decode
-import graphs
-import policy
+from engine import decode
+from engine import compiling
+from engine import precision
 import tolerance
 import rollout
-import sampling
+from engine import sampling
 import tp
 from model import Block, Llama, fused_projections
 from rollout import RolloutConfig
+import train
 from train import TrainConfig
 from test_rollout import CFG, PROMPTS, trainer_logprobs
 
 ULPS = 8  # bf16 ulps of the largest logit (module docstring); 4 at most measured here
 LOGPROB_TOL = ULPS * 2.0 ** -5  # logprobs move as the logits do: this model's stay in (4, 8)
 COMPILED_HERE: set[str] = set()  # what this process's earlier tests compiled
-# The tests of the compiled step itself; below graphs.MIN_TORCH it runs eagerly (the gate's test).
-needs_compile = pytest.mark.skipif(bool(graphs.unsupported()), reason=graphs.unsupported())
+# The tests of the compiled step itself; below compiling.MIN_TORCH it runs eagerly (the gate's test).
+needs_compile = pytest.mark.skipif(bool(compiling.unsupported()), reason=compiling.unsupported())
 
 
 @pytest.fixture(scope="module")
@@ -164,14 +165,14 @@ def test_the_compiled_step_takes_the_cuda_kernels_strided_outputs(model, wide, m
         out, lse = decode.cpu_flash(q, k, v, bias)
         return out.transpose(1, 2).contiguous().transpose(1, 2), lse
     monkeypatch.setattr(decode, "kernel_for", lambda device, dtype, head_dim: strided)
-    monkeypatch.setattr(graphs, "REFUSED", {})
+    monkeypatch.setattr(compiling, "REFUSED", {})
     G, new = 2, 5
     compiled, eager, tokens = decoders(model, G, new)
     seqs = [list(p) for p in sorted(PROMPTS, key=len, reverse=True) for _ in range(G)]
     with torch.inference_mode():
         for t in range(new - 1):
             tokens = step_against_float64(model, wide, compiled, eager, tokens, seqs).argmax(-1)
-    assert compiled.compiled.compiles >= 1 and not graphs.REFUSED  # compiled, not fallen back
+    assert compiled.compiled.compiles >= 1 and not compiling.REFUSED  # compiled, not fallen back
 
 
 @needs_compile
@@ -185,7 +186,7 @@ def test_the_compiled_draw_equals_the_eager_race_on_the_same_clocks():
     logits = logits.to(torch.bfloat16).index_fill_(1, torch.arange(0, 1000, 7), float("-inf"))
     for knobs in [(0.0, 0, 1.0), (0.8, 0, 1.0), (0.8, 50, 0.9)]:
         clocks = sampling.race_clocks(logits, knobs[0], torch.Generator().manual_seed(1))
-        step = graphs.CompiledStep(sampling.sample_raced)
+        step = compiling.CompiledStep(sampling.sample_raced)
         tokens, logprobs = step(logits, *knobs, clocks)
         want = sampling.sample_raced(logits, *knobs, clocks)
         assert step.compiles >= 1 and torch.equal(tokens, want[0])
@@ -298,7 +299,7 @@ def test_the_compiled_step_and_draw_keep_the_model_dims_static_one_graph_for_eve
         model, kernel_route, monkeypatch):
     """Regression: torch.compile(dynamic=True) made every dim of every input a symbol, the draw's
     vocabulary among them (its logits (rows, V)): inductor could not specialise its kernels on the
-    model's sizes. Only the dims that vary with the layout and the batch are marked (graphs.dynamic):
+    model's sizes. Only the dims that vary with the layout and the batch are marked (compiling.dynamic):
     traced by dynamo alone (a backend that records each graph's inputs and runs it eagerly), no
     input dim of the vocabulary's, the width's or the SwiGLU's size is a symbol, the rows are;
     and rollouts of other group sizes, budgets and prompts compile no new graph for a structure
@@ -311,7 +312,7 @@ def test_the_compiled_step_and_draw_keep_the_model_dims_static_one_graph_for_eve
                        if node.op == "placeholder"
                        and isinstance(node.meta.get("example_value"), torch.Tensor)])
         return gm.forward
-    monkeypatch.setattr(graphs.torch, "compile",
+    monkeypatch.setattr(compiling.torch, "compile",
                         lambda fn, **options: compile(fn, backend=recording, **options))
     torch._dynamo.reset()  # this test's own graphs, whatever ran before it in this process
     knobs = dict(temperature=0.0, check_every=2, compile_decode="true")
@@ -384,9 +385,9 @@ def test_a_torch_that_cannot_compile_runs_the_step_eagerly_a_line_a_structure(mo
             tries.append(1)
             raise torch._dynamo.exc.TorchDynamoException("no working C++ compiler found")
         return compiled
-    monkeypatch.setattr(graphs, "REFUSED", {})
-    monkeypatch.setattr(graphs, "unsupported", lambda: "")  # a torch new enough, this one or not
-    monkeypatch.setattr(graphs.torch, "compile", failing_compile)
+    monkeypatch.setattr(compiling, "REFUSED", {})
+    monkeypatch.setattr(compiling, "unsupported", lambda: "")  # a torch new enough, this one or not
+    monkeypatch.setattr(compiling.torch, "compile", failing_compile)
     knobs = dict(num_samples=2, max_new_tokens=6, temperature=0.0)
     outs = []
     for _ in range(2):
@@ -395,7 +396,7 @@ def test_a_torch_that_cannot_compile_runs_the_step_eagerly_a_line_a_structure(mo
         lines = capsys.readouterr().out.strip().splitlines()
         if len(outs) == 1:
             first_tries = len(tries)
-            assert len(lines) == first_tries == len(graphs.REFUSED) >= 2  # the step and the draw
+            assert len(lines) == first_tries == len(compiling.REFUSED) >= 2  # the step and the draw
             assert all("no working C++ compiler found" in line for line in lines)
             assert any("the decode step with" in line for line in lines)
             assert any("the draw at temperature 0.0" in line for line in lines)
@@ -422,9 +423,9 @@ def test_a_refused_compile_turns_off_that_structure_of_that_step_alone(monkeypat
                 raise torch._dynamo.exc.TorchDynamoException("a lowering it lacks")
             return fn(*args) + 100  # what ran compiled
         return compiled
-    monkeypatch.setattr(graphs, "REFUSED", {})
-    monkeypatch.setattr(graphs, "unsupported", lambda: "")
-    monkeypatch.setattr(graphs.torch, "compile", stand_in_compile)
+    monkeypatch.setattr(compiling, "REFUSED", {})
+    monkeypatch.setattr(compiling, "unsupported", lambda: "")
+    monkeypatch.setattr(compiling.torch, "compile", stand_in_compile)
 
     def step(x):
         return x * 2
@@ -435,15 +436,15 @@ def test_a_refused_compile_turns_off_that_structure_of_that_step_alone(monkeypat
     def parity(x):
         return "odd rows" if len(x) % 2 else "even rows"
     odd, even = torch.ones(3), torch.ones(2)
-    first = graphs.CompiledStep(step, parity)
+    first = compiling.CompiledStep(step, parity)
     assert torch.equal(first(odd), odd * 2)  # refused: eager
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 1 and "step for odd rows" in lines[0] and "a lowering it lacks" in lines[0]
     assert torch.equal(first(even), even * 2 + 100)  # the other structure compiled
     assert torch.equal(first(odd), odd * 2)  # eager, not tried again
-    again = graphs.CompiledStep(step, parity)  # the next rollout's
+    again = compiling.CompiledStep(step, parity)  # the next rollout's
     assert torch.equal(again(odd), odd * 2) and torch.equal(again(even), even * 2 + 100)
-    other = graphs.CompiledStep(draw, parity)  # another function, the refused structure
+    other = compiling.CompiledStep(draw, parity)  # another function, the refused structure
     assert torch.equal(other(odd), odd + 1 + 100)
     assert calls == [("step", 3), ("step", 2), ("step", 2), ("draw", 3)]
     assert capsys.readouterr().out == ""
@@ -451,12 +452,12 @@ def test_a_refused_compile_turns_off_that_structure_of_that_step_alone(monkeypat
 
 def test_a_torch_older_than_the_compiled_paths_need_runs_them_eagerly_and_says_so(
         model, kernel_route, monkeypatch, capsys, tmp_path):
-    """Below graphs.MIN_TORCH (torch 2.5 compiled the step again for every layout) the step is
+    """Below compiling.MIN_TORCH (torch 2.5 compiled the step again for every layout) the step is
     not compiled: one line names the torch needed, the rollout is bit for bit the eager one, and
-    the training blocks stay eager with the same reason (policy.compile_model's line)."""
-    monkeypatch.setattr(graphs, "_SAID", set())
-    monkeypatch.setattr(graphs.torch, "__version__", "2.5.1+cpu")
-    assert graphs.unsupported().startswith("the compiled paths need torch 2.7 or newer")
+    the training blocks stay eager with the same reason (train.compile_model's line)."""
+    monkeypatch.setattr(compiling, "_SAID", set())
+    monkeypatch.setattr(compiling.torch, "__version__", "2.5.1+cpu")
+    assert compiling.unsupported().startswith("the compiled paths need torch 2.7 or newer")
     knobs = dict(num_samples=2, max_new_tokens=6, temperature=0.9)
     old = rollout.generate(model, PROMPTS, RolloutConfig(compile_decode="true", **knobs), seed=0)
     eager = rollout.generate(model, PROMPTS, RolloutConfig(compile_decode="false", **knobs), seed=0)
@@ -466,8 +467,8 @@ def test_a_torch_older_than_the_compiled_paths_need_runs_them_eagerly_and_says_s
     assert old.stats["compiles"] == 0
     trainer = Llama(CFG)
     cfg = TrainConfig(compile_blocks="true", compile_cache=str(tmp_path))
-    notes = policy.compile_model(cfg, trainer, torch.device("cpu"), tp.ParallelGroups(None, None))
-    assert notes == [f"--compile_blocks: the blocks run eager: {graphs.unsupported()}"]
+    notes = train.compile_model(cfg, trainer, torch.device("cpu"), tp.ParallelGroups(None, None))
+    assert notes == [f"--compile_blocks: the blocks run eager: {compiling.unsupported()}"]
     assert all(type(block) is Block for block in trainer.model.layers)
 
 
@@ -486,15 +487,15 @@ def test_a_logits_fn_keeps_the_step_eager(model, kernel_route, capsys):
 def test_compile_applies_to_the_kernel_route_alone_and_auto_to_models_worth_compiling():
     """compile_decode applies to the kernel route alone: a float32 model (the exact path) and the
     CPU's own fused route (no kernel) never compile, even at "true". Its default, "auto", compiles
-    a CUDA model of graphs.MIN_COMPILE_PARAMS or more in its blocks: Qwen2.5-0.5B's shape (on the
+    a CUDA model of compiling.MIN_COMPILE_PARAMS or more in its blocks: Qwen2.5-0.5B's shape (on the
     meta device: no weight is made) is, the tests' tiny model and the default run's are not (its
     24 s compile on an H200 against a 50 ms step). A setting other than the three is refused."""
     from bench_bf16 import SHAPES
     assert RolloutConfig().compile_decode == "auto"
     with torch.device("meta"):
-        assert graphs.worth_compiling(Llama(SHAPES["Qwen2.5-0.5B"]))
-    assert not graphs.worth_compiling(Llama(CFG))
-    assert not graphs.decide("auto", Llama(CFG)) and graphs.decide("true", Llama(CFG))
+        assert compiling.worth_compiling(Llama(SHAPES["Qwen2.5-0.5B"]))
+    assert not compiling.worth_compiling(Llama(CFG))
+    assert not compiling.decide("auto", Llama(CFG)) and compiling.decide("true", Llama(CFG))
     with pytest.raises(ValueError, match="compile_decode must be auto"):
         RolloutConfig(compile_decode="yes")
     for dtype in (torch.float32, torch.bfloat16):

@@ -1,4 +1,4 @@
-"""graphs.py on a CUDA GPU: the compiled and captured bf16 decode step against the captured eager one
+"""engine/compiling.py on a CUDA GPU: the compiled and captured bf16 decode step against the captured eager one
 (the tolerances of tests/test_graphs.py), and the kernels it launches."""
 
 import pytest

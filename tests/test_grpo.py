@@ -13,11 +13,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import tolerance
 from memtrace import allocator_peak
 
-import attention
+from engine import attention
 import grpo
-import logprobs
-import packing
-import hf
+from engine import logprobs
+from engine import packing
+from engine import hf
 import model as M
 import rollout
 from grpo import GRPOBatch, GRPOConfig
@@ -907,7 +907,7 @@ def test_the_default_micro_batch_is_a_token_budget_short_groups_pack_fewer_and_f
     is now a token budget, that many groups at full length: here 8 groups whose completions
     average a third of the budget run in 2 micro-batches where 2 groups each ran 4, and the loss
     and every gradient equal the one big batch's (the tolerances of the test above)."""
-    import plan
+    from run import plan
     m = tiny_model()
     gen = torch.Generator().manual_seed(5)
     G, budget = 2, 9

@@ -37,10 +37,10 @@ def test_cuda_packed_forward_flex_attention_equals_the_padded_one_values_and_gra
     every gradient, float32: logp_tol of values; 4 GRAD_REL of each gradient's norm (the CPU's
     bound, with room for a compiled Triton kernel's blocking that no CPU run measures). On TINY
     and on Qwen3's layout (16/8 heads of 16, its q/k norms)."""
-    import graphs
-    import packing
+    from engine import compiling
+    from engine import packing
     from test_grpo import grads, ragged_groups, weighted_sum
-    monkeypatch.setattr(graphs, "MIN_COMPILE_PARAMS", 0)
+    monkeypatch.setattr(compiling, "MIN_COMPILE_PARAMS", 0)
     prompts, completions = ragged_groups()
     m = tiny_model(layout=layout).cuda()
     route = packing.cuda_route(torch.float32, m.config.head_dim)
@@ -69,8 +69,8 @@ def test_cuda_bf16_takes_the_varlen_route_and_equals_its_math_twin_and_the_padde
     CPU's autocast test; a dropped log-sum-exp term is tens of percent)."""
     from test_attention import MATH_VARLEN
     from test_grpo import grads, ragged_groups, weighted_sum
-    import attention
-    import packing
+    from engine import attention
+    from engine import packing
     if packing.cuda_route(torch.bfloat16, 16)[0] != "varlen":
         pytest.skip(packing.cuda_route(torch.bfloat16, 16)[1])
     prompts, completions = ragged_groups()
@@ -113,7 +113,7 @@ def test_cuda_compiled_blocks_equal_the_eager_ones_in_bf16_one_graph_for_every_l
     on Qwen3's layout (its q/k norms inside the region before the attention)."""
     import copy
     from torch._dynamo.utils import counters
-    import compiling
+    from engine import compiling
     from test_grpo import grads, ragged_batch, ragged_groups, weighted_sum
     eager = tiny_model(layout=layout).cuda()
     m = copy.deepcopy(eager)

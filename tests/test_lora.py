@@ -20,11 +20,11 @@ import tolerance
 from test_rollout import PROMPTS, generate, logprob_tol, trainer_logprobs
 from test_train import FAST, records, run
 
-import hf
+from engine import hf
 import lora
 import rollout
 import tasks
-import tokenizer as tk
+from engine import tokenizer as tk
 import train
 from model import Llama, ModelConfig
 

@@ -18,12 +18,12 @@ from safetensors.torch import load_file, save_file
 import tolerance
 from memtrace import allocator_peak
 
-import attention
-import decode
-import graphs
+from engine import attention
+from engine import decode
+from engine import compiling
 import memory
 import model as M
-import plan
+from run import plan
 import tp
 from memory import MemoryConfig, PhaseManager, checkpoint_blocks, offload_activations
 from rollout import KVCache, RolloutConfig, generate, sync_weights
@@ -200,7 +200,7 @@ def test_the_rollout_plan_holds_the_stacked_weights_of_the_compiled_decode():
     assert stacked["prefill"] == plain["prefill"]  # made after the prefill and the first draw
     assert stacked["sampling"] == plain["sampling"] + made  # here the decode's part is the larger
     assert plan.stacked_decode("true", sampler, "cuda", 1) == (decode.kernel_for(
-        torch.device("cuda"), torch.bfloat16, cfg.head_dim) is not None and not graphs.unsupported())
+        torch.device("cuda"), torch.bfloat16, cfg.head_dim) is not None and not compiling.unsupported())
     assert not plan.stacked_decode("true", sampler, "cpu", 1)
     assert not plan.stacked_decode("true", sampler, "cuda", 2)
     assert not plan.stacked_decode("false", sampler, "cuda", 1)
@@ -344,7 +344,7 @@ def test_leaving_train_offloads_the_optimizer_and_a_checkpoint_reads_the_same_va
             assert torch.equal(asleep["state"][i][key], value)
             assert asleep["state"][i][key].untyped_storage().data_ptr() == host  # offloaded
             tensors[f"{i}.{key}"] = asleep["state"][i][key]
-    save_file(tensors, str(tmp_path / "optimizer.safetensors"))  # as checkpoint.py writes it
+    save_file(tensors, str(tmp_path / "optimizer.safetensors"))  # as run/checkpoint.py writes it
     loaded = load_file(str(tmp_path / "optimizer.safetensors"))
     assert all(torch.equal(loaded[k], v) for k, v in tensors.items())
 

@@ -1,4 +1,4 @@
-"""model.py against plain float64 loops; hf.py against Hugging Face's layouts, and its refusals."""
+"""model.py against plain float64 loops; engine/hf.py against Hugging Face's layouts, and its refusals."""
 
 import json
 import math
@@ -14,7 +14,7 @@ import tolerance
 from hf_reference import save_random_hf_model, store_tied_copy
 from memtrace import allocator_peak
 
-import hf
+from engine import hf
 import model as M
 
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-import hf
+from engine import hf
 import model as M
 from test_model import assert_logits_close, make
 

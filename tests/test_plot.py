@@ -1,4 +1,4 @@
-"""plot.py: the SVG parses, holds one set of curves per run, skips nulls, and its axes follow the
+"""run/plot.py: the SVG parses, holds one set of curves per run, skips nulls, and its axes follow the
 data."""
 
 import json
@@ -6,7 +6,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-import plot
+from run import plot
 
 SVG = "{http://www.w3.org/2000/svg}"
 
@@ -101,7 +101,7 @@ def test_command_line_writes_the_picture_and_refuses_bad_arguments(tmp_path, cap
 
 def test_help_prints_the_usage_and_exits_0(capsys):
     assert plot.main(["--help"]) == 0
-    assert capsys.readouterr().out.startswith("usage: python plot.py")
+    assert capsys.readouterr().out.startswith("usage: python run/plot.py")
 
 
 def test_runs_with_a_tool_show_calls_per_row_below_and_a_mix_shows_entropy(tmp_path):

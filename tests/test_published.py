@@ -16,8 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import hf
-import tokenizer as tk
+from engine import hf
+from engine import tokenizer as tk
 import tolerance
 from make_fixtures import CHECKPOINT, LOGITS, TEMPLATES, chat_text
 
@@ -105,7 +105,7 @@ CASES = [(name, case) for name in RENDERS for case in RENDERS[name]["cases"]]
 
 @pytest.mark.parametrize("name, case", CASES, ids=[f"{n}: {c['case']}" for n, c in CASES])
 def test_a_published_template_renders_as_transformers(name, case):
-    """The engine's rendering (tokenizer.py: the template, the special tokens of
+    """The engine's rendering (engine/tokenizer.py: the template, the special tokens of
     tokenizer_config.json, the tools' schemas, --chat_template_kwargs' variables, the generation
     prompt) equals transformers' apply_chat_template text; a row that ends with tool messages
     is the prompt before the call, the model's turn, then the tool turn the engine writes after

@@ -16,11 +16,11 @@ import torch
 import tolerance
 from memtrace import allocator_peak
 
-import attention
-import decode
+from engine import attention
+from engine import decode
 import rollout
-import sampling
-from attention import shared_prompt_attention
+from engine import sampling
+from engine.attention import shared_prompt_attention
 from model import Llama, ModelConfig
 from rollout import KVCache, Rollout, RolloutConfig, filter_logits, sample
 
@@ -425,7 +425,7 @@ def test_greedy_on_ragged_prompts_equals_transformers_generate(tmp_path, config_
     greedy row equals transformers' generate on that prompt alone, on a checkpoint transformers
     wrote (a Llama; a Qwen3 with its q/k norms, 8/4 heads of 16)."""
     from hf_reference import save_random_hf_model
-    import hf
+    from engine import hf
     config = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                   eos_token_id=7, bos_token_id=1)
@@ -632,7 +632,7 @@ def chi_square_excess(tokens: torch.Tensor, probs: torch.Tensor) -> float:
 
 
 def draw(sampler: str, probs: torch.Tensor, rows: int, generator: torch.Generator) -> torch.Tensor:
-    """rows tokens from probs (V,) by one of sampling.py's two samplers."""
+    """rows tokens from probs (V,) by one of engine/sampling.py's two samplers."""
     batch = probs.expand(rows, -1)
     if sampler == "exponential_race":
         return sampling.exponential_race(batch, *sampling.race_clocks(batch, 1.0, generator))

@@ -72,7 +72,7 @@ def test_a_rollout_without_a_call_equals_the_tool_less_one_with_graphs_and_witho
     then the draws, differed on CUDA. One loop, one rule: a task's tool that is never called
     leaves the rollout as it was, bit for bit, graphed (compiled in bf16) and eager, with the
     same drops."""
-    from episodes import Episodes
+    from engine.episodes import Episodes
     gpu = Llama(CFG).to("cuda", dtype)
     gpu.load_state_dict(model.state_dict())
     cache = KVCache.for_batch(CFG, len(PROMPTS), 4, 11, 30, dtype, "cuda")
@@ -96,7 +96,7 @@ def test_sample_on_cuda_draws_the_distribution_by_its_exponential_race():
     on clocks wound from the same seed (it once drew by inverse_cdf on CUDA too), and goodness of
     fit of 200,000 draws against the softmax; the logprobs are the softmax's at the drawn
     tokens."""
-    import sampling
+    from engine import sampling
     from test_rollout import chi_square_excess
     logits = torch.randn(1000, generator=torch.Generator().manual_seed(0)) * 2
     logits[::7] = float("-inf")
@@ -116,8 +116,8 @@ def test_bf16_decode_attention_runs_the_fused_kernel_and_equals_the_plain_merge(
     memory-efficient kernel (decode.efficient_attention) at the Qwen2.5-0.5B head shape, ragged
     prompts (the 16-aligned bias) and own keys past the step masked: against shared_prompt_attention in
     float64 on the same bf16 inputs. Tolerance: the kernel's bf16 partial outputs."""
-    import decode
-    from attention import shared_prompt_attention
+    from engine import decode
+    from engine.attention import shared_prompt_attention
     gen = torch.Generator().manual_seed(0)
     Bp, G, H, Hkv, D, P, T, t = 3, 4, 14, 2, 64, 70, 40, 25
     q, k, v = (torch.randn(shape, generator=gen).to("cuda", torch.bfloat16)

@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-import hf
+from engine import hf
 import tolerance
 from rollout import RolloutConfig, generate
 
@@ -80,9 +80,9 @@ def test_chat_calc_episodes_equal_transformers_turn_by_turn(models):
     tool loop cuts them) and generation goes on from the concatenated ids."""
     import random
     import tasks
-    import tokenizer as tk
+    from engine import tokenizer as tk
     import tools
-    from episodes import Episodes
+    from engine.episodes import Episodes
     from transformers import AutoTokenizer
     ours, ref, _ = models
     theirs = AutoTokenizer.from_pretrained(DIR)

@@ -1,4 +1,4 @@
-"""tokenizer.py: prompt ids equal transformers' tokenizer(text) and apply_chat_template (skipped
+"""engine/tokenizer.py: prompt ids equal transformers' tokenizer(text) and apply_chat_template (skipped
 without transformers), with twins that need only `tokenizers` and jinja2. The tokenizers are
 byte-level BPEs trained here, one whose post-processor adds a BOS (as Llama 3's) and one without
 (as Qwen's), with chat templates shaped like published ones: a Llama-3.1-like one (trim, a system
@@ -11,8 +11,8 @@ import os
 import pytest
 import torch
 
-import hf
-import tokenizer as tk
+from engine import hf
+from engine import tokenizer as tk
 import train
 from model import Llama, ModelConfig
 

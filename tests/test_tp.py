@@ -23,15 +23,14 @@ from torch.utils.checkpoint import checkpoint
 import tolerance
 from hf_reference import save_random_hf_model, store_tied_copy
 
-import dp
+import tp
 import grpo
-import logprobs
-import hf
+from engine import logprobs
+from engine import hf
 import memory
 import model as M
 import rollout
-import tp
-from episodes import Episodes
+from engine.episodes import Episodes
 
 V = 128
 
@@ -395,7 +394,7 @@ def check_sampling(groups: tp.ParallelGroups, cfg: M.ModelConfig = CONFIGS["llam
         assert_same_on_all_ranks(sampled.tokens)
         greedy = rollout.generate(m, prompts, greedy_cfg, logits_fn=gather)
         assert torch.equal(greedy.tokens, want)
-        # episodes (episodes.py): a tool's answers extend the sharded rows in place
+        # episodes (engine/episodes.py): a tool's answers extend the sharded rows in place
         with_tool = rollout.generate(m, prompts, greedy_cfg, logits_fn=gather, episodes=episodes)
         assert torch.equal(with_tool.tokens, want_episodes.tokens) and sum(with_tool.stats["calls"])
         assert torch.equal(with_tool.policy, want_episodes.policy)
@@ -510,7 +509,7 @@ def _dp_tp_worker(rank: int, tmp: str) -> None:
         m = tp.shard_model(copy.deepcopy(full), groups, sequence_parallel=sp)
         grpo_step(m, prompts[mine], completions[rows], advantages[rows], logprob_fn,
                   num_seqs=len(completions), num_tokens=num_tokens)  # global counts: SUM over dp is the big batch
-        dp.sum_grads(m, groups)
+        tp.dp_sum_grads(m, groups)
         norm = tp.clip_grad_norm(m, max_norm, groups)
         assert abs(norm - want_norm) <= REL * want_norm, (norm, want_norm)
         torch.optim.SGD(m.parameters(), lr=lr).step()
@@ -563,7 +562,7 @@ def test_world_size_1_needs_no_process_group(monkeypatch):
     ref = copy.deepcopy(m)
     logp.sum().backward()
     plain_logprobs(ref(tokens).flatten(0, 1)[:-1], tokens.flatten()[1:])[0].sum().backward()
-    dp.sum_grads(m, groups)  # dp 1: nothing to do
+    tp.dp_sum_grads(m, groups)  # dp 1: nothing to do
     want_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1).item()
     assert tp.clip_grad_norm(m, 0.1, groups) == pytest.approx(want_norm, rel=1e-6)
     for p, q in zip(m.parameters(), ref.parameters()):

@@ -17,9 +17,9 @@ import torch
 import tolerance
 from memtrace import allocator_peak
 
-import cli
-import hf
-import tokenizer as tk
+from run import cli
+from engine import hf
+from engine import tokenizer as tk
 import train
 from model import Llama
 
@@ -79,7 +79,7 @@ def test_resume_continues_exactly(tmp_path):
 
 
 def test_adamw_is_fused_and_steps_as_its_foreach_twin(tmp_path):
-    """The run's AdamW is fused (no sqrt(exp_avg_sq) copy of every weight during the step; plan.py's
+    """The run's AdamW is fused (no sqrt(exp_avg_sq) copy of every weight during the step; run/plan.py's
     NOTE), and 5 steps of it from the run's own weights and hyperparameters equal those of torch's
     foreach AdamW (the CPU default): the same update, only its float32 operations ordered
     differently (lr 1e-2 so that the weights really move)."""
@@ -754,16 +754,16 @@ def _dp_metrics_worker(rank: int, tmp: str) -> None:
                   ratio_min=0.9, ratio_max=1.2, grad_norm=2.0, updated=True, finite=True),
              dict(loss=0.5, entropy=3.0, clip_low=0.5, clip_high=0.2, ratio_mean=1.0,
                   ratio_min=0.7, ratio_max=1.1, grad_norm=2.0, updated=True, finite=True)][rank]
-        got = train.dp.reduce_metrics(m, [30.0, 10.0][rank], run_.groups, run_.device)
+        got = train.tp.dp_reduce_metrics(m, [30.0, 10.0][rank], run_.groups, run_.device)
         assert got["entropy"] == pytest.approx((30 * 1.0 + 10 * 3.0) / 40)  # not (1 + 3) / 2
         assert got["clip_low"] == pytest.approx((30 * 0.1 + 10 * 0.5) / 40)
         assert got["loss"] == pytest.approx(0.75)  # each rank's is normalised globally: they sum
         assert (got["ratio_min"], got["ratio_max"]) == (0.7, 1.2)
-        rewards = train.dp.gather(torch.tensor([1.0, 2.0]) + 10 * rank, run_.groups)
+        rewards = train.tp.dp_gather(torch.tensor([1.0, 2.0]) + 10 * rank, run_.groups)
         assert rewards.tolist() == [1.0, 2.0, 11.0, 12.0]  # dp-rank order on every rank
         # The evaluation's split, items[dp_rank::dp_size] on each rank, back in its order.
         items = list("abcde")[rank::2]
-        assert train.dp.interleave(items, run_.groups) == list("abcde")
+        assert train.tp.dp_interleave(items, run_.groups) == list("abcde")
     except BaseException:
         train.tp.destroy_groups(barrier=False)  # the other rank may never reach a barrier
         raise
@@ -965,7 +965,7 @@ def test_memory_budget_picks_the_largest_micro_batch_whose_measured_peak_fits(tm
 def initial_weights() -> dict[str, torch.Tensor]:
     """The fresh model a FAST run starts from (seeded: the same in every run)."""
     cfgs = train.build_configs(train.parse_args(FAST))
-    model, _ = train.policy.build_model(cfgs.train, train.tasks.reverse, "",
+    model, _ = train.build_model(cfgs.train, train.tasks.reverse, "",
                                         torch.device("cpu"), train.tp.make_groups(1))
     return {name: p.detach() for name, p in model.named_parameters()}
 
@@ -1011,7 +1011,7 @@ def test_bf16_at_mu_1_scores_no_old_logprobs_and_trains_as_if_it_did(tmp_path, m
 
     def with_old_logp(r, step, round):  # the old path: the old logprobs by their own forward
         batch, rewards, counts = real_round(r, step, round)
-        with train.policy.autocast(r.cfgs.train, r.device):
+        with train.precision.autocast(r.cfgs.train, r.device):
             batch.old_logp = train.grpo.batch_logprobs(r.model, batch, r.cfgs.grpo)
         return batch, rewards, counts
     monkeypatch.setattr(train, "sample_round", with_old_logp)
@@ -1043,7 +1043,7 @@ def test_bf16_on_a_cpu_without_it_multiplies_in_float32_and_says_so(tmp_path, mo
     assert os.path.isdir(step / "master")
     run_ = train.setup(train.parse_args(args + ["--out", str(tmp_path / "setup")]))
     train.step(run_, 0)  # an update: the master moved below bf16's resolution too
-    kernels = train.policy.autocast(run_.cfgs.train, run_.device)
+    kernels = train.precision.autocast(run_.cfgs.train, run_.device)
     with run_.phase("rollout"):  # where the sampler's weights live
         train.rollout.sync_weights(run_.sampler, run_.model)
         sampled = {n: p.clone() for n, p in run_.sampler.named_parameters()}
@@ -1072,13 +1072,13 @@ def test_native_bf16_follows_the_cpu_and_onednns_cap():
     """ONEDNN_MAX_CPU_ISA=AVX2 (how docs/measurements.md emulates an AVX2-only CPU) takes native
     bf16 away, whatever the CPU; without the cap, the CPU's own flags decide."""
     env = {**GLOO, "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
-    ask = [sys.executable, "-c", "import policy; print(policy.native_bf16())"]
+    ask = [sys.executable, "-c", "from engine import precision; print(precision.native_bf16())"]
     capped = subprocess.run(ask, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert capped.stdout.strip() == "False", capped.stderr[-2000:]
     flags = open("/proc/cpuinfo").read().split() if os.path.exists("/proc/cpuinfo") else None
     if flags is not None:  # Linux: the kernel's flags say what the CPU has
         has = "avx512_bf16" in flags or "amx_tile" in flags
-        assert train.policy.native_bf16() == has
+        assert train.precision.native_bf16() == has
 
 
 def test_bf16_resume_continues_exactly(tmp_path):
@@ -1114,7 +1114,7 @@ def test_a_gpu_plans_logprob_chunks_of_1_gib_unless_told(monkeypatch, capsys):
     """On a GPU the logprob chunk defaults to plan.GPU_CHUNK_BYTES (fewer chunks, each writing and
     adding a whole lm_head gradient); the CPU keeps GRPOConfig's 64 MiB; an explicit --chunk_bytes
     wins on either. Read from --plan under --memory_budget, which prints the chunk it runs."""
-    import plan
+    from run import plan
 
     def chunk(*flags: str) -> int:
         argv = ["--plan", "--dim", "64", "--layers", "2", "--memory_budget", "4", *flags]
@@ -1133,13 +1133,13 @@ def test_a_gpu_plans_logprob_chunks_of_1_gib_unless_told(monkeypatch, capsys):
 def test_a_gpu_plan_takes_the_training_attention_route_from_packing(monkeypatch, capsys):
     """Regression: --plan and --memory_budget restated packing's CUDA route as "FlexAttention
     wherever torch has it", so a model that trains on padded rows with each prompt's K/V repeated
-    per row (packing.cuda_route's "padded": under graphs.MIN_COMPILE_PARAMS, or head_dim < 16)
+    per row (packing.cuda_route's "padded": under compiling.MIN_COMPILE_PARAMS, or head_dim < 16)
     was planned without those copies. Now the plan asks cuda_route itself: the repeated prompt
     for the default model in float32, none for a model worth compiling (FlexAttention) nor in
     bf16 with the varlen kernel; and with no GPU to ask for its compute capability (a plan for
     one on a machine without it), one of 8.0 or later is assumed instead of an error."""
-    import packing
-    import plan
+    from engine import packing
+    from run import plan
     seen = []
     step_transients = plan.step_transients
 
@@ -1175,7 +1175,7 @@ def test_a_gpu_without_a_budget_takes_the_largest_micro_batch_in_80_percent_of_i
     plan.GPU_MEMORY_SHARE of its memory, said in one line: all 16 groups in one micro-batch on
     80 GB; fewer on a device too small for that; a micro-batch flag keeps its micro-batch and
     --memory_budget 0 turns it off; the CPU keeps bound_micro_batch (no budget line)."""
-    import plan
+    from run import plan
     device = {"bytes": 80e9}
     monkeypatch.setattr(plan, "device_memory", lambda target: device["bytes"])
 

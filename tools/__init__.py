@@ -2,7 +2,7 @@
 A task's tool: what the model calls in the middle of its completion, and what it answers.
 
 A `Tool` is a function `fn(text, reference) -> str | None` and the token that ends a call. When a
-row samples that token, episodes.py asks for an answer: `fn` gets the row's text so far (a
+row samples that token, engine/episodes.py asks for an answer: `fn` gets the row's text so far (a
 `Completion`: every token of the episode, earlier answers included, decoded as the rewards see
 text, with the model's turns and the tool's answers told apart) and the prompt's reference (where a
 task keeps what its tool knows), and returns the observation's text, or None: the episode ends
@@ -28,13 +28,13 @@ and the input (train.py checkpoints the last finished step first). A call the MO
 malformed expression) is not a failure: the tool raises ToolError(message) and the row gets
 "error: message" as its observation, counted in the step's tool_errors. A call counts (calls,
 tool_errors, the turns) only once its whole answer entered the row: an answer that does not fit
-in the completion budget is rolled back (episodes.py, as TRL's tool loop): the row ends at its
+in the completion budget is rolled back (engine/episodes.py, as TRL's tool loop): the row ends at its
 call, uncounted. A fresh model's tokenizer holds the task's alphabet alone: an
 error message's characters outside it are dropped from the row, and the run says which once
 (`Responder.dropped`); a tool's own answer that the tokenizer cannot write stops the run.
 
 Function tools (TRL's `tools=` and `environment_factory`: schemas in the chat template, native
-calls parsed and dispatched, one tool message per call) are functions.py's; the Responder writes
+calls parsed and dispatched, one tool message per call) are tools/functions.py's; the Responder writes
 their answers as it writes a Tool's, and builds every Completion's `messages` (TRL's completion).
 Leaves out: tools running on a GPU.
 Tested by tests/test_episodes.py.
@@ -76,7 +76,7 @@ class Completion(str):
     the model ended it with a stop token (False: the budget, or a call past --max_turns).
     `messages`: the episode as TRL's completion (Responder.completions; the model's turns as
     assistant messages, each answer as its tool messages), and `environment`: the row's
-    environment instance (functions.py) or None."""
+    environment instance (tools/functions.py) or None."""
     parts: tuple[tuple[str, bool], ...]
     stopped: bool
     messages: list[dict]
@@ -132,7 +132,7 @@ class ToolFailure(ValueError):
 
 @dataclass
 class ToolMessages:
-    """A turn's function calls answered (functions.py): the tool messages, one per call in order,
+    """A turn's function calls answered (tools/functions.py): the tool messages, one per call in order,
     and how many of them tell the model its mistake."""
     messages: list[dict]
     errors: int
@@ -218,7 +218,7 @@ def call_ids(tool: Tool, tokenizer, stop_ids: tuple[int, ...]) -> tuple[int, ...
 class Responder:
     """Episodes.respond for one rollout: each waiting row's episode so far (a Completion) to its
     tool's observation ids. Keeps where each row's answers went, what they said and how many
-    mistakes they told; with function tools (`toolbox`, functions.py) it holds the rollout's
+    mistakes they told; with function tools (`toolbox`, tools/functions.py) it holds the rollout's
     tools (functions.RolloutTools): each row's environment, and the examples as reset() left
     their prompts."""
 
@@ -276,7 +276,7 @@ class Responder:
         return Completion(decode(tokens), split_parts(decode, tokens, own), stopped=False)
 
     def errors(self, calls: list[int]) -> int:
-        """The mistakes told in the calls that counted, calls[row] of each row (episodes.py): a
+        """The mistakes told in the calls that counted, calls[row] of each row (engine/episodes.py): a
         row's first answers, since an answer the budget could not hold ends its row."""
         return sum(errors for row, answers in self.answers.items()
                    for _, _, errors, _ in answers[:calls[row]])
@@ -297,7 +297,7 @@ class Responder:
         """The row as messages: the model's turns as assistant messages (for function tools as
         TRL parses them, from each turn's ids with its end token: content, reasoning_content,
         tool_calls), each answer's tool messages after the turn that called. An answer the budget
-        could not hold was rolled back (episodes.py): the row's last message is the call."""
+        could not hold was rolled back (engine/episodes.py): the row's last message is the call."""
         def assistant(tokens: list[int]) -> dict:
             text = self.tokenizer.decode(tokens)
             return self.toolbox.assistant(text) if self.toolbox else {"role": "assistant",

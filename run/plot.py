@@ -1,5 +1,5 @@
 """
-plot.py: runs' metrics.jsonl as one SVG picture, written by hand (no plotting library).
+run/plot.py: runs' metrics.jsonl as one SVG picture, written by hand (no plotting library).
 
 Two panels share the step axis. The top one holds each run's mean reward as a line with a band of
 +- its std over the step's completions, and the held-out eval_reward (greedy) as a dashed line with
@@ -10,7 +10,7 @@ one task read as seed0, seed1, ...). A null value (a step with nothing scored) i
 panel's axes follow the data: x from the first to the last step plotted, y from the lowest to the
 highest value plotted (band included).
 
-    python plot.py runs/a runs/b ... -o picture.svg [--title TEXT]
+    python run/plot.py runs/a runs/b ... -o picture.svg [--title TEXT]
 
 train.py calls write_svg(run_dirs, path, title) at each checkpoint and at the end;
 tests/bench_learning.py draws one picture per task with its seeds. Tested by tests/test_plot.py.
@@ -35,7 +35,7 @@ def read_metrics(run_dir: str) -> list[dict]:
     line elsewhere is an error that names it."""
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"plot.py: {path} does not exist (is {run_dir} a run's --out?)")
+        raise FileNotFoundError(f"run/plot.py: {path} does not exist (is {run_dir} a run's --out?)")
     with open(path) as f:
         lines = f.read().splitlines()
     records = []
@@ -44,7 +44,7 @@ def read_metrics(run_dir: str) -> list[dict]:
             records.append(json.loads(line))
         except json.JSONDecodeError:
             if i < len(lines):
-                raise ValueError(f"plot.py: {path}:{i} is not a JSON object") from None
+                raise ValueError(f"run/plot.py: {path}:{i} is not a JSON object") from None
     return records
 
 
@@ -157,7 +157,7 @@ def write_svg(run_dirs: list[str], path: str, title: str = "") -> None:
     """One picture of the runs' metrics.jsonl at path, written to a temporary name and renamed
     (a viewer never reads half a file)."""
     if not run_dirs:
-        raise ValueError("plot.py: no run directories to plot")
+        raise ValueError("run/plot.py: no run directories to plot")
     runs = [read_metrics(d) for d in run_dirs]
     steps = [s for records in runs for s, _ in points(records, "step")]
     x_lo, x_hi = data_range(steps)
@@ -195,7 +195,7 @@ def write_svg(run_dirs: list[str], path: str, title: str = "") -> None:
 
 
 def main(argv: list[str]) -> int:
-    usage = "usage: python plot.py RUN_DIR [RUN_DIR ...] -o PICTURE.svg [--title TEXT]"
+    usage = "usage: python run/plot.py RUN_DIR [RUN_DIR ...] -o PICTURE.svg [--title TEXT]"
     options = {"-o": "", "--title": ""}
     run_dirs = []
     if "-h" in argv or "--help" in argv:
@@ -205,12 +205,12 @@ def main(argv: list[str]) -> int:
     while i < len(argv):
         if argv[i] in options:
             if i + 1 == len(argv):
-                print(f"plot.py: {argv[i]} needs a value\n{usage}", file=sys.stderr)
+                print(f"run/plot.py: {argv[i]} needs a value\n{usage}", file=sys.stderr)
                 return 2
             options[argv[i]] = argv[i + 1]
             i += 2
         elif argv[i].startswith("-"):
-            print(f"plot.py: unknown option {argv[i]!r}\n{usage}", file=sys.stderr)
+            print(f"run/plot.py: unknown option {argv[i]!r}\n{usage}", file=sys.stderr)
             return 2
         else:
             run_dirs.append(argv[i])

@@ -9,24 +9,24 @@ against the one prompt K/V) and the own part (each row against its own keys). Th
 softmaxes are merged by their log-sum-exp: softmax over both = each part weighed by
 exp(lse_part - lse_all). One name, a suffix per implementation (docs/design.md's glossary):
 - shared_prompt_attention: the merge in plain tensor ops, any device, no gradient kernel of its
-  own (decode.py's float32 step and a tool's extend); the decode kernels' reference.
+  own (engine/decode.py's float32 step and a tool's extend); the decode kernels' reference.
 - shared_prompt_attention_repeated: the slow twin (the prompt repeated per row, one SDPA call
   under an (N, 1, T, P + T) mask), and the path of padded rows off the CPU.
 - SharedPromptAttentionPadded: the CPU's two fused flash kernels, forward and backward, on rows
-  padded to one length (packing.py's padded twin).
+  padded to one length (engine/packing.py's padded twin).
 - SharedPromptAttentionRagged: the same kernels on the packed row's rows at any lengths
-  (packing.py's training forward on a CPU): a group's tokens folded against its prompt, rows in
-  buckets of like lengths (length_buckets, which decode.py uses for its prompts too), no row
+  (engine/packing.py's training forward on a CPU): a group's tokens folded against its prompt, rows in
+  buckets of like lengths (length_buckets, which engine/decode.py uses for its prompts too), no row
   padded to the longest.
 - SharedPromptAttentionVarlen: CUDA's varlen flash kernel (torch >= 2.10's varlen_attn) on the
-  packed row's tokens as they are (packing.py's bf16 training forward there): three calls, the
+  packed row's tokens as they are (engine/packing.py's bf16 training forward there): three calls, the
   prompts causal, each group's rows as one query sequence against its prompt (the prompt part),
   each row causal (the own part); nothing padded at all. Its CPU twin (the kernel's math in tensor
   ops) is in the tests.
-The decode step's kernels (one query token per row) are decode.py's
+The decode step's kernels (one query token per row) are engine/decode.py's
 shared_prompt_attention_decode_cpu and _decode_cuda.
 
-Leaves out: the KV cache (decode.py), the model (model.py calls whichever hook it is given).
+Leaves out: the KV cache (engine/decode.py), the model (model.py calls whichever hook it is given).
 Shapes: Bp prompts, G rows per prompt, N = Bp*G, H/Hkv heads (rep = H/Hkv), T query tokens,
 S own keys, P prompt length, D head dim.
 Tested by tests/test_attention.py (and on CUDA by tests/test_grpo_cuda.py); benchmarked by
@@ -220,7 +220,7 @@ def length_buckets(lens: list[int]) -> list[tuple[int, int, int]]:
 
 @dataclass
 class RaggedLayout:
-    """Where the n packed completion tokens go in the kernels' rectangles (packing.py builds it
+    """Where the n packed completion tokens go in the kernels' rectangles (engine/packing.py builds it
     once per micro-batch). The prompt part folds each group's tokens, its rows one after the other,
     into (Bp, M) slots, M its largest group's; the own part runs rows in buckets of like lengths,
     each (rows_b, T_b) slots with a causal bias."""
@@ -368,7 +368,7 @@ FLASH_VARLEN = (flash_varlen, flash_varlen_backward)  # tests/test_attention.py:
 
 class SharedPromptAttentionVarlen(torch.autograd.Function):
     """Shared-prompt attention in CUDA's varlen flash kernel, on the packed row's tokens themselves
-    (packing.py's training attention on CUDA): q (L, H, D), k/v (L, Hkv, D), the Lp prompt tokens
+    (engine/packing.py's training attention on CUDA): q (L, H, D), k/v (L, Hkv, D), the Lp prompt tokens
     first, then the rows' tokens (a group's rows back to back). Three varlen calls (VarlenLayout):
     the prompts causal; the prompt part (each group's rows folded into one query sequence against
     its prompt's keys); the own part (each row causal on its own keys); the rows' two parts merged

@@ -5,25 +5,25 @@ each row's own keys, the rows that leave, and (for a tool's answer) a row extend
 - KVCache: one flat preallocated buffer (memory.py frees and re-creates it whole), carved per call
   into the shared prompt K/V (Bp, Hkv, P, D) and each row's completion K/V (R, Hkv, Tc, D).
 - DecodeAttention: each row writes its key at its own completion index and attends to its group's
-  prompt keys plus its own (shared-prompt attention, attention.py: the prompt part, the G rows of
+  prompt keys plus its own (shared-prompt attention, engine/attention.py: the prompt part, the G rows of
   a group folded against the one prompt K/V, and the own part, merged by log-sum-exp). Active rows
   sit in a grid of Bp' groups x G' slots (Layout). On the CPU, groups run in buckets of like
   prompt lengths through SDPA's fused kernel (shared_prompt_attention_decode_cpu); on CUDA the
-  step is a CUDA graph per layout (graphs.GraphedStep), and in bf16 both parts run in SDPA's
+  step is a CUDA graph per layout (compiling.GraphedStep), and in bf16 both parts run in SDPA's
   memory-efficient kernel, which reads the bf16 cache as it is
   (shared_prompt_attention_decode_cuda: no float32 copy of the KV, float32 accumulation inside
   the kernel). Float32 elsewhere: attention.shared_prompt_attention, the plain ops.
 - Decoder: the step over the active rows (model.hidden with the attention hook), each row's
   completion index (one for all in lockstep, each row's own after a tool turn), the dropping of
   finished ones, and extend(): a tool's observation prefilled into a row's own cache at its
-  position (ExtendAttention), rows then at their own lengths (episodes.py). On the kernel route
-  (bf16 / fp16 on CUDA) the step is compiled by torch.compile (graphs.CompiledStep: norms, RoPE,
+  position (ExtendAttention), rows then at their own lengths (engine/episodes.py). On the kernel route
+  (bf16 / fp16 on CUDA) the step is compiled by torch.compile (compiling.CompiledStep: norms, RoPE,
   the cache writes, residual adds, SwiGLU's product and the merge fused; counted on the CPU, 15
   launches a layer where the eager step runs 45: tests/bench_rollout.py --kernels), then captured
   per layout as above; float32 stays the plain exact eager step.
 
-Leaves out: sampling (sampling.py), the prefill and the loop (rollout.py), which rows end and
-what a tool answers (episodes.py), compiling and capturing a step (graphs.py).
+Leaves out: sampling (engine/sampling.py), the prefill and the loop (rollout.py), which rows end and
+what a tool answers (engine/episodes.py), compiling and capturing a step (engine/compiling.py).
 Shapes: Bp prompts, G samples per prompt, R = Bp*G rows, N active rows, S = Bp'*G' slots of the
 grid, P longest prompt, Tc completion length, H/Hkv heads, D head dim, V vocab.
 Tested by tests/test_rollout.py, tests/test_episodes.py and tests/test_graphs.py (the compiled
@@ -39,8 +39,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from attention import length_buckets, padding_bias, shared_prompt_attention
-from graphs import CompiledStep, GraphedStep, dynamic
+from engine.attention import length_buckets, padding_bias, shared_prompt_attention
+from engine.compiling import CompiledStep, GraphedStep, dynamic
 from model import ModelConfig
 
 # -----------------------------------------------------------------------------
@@ -226,7 +226,7 @@ def shared_prompt_attention_decode_cuda(q: Tensor, k: Tensor, v: Tensor, own_bia
     S, H, _, D = q.shape
     Hkv = k.shape[1]
     rep = H // Hkv
-    # The cache views' Hkv and D are the model's: under torch.compile static (graphs.dynamic
+    # The cache views' Hkv and D are the model's: under torch.compile static (compiling.dynamic
     # marks only their rows and lengths), so this costs nothing there.
     assert prompt_k.shape[1::2] == prompt_v.shape[1::2] == v.shape[1::2] == (Hkv, D)
     out_p, lse_p = prompt_part(q, prompt_k, prompt_v, prompt_bias, attend)  # (Bp,G,Hkv,rep,.)
@@ -254,7 +254,7 @@ class DecodeAttention:
     replay it; `own_len` (keys attended per row) is None under a graph or a compile (all Tc slots,
     masked: no Python number a compiled step would guard on), and the step + 1 written ones in
     eager mode. The dims that vary with the batch and the layout are marked for a compiled step
-    (graphs.dynamic): the rows, groups, slots, prompt and completion lengths, never the model's."""
+    (compiling.dynamic): the rows, groups, slots, prompt and completion lengths, never the model's."""
 
     def __init__(self, views: tuple[list[Tensor], ...], step: Tensor, completion_len: int):
         self.prompt_k, self.prompt_v, self.own_k, self.own_v = views
@@ -308,7 +308,7 @@ class DecodeAttention:
                             for first, stop, keys in self.buckets]
 
     def mark_dynamic(self) -> None:
-        """Mark the dims a compiled step keeps dynamic (graphs.dynamic): the cache views' rows and
+        """Mark the dims a compiled step keeps dynamic (compiling.dynamic): the cache views' rows and
         lengths (Bp, ., P, .) and (Bp*G, ., Tc, .), this batch's, and the layout's tensors."""
         for x in self.prompt_k + self.prompt_v + self.own_k + self.own_v:
             dynamic(x, 0, 2)
@@ -388,7 +388,7 @@ class Decoder:
     the steps share: which rows are active (`rows`, global ids), the attention's layout, each row's
     first position and completion index (`t`, every row's in lockstep; `at`, each row's own after
     a tool turn), the compiled step and the CUDA graph of the current layout. `compiled`: the
-    step through torch.compile (graphs.CompiledStep) where the attention takes the kernel route
+    step through torch.compile (compiling.CompiledStep) where the attention takes the kernel route
     (bf16 / fp16 on CUDA); float32 stays the plain exact eager one."""
 
     def __init__(self, model: torch.nn.Module, views: tuple[list[Tensor], ...],
@@ -429,7 +429,7 @@ class Decoder:
 
     def structure(self, tokens: Tensor) -> str:
         """What a compile of the step specialises on besides the sizes marked dynamic (a refused
-        compile leaves that structure eager: graphs.CompiledStep): rows scattered into a grid with
+        compile leaves that structure eager: compiling.CompiledStep): rows scattered into a grid with
         empty slots, padded prompts, the longest prompt gone, a dim of size 1."""
         a = self.attention
         Bp, P = a.prompt_valid.shape
@@ -443,7 +443,7 @@ class Decoder:
 
     def compiled_forward(self, tokens: Tensor) -> Tensor:
         """forward through the compiled step, the dims that vary with the layout and the batch
-        marked (graphs.dynamic), once a layout (the first marks import dynamo: the eager route
+        marked (compiling.dynamic), once a layout (the first marks import dynamo: the eager route
         never does); tokens at every call: a CUDA graph captures on a copy, which has no mark."""
         if not self.marked:
             self.attention.mark_dynamic()
@@ -525,7 +525,7 @@ class ExtendAttention:
     def __init__(self, decode: DecodeAttention, picks: list[int], counts: list[int],
                  start: Tensor, G: int, prompt_lens: list[int]):
         layout = decode.layout
-        rows = [layout.rows[i] for i in picks]  # ascending: episodes.py answers rows in order
+        rows = [layout.rows[i] for i in picks]  # ascending: engine/episodes.py answers rows in order
         grid = Layout.of(rows, G, prompt_lens)
         group_of = {p: i for i, p in enumerate(layout.groups)}
         device = start.device

@@ -1,6 +1,6 @@
 """
 The command line of train.py: flags from the config dataclasses, --help, and the checks a run's
-configs need before anything is built (the step line is report.py's).
+configs need before anything is built (the step line is run/report.py's).
 
 Every knob has one home, the dataclass of the file that uses it (train.py's SECTIONS: TrainConfig,
 rollout.RolloutConfig, grpo.GRPOConfig, memory.MemoryConfig, tp.ParallelConfig). `--field value`
@@ -195,7 +195,7 @@ def check_config(cfgs) -> None:
     if cfg.eval_data and not cfg.eval_every:
         raise ValueError(f"--eval_data {cfg.eval_data} is read by the evaluation, which "
                          "--eval_every 0 turns off; drop one of them")
-    if not cfg.model:  # a fresh model's shape (a checkpoint's is checked by hf.py)
+    if not cfg.model:  # a fresh model's shape (a checkpoint's is checked by engine/hf.py)
         if cfg.heads % cfg.kv_heads:
             raise ValueError(f"--heads {cfg.heads} must be a multiple of --kv_heads "
                              f"{cfg.kv_heads} (each key/value head serves a group of heads)")

@@ -21,7 +21,7 @@ Rows holds each row as the decode loop (rollout.py) writes it, and the two piece
   that does not fit in the budget is rolled back, as TRL's tool loop rolls it back: the row ends
   at its call, stopped when the call token is a stop id (TRL's completion ends with its EOS).
 
-Leaves out: the decoding itself (rollout.py, decode.py), tools running concurrently with decoding
+Leaves out: the decoding itself (rollout.py, engine/decode.py), tools running concurrently with decoding
 (they run at the check, while the batch waits), stop strings (calls and stops are token ids).
 Shapes: R rows, Tc the completion budget.
 Tested by tests/test_episodes.py; benchmarked by tests/bench_rollout.py (a tool turn against
@@ -83,7 +83,7 @@ class Rows:
 
     def first_nan(self, active: list[int]) -> int | None:
         """The first completion index since the last check where a row's logprob is NaN, or None.
-        The draw gives a row NaN when its logits hold NaN or +inf, or are all -inf (sampling.py):
+        The draw gives a row NaN when its logits hold NaN or +inf, or are all -inf (engine/sampling.py):
         on the device no step checks its logits; here, at the check that syncs anyway, one
         reduction over the steps since the last one finds them (one host copy)."""
         first = min(self.scanned[r] for r in active)

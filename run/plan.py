@@ -27,14 +27,14 @@ from functools import partial
 import torch
 import torch.nn as nn
 
-from decode import kernel_for
-from graphs import decide, unsupported, worth_compiling
+from engine.decode import kernel_for
+from engine.compiling import decide, unsupported, worth_compiling
 from grpo import GRPOConfig
-from logprobs import chunk_rows
+from engine.logprobs import chunk_rows
 from lora import adapted, trainable
 from memory import MemoryConfig, PhaseManager
 from model import ModelConfig
-from packing import cuda_route
+from engine.packing import cuda_route
 from rollout import KVCache, RolloutConfig
 
 # -----------------------------------------------------------------------------
@@ -121,7 +121,7 @@ def micro_batch_memory(config: ModelConfig, groups: float, G: int, prompt_len: i
     Tr tokens (T = Tr - 1 fed) holds at its largest moments, per rank, besides the weights, grads
     and optimizer state (memory.py plans those): {"forward", "backward", "no grad"} (the last:
     old or reference logprobs). The prompts and completions run packed, one row through every
-    block (packing.py; `groups` may be a fraction: a token budget's share). Per layer, with
+    block (engine/packing.py; `groups` may be a fraction: a token budget's share). Per layer, with
     block_bytes' per-token terms:
         prompt tokens      full blocks
         completion tokens  full blocks; with repeated_prompt (packing.cuda_route's "padded":
@@ -133,7 +133,7 @@ def micro_batch_memory(config: ModelConfig, groups: float, G: int, prompt_len: i
     entry forward: float32 logits and exp; 16 + a backward, and a (V, C) lm_head grad per chunk),
     the SwiGLU's 3 (inference) or 2 (gradients) I-wide tensors, the hidden states' (N, Tr, C).
     Under tensor parallelism a tied head's (V/tp, C) gradient waits in autograd for the
-    embedding's, the last node of backward (on one rank both go into .grad: logprobs.py,
+    embedding's, the last node of backward (on one rank both go into .grad: engine/logprobs.py,
     memory.grads_into_weight). autocast (bf16 over fp32 weights): block_bytes' autocast norms,
     the a-byte copy of every block weight autocast caches for its context (block_weight_bytes).
     frozen (LoRA, lora.py): the base's weights are in the compute dtype, so autocast casts and
@@ -266,8 +266,8 @@ def phase_peaks(mem: PhaseManager, transients: dict[str, int], target: str | tor
 
 def stacked_decode(setting: str, sampler: nn.Module, target: str, tp_size: int) -> bool:
     """Whether generate's decode runs compiled on stacked weights (rollout.py, decode.Decoder):
-    graphs.decide on the target's device, where the step takes a fused kernel (decode.kernel_for:
-    CUDA, bf16 / fp16) and torch compiles (graphs.unsupported), on one tensor-parallel rank (tp's
+    compiling.decide on the target's device, where the step takes a fused kernel (decode.kernel_for:
+    CUDA, bf16 / fp16) and torch compiles (compiling.unsupported), on one tensor-parallel rank (tp's
     vocab gather keeps the step eager)."""
     kernel = kernel_for(torch.device(target), next(sampler.parameters()).dtype,
                         sampler.config.head_dim)
@@ -279,7 +279,7 @@ def training_route(model: nn.Module, target: str, dtype: str) -> str:
     """The training attention's route on `target` for a model trained in `dtype` (train.py's
     --dtype: bf16 autocast hands the attention bf16): "cpu" off CUDA, else packing.cuda_route's,
     as packed_hidden takes it. Its "padded" repeats each prompt's K/V per row (micro_batch_memory's
-    repeated_prompt): a model under graphs.MIN_COMPILE_PARAMS or with head_dim < 16, in float32
+    repeated_prompt): a model under compiling.MIN_COMPILE_PARAMS or with head_dim < 16, in float32
     or without the varlen kernel."""
     if torch.device(target).type != "cuda":
         return "cpu"

@@ -22,7 +22,7 @@ all-or-nothing reward does to a model that never earns it. A step whose every sa
 correct, or earns the run's top reward, counts as learned, not stuck; the message says whether
 every sample earned one reward or each prompt's samples one of their own.
 
-Leaves out: wandb and other loggers (metrics.jsonl is the record; plot.py draws it).
+Leaves out: wandb and other loggers (metrics.jsonl is the record; run/plot.py draws it).
 Tested by tests/test_train.py.
 """
 

@@ -17,7 +17,7 @@ Prompts are left-truncated to a length (the question sits at the end). A checkpo
 writes carries these files verbatim (save_pretrained), so transformers reads it as the source.
 A tool turn (multi-turn tool use) is the text the template writes between an assistant message's
 content and the next generation prompt when tool messages follow, cut out of one rendering. A task's
-function tools (functions.py) reach the template as `tools`, their JSON schemas, as transformers'
+function tools (tools/functions.py) reach the template as `tools`, their JSON schemas, as transformers'
 `apply_chat_template(..., tools=...)` passes them (None without: some templates test for it).
 
 Leaves out: documents in templates, multimodal content, assistant masks,

@@ -16,7 +16,7 @@ nothing). The forward runs sum(p_g) + sum(c_i - 1) tokens where the padded one r
 and the prompt stays in the graph: the gradients of all G rows sum into it (TRL PR #2669, exact).
 
 Attention over the packed row (packed_attention, a suffix per device): the prompts causal, the
-rows in shared-prompt attention (attention.py: the prompt part and the own part, merged by
+rows in shared-prompt attention (engine/attention.py: the prompt part and the own part, merged by
 log-sum-exp).
 - packed_attention_cpu: the project's flash kernels. The prompts are scattered into (Bp, H, P, D)
   and run causal SDPA; the rows go to attention.SharedPromptAttentionRagged as they are: each
@@ -31,7 +31,7 @@ log-sum-exp).
   (float32, older torch) packed_attention_flex, FlexAttention over the packed row under a block
   mask built from per-token tensors (segment, group, is-prompt, position), compiled once per
   process, the mask once per micro-batch, for a model whose steps pay a compile back
-  (graphs.worth_compiling); else packed_attention_cpu with padded views of the repeated-prompt
+  (compiling.worth_compiling); else packed_attention_cpu with padded views of the repeated-prompt
   twin. A fallback says why in one line (train.py prints it at the first
   step). The varlen route's fold, merge and backward are tested on the CPU with the kernel's math
   twin in its place, the flex route's values on the CPU (eager flex_attention has no CPU
@@ -53,10 +53,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from attention import (CPU_FLASH, FLASH_VARLEN, RaggedLayout, Segments, SharedPromptAttentionPadded,
+from engine.attention import (CPU_FLASH, FLASH_VARLEN, RaggedLayout, Segments, SharedPromptAttentionPadded,
                        SharedPromptAttentionRagged, SharedPromptAttentionVarlen, VarlenLayout,
                        causal_bias, length_buckets, padding_bias, shared_prompt_attention_repeated)
-from graphs import worth_compiling
+from engine.compiling import worth_compiling
 from model import causal_attention
 
 try:  # torch >= 2.5; compiled on CUDA, where it has a backward
@@ -325,7 +325,7 @@ def device_capability() -> tuple[int, int] | None:
 def cuda_route(dtype: torch.dtype, head_dim: int, compiles: bool = True) -> tuple[str, str]:
     """The CUDA training attention for the compute dtype: "varlen" (bf16 or fp16, torch >= 2.10,
     head_dim a multiple of 8 up to 256, flash kernels built), else "flex" (FlexAttention,
-    compiled) where a compile pays (`compiles`: graphs.worth_compiling; FlexAttention's compile
+    compiled) where a compile pays (`compiles`: compiling.worth_compiling; FlexAttention's compile
     took 25 s of the default run's first two steps on an H200), else "padded" (padded views of
     the repeated-prompt twin, eager); and, when it is not varlen, the one line that says why.
     FlexAttention's CUDA lowering refuses a head_dim under 16 (inductor raises
@@ -349,7 +349,7 @@ def cuda_route(dtype: torch.dtype, head_dim: int, compiles: bool = True) -> tupl
     flex = ("this torch has no FlexAttention" if not FLEX_ON_CUDA else
             f"FlexAttention's CUDA kernel takes head_dim 16 or more, not {head_dim}"
             if head_dim < 16 else "FlexAttention compiles, which this model's steps never pay "
-            "back (graphs.worth_compiling)")
+            "back (compiling.worth_compiling)")
     return "padded", f"training attention: padded rows, the prompt repeated per row: {why}; {flex}"
 
 

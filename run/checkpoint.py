@@ -17,7 +17,7 @@ It is written under `step-000123.tmp/` and renamed when complete (a rename is at
 seeds of a step are a function of (seed, step), so weights + optimizer state + step are all a
 resumed run needs. A sharded model is gathered and written as the same tensors a one-process model
 writes (a tied lm_head once, as the embedding); loading checks every tensor's name and shape
-(hf.py), and the optimizer state is loaded only if it covers every parameter with its shape.
+(engine/hf.py), and the optimizer state is loaded only if it covers every parameter with its shape.
 
 The output directory holds one run: a new run into an --out that holds one is refused, unless it
 is resumed or explicitly overwritten, and nothing of the old run is touched (nor anything written
@@ -44,7 +44,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from hf import write_pretrained
+from engine.hf import write_pretrained
 from model import ModelConfig
 
 MASTER = "master"  # the fp32 master weights' subdirectory of a bf16 run's checkpoint

@@ -1,5 +1,5 @@
 """
-The Hugging Face format: checkpoint directories in and out (tokenizers: tokenizer.py).
+The Hugging Face format: checkpoint directories in and out (tokenizers: engine/tokenizer.py).
 
 Checkpoints in: config.json in the transformers 4 layout (top-level rope_theta / rope_scaling) or
 the 5 layout (rope_parameters), for LlamaForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM. Every

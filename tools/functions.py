@@ -6,7 +6,7 @@ parsed and dispatched, and environments that keep a row's state.
 1. Schemas. A function with type hints and a Google-style docstring becomes the JSON schema that
    transformers' get_json_schema builds (name, description, parameters: types, descriptions,
    `(choices: [...])` enums, required), which the checkpoint's chat template renders as
-   `apply_chat_template(messages, tools=schemas)` does (tokenizer.py): Qwen's `# Tools` system
+   `apply_chat_template(messages, tools=schemas)` does (engine/tokenizer.py): Qwen's `# Tools` system
    block, Llama 3.1's JSON in the first user message. A template that renders no tools (SmolLM2's)
    leaves the announcing to the task's own prompt, and the first step says so.
 2. Calls. The model's turn ends (its stop token: tools.Tool's call ""), and it is parsed as TRL
