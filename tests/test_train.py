@@ -1678,3 +1678,45 @@ def test_under_tensor_parallelism_one_rank_calls_the_tool_and_its_failure_stops_
     assert "rank 1 called" not in output
     done = len(records(tmp_path / "run"))
     assert done >= 1 and os.listdir(tmp_path / "run").count(f"step-{done:06d}") == 1
+
+
+def test_imports_go_one_way():
+    """The layout's rule (README's reading order): model.py and memory.py import nothing of ours,
+    engine/ builds on them, the concepts on engine/, run/ on the concepts, train.py on everything;
+    within a floor imports form no circle, nothing imports train.py, and the top holds the concept
+    files alone (at most 10)."""
+    import ast
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    files = {}
+    for folder in ("", "engine", "run", "tools"):
+        for name in sorted(os.listdir(os.path.join(root, folder))):
+            if name.endswith(".py"):
+                module = (folder + "." if folder else "") + name[:-3]
+                files[module.removesuffix(".__init__")] = os.path.join(root, folder, name)
+    assert len([m for m in files if "." not in m and m != "tools"]) <= 10, sorted(files)
+
+    def floor(module: str) -> int:
+        if module in ("model", "memory"):
+            return 0
+        if module == "train":
+            return 4
+        return {"engine": 1, "run": 3}.get(module.split(".")[0], 2)
+
+    imports = {}
+    for module, path in files.items():
+        found = set()
+        for node in ast.walk(ast.parse(open(path).read())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+                     if isinstance(node, ast.ImportFrom) and node.module and not node.level else [])
+            found |= {n for n in names if n in files and n != module}
+        imports[module] = found
+        for other in found:
+            assert floor(other) <= floor(module), f"{module} imports {other}: upward"
+            assert other != "train", f"{module} imports train.py"
+
+    def reaches(start: str, goal: str, seen: set) -> bool:
+        return any(n == goal or (n not in seen and not seen.add(n) and reaches(n, goal, seen))
+                   for n in imports[start] if floor(n) == floor(start))
+    for module in files:
+        assert not reaches(module, module, set()), f"{module} is in an import circle"
