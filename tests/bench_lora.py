@@ -46,9 +46,11 @@ from model import Llama, ModelConfig  # noqa: E402
 
 
 class Variant:
-    def __init__(self, kind: str, cfg: ModelConfig, dtype: str, device: str):
+    def __init__(self, kind: str, cfg: ModelConfig, dtype: str, device: str, build=None):
+        """`build(cfg)`: the float32 model (default: init_weights on the CPU; the GPU check draws
+        a published shape's weights on the GPU instead, bench_limits.build)."""
         self.kind, self.dtype = kind, dtype
-        model = Llama(cfg).init_weights(0)
+        model = build(cfg) if build else Llama(cfg).init_weights(0)
         self.bf16 = dtype == "bfloat16"
         self.sampler_bytes = 0
         if kind == "full":
@@ -76,36 +78,47 @@ class Variant:
         return sum(t.numel() * t.element_size() for t in tensors) + self.sampler_bytes
 
 
-def train(cfg: ModelConfig, dtype: str, device: str, rounds: int, batch: int, length: int):
+def train_rows(cfg: ModelConfig, dtype: str, device: str, rounds: int, batch: int, length: int,
+               build=None, kinds=("full", "lora q,v", "lora all")):
+    """One training step (forward, backward, AdamW) of each variant on one batch: its trainable
+    parameters, the best of `rounds` seconds, the bytes it keeps (resident) and the step's peak
+    above them. Yields a row per variant, full fine-tuning's first, each measured alone."""
     tokens = torch.randint(0, cfg.vocab_size, (batch, length + 1), device=device)
-    variants = {k: Variant(k, cfg, dtype, device) for k in ("full", "lora q,v", "lora all")}
-    peaks = {}
-    for name, v in variants.items():
+    for kind in kinds:
+        v = Variant(kind, cfg, dtype, device, build)
         v.step(tokens)  # warm-up: AdamW state allocated, kernels chosen
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
             before = torch.cuda.memory_allocated()
             v.step(tokens)
-            peaks[name] = torch.cuda.max_memory_allocated() - before
+            peak = torch.cuda.max_memory_allocated() - before
         else:
-            peaks[name] = allocator_peak(lambda: v.step(tokens))
-    best = {name: float("inf") for name in variants}
-    for _ in range(rounds):
-        for name, v in variants.items():
+            peak = allocator_peak(lambda: v.step(tokens))
+        best = float("inf")
+        for _ in range(rounds):
             t0 = time.perf_counter()
             v.step(tokens)
             if device == "cuda":
                 torch.cuda.synchronize()
-            best[name] = min(best[name], time.perf_counter() - t0)
-    full = variants["full"]
+            best = min(best, time.perf_counter() - t0)
+        yield dict(variant=kind, trainable_m=sum(p.numel() for p in lora.trainable(v.model)) / 1e6,
+                   seconds=best, resident_mb=v.resident() / 2**20, peak_mb=peak / 2**20)
+        del v
+        if device == "cuda":
+            torch.cuda.empty_cache()
+
+
+def train(cfg: ModelConfig, dtype: str, device: str, rounds: int, batch: int, length: int):
+    rows = list(train_rows(cfg, dtype, device, rounds, batch, length))
+    full = rows[0]
     print(f"\ntrain, --dtype {dtype}: batch {batch} x {length} tokens; best of {rounds} rounds")
     print(f"{'variant':<10}{'trainable M':>12}{'s/step':>9}{'x full':>8}{'resident MB':>13}"
           f"{'x full':>8}{'step peak MB':>14}{'x full':>8}")
-    for name, v in variants.items():
-        count = sum(p.numel() for p in lora.trainable(v.model)) / 1e6
-        print(f"{name:<10}{count:>12.2f}{best[name]:>9.3f}{best[name] / best['full']:>8.2f}"
-              f"{v.resident() / 2**20:>13.1f}{v.resident() / full.resident():>8.2f}"
-              f"{peaks[name] / 2**20:>14.1f}{peaks[name] / peaks['full']:>8.2f}")
+    for r in rows:
+        print(f"{r['variant']:<10}{r['trainable_m']:>12.2f}{r['seconds']:>9.3f}"
+              f"{r['seconds'] / full['seconds']:>8.2f}{r['resident_mb']:>13.1f}"
+              f"{r['resident_mb'] / full['resident_mb']:>8.2f}{r['peak_mb']:>14.1f}"
+              f"{r['peak_mb'] / full['peak_mb']:>8.2f}")
 
 
 PREPACKED = rollout._prepacked_linears  # rollout.py's route: an adapter merged into the copy

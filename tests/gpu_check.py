@@ -177,6 +177,19 @@ def part_train(dry: bool):
         if r["peak_gb"] is not None:  # None on the CPU
             out["peak_gb"] = max(out.get("peak_gb", 0), r["peak_gb"])
         yield out
+    # Then LoRA beside full fine-tuning: one whole step (forward, backward, AdamW) each, bf16 on
+    # the GPU (full: fp32 master under autocast; LoRA: the base frozen in bf16, fp32 adapters).
+    import bench_lora
+    import torch
+    cfg = bench_limits.tiny_model().config if dry else bench_limits.SHAPES[SHAPE]
+    build = None if dry else lambda c: bench_limits.build(SHAPE, torch.float32, "cuda")
+    for r in bench_lora.train_rows(cfg, "float32" if dry else "bfloat16", "cpu" if dry else "cuda",
+                                   rounds=1 if dry else 3, batch=2 if dry else 8,
+                                   length=16 if dry else 512, build=build):
+        out[f"step {r['variant']}"] = dict(s=r["seconds"], peak_gb=r["peak_mb"] / 1024,
+                                          resident_gb=r["resident_mb"] / 1024,
+                                          trainable_m=r["trainable_m"])
+        yield out
 
 
 def part_compile(dry: bool):
@@ -747,6 +760,14 @@ def summary(report: dict) -> list[tuple[str, str, str]]:
                      f"{get('train', 'mean 1/3 packed/padded over share')}; "
                      f"{get('train', 'mean 1/3, 4 groups a micro-batch packed/padded over share')}",
                      "<= 1.2"))
+        full = value("train", "step full", "s")
+        rows.append(("train step (AdamW included), LoRA all-linear / q,v against full "
+                     "fine-tuning: s; resident GB, LoRA all-linear / full; step peak GB, the same",
+                     f"{ratio(value('train', 'step lora all', 's'), full, '{:.2f}')} / "
+                     f"{ratio(value('train', 'step lora q,v', 's'), full, '{:.2f}')}; " +
+                     "; ".join(" / ".join(get("train", f"step {k}", key, fmt="{:.2f}")
+                                          for k in ("lora all", "full"))
+                               for key in ("resident_gb", "peak_gb")), ""))
     if "compile" in parts:
         rows.append(("first step's compile (s), cold / warm cache",
                      f"{get('compile', 'cold', 'compile_s', fmt='{:.1f}')} / "
