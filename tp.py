@@ -1,8 +1,8 @@
 """
 Tensor parallelism (Megatron-LM style, by hand) for model.py's Llama, the tp x dp process groups,
-the gradient-norm clip over both, and data parallelism's few collectives (at the end); the tp ranks
-hold the same rows, so a task's tool is called on the first alone and its answers broadcast
-(on_first_rank).
+the gradient-norm clip over both, and data parallelism's few collectives (at the end). (The tp
+ranks hold the same rows: a task's tool is called on the first alone, tools/runtime.py's
+on_first_rank.)
 
 TP splits each block over the tp ranks: q/k/v and gate/up are column-parallel (H/tp heads, I/tp of
 the SwiGLU width per rank, their biases split alike; Qwen3's per-head q/k norms replicated, their
@@ -609,25 +609,6 @@ def gather_vocab(logits: Tensor, groups: ParallelGroups) -> Tensor:
     _all_gather(parts, logits.contiguous().view(-1), group=groups.tp_group)
     parts = parts.view(groups.tp_size, *logits.shape).movedim(0, -2)  # (..., tp, V/tp)
     return parts.reshape(*logits.shape[:-1], -1)  # (..., V)
-
-
-def on_first_rank(fn: Callable, groups: ParallelGroups, failure: type[Exception], *args):
-    """fn(*args) on the tp group's first rank alone, its result broadcast to the others: the tp
-    ranks hold the same rows, so they must get one answer (a task's tool need not be
-    deterministic). A `failure` it raises is raised on every rank, its message on the first alone
-    (said once)."""
-    result = [None]
-    if groups.tp_rank == 0:
-        try:
-            result = [(True, fn(*args))]
-        except failure as e:
-            result = [(False, str(e))]
-    first = dist.get_global_rank(groups.tp_group, 0)
-    dist.broadcast_object_list(result, src=first, group=groups.tp_group)  # TP: the first's result
-    done, value = result[0]
-    if not done:
-        raise failure(value if groups.tp_rank == 0 else "")
-    return value
 
 # -----------------------------------------------------------------------------
 # Vocab-parallel logprobs and entropy

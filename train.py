@@ -8,7 +8,7 @@ adapters on a frozen base), the optimizer and the memory phases. step() is one G
 
     1. draw the step's prompts (a function of seed and step: a resumed run draws the same ones)
     2. rollout phase: sync the sampler's weights from the trainer, sample G completions per prompt
-       (with a task's tool, multi-turn episodes: tools.py answers, rollout.py continues the row)
+       (with a task's tool, multi-turn episodes: tools/ answers, rollout.py continues the row)
     3. decode the completions and score them with the task's reward functions
     4. group advantages over every dp rank's rewards; --dynamic_sampling repeats 1-4 (DAPO)
     5. old logprobs (mu > 1; at mu = 1 they are the loss's logp.detach()), reference (beta > 0)
@@ -21,7 +21,7 @@ run/plot.py), and clean stops (Ctrl-C or SIGTERM: finish the step, checkpoint, e
 run going nowhere: one line and a checkpoint).
 
 Parallelism: world = tp x dp. The tp ranks of a dp group hold one sharded model (tp.py) and see the
-same prompts and tokens (the first calls the task's tool: tp.on_first_rank); each dp group takes its
+same prompts and tokens (the first calls the task's tool: tools/runtime.py); each dp group takes its
 own slice of the prompts; gradients are summed over dp (tp.py gathers rewards and sums counts and
 metrics). Loss normalisers count the whole generation batch on all ranks, so the update does not
 depend on how the batch is split.
@@ -62,7 +62,6 @@ from engine.hf import load_config, load_generation_config, load_model, save_mode
 from model import Llama, ModelConfig
 from run import checkpoint, cli, plan, plot, report
 from tasks import Task
-from tools import functions
 
 # -----------------------------------------------------------------------------
 # Config and command line
@@ -339,8 +338,7 @@ class Run:
     task: Task
     tokenizer: tk.PromptTokenizer
     stop_ids: tuple[int, ...]        # config.json's and generation_config.json's eos ids
-    call_ids: tuple[int, ...]        # the task's tool-call token ids; () = no tool (tools.py)
-    toolbox: functions.Toolbox | None  # the task's function tools and environment
+    tools: tools.TaskTools | None    # the task's tools as this run calls them (tools/)
     generation_config: dict | None   # the source's, copied into every checkpoint
     model: Llama
     sampler: Llama                   # the trainer itself, or a copy in --sampler_dtype
@@ -356,7 +354,10 @@ class Run:
     logprob_fn: object = None        # TP: vocab-parallel logprobs
     signals: checkpoint.StopSignals = field(default_factory=checkpoint.StopSignals)
     notes: list[str] = field(default_factory=list)  # lines printed at the first step
-    dropped: set[str] = field(default_factory=set)  # characters of tool errors said dropped
+
+    @property
+    def calls_tools(self) -> bool:  # a tool is called (--use_tools false: a call is text)
+        return self.tools is not None and bool(self.tools.call_ids)
 
     @property
     def local_prompts(self) -> int:  # this dp rank's share of the generation batch
@@ -420,20 +421,9 @@ def setup(values: dict[str, object]) -> Run:
     plan.fit(mem, cfgs, model, sampler, reference, local_prompts, groups.tp_size, device.type,
              explicit)  # --memory_budget's micro-batch and chunk, or the default's bound
     stop_ids = stop_token_ids(model.config, generation_config)
-    call_ids, toolbox = (), None
-    if task.tool is not None and cfgs.tools.tools:
-        try:
-            call_ids = tools.call_ids(task.tool, tokenizer, stop_ids)
-        except ValueError as e:
-            raise ValueError(f"task {task.name}: {e}") from None
-    if task.tools or task.environment_factory is not None:
-        toolbox, note = functions.build(task, tokenizer, stop_ids, groups.tp_size,
-                                        cfgs.prompt.template_variables())
-        task = dataclasses.replace(task, rewards=[*task.rewards, (toolbox.reward, 1.0)]
-                                   ) if toolbox.reward else task
-        call_ids = stop_ids if cfgs.tools.tools else ()  # a call ends the model's turn
-        notes.append(note)
-    run = Run(cfgs, rank, groups, device, task, tokenizer, stop_ids, call_ids, toolbox,
+    task, task_tools, note = tools.setup(task, tokenizer, stop_ids, cfgs.tools, cfgs.prompt, groups)
+    notes.append(note)
+    run = Run(cfgs, rank, groups, device, task, tokenizer, stop_ids, task_tools,
               generation_config, model, sampler, reference, optimizer, mem, cache, start=start,
               opt_step=start * cfgs.grpo.mu,
               health=report.Health(cfg.max_bad_steps, cfg.max_unscored_steps, cfg.max_flat_steps))
@@ -469,7 +459,7 @@ def draw_prompts(run: Run, step: int, round: int = 0) -> tuple[list[list[int]], 
         raise StopTraining(str(e)) from None
     lo = run.groups.dp_rank * run.local_prompts
     examples = examples[lo:lo + run.local_prompts]
-    responder = episodes_for(run, examples, run.cfgs.rollout.num_samples)
+    responder = run.tools.start(examples, run.cfgs.rollout.num_samples) if run.tools else None
     examples = responder.examples if responder else examples
     ids, truncated = encode_prompts(run, [prompt for prompt, _ in examples])
     return ids, examples, truncated, responder
@@ -482,7 +472,7 @@ def encode_prompts(run: Run, prompts: list) -> tuple[list[list[int]], int]:
     try:
         ids, truncated = run.tokenizer.encode_prompts(
             prompts, run.cfgs.prompt, run.cfgs.train.max_prompt_len,
-            run.toolbox.schemas if run.toolbox else None)
+            run.tools.schemas if run.tools else None)
         hint = " (lower --max_prompt_len or --max_new_tokens)"
         if ids:
             rollout.check_prompts(ids, run.stop_ids, run.cfgs.rollout.max_new_tokens,
@@ -492,30 +482,15 @@ def encode_prompts(run: Run, prompts: list) -> tuple[list[list[int]], int]:
     return ids, truncated
 
 
-def episodes_for(run: Run, examples: list[tuple], G: int) -> tools.Responder | None:
-    """The rollout's tool (tools.py; with --tools false it answers nothing but still builds the
-    completions' messages and environments), or None when the task has none."""
-    if not run.task.has_tools:
-        return None
-    return tools.Responder(run.task, run.tokenizer, examples, G, run.cfgs.tools, run.cfgs.prompt,
-                           run.toolbox)
-
-
-def sample(run: Run, prompts: list[list[int]], cfg: rollout.RolloutConfig, seed: int | None,
-           responder: tools.Responder | None) -> rollout.Rollout:
-    """rollout.generate with this run's sampler, cache and stops, and the task's tool."""
-    episodes = None
-    if responder is not None and run.call_ids:
-        respond = responder
-        if run.groups.tp_size > 1:  # the first tp rank calls the tool, each rank writes its answers
-            def respond(calls):
-                return responder.apply(calls, tp.on_first_rank(responder.answer, run.groups,
-                                                               tools.ToolFailure, calls))
-        episodes = rollout.Episodes(respond, run.call_ids, run.cfgs.tools.max_turns)
+def roll_out(run: Run, prompts: list[list[int]], cfg: rollout.RolloutConfig, seed: int | None,
+             responder: tools.Responder | None) -> rollout.Rollout:
+    """The rollout: rollout.generate with this run's sampler, cache and stops, and the task's
+    tool (the responder's episodes)."""
     with run.phase("rollout"):
         rollout.sync_weights(run.sampler, run.model)
         return rollout.generate(run.sampler, prompts, cfg, stop_ids=run.stop_ids, seed=seed,
-                                cache=run.cache, logits_fn=run.logits_fn, episodes=episodes)
+                                cache=run.cache, logits_fn=run.logits_fn,
+                                episodes=responder.episodes if responder else None)
 
 
 def completion_texts(run: Run, out: rollout.Rollout, responder: tools.Responder | None) -> list:
@@ -526,11 +501,9 @@ def completion_texts(run: Run, out: rollout.Rollout, responder: tools.Responder 
     texts = run.tokenizer.decode_completions(ids, stopped)
     if responder is None:
         return texts
-    if responder.dropped - run.dropped and run.rank == 0:
-        run.dropped |= responder.dropped
-        print(f"note: task {run.task.name}: tool error messages hold characters the tokenizer "
-              f"cannot write, dropped from the rows: {''.join(sorted(run.dropped))!r}; add them "
-              "to the task's alphabet to keep them", flush=True)
+    note = run.tools.dropped_note()
+    if note and run.rank == 0:
+        print(note, flush=True)
     own = out.policy.tolist() if out.policy is not None else [[True] * len(x) for x in ids]
     return responder.completions(texts, ids, stopped, own)
 
@@ -548,11 +521,11 @@ def sample_round(run: Run, step: int, round: int) -> tuple[grpo.GRPOBatch, torch
     # 2. Rollout: the sampler gets the trainer's weights, then samples G completions per prompt
     # (with a tool: episodes, each rank calling the tool for its own rows).
     seed = cfgs.train.seed * 1_000_003 + step * 7919 + run.groups.dp_rank + (round << 40)
-    out = together(run, sample, run, prompts, cfgs.rollout, seed, responder)
+    out = together(run, roll_out, run, prompts, cfgs.rollout, seed, responder)
     counts = dict(rollout=time.perf_counter() - t0, truncated=truncated,
                   lengths=float(out.mask.sum()), new_tokens=float(out.stats["new_tokens"]),
                   tool_calls=sum(out.stats.get("calls", [])),
-                  tool_errors=responder.errors(out.stats["calls"]) if run.call_ids else 0)
+                  tool_errors=responder.errors(out.stats["calls"]) if run.calls_tools else 0)
     # 3. Rewards: each reward function's score, summed as TRL sums them (None leaves one out).
     stopped = out.stopped.tolist()
     texts = completion_texts(run, out, responder)
@@ -664,7 +637,7 @@ def step_record(run: Run, step: int, rewards: torch.Tensor, counts: dict,
     zero_std = (~grpo.informative_groups(rewards, run.cfgs.rollout.num_samples)).double().mean()
     correct = counts["correct"] / len(rewards) if run.task.correct is not None else None
     tool = {}
-    if run.call_ids:  # calls per sampled row (every round's), and calls the model got wrong
+    if run.calls_tools:  # calls per sampled row (every round's), and calls the model got wrong
         tool = dict(tool_calls=counts["tool_calls"] / len(rewards),
                     tool_errors=int(counts["tool_errors"]))
     return report.step_record(step, rewards, counts, iterations, times, float(zero_std),
@@ -688,14 +661,14 @@ def evaluate(run: Run, step: int) -> tuple[dict, list[dict]]:
     texts, stopped, shown = [], [], []  # shown: the prompts as the model saw them
     for first in range(0, len(items), per_batch):
         part = items[first:first + per_batch]
-        responder = together(run, episodes_for, run, part, k)  # environments reset
+        responder = together(run, run.tools.start, part, k) if run.tools else None  # reset
         part = responder.examples if responder else part
         shown += part
         prompts = together(run, encode_prompts, run, [prompt for prompt, _ in part])[0]
         # sampled: a stream of its own per (seed, step, rank, batch), apart from training's rounds
         seed = (None if drawn.temperature == 0 else cfg.seed * 1_000_003 + step * 7919
                 + run.groups.dp_rank + ((first + 1) << 48))
-        out = together(run, sample, run, prompts, drawn, seed, responder)
+        out = together(run, roll_out, run, prompts, drawn, seed, responder)
         stopped += out.stopped.tolist()
         texts += completion_texts(run, out, responder)
     examples = [example for example in shown for _ in range(k)]  # (prompts * k,), prompt-major

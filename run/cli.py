@@ -94,6 +94,7 @@ SWITCHES = ("use_peft", "use_rslora")
 # This engine's former flag names: the one each became.
 OLD_NAMES = {
     "packed_linears": "--prepacked_linears",  # "packed" is the training forward's row of tokens
+    "tools": "--use_tools",  # a bool named like a task's function tools
 }
 
 

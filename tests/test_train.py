@@ -1030,7 +1030,7 @@ def test_bf16_on_a_cpu_without_it_multiplies_in_float32_and_says_so(tmp_path, mo
     the sampler a float32 copy holding the master rounded to bf16 (after every sync), the trainer
     without autocast; checkpoints as bf16's. Said in one line before the first step, with the cost
     measured. --cpu_bf16 true keeps the bf16 kernels; a CPU with native bf16 has them."""
-    monkeypatch.setattr(train.policy, "native_bf16", lambda: native)
+    monkeypatch.setattr(train.precision, "native_bf16", lambda: native)
     args = [*FAST, "--dtype", "bfloat16", "--steps", "2", "--eval_every", "0", "--cpu_bf16", "auto"]
     code = train.main(args + ["--out", str(tmp_path / "run")])
     printed = capsys.readouterr().out
@@ -1671,7 +1671,7 @@ def test_under_tensor_parallelism_one_rank_calls_the_tool_and_its_failure_stops_
                  "    if len(calls) > 30:\n        raise KeyError('gone')\n    return ref\n"
                  "task = tasks.Task('tptool', tasks.sample_lookup, tasks.lookup.rewards, "
                  "alphabet=tasks.lookup.alphabet + 'x', max_new_tokens=6, "  # tp divides 20
-                 "tool=tools.Tool(tool, call='?'))\n")
+                 "call_tool=tools.CallTool(tool, call='?'))\n")
     code, output = torchrun(tmp_path, "--task", "tptool:task", "--steps", "20", "--out", "run",
                             "--tp", "2", "--eval_every", "0")
     assert code != 0 and output.count("tool tool raised KeyError: 'gone'") == 1, output[-3000:]
