@@ -418,8 +418,9 @@ def setup(values: dict[str, object]) -> Run:
                                       next(sampler.parameters()).dtype, device,
                                       tp_size=groups.tp_size)
     mem = plan.memory_phases(device, cfgs.memory, model, sampler, cache, optimizer, reference)
-    plan.fit(mem, cfgs, model, sampler, reference, local_prompts, groups.tp_size, device.type,
-             explicit)  # --memory_budget's micro-batch and chunk, or the default's bound
+    # --memory_budget's micro-batch and chunk, or the default's bound
+    cfgs.grpo = plan.fit(mem, cfgs, model, sampler, reference, local_prompts, groups.tp_size,
+                         device.type, explicit)
     stop_ids = stop_token_ids(model.config, generation_config)
     task, task_tools, note = tools.setup(task, tokenizer, stop_ids, cfgs.tools, cfgs.prompt, groups)
     notes.append(note)

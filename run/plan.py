@@ -338,16 +338,18 @@ def device_memory(target: str) -> int:
 
 
 def fit(mem: PhaseManager, cfgs, model, sampler, reference, prompts: int, tp_size: int,
-        target: str, explicit=()):
-    """plan_of(g) -> step_plan of this run; cfgs.grpo becomes the fitted one first: on a GPU,
-    unless chunk_bytes is among the explicit flags, GPU_CHUNK_BYTES; then with
+        target: str, explicit=()) -> GRPOConfig:
+    """cfgs.grpo with the micro-batch and logprob chunk this run fits (the caller assigns it): on
+    a GPU, unless chunk_bytes is among the explicit flags, GPU_CHUNK_BYTES; then with
     cfgs.memory.memory_budget, fit_memory_budget's; unless micro_batch_groups or
     micro_batch_tokens is among the explicit flags, on a GPU with no --memory_budget flag
     fit_memory_budget's for GPU_MEMORY_SHARE of its memory (its matmuls want the rows), on a CPU
     with no budget bound_micro_batch's."""
+    g = cfgs.grpo
     gpu = torch.device(target).type != "cpu"
     if gpu and "chunk_bytes" not in explicit:
-        cfgs.grpo = dataclasses.replace(cfgs.grpo, chunk_bytes=GPU_CHUNK_BYTES)
+        g = dataclasses.replace(g, chunk_bytes=GPU_CHUNK_BYTES)
+    # plan_of(g) -> step_plan of this run with the GRPO knobs g (the rest of cfgs, as given)
     plan_of = partial(step_plan, mem, cfgs, model, sampler, reference, prompts, tp_size, target)
     r = cfgs.rollout
     group_tokens = cfgs.train.max_prompt_len + r.num_samples * r.max_new_tokens  # at full length
@@ -358,14 +360,14 @@ def fit(mem: PhaseManager, cfgs, model, sampler, reference, prompts: int, tp_siz
         budget = GPU_MEMORY_SHARE * total
         source = f" ({GPU_MEMORY_SHARE:.0%} of the GPU's {total:.2f} GB; --memory_budget sets it)"
     if budget:
-        cfgs.grpo = fit_memory_budget(budget, plan_of, cfgs.grpo, prompts, group_tokens,
-                                      None if cfgs.memory.activation_checkpoint
-                                      else partial(step_plan, mem, with_checkpointing(cfgs),
-                                                   model, sampler, reference, prompts, tp_size,
-                                                   target), source)
-    elif not sized and not gpu:
-        cfgs.grpo = bound_micro_batch(plan_of, cfgs.grpo, group_tokens)
-    return plan_of
+        return fit_memory_budget(budget, plan_of, g, prompts, group_tokens,
+                                 None if cfgs.memory.activation_checkpoint
+                                 else partial(step_plan, mem, with_checkpointing(cfgs), model,
+                                              sampler, reference, prompts, tp_size, target),
+                                 source)
+    if not sized and not gpu:
+        return bound_micro_batch(plan_of, g, group_tokens)
+    return g
 
 
 # Training transients under this many bytes are never traded for speed (bound_micro_batch).
@@ -488,7 +490,8 @@ def print_run_plan(cfgs, model: nn.Module, sampler: nn.Module, tp_size: int, dp_
     mem = memory_phases("meta", cfgs.memory, model, sampler, cache,
                         torch.optim.AdamW(trainable(model)), reference)
     target = "cuda" if torch.cuda.is_available() else "cpu"
-    plan_of = fit(mem, cfgs, model, sampler, reference, Bp, tp_size, target, explicit)
+    g = fit(mem, cfgs, model, sampler, reference, Bp, tp_size, target, explicit)
     title = (f"tp {tp_size} x dp {dp_size}; {Bp} prompts x {P} + {r.max_new_tokens} tokens x "
              f"G {r.num_samples}")
-    print_plan(plan_of(cfgs.grpo), target, title)
+    print_plan(step_plan(mem, cfgs, model, sampler, reference, Bp, tp_size, target, g), target,
+               title)

@@ -306,9 +306,9 @@ def test_loss_and_gradients_with_observations_masked_equal_a_twin_that_drops_the
     policy[2] += [False] * (len(completions[2]) - 1)
     advantages = torch.randn(6, generator=gen, dtype=torch.float64)
     batch = grpo.GRPOBatch.from_lists(prompts, completions, advantages=advantages)
-    batch.policy = torch.zeros(batch.mask.shape, dtype=torch.bool)
+    batch.sampled = torch.zeros(batch.mask.shape, dtype=torch.bool)
     for r, keep in enumerate(policy):
-        batch.policy[r, :len(keep)] = torch.tensor(keep)
+        batch.sampled[r, :len(keep)] = torch.tensor(keep)
     cfg = grpo.GRPOConfig(loss_type=loss_type, entropy_coef=0.1, micro_batch_groups=2)
     with torch.no_grad():
         batch.old_logp = grpo.batch_logprobs(model, batch, cfg) + 0.3 * torch.randn(
