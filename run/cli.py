@@ -98,6 +98,11 @@ OLD_NAMES = {
 }
 
 
+def renamed_fields() -> dict[str, str]:
+    """{former field name: its name now}: a checkpoint written before a rename resumes with it."""
+    return {old: new.removeprefix("--") for old, new in OLD_NAMES.items()}
+
+
 def unknown_option(name: str, owners: dict[str, str]) -> str:
     """The line for a flag no section declares: TRL's name for it, its new name, or the nearest
     spelling."""

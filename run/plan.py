@@ -117,8 +117,8 @@ def micro_batch_memory(config: ModelConfig, groups: float, G: int, prompt_len: i
                        chunk_size: int, tp_size: int = 1, sequence_parallel: bool = False,
                        repeated_prompt: bool = False, autocast: bool = False,
                        frozen: bool = False, adapter_bytes: int = 0) -> dict[str, int]:
-    """Bytes one micro-batch of `groups` prompts of P tokens and their N = groups*G completions of
-    Tr tokens (T = Tr - 1 fed) holds at its largest moments, per rank, besides the weights, grads
+    """Bytes one micro-batch of `groups` prompts of P tokens and their R = groups*G completions of
+    Tc tokens (T = Tc - 1 fed) holds at its largest moments, per rank, besides the weights, grads
     and optimizer state (memory.py plans those): {"forward", "backward", "no grad"} (the last:
     old or reference logprobs). The prompts and completions run packed, one row through every
     block (engine/packing.py; `groups` may be a fraction: a token budget's share). Per layer, with
@@ -129,9 +129,9 @@ def micro_batch_memory(config: ModelConfig, groups: float, G: int, prompt_len: i
                            2a*K/tp*P, and a bool (T, P + T) mask per row
     With activation checkpointing a block keeps only its input (a*C) and backward recomputes one
     packed block at a time. Outside: the rope tables, the hidden states at the head (a*C + 16 per
-    token), the loss's (N, Tr) float32 tensors. Transients: a chunk of head logits (8 bytes per
+    token), the loss's (R, Tc) float32 tensors. Transients: a chunk of head logits (8 bytes per
     entry forward: float32 logits and exp; 16 + a backward, and a (V, C) lm_head grad per chunk),
-    the SwiGLU's 3 (inference) or 2 (gradients) I-wide tensors, the hidden states' (N, Tr, C).
+    the SwiGLU's 3 (inference) or 2 (gradients) I-wide tensors, the hidden states' (R, Tc, C).
     Under tensor parallelism a tied head's (V/tp, C) gradient waits in autograd for the
     embedding's, the last node of backward (on one rank both go into .grad: engine/logprobs.py,
     memory.grads_into_weight). autocast (bf16 over fp32 weights): block_bytes' autocast norms,
@@ -187,7 +187,7 @@ def block_weight_bytes(config: ModelConfig, dtype: torch.dtype, tp_size: int = 1
 
 
 def batch_bytes(rows: int, completion_len: int, old: bool, reference: bool) -> int:
-    """The generation batch's (N, Tr) tensors kept through the step: tokens (int64), mask (bool),
+    """The generation batch's (R, Tc) tensors kept through the step: tokens (int64), mask (bool),
     the sampler's logprobs, and old / reference logprobs when computed (float32)."""
     return rows * completion_len * (8 + 1 + 4 + 4 * old + 4 * reference)
 
@@ -256,7 +256,7 @@ def phase_peaks(mem: PhaseManager, transients: dict[str, int], target: str | tor
     plan = mem.plan(target)
     tags = {"idle": {tag: min(p[tag] for p in plan.values()) for tag in plan["train"]}, **plan}
     if not phases:
-        tags = {phase: {g.tag: g.full_bytes() for g in mem.groups} for phase in tags}
+        tags = {phase: {g.tag: g.full_bytes() for g in mem.holders} for phase in tags}
     out = {}
     for phase, by_tag in tags.items():
         row = {**by_tag, "transient": transients.get(phase, 0)}

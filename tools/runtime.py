@@ -232,7 +232,8 @@ def on_first_rank(fn: Callable, ranks, failure: type[Exception], *args):
 class ToolKind:
     """What the runtime asks of a kind of tool (tools/call_token.py's CallTool, tools/functions.py's
     Toolbox): its name in a failure's line, the schemas the chat template announces (None: none),
-    whether a turn of the model is read with its end token (function tools parse it), and:"""
+    whether a turn of the model is read with its end token (function tools parse it), and the
+    three methods below."""
     name: str = "tool"
     schemas: list[dict] | None = None
     reads_end: bool = False
