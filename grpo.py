@@ -12,11 +12,11 @@ mu times per generation batch (generate once per effective batch, TRL PR #3283).
 Three memory tricks, each tested against its obvious slow twin in tests/test_grpo.py:
 1. Shared prompt (TRL PR #2669, done exactly): each prompt is forwarded once, WITH grad, and each
    completion attends to [its prompt's keys; its own keys], the prompt's K/V never copied per row.
-   Tokens forwarded: Bp*P + N*Tr instead of N*(P + Tr). The prompt stays in the graph, so the
+   Tokens forwarded: Bp*P + R*Tc instead of R*(P + Tc). The prompt stays in the graph, so the
    gradients of all G completions sum into it; a no-grad prompt (what #2669 first did) gives a
    truncated gradient.
-2. No padding (engine/packing.py): prompts and completions run packed in one row of valid tokens only,
-   so each weight is used once and nothing (tokens x C)-sized is spent on padding; attention alone
+2. No padding (engine/packing.py): prompts and completions run packed in one row of valid tokens
+   only, so each weight is used once and nothing (tokens x C)-sized is spent on padding; attention alone
    tells the segments apart. Micro-batches are whole groups, by count or up to a number of valid
    tokens (balanced_bins), and the normalisers are the whole generation batch's, so the split
    changes no loss and no gradient.
@@ -27,16 +27,18 @@ Three memory tricks, each tested against its obvious slow twin in tests/test_grp
 By default the math is TRL 1.16's GRPOTrainer (tests/test_grpo.py runs TRL's own code against
 it): rewards summed over reward functions skipping None, (r - group mean) / (n-1 std + 1e-4),
 k3 KL weighted by the ratio, TRL's loss normalisers (Dr. GRPO's constant is the sampler's
-budget). One default differs on purpose: eps_high 0.28 (DAPO's clip-higher; TRL 0.2). The GRPO
-family a researcher reaches for is a GRPOConfig field each, TRL's name and semantics (grpo_loss's
-numbered choices): GSPO, CISPO, two-sided clipping, off-policy masking, high-entropy tokens,
-overlong filtering, the sampler-mismatch correction; and, beyond TRL, dynamic sampling
+budget). One default differs on purpose: eps_high 0.28 (DAPO's clip-higher; TRL 0.2). The loss
+reads the GRPO term first (clipped_term: PPO's clipped ratio times the advantage), then each
+variant of the family as a change to it, a GRPOConfig field each with TRL's name and semantics
+(grpo_loss's numbered choices): GSPO's ratio per sequence, CISPO's term, two-sided clipping,
+off-policy masking, high-entropy tokens, the sampler-mismatch correction, overlong filtering, the
+KL and the aggregations (DAPO's, Dr. GRPO's); and, beyond TRL, dynamic sampling
 (keep_informative, with train.py's extra rounds).
 
 Leaves out: sampling (rollout.py), calling the reward functions (train.py), the optimizer step,
 value models, the packed forward itself (engine/packing.py).
 
-Shapes: Bp prompts, G samples per prompt, N = Bp*G rows, P prompt length, Tr completion length,
+Shapes: Bp prompts, G rows per prompt (its group), R = Bp*G rows, P prompt length, Tc completion length,
 n selected (valid) completion tokens, C width, V vocab (V/tp under tensor parallelism).
 Papers: GRPO arXiv:2402.03300, DAPO arXiv:2503.14476, Dr. GRPO arXiv:2503.20783, GSPO
 arXiv:2507.18071, CISPO (MiniMax-M1) arXiv:2506.13585, INTELLECT-2 arXiv:2505.07291,
@@ -87,12 +89,12 @@ class GRPOConfig:
     sampler_correction_mode: str = "sequence_mask"  # {token,sequence}_{truncate,mask} (TRL's)
     sampler_correction_max: float = 3.0  # correction ratio upper bound C_max (TRL's)
     sampler_correction_min: float = 0.0  # correction ratio lower bound C_min; 0 = none (TRL's)
-    dynamic_sampling: int = 0         # DAPO: up to N extra rollouts replace all-equal groups
+    dynamic_sampling: int = 0         # DAPO: up to this many extra rollouts for all-equal groups
     std_eps: float = 1e-4             # advantage = (r - mean) / (std + std_eps), TRL's 1e-4
     std_correction: int = 1           # 1: the n-1 (Bessel) std of TRL and verl; 0: population std
     mu: int = 1                       # optimizer steps per generation batch
     micro_batch_groups: int = 4       # whole groups per forward+backward (16's speed, 0.4x peak)
-    micro_batch_tokens: int = 0       # >0: whole groups up to N valid tokens instead, balanced
+    micro_batch_tokens: int = 0       # >0: whole groups up to this many valid tokens, balanced
     chunk_bytes: int = 64 * 2**20     # logits bytes per logprob chunk; 0 = unchunked; GPU: 1 GiB
 
     def __post_init__(self):
@@ -124,31 +126,31 @@ class GRPOConfig:
 
 
 def combine_rewards(per_function: Tensor, weights: list[float]) -> Tensor:
-    """(N, F) rewards of F reward functions, NaN where one returned None -> (N,) weighted sums
+    """(R, F) rewards of F reward functions, NaN where one returned None -> (R,) weighted sums
     that skip the NaNs, as TRL sums them (nansum of weight * reward): a row is missing (NaN, left
     out of the advantage statistics) only when every function returned NaN."""
     shape = tuple(per_function.shape)
     if len(shape) != 2 or shape[1] == 0 or not per_function.is_floating_point():
-        raise ValueError(f"per_function must be a float tensor (N, F) of N completions x F >= 1 "
+        raise ValueError(f"per_function must be a float tensor (R, F) of R completions x F >= 1 "
                          f"reward functions, got {per_function.dtype} {shape}")
     if len(weights) != per_function.shape[1]:
         raise ValueError(f"weights has {len(weights)} entries for {per_function.shape[1]} reward "
                          f"functions (columns of per_function)")
     w = torch.tensor(weights, dtype=per_function.dtype, device=per_function.device)  # (F,)
-    total = (per_function * w).nansum(1)  # (N,); nansum: a NaN reward adds nothing
-    missing = per_function.isnan().all(1)  # (N,)
+    total = (per_function * w).nansum(1)  # (R,); nansum: a NaN reward adds nothing
+    missing = per_function.isnan().all(1)  # (R,)
     return torch.where(missing, torch.nan, total)
 
 
 def group_advantages(rewards: Tensor, num_samples: int, scale: str = "group",
                      std_eps: float = 1e-4, std_correction: int = 1) -> Tensor:
-    """(N,) rewards, NaN for missing, prompt-major -> (N,) advantages r - mean(group), divided by
+    """(R,) rewards, NaN for missing, prompt-major -> (R,) advantages r - mean(group), divided by
     the group std ("group"), the std of the whole batch's rewards ("batch") or nothing ("none"),
     plus std_eps. Stds are over valid rewards, sum((r - mean)^2) / (count - std_correction):
     1 is TRL's and verl's n-1 std, 0 the population std. A NaN reward is left out of every
     statistic and gets 0; an all-equal group, or one with a single valid reward, gets 0."""
     if rewards.dim() != 1:
-        raise ValueError(f"rewards must be 1-D (N,), got shape {tuple(rewards.shape)}")
+        raise ValueError(f"rewards must be 1-D (R,), got shape {tuple(rewards.shape)}")
     if num_samples < 1 or rewards.shape[0] % num_samples:
         raise ValueError(f"num_samples = {num_samples} must divide the number of rewards "
                          f"{rewards.shape[0]}")
@@ -180,7 +182,7 @@ def group_advantages(rewards: Tensor, num_samples: int, scale: str = "group",
     return centred.view(-1).to(rewards.dtype)
 
 def informative_groups(rewards: Tensor, num_samples: int) -> Tensor:
-    """(N,) rewards, NaN where unscored -> (Bp,) bool: the groups whose scored rewards differ, the
+    """(R,) rewards, NaN where unscored -> (Bp,) bool: the groups whose scored rewards differ, the
     only ones with a gradient (DAPO's dynamic sampling keeps these)."""
     groups = rewards.view(-1, num_samples)  # (Bp, G)
     high = torch.where(groups.isnan(), -torch.inf, groups).amax(1)
@@ -206,20 +208,20 @@ def pad_right(seqs: list[list[int]], device: torch.device) -> tuple[Tensor, Tens
 
 @dataclass
 class GRPOBatch:
-    """Bp prompts and their N = Bp*G completions, prompt-major, on the device: the sampler's tensors
+    """Bp prompts and their R = Bp*G completions, prompt-major, on the device: the sampler's tensors
     as they are (rollout.Rollout), plus what the step computed for them."""
     prompt_ids: Tensor                # (Bp, P) right-padded with 0
     prompt_lens: Tensor               # (Bp,)
-    tokens: Tensor                    # (N, Tr) completion tokens, 0 after each row's end
-    mask: Tensor                      # (N, Tr) bool: each row's tokens (a prefix of the row)
+    tokens: Tensor                    # (R, Tc) completion tokens, 0 after each row's end
+    mask: Tensor                      # (R, Tc) bool: each row's tokens (a prefix of the row)
     temperature: float                # the sampler's: the trainer scores the same distribution
     max_new_tokens: int               # the completion budget: Dr. GRPO's constant normaliser
-    advantages: Tensor | None = None  # (N,)
-    sampler_logp: Tensor | None = None  # (N, Tr) the sampler's logprobs, of what it sampled from
-    stopped: Tensor | None = None     # (N,) bool: the row ended with a stop id (else truncated)
-    policy: Tensor | None = None      # (N, Tr) bool: the sampled tokens, not a tool's (None: all)
-    old_logp: Tensor | None = None    # (N, Tr) when mu > 1; None: the current policy's
-    ref_logp: Tensor | None = None    # (N, Tr) from the reference model when beta > 0
+    advantages: Tensor | None = None  # (R,)
+    sampler_logp: Tensor | None = None  # (R, Tc) the sampler's logprobs, of what it sampled from
+    stopped: Tensor | None = None     # (R,) bool: the row ended with a stop id (else truncated)
+    sampled: Tensor | None = None     # (R, Tc) bool: the sampled tokens, not a tool's (None: all)
+    old_logp: Tensor | None = None    # (R, Tc) when mu > 1; None: the current policy's
+    ref_logp: Tensor | None = None    # (R, Tc) from the reference model when beta > 0
 
     @property
     def num_samples(self) -> int:  # G
@@ -232,7 +234,7 @@ class GRPOBatch:
         """From ragged token lists (tests, benchmarks, a researcher's own data)."""
         prompt_ids, prompt_lens = pad_right(prompts, torch.device(device))
         tokens, lens = pad_right(completions, torch.device(device))
-        mask = torch.arange(tokens.shape[1], device=tokens.device) < lens[:, None]  # (N, Tr)
+        mask = torch.arange(tokens.shape[1], device=tokens.device) < lens[:, None]  # (R, Tc)
         budget = max_new_tokens or max((len(c) for c in completions), default=1)
         return cls(prompt_ids, prompt_lens, tokens, mask, temperature, budget, **tensors)
 
@@ -243,7 +245,8 @@ class GRPOBatch:
         flags and the temperature they were sampled at (the trainer scores the same)."""
         prompt_ids, prompt_lens = pad_right(prompts, out.tokens.device)
         return cls(prompt_ids, prompt_lens, out.tokens, out.mask, out.temperature, max_new_tokens,
-                   advantages, sampler_logp=out.logprobs, stopped=out.stopped, policy=out.policy)
+                   advantages, sampler_logp=out.logprobs, stopped=out.stopped,
+                   sampled=out.policy)
 
     def lists(self) -> tuple[list[list[int]], list[list[int]]]:
         """The prompts and completions as ragged Python lists (one host copy)."""
@@ -256,11 +259,11 @@ class GRPOBatch:
         their own longest prompt and completion."""
         G = self.num_samples
         rows = group_rows(picked, G)  # (k*G,)
-        Tr = int(self.mask[rows].sum(1).max()) if len(rows) else 0
+        Tc = int(self.mask[rows].sum(1).max()) if len(rows) else 0
         Tp = int(self.prompt_lens[picked].max())
 
         def cut(t: Tensor | None) -> Tensor | None:
-            return None if t is None else t[rows, :Tr] if t.dim() == 2 else t[rows]
+            return None if t is None else t[rows, :Tc] if t.dim() == 2 else t[rows]
         return dataclasses.replace(
             self, prompt_ids=self.prompt_ids[picked, :Tp], prompt_lens=self.prompt_lens[picked],
             **{name: cut(getattr(self, name)) for name in ROW_TENSORS})
@@ -271,42 +274,42 @@ class GRPOBatch:
         return (self.prompt_lens + completions).tolist()
 
     def loss_mask(self, cfg: "GRPOConfig") -> Tensor:
-        """(N, Tr) the tokens the loss counts: the policy's own (a tool's observations are context
+        """(R, Tc) the tokens the loss counts: the sampled ones (a tool's observations are context
         only: no loss, entropy, ratio statistics or sampler correction, and not in the token
         normalisers), and with cfg.mask_truncated_completions (DAPO's overlong filtering) not those
         of rows that ended without a stop id."""
         if cfg.mask_truncated_completions and self.stopped is None:
             raise ValueError("mask_truncated_completions needs batch.stopped, each row's stop flag "
                              "(rollout.Rollout.stopped)")
-        mask = self.mask if self.policy is None else self.mask & self.policy
+        mask = self.mask if self.sampled is None else self.mask & self.sampled
         return mask & self.stopped[:, None] if cfg.mask_truncated_completions else mask
 
     def check(self) -> None:
         """One clear error for a batch whose rows, advantages or logprobs do not line up."""
         Bp, P = self.prompt_ids.shape
-        N, Tr = self.tokens.shape
-        if Bp == 0 or N % Bp:
-            raise ValueError(f"batch.tokens has {N} rows for {Bp} prompts: expected G rows per "
+        R, Tc = self.tokens.shape
+        if Bp == 0 or R % Bp:
+            raise ValueError(f"batch.tokens has {R} rows for {Bp} prompts: expected G rows per "
                              f"prompt, prompt-major")
         if self.prompt_lens.shape != (Bp,) or not (self.prompt_lens >= 1).all():
             raise ValueError(f"batch.prompt_lens must be ({Bp},) lengths >= 1 (the first "
                              f"completion token needs a prompt position), got {self.prompt_lens}")
-        if self.mask.shape != (N, Tr) or self.mask.dtype != torch.bool:
-            raise ValueError(f"batch.mask must be a bool ({N}, {Tr}) tensor, got "
+        if self.mask.shape != (R, Tc) or self.mask.dtype != torch.bool:
+            raise ValueError(f"batch.mask must be a bool ({R}, {Tc}) tensor, got "
                              f"{self.mask.dtype} {tuple(self.mask.shape)}")
         if not self.temperature > 0:
             raise ValueError(f"batch.temperature = {self.temperature}: logprobs need a sampling "
                              f"temperature > 0")
         for name in ROW_TENSORS[2:]:
             t = getattr(self, name)
-            shape = (N, Tr) if name.endswith("logp") or name == "policy" else (N,)
+            shape = (R, Tc) if name.endswith("logp") or name == "sampled" else (R,)
             if t is not None and t.shape != shape:
                 raise ValueError(f"batch.{name} has shape {tuple(t.shape)}, expected {shape}")
 
 
-# The batch's per-row tensors, (N, ...): what groups() and cat_groups() cut and join.
+# The batch's per-row tensors, (R, ...): what groups() and cat_groups() cut and join.
 ROW_TENSORS = ("tokens", "mask", "advantages", "sampler_logp", "stopped", "old_logp", "ref_logp",
-               "policy")
+               "sampled")
 
 
 def cat_groups(parts: list[tuple[GRPOBatch, Tensor]]) -> GRPOBatch:
@@ -350,7 +353,7 @@ def completion_logprobs(model, batch: "GRPOBatch", *, chunk_size: int = 1024,
                         logprob_fn: Callable | None = None,
                         forward: str = "packed") -> tuple[Tensor, Tensor]:
     """Per-token logprobs of the batch's completions under the model, at the temperature they were
-    sampled with: logp (N, Tr) float32 (float64 for a float64 model) and the entropy (N, Tr)
+    sampled with: logp (R, Tc) float32 (float64 for a float64 model) and the entropy (R, Tc)
     (differentiable too), zeros where batch.mask is False. Works with grad and under no_grad.
     `forward`: "packed" (valid tokens only, each prompt once per group: the engine's), or its
     twins "padded" (the same with prompts and rows padded) and "naive" (each prompt repeated)."""
@@ -358,7 +361,7 @@ def completion_logprobs(model, batch: "GRPOBatch", *, chunk_size: int = 1024,
         raise ValueError(f"chunk_size = {chunk_size} must be >= 0 (0: unchunked)")
     if forward not in FORWARDS:
         raise ValueError(f"forward = {forward!r} must be one of {FORWARDS}")
-    N, Tr = batch.tokens.shape
+    R, Tc = batch.tokens.shape
     mask = batch.mask
     G = batch.num_samples
     if forward == "packed":
@@ -366,21 +369,21 @@ def completion_logprobs(model, batch: "GRPOBatch", *, chunk_size: int = 1024,
                           G)  # (n, C): the valid tokens' states alone
     else:
         if forward == "padded":
-            inputs = batch.tokens[:, :max(Tr - 1, 0)]  # (N, Tr-1): the last predicts nothing
+            inputs = batch.tokens[:, :max(Tc - 1, 0)]  # (R, Tc-1): the last predicts nothing
             h = padded_hidden(model, batch.prompt_ids, batch.prompt_lens, inputs,
-                              G)[:, :Tr]  # (N, Tr, C); Tr = 0 when every completion is empty
+                              G)[:, :Tc]  # (R, Tc, C); Tc = 0 when every completion is empty
         else:
-            h = naive_hidden(model, *batch.lists(), G, mask.device)  # (N, Tr, C)
+            h = naive_hidden(model, *batch.lists(), G, mask.device)  # (R, Tc, C)
         h = h[mask]  # (n, C): only valid tokens reach the head, never a vocab-sized padding row
     logp, entropy = chunked_logprobs(model, h, batch.tokens[mask],
                                      temperature=batch.temperature, chunk_size=chunk_size,
                                      logprob_fn=logprob_fn)  # (n,), (n,)
-    zeros = torch.zeros(N, Tr, dtype=logp.dtype, device=mask.device)
-    entropy = zeros.index_put((mask,), entropy.to(logp.dtype))  # (N, Tr)
+    zeros = torch.zeros(R, Tc, dtype=logp.dtype, device=mask.device)
+    entropy = zeros.index_put((mask,), entropy.to(logp.dtype))  # (R, Tc)
     return zeros.index_put((mask,), logp), entropy
 
 # -----------------------------------------------------------------------------
-# The loss
+# The loss: the GRPO term first, then each variant as a change to it
 
 
 def check_loss_inputs(logp: Tensor, advantages: Tensor, cfg: GRPOConfig, counts: dict[str, int],
@@ -411,15 +414,69 @@ def ratio_stats(name: str, ratio: Tensor, units: Tensor, **flags: Tensor) -> dic
     return stats | {key: (flag & units).sum() / n for key, flag in flags.items()}
 
 
+def log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
+    """log(pi / pi_old) per token (R, Tc), 0 on the padding: zeroed BEFORE exp, since garbage
+    there would give inf, and inf * 0 = NaN in backward."""
+    return torch.where(mask, logp - old_logp, 0.0)
+
+
+def clipped_term(ratio: Tensor, adv: Tensor, cfg: GRPOConfig, units: Tensor
+                 ) -> tuple[Tensor, dict[str, Tensor]]:
+    """The GRPO term, PPO's clipped surrogate: -min(r A, clamp(r, 1 - eps_low, 1 + eps_high) A)
+    per token (R, Tc), ratio r (R, Tc), adv A (R, 1). eps_high above eps_low is DAPO's
+    clip-higher; delta < inf is INTELLECT-2's two-sided clip, the unclipped r capped at delta
+    (for A < 0 the term stops growing). Its metrics: the ratio's mean/min/max and the shares the
+    clip holds (TRL's clip_ratio low/high, after delta's cap) over the units (valid tokens)."""
+    clipped = ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high)
+    capped = ratio.clamp(max=cfg.delta)  # two-sided: inf leaves r as it is
+    stats = ratio_stats("ratio", ratio, units, clip_low=(capped < 1 - cfg.eps_low) & (adv < 0),
+                        clip_high=(capped > 1 + cfg.eps_high) & (adv > 0))
+    return -torch.min(capped * adv, clipped * adv), stats
+
+
+def sequence_log_ratio(log_ratio: Tensor, mask: Tensor) -> Tensor:
+    """GSPO's change to the ratio (importance_sampling_level "sequence"): one per completion,
+    (R, 1), the exp of its tokens' mean log-ratio; the gradient flows through the mean."""
+    return log_ratio.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp_min(1)
+
+
+def cispo_term(ratio: Tensor, adv: Tensor, logp: Tensor, cfg: GRPOConfig, units: Tensor
+               ) -> tuple[Tensor, dict[str, Tensor]]:
+    """CISPO's change to the term (MiniMax-M1, loss_type "cispo"): -sg(min(r, eps_high)) A logp,
+    a clipped constant weight whose gradient -w A d logp is never zeroed (the clip zeroes a
+    token's gradient in the GRPO term). clip_high: the share of A > 0 units over the cap."""
+    stats = ratio_stats("ratio", ratio, units, clip_low=torch.zeros_like(units),
+                        clip_high=(ratio > cfg.eps_high) & (adv > 0))
+    return -ratio.clamp(max=cfg.eps_high).detach() * adv * logp, stats
+
+
+def off_policy_keep(logp: Tensor, behaviour: Tensor, adv: Tensor, mask: Tensor,
+                    threshold: float) -> Tensor:
+    """DeepSeek-V3.2's off-policy masking: (R, 1), False for the rows with A < 0 whose mean
+    log(pi_behaviour / pi) is over threshold (the sampler's logprobs, else old_logp's)."""
+    kl = torch.where(mask, behaviour - logp.detach(), 0.0).nan_to_num(0.0)  # (R, Tc)
+    mean_kl = kl.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp_min(1)  # (R, 1)
+    return (adv >= 0) | (mean_kl <= threshold)
+
+
+def high_entropy(entropy: Tensor, mask: Tensor, quantile: float) -> Tensor:
+    """The 80/20 rule (arXiv:2506.01939): (R, Tc), the valid tokens in this call's top quantile
+    of entropy (in float32, as TRL), the only ones that train."""
+    values = entropy.detach()[mask].float()  # (n,)
+    threshold = torch.quantile(values, 1 - quantile) if len(values) else 0
+    return (entropy.detach() * mask >= threshold) & mask
+
+
 def sampler_weights(old_logp: Tensor, sampler_logp: Tensor, mask: Tensor, cfg: GRPOConfig
                     ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Choice 3's correction weight pi_old / pi_sampler, (N, Tr) or (N, 1), a constant; and the
-    ratio's stats BEFORE its clamp or mask, with the share outside [min, max]."""
+    """The sampler correction's weight pi_old / pi_sampler (TRL's vllm_importance_sampling_*),
+    (R, Tc) or (R, 1), a constant; and the ratio's stats BEFORE its clamp or mask, with the share
+    outside [min, max]."""
     # NaN (a token the sampler could not score) and the padding: log-ratio 0, weight 1 (TRL's).
-    diff = torch.where(mask, old_logp.detach() - sampler_logp, 0.0).nan_to_num(0.0)  # (N, Tr)
+    diff = torch.where(mask, old_logp.detach() - sampler_logp, 0.0).nan_to_num(0.0)  # (R, Tc)
     units = mask
     if cfg.sampler_correction_mode.startswith("sequence"):  # the product of its token ratios
-        diff = diff.sum(1, keepdim=True)  # (N, 1)
+        diff = diff.sum(1, keepdim=True)  # (R, 1)
         units = torch.ones_like(diff, dtype=torch.bool)  # every row, as TRL averages them
     ratio = diff.exp()
     low, high = cfg.sampler_correction_min, cfg.sampler_correction_max
@@ -429,92 +486,78 @@ def sampler_weights(old_logp: Tensor, sampler_logp: Tensor, mask: Tensor, cfg: G
     return weights, ratio_stats("sampler_ratio", ratio, units, sampler_corrected=outside)
 
 
-def policy_term(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, cfg: GRPOConfig
-                ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
-    """Choices 1-2: the policy loss per token (N, Tr) or per sequence (N, 1), adv (N, 1); and its
-    metrics: the ratio's mean/min/max and the shares the clip holds (TRL's clip_ratio low/high
-    after delta's cap, or cispo_clip_ratio), over the valid tokens or every row (sequence)."""
-    # Zero the padding BEFORE exp: garbage there would give inf, and inf * 0 = NaN in backward.
-    log_ratio = torch.where(mask, logp - old_logp, 0.0)  # (N, Tr)
-    units = mask
-    if cfg.importance_sampling_level == "sequence":  # GSPO: the gradient flows through the mean
-        log_ratio = log_ratio.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp_min(1)
-        units = torch.ones_like(log_ratio, dtype=torch.bool)  # (N, 1): every row
-    ratio = torch.exp(log_ratio)  # (N, Tr) or (N, 1)
-    if cfg.loss_type == "cispo":  # a constant weight: the gradient -w A d logp is never zeroed
-        stats = ratio_stats("ratio", ratio, units, clip_low=torch.zeros_like(units),
-                            clip_high=(ratio > cfg.eps_high) & (adv > 0))
-        return -ratio.clamp(max=cfg.eps_high).detach() * adv * logp, ratio, stats
-    clipped = ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high)
-    capped = ratio.clamp(max=cfg.delta)  # two-sided: for A < 0 the unclipped term stops at delta
-    stats = ratio_stats("ratio", ratio, units, clip_low=(capped < 1 - cfg.eps_low) & (adv < 0),
-                        clip_high=(capped > 1 + cfg.eps_high) & (adv > 0))
-    return -torch.min(capped * adv, clipped * adv), ratio, stats
+def k3_kl(logp: Tensor, ref_logp: Tensor, ratio: Tensor, mask: Tensor, cfg: GRPOConfig) -> Tensor:
+    """KL to the reference per token (R, Tc): k3 = exp(ref - logp) - (ref - logp) - 1 >= 0,
+    unbiased for KL(pi || ref) under pi; times r with use_bias_correction_kl (TRL's default,
+    DeepSeek-V3.2), gradient included: the tokens are pi_old's, and r k3 estimates it under pi."""
+    delta = torch.where(mask, ref_logp - logp, torch.zeros_like(logp))
+    kl = torch.exp(delta) - delta - 1
+    return kl * ratio if cfg.use_bias_correction_kl else kl
 
 
 def grpo_loss(logp: Tensor, old_logp: Tensor | None, ref_logp: Tensor | None, advantages: Tensor,
               mask: Tensor, cfg: GRPOConfig, *, num_seqs: int, num_tokens: int,
               max_completion_len: int, entropy: Tensor | None = None,
               sampler_logp: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
-    """The loss of a micro-batch: logp, old_logp, ref_logp, mask, entropy, sampler_logp (N, Tr),
-    advantages (N,). num_seqs and num_tokens count the WHOLE generation batch (all micro-batches
+    """The loss of a micro-batch: logp, old_logp, ref_logp, mask, entropy, sampler_logp (R, Tc),
+    advantages (R,). num_seqs and num_tokens count the WHOLE generation batch (all micro-batches
     and dp ranks), so micro-batch losses sum to the big-batch loss; max_completion_len is the
-    sampler's budget. Pure. Each choice is TRL 1.16's (tests/test_grpo.py runs TRL's code) but 6:
-    1. Ratio r = exp(logp - old_logp) per token, or per sequence (importance_sampling_level,
-       GSPO): exp of the mean log-ratio, the gradient through the mean. old_logp None means
-       logp.detach() (mu = 1): value 1, gradient d logp.
-    2. Policy term: PPO's clip with clip-higher, -min(r A, clamp(r, 1 - eps_low, 1 + eps_high) A),
-       the unclipped r capped at delta (INTELLECT-2); or "cispo" (MiniMax-M1):
-       -sg(min(r, eps_high)) A logp, a clipped constant weight that zeroes no token's gradient.
-    3. Masks times the policy term, in TRL's order: off-policy rows (DeepSeek-V3.2: A < 0 and mean
-       log(pi_sampler / pi) > off_policy_mask_threshold; old_logp without sampler_logp), tokens
-       below this call's top_entropy_quantile (arXiv:2506.01939, in float32 as TRL), and the
-       sampler correction (TRL's vllm_importance_sampling_*). Truncated completions
-       (mask_truncated_completions, DAPO) are off the mask the caller passes.
-    4. KL to the reference (beta > 0): k3 = exp(ref - logp) - (ref - logp) - 1 per token, times r
-       with use_bias_correction_kl (TRL's default, DeepSeek-V3.2), gradient included: the tokens
-       are pi_old's, and r k3 estimates KL(pi || ref) under pi.
+    sampler's budget. Pure. Each choice is TRL 1.16's (tests/test_grpo.py runs TRL's code):
+    1. The GRPO term (clipped_term): the ratio r = exp(logp - old_logp) per token, clipped;
+       old_logp None means logp.detach() (mu = 1): value 1, gradient d logp. GSPO changes the
+       ratio to one per sequence (sequence_log_ratio), CISPO the term (cispo_term).
+    2. Masks times the term, in TRL's order: off-policy rows (off_policy_keep; old_logp without
+       sampler_logp), tokens below the top_entropy_quantile (high_entropy), and the sampler
+       correction's weights (sampler_weights). Truncated completions (mask_truncated_completions,
+       DAPO) are off the mask the caller passes.
+    3. KL to the reference (beta > 0): + beta * k3_kl per token.
+    4. Entropy bonus (entropy_coef > 0; verl's): -coef * H per token of the entropy mask.
     5. Aggregation: "grpo" each sequence's token mean, summed / num_seqs; "dapo" and "cispo" sum
-       / num_tokens; "dr_grpo" sum / (num_seqs * max_completion_len). TRL's grpo and dr_grpo
-       normalisers are per micro-batch: the same for equal micro-batches (ours weigh the rows
-       of an uneven one like the others).
-    6. Entropy bonus (entropy_coef > 0; verl's): -coef * H per token of choice 3's entropy mask.
-    7. Metrics: policy_term's, sampler_weights' (before its clamp), off_policy_masked, kl."""
+       / num_tokens; "dr_grpo" (Dr. GRPO) sum / (num_seqs * max_completion_len). TRL's grpo and
+       dr_grpo normalisers are per micro-batch: the same for equal micro-batches (ours weigh the
+       rows of an uneven one like the others).
+    6. Metrics: the term's ratio stats, sampler_weights' (before its clamp), off_policy_masked,
+       kl."""
     counts = dict(num_seqs=num_seqs, num_tokens=num_tokens, max_completion_len=max_completion_len)
     check_loss_inputs(logp, advantages, cfg, counts, old_logp=old_logp, ref_logp=ref_logp,
                       mask=mask, entropy=entropy, sampler_logp=sampler_logp)
     old_logp = logp.detach() if old_logp is None else old_logp
-    adv = advantages[:, None].to(logp.dtype)  # (N, 1)
-    per_token, ratio, stats = policy_term(logp, old_logp, adv, mask, cfg)
+    adv = advantages[:, None].to(logp.dtype)  # (R, 1)
+    # 1. The GRPO term per token; GSPO's ratio per sequence, CISPO's term
+    ratio_log, units = log_ratio(logp, old_logp, mask), mask  # (R, Tc)
+    if cfg.importance_sampling_level == "sequence":
+        ratio_log = sequence_log_ratio(ratio_log, mask)  # (R, 1)
+        units = torch.ones_like(ratio_log, dtype=torch.bool)  # every row
+    ratio = torch.exp(ratio_log)  # (R, Tc) or (R, 1)
+    if cfg.loss_type == "cispo":
+        per_token, stats = cispo_term(ratio, adv, logp, cfg, units)
+    else:
+        per_token, stats = clipped_term(ratio, adv, cfg, units)
+    # 2. The masks
     if math.isfinite(cfg.off_policy_mask_threshold):
         behaviour = old_logp if sampler_logp is None else sampler_logp
-        kl = torch.where(mask, behaviour - logp.detach(), 0.0).nan_to_num(0.0)  # (N, Tr)
-        mean_kl = kl.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp_min(1)  # (N, 1)
-        keep = (adv >= 0) | (mean_kl <= cfg.off_policy_mask_threshold)  # (N, 1)
+        keep = off_policy_keep(logp, behaviour, adv, mask, cfg.off_policy_mask_threshold)
         per_token = per_token * keep
         stats["off_policy_masked"] = 1 - keep.double().mean()
     high = None
     if cfg.top_entropy_quantile < 1:
-        values = entropy.detach()[mask].float()  # (n,)
-        threshold = torch.quantile(values, 1 - cfg.top_entropy_quantile) if len(values) else 0
-        high = (entropy.detach() * mask >= threshold) & mask  # (N, Tr)
+        high = high_entropy(entropy, mask, cfg.top_entropy_quantile)  # (R, Tc)
         per_token = per_token * high
     if sampler_logp is not None:  # the mismatch's stats are logged with the correction off too
         weights, correction = sampler_weights(old_logp, sampler_logp, mask, cfg)
         per_token = per_token * weights if cfg.sampler_correction else per_token
         stats.update(correction)
+    # 3. KL, 4. entropy bonus
     zero = torch.zeros_like(logp)
     if ref_logp is not None:
-        delta = torch.where(mask, ref_logp - logp, zero)
-        kl = torch.exp(delta) - delta - 1  # (N, Tr) >= 0: unbiased for KL(pi || ref) under pi
-        if cfg.use_bias_correction_kl:  # the tokens are pi_old's: reweight them to pi, with grad
-            kl = kl * ratio
+        kl = k3_kl(logp, ref_logp, ratio, mask, cfg)  # (R, Tc)
         stats["kl"] = torch.where(mask, kl, zero).sum() / mask.sum().clamp_min(1)
         if cfg.beta > 0:
             per_token = per_token + cfg.beta * kl
     if cfg.entropy_coef > 0:
         per_token = per_token - cfg.entropy_coef * (entropy if high is None else entropy * high)
-    per_token = torch.where(mask, per_token, zero)  # (N, Tr): a sequence's term on its tokens
+    # 5. Aggregation
+    per_token = torch.where(mask, per_token, zero)  # (R, Tc): a sequence's term on its tokens
     if cfg.loss_type == "grpo":  # each sequence's token mean first: long completions weigh less
         per_token = per_token / mask.sum(1, keepdim=True).clamp_min(1)
     normaliser = {"grpo": num_seqs, "dapo": num_tokens, "cispo": num_tokens,
@@ -570,13 +613,13 @@ def micro_batches(batch: GRPOBatch, cfg: GRPOConfig) -> list[tuple[Tensor, GRPOB
 @torch.no_grad()
 def batch_logprobs(model, batch: GRPOBatch, cfg: GRPOConfig, *,
                    logprob_fn: Callable | None = None) -> Tensor:
-    """Old or reference logprobs (N, Tr) without grad, one micro-batch at a time (the same slices
+    """Old or reference logprobs (R, Tc) without grad, one micro-batch at a time (the same slices
     accumulate uses), zeros off the mask. float32, or float64 for a float64 model (as
     completion_logprobs)."""
     batch.check()
     param = next(model.parameters())
     dtype = torch.promote_types(param.dtype, torch.float32)
-    out = torch.zeros(batch.tokens.shape, device=batch.tokens.device, dtype=dtype)  # (N, Tr)
+    out = torch.zeros(batch.tokens.shape, device=batch.tokens.device, dtype=dtype)  # (R, Tc)
     chunk = chunk_rows(cfg.chunk_bytes, model.config.vocab_size, param.dtype)
     for rows, micro in micro_batches(batch, cfg):
         logp, _ = completion_logprobs(model, micro, chunk_size=chunk, logprob_fn=logprob_fn)

@@ -4,11 +4,11 @@ Phases: what lives on the device while rolling out, computing reference logprobs
 Rollout and training share one device: in rollout the optimizer state, grads and reference model
 are dead weight, in training the KV cache and a separate sampler copy. Engines solved this with
 sleep/wake (vLLM's sleep levels, SGLang's release/resume of memory, verl's offload flags). Here
-memory has tags, each with a policy: one class per policy below, holding its sleep, wake and bytes.
+memory has tags, each with a rule: one class per rule below, holding its sleep, wake and bytes.
 
-    tag        policy    outside the phase that needs it                       awake in
+    tag        rule      outside the phase that needs it                       awake in
     trainer    keep      stays: the trainer's weights                          every phase
-    weights    release   the sampler copy (unless it is the trainer) is freed  rollout
+    sampler    release   the sampler copy (unless it is the trainer) is freed  rollout
     kv_cache   release   freed                                                 rollout
     reference  offload   copied into one reused (pinned) host buffer           reference
     optimizer  offload   copied into one reused (pinned) host buffer           train
@@ -26,7 +26,7 @@ becomes ReleasedTensor / ReleasedParameter, whose __torch_function__ refuses all
 until wake; awake tensors pay nothing). A woken tensor holds NaN until its owner fills it
 (rollout.sync_weights; generate() zeroes the KV it uses). Offloaded memory stays readable on the
 host (optimizer.state_dict() for a checkpoint); a forward or step on it raises until wake. On a
-CPU an offload would copy into the memory it leaves: the tensors stay (policy "guard": no copy,
+CPU an offload would copy into the memory it leaves: the tensors stay (rule "guard": no copy,
 resident in every phase) and only the guard comes and goes.
 
 Also, for the training forward: activation offloading, per-block checkpointing, an embedding
@@ -67,9 +67,9 @@ class MemoryConfig:
 
 
 # Tags each phase needs awake, in wake order (staged: the sampler's weights before the KV cache).
-PHASE_TAGS = {"rollout": ("weights", "kv_cache"), "reference": ("reference",),
+PHASE_TAGS = {"rollout": ("sampler", "kv_cache"), "reference": ("reference",),
               "train": ("optimizer", "grads", "scratch")}
-# One sleep or wake of one group: bytes freed or copied; seconds include a device synchronisation.
+# One sleep or wake of one holder: bytes freed or copied; seconds include a device synchronisation.
 Transition = namedtuple("Transition", "phase tag action nbytes seconds")
 
 
@@ -164,8 +164,8 @@ class Resident:
     """Never released: the trainer's weights ("keep"), or a sampler that is the trainer ("shared":
     no tensors of its own, counted once under the trainer)."""
 
-    def __init__(self, tag: str, tensors: list[Tensor], policy: str = "keep"):
-        self.tag, self.held, self.policy, self.releasable = tag, tensors, policy, False
+    def __init__(self, tag: str, tensors: list[Tensor], rule: str = "keep"):
+        self.tag, self.held, self.rule, self.releasable = tag, tensors, rule, False
 
     def resident(self) -> list[Tensor]:
         return self.held
@@ -177,7 +177,7 @@ class Resident:
 class Released:
     """Freed outside its phase; re-allocated at wake holding NaN until its owner fills it (the
     sampler copy: rollout.sync_weights; the KV cache: KVCache.carve zeroes what generate uses)."""
-    policy = "release"
+    rule = "release"
 
     def __init__(self, tag: str, tensors: list[Tensor], releasable: bool):
         self.tag, self.held, self.releasable = tag, tensors, releasable
@@ -213,7 +213,7 @@ class Discarded:
     """Dropped outside its phase, re-created by the owner on next use: grads (`params`' .grad, by
     the next backward) or a dict of scratch tensors (tp.py's MemoryBuffer.tensors). A sleep drops
     whatever is there, however it got there (a backward outside the train phase makes grads)."""
-    policy = "discard"
+    rule = "discard"
 
     def __init__(self, tag: str, releasable: bool, params: list[Tensor] = (),
                  scratch: dict | None = None):
@@ -255,7 +255,7 @@ class Offloaded:
         self.hooks: list = []  # the guard's handles, present while asleep
 
     @property
-    def policy(self) -> str:
+    def rule(self) -> str:
         return "guard" if self.in_place else "offload"
 
     def tensors(self) -> list[Tensor]:
@@ -342,7 +342,7 @@ def _raise_offloaded(manager: "PhaseManager", what: str, tag: str, how: str, *ho
 
 
 class PhaseManager:
-    """Tagged groups moved between phases: `with mgr.phase("rollout"): ...` (or enter, exit)."""
+    """Tagged memory moved between phases: `with mgr.phase("rollout"): ...` (or enter, exit)."""
 
     def __init__(self, device: str | torch.device, cfg: MemoryConfig | None = None):
         self.device = torch.device(device)
@@ -350,7 +350,7 @@ class PhaseManager:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.cfg = cfg or MemoryConfig()
         self.pin = self.cfg.pin_memory and self.device.type == "cuda"
-        self.groups: list = []  # Resident, Released, Discarded and Offloaded groups
+        self.holders: list = []  # a Resident, Released, Discarded or Offloaded per tag
         self.current: str | None = None
         self.transitions: list[Transition] = []
         self.phase_bytes: dict[str, dict[str, int]] = {}  # phase -> tag -> max bytes resident
@@ -360,7 +360,7 @@ class PhaseManager:
     def _check_module(self, module: nn.Module, arg: str) -> None:
         if not isinstance(module, nn.Module):
             raise TypeError(f"{arg} must be an nn.Module, got {type(module).__name__}")
-        taken = {t.untyped_storage().data_ptr(): g.tag for g in self.groups
+        taken = {t.untyped_storage().data_ptr(): g.tag for g in self.holders
                  if not isinstance(g, Discarded) for t in g.resident()}
         taken.pop(0, None)  # meta (planning) and empty tensors have no storage to share
         for name, p in module.named_parameters():
@@ -373,13 +373,13 @@ class PhaseManager:
         copy (e.g. bf16 for an fp32 trainer) released outside rollout and NaN after each wake:
         call rollout.sync_weights(sampler_model, trainer_model) before sampling."""
         self._check_module(trainer_model, "trainer_model")
-        self.groups.append(Resident("trainer", list(trainer_model.parameters())))
+        self.holders.append(Resident("trainer", list(trainer_model.parameters())))
         if sampler_model is trainer_model:
-            self.groups.append(Resident("weights", [], policy="shared"))
+            self.holders.append(Resident("sampler", [], rule="shared"))
             return
         self._check_module(sampler_model, "sampler_model")
         params = list(sampler_model.parameters())
-        self.groups.append(Released("weights", params, self.cfg.release_sampler))
+        self.holders.append(Released("sampler", params, self.cfg.release_sampler))
 
     def add_kv_cache(self, buffer: Tensor) -> None:
         """rollout.py's KVCache.buffer: released outside rollout, the same Tensor throughout."""
@@ -390,12 +390,12 @@ class PhaseManager:
             raise ValueError(f"buffer is on {buffer.device}, the manager's device is {self.device}")
         if buffer.storage_offset() or buffer.untyped_storage().nbytes() != _nbytes([buffer]):
             raise ValueError("buffer must own its whole storage: a view's release frees nothing")
-        self.groups.append(Released("kv_cache", [buffer], self.cfg.release_kv))
+        self.holders.append(Released("kv_cache", [buffer], self.cfg.release_kv))
 
     def add_grads(self, model: nn.Module) -> None:
         """The .grad of every trainable parameter: set to None outside the train phase."""
         params = [p for p in model.parameters() if p.requires_grad]
-        self.groups.append(Discarded("grads", self.cfg.release_grads, params=params))
+        self.holders.append(Discarded("grads", self.cfg.release_grads, params=params))
 
     def add_scratch(self, tensors: dict) -> None:
         """A dict of scratch tensors that its owner re-creates on demand (tp.py's MemoryBuffer
@@ -403,20 +403,20 @@ class PhaseManager:
         if not isinstance(tensors, dict):
             raise TypeError(f"tensors must be a dict of scratch tensors (e.g. tp's MemoryBuffer"
                             f".tensors), got {type(tensors).__name__}")
-        self.groups.append(Discarded("scratch", self.cfg.release_scratch, scratch=tensors))
+        self.holders.append(Discarded("scratch", self.cfg.release_scratch, scratch=tensors))
 
     def add_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Its state tensors on the device, offloaded outside the train phase."""
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, "
                             f"got {type(optimizer).__name__}")
-        self.groups.append(Offloaded("optimizer", self.cfg.offload_optimizer, self.device,
+        self.holders.append(Offloaded("optimizer", self.cfg.offload_optimizer, self.device,
                                      self.pin, optimizer=optimizer))
 
     def add_reference(self, module: nn.Module) -> None:
         """A frozen model (its parameters; buffers stay) offloaded outside the reference phase."""
         self._check_module(module, "module")
-        self.groups.append(Offloaded("reference", self.cfg.offload_reference, self.device,
+        self.holders.append(Offloaded("reference", self.cfg.offload_reference, self.device,
                                      self.pin, module=module))
 
     # -------------------------------------------------------------------------
@@ -436,14 +436,14 @@ class PhaseManager:
             torch.cuda.reset_peak_memory_stats(self.device)
         self.current = phase
         # Sleep what this phase does not need BEFORE waking what it needs: the peak never has both.
-        for group in self.groups:
-            if group.tag not in PHASE_TAGS[phase]:
-                self._move(group, "sleep")
+        for holder in self.holders:
+            if holder.tag not in PHASE_TAGS[phase]:
+                self._move(holder, "sleep")
         if self.device.type == "cuda":  # what slept goes back to the device before any wake
             return_freed_memory(self.device)
         for tag in PHASE_TAGS[phase]:  # in the table's order: a staged wake
-            for group in [g for g in self.groups if g.tag == tag]:
-                self._move(group, "wake")
+            for holder in [g for g in self.holders if g.tag == tag]:
+                self._move(holder, "wake")
         self._observe()
 
     def exit(self) -> None:
@@ -451,8 +451,8 @@ class PhaseManager:
         if self.current is None:
             raise RuntimeError("exit() outside a phase: call enter(phase) first")
         self._observe()
-        for group in [g for g in self.groups if g.tag in PHASE_TAGS[self.current]]:
-            self._move(group, "sleep")
+        for holder in [g for g in self.holders if g.tag in PHASE_TAGS[self.current]]:
+            self._move(holder, "sleep")
         self.current = None
         return_freed_memory(self.device)  # released means returned
 
@@ -464,19 +464,19 @@ class PhaseManager:
         finally:
             self.exit()
 
-    def _move(self, group, action: str) -> None:
-        """group.sleep(self) or group.wake(), timed, and recorded if it moved anything."""
-        if not group.releasable:
+    def _move(self, holder, action: str) -> None:
+        """holder.sleep(self) or holder.wake(), timed, and recorded if it moved anything."""
+        if not holder.releasable:
             return
         start = time.perf_counter()
-        before = self.resident_bytes(group)
-        moved = group.sleep(self) if action == "sleep" else group.wake()
+        before = self.resident_bytes(holder)
+        moved = holder.sleep(self) if action == "sleep" else holder.wake()
         if self.device.type == "cuda":  # honest timing: the copies are asynchronous
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - start
-        nbytes = before if action == "sleep" else self.resident_bytes(group)
+        nbytes = before if action == "sleep" else self.resident_bytes(holder)
         if moved:
-            self.transitions.append(Transition(self.current, group.tag, action, nbytes, seconds))
+            self.transitions.append(Transition(self.current, holder.tag, action, nbytes, seconds))
 
     def asleep_message(self, what: str, tag: str, how: str) -> str:
         """The line any use of asleep memory raises: what, which tag, which phase, what to do."""
@@ -488,13 +488,13 @@ class PhaseManager:
     # -------------------------------------------------------------------------
     # Accounting
 
-    def resident_bytes(self, group=None) -> int | dict[str, int]:
-        """Bytes on the device of one group, or of every tag (a dict) when no group is given."""
-        if group is None:
-            return {tag: sum(self.resident_bytes(g) for g in self.groups if g.tag == tag)
-                    for tag in dict.fromkeys(g.tag for g in self.groups)}
+    def resident_bytes(self, holder=None) -> int | dict[str, int]:
+        """Bytes on the device of one holder, or of every tag (a dict) when no holder is given."""
+        if holder is None:
+            return {tag: sum(self.resident_bytes(g) for g in self.holders if g.tag == tag)
+                    for tag in dict.fromkeys(g.tag for g in self.holders)}
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()  # shared: once
-                    for t in group.resident() if t.device == self.device}
+                    for t in holder.resident() if t.device == self.device}
         return sum(storages.values())
 
     def _observe(self) -> None:
@@ -521,21 +521,21 @@ class PhaseManager:
         def awake(g, tags) -> bool:
             stays = isinstance(g, Offloaded) and (g.in_place if cpu is None else cpu)
             return g.tag in tags or not g.releasable or stays
-        return {phase: {g.tag: g.full_bytes() if awake(g, tags) else 0 for g in self.groups}
+        return {phase: {g.tag: g.full_bytes() if awake(g, tags) else 0 for g in self.holders}
                 for phase, tags in PHASE_TAGS.items()}
 
     def report(self) -> str:
         """A short table: bytes per tag in each phase seen, mean time (GB/s) of its transitions."""
         phases = [p for p in PHASE_TAGS if p in self.phase_bytes]
-        rows = [["tag", "policy", *phases, "sleep", "wake"]]
-        for tag, policy in dict.fromkeys((g.tag, g.policy) for g in self.groups):
-            row = [tag, policy]
+        rows = [["tag", "rule", *phases, "sleep", "wake"]]
+        for tag, rule in dict.fromkeys((g.tag, g.rule) for g in self.holders):
+            row = [tag, rule]
             row += [f"{self.phase_bytes[p].get(tag, 0) / 1e6:,.2f} MB" for p in phases]
             for action in ("sleep", "wake"):
                 done = [t for t in self.transitions if t.tag == tag and t.action == action]
                 seconds = sum(t.seconds for t in done)
                 nbytes = sum(t.nbytes for t in done)
-                copies = seconds and policy == "offload"  # others free or allocate: no GB/s
+                copies = seconds and rule == "offload"  # others free or allocate: no GB/s
                 rate = f" {nbytes / seconds / 1e9:.2f} GB/s" if copies else ""
                 row.append(f"{seconds / len(done) * 1e3:.2f} ms{rate}" if done else "-")
             rows.append(row)

@@ -12,7 +12,7 @@ The reward of a completion is the weighted sum over the functions; None (or NaN)
 score": that function is left out, and a completion no function could score is left out of its
 group's statistics (grpo.group_advantages) and counted in the log. For a task with a tool the
 completion is a tools.Completion: the episode's text, whose parts tell the model's text from the
-tool's answers (a reward scores completion.answer or .model_text, never the tool's text).
+tool's observations (a reward scores completion.answer or .model_text, never the tool's text).
 
 train.py loads a task by import path (load_task), `--task package.module:attr`, where attr is a
 Task or a function `attr(data: str) -> Task` that receives `--task_data`, and scores completions
@@ -35,9 +35,10 @@ Built in:
   (--model); generated here, no data file. Correct when the last number of the completion is the
   sum; the reward is 1 for correct, else 0, so eval_reward is the share correct.
 - the stop set (answers of varying length, then the stop) and `tasks:ragged_copy`, below.
-- with a tool (tools.py; a Task's `tool`): `tasks:lookup`, a value only the tool knows (a fresh
-  model), the answer-reading tasks built on it (`lookup_copy`, `lookup_reverse`, `lookup_inorder`,
-  `lookup_pair`, `lookup_sum`: the model writes its own answer from the tool's, scored on what
+- with a call-token tool (tools/call_token.py; a Task's `call_tool`): `tasks:lookup`, a value only
+  the tool knows (a fresh model), the answer-reading tasks built on it (`lookup_copy`,
+  `lookup_reverse`, `lookup_inorder`, `lookup_pair`, `lookup_sum`: the model writes its own answer
+  from the tool's observation, scored on what
   it wrote: tools.Completion), and `tasks:chat_calc`, a product with a calculator (a chat
   checkpoint).
 - with a function tool in TRL's shape (tools/functions.py; a Task's `tools`, `environment_factory`):
@@ -61,15 +62,16 @@ import random
 import re
 import sys
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import Callable
 
 import numpy
 import torch
 
-from tools import functions
 from grpo import combine_rewards
-from tools import Completion, Tool, ToolError, run_async
+from tools import functions
+from tools.call_token import CallTool
+from tools.runtime import Completion, ToolError, run_async
 
 Reward = Callable[[str, str], "float | None"]
 
@@ -84,21 +86,22 @@ class Task:
     max_new_tokens: int = 0    # the task's completion budget (0: train.py's setting decides)
     correct: Callable[[str, str], bool] | None = None  # a fully correct answer (the eval's share)
     examples: list[tuple] | None = None  # a finite dataset's (prompt, reference) pairs, else None
-    tool: Tool | None = None   # what a row may call mid-completion (tools.py, engine/episodes.py)
-    # Function tools as TRL's GRPOTrainer takes them (tools/functions.py): typed, documented functions
-    # the chat template announces; a class whose instance (one per row) adds its methods as tools
+    # A function the model calls by writing one token mid-completion (tools/call_token.py)
+    call_tool: CallTool | None = None
+    # Function tools as TRL's GRPOTrainer takes them (tools/functions.py): typed, documented
+    # functions the chat template announces; a class whose instance (one per row) adds its methods
+    # as tools
     tools: list[Callable] = field(default_factory=list)
     environment_factory: Callable | None = None
     tool_format: str = ""      # the calls' format: hermes, llama3_json; "" = the template's
+    tool: InitVar[CallTool | None] = None  # call_tool's former name, still accepted
 
-    def __post_init__(self):
-        if self.tool is not None and (self.tools or self.environment_factory is not None):
-            raise ValueError(f"task {self.name}: a tools.Tool (a call token) or function tools "
-                             "and an environment, not both")
-
-    @property
-    def has_tools(self) -> bool:
-        return self.tool is not None or bool(self.tools) or self.environment_factory is not None
+    def __post_init__(self, tool):
+        if tool is not None:
+            self.call_tool = tool
+        if self.call_tool is not None and (self.tools or self.environment_factory is not None):
+            raise ValueError(f"task {self.name}: a call-token tool (call_tool) or function tools "
+                             "and an environment (tools, environment_factory), not both")
 
 
 class RewardError(ValueError):
@@ -572,7 +575,8 @@ chat_add = Task("chat_add", sample_chat_add, [(answer_correct, 1.0)], max_new_to
                 correct=lambda c, r: answer_correct(c, r) == 1.0)
 
 # -----------------------------------------------------------------------------
-# Tasks with a tool (tools.py): the answer is in the tool's hands, not the prompt's
+# Tasks with a call-token tool (tools/call_token.py): the answer is in the tool's hands, not the
+# prompt's
 
 
 def sample_lookup(rng: random.Random) -> tuple[str, str]:
@@ -587,7 +591,7 @@ def look_up(text: str, reference: str) -> str:
 
 
 def lookup_answer(completion: str) -> str:
-    """The episode's last two digits: "?47" (a call, the tool's answer, the stop) and "?4747"
+    """The episode's last two digits: "?47" (a call, the tool's observation, the stop) and "?4747"
     (the answer repeated) -> "47"; a guess "31" -> "31"."""
     return "".join(re.findall(r"\d", completion)[-2:])
 
@@ -597,24 +601,25 @@ def lookup_digits(completion: str, reference: str) -> float:
 
 
 def lookup_exact(completion: Completion, reference: str) -> bool:
-    """The clean episode: the model's call, the tool's answer, the stop ("?" + "47")."""
+    """The clean episode: the model's call, the tool's observation, the stop ("?" + "47")."""
     return completion.parts == (("?", True), (reference, False))
 
 
-# The credit is per digit of the episode's last two, the tool's answer included on purpose (0.8):
-# the skill is the call itself, what the model writes after it earns nothing more; plus the
+# The credit is per digit of the episode's last two, the tool's observation included on purpose
+# (0.8): the skill is the call itself, what the model writes after it earns nothing more; plus the
 # clean episode (0.2): the model must learn to call first, and to stop once the value is in.
 lookup = Task("lookup", sample_lookup, [(lookup_digits, 0.8), (lookup_exact, 0.2)],
               alphabet="abcd0123456789=?", max_new_tokens=6,  # "?", "47", the stop, and room
-              correct=lookup_exact, tool=Tool(look_up, call="?"))
+              correct=lookup_exact, call_tool=CallTool(look_up, call="?"))
 
-# Answer-reading tasks: the model calls, reads the tool's answers and writes its own answer from
-# them. The credit reads what the model did, never the tool's text: its answer (completion.answer,
-# what it wrote after the tool's last answer) and how many of its calls the tool answered (the call
-# is the model's action; the answers' text earns nothing). The reference is what the tool knows;
-# each task's `expected` turns it into the answer. Credit for the right digits in any position
-# leads a policy to read the tool's answer before it knows each digit's place (the copy learned on
-# 1 seed of 2 without it, on 4 of 4 with it), and the budget, not a stop, ends the episode (a stop
+# Answer-reading tasks: the model calls, reads the tool's observations and writes its own answer
+# from them. The credit reads what the model did, never the tool's text: its answer
+# (completion.answer, what it wrote after the tool's last observation) and how many of its calls
+# the tool answered (the call is the model's action; the observations' text earns nothing). The
+# reference is what the tool knows; each task's `expected` turns it into the answer. Credit for the
+# right digits in any position leads a policy to read the tool's observation before it knows each
+# digit's place (the copy learned on 1 seed of 2 without it, on 4 of 4 with it), and the budget,
+# not a stop, ends the episode (a stop
 # credited for any answer of the right length kept a policy that calls, guesses and stops):
 # docs/measurements.md, the answer-reading tasks.
 
@@ -634,7 +639,7 @@ def look_up_next(text: Completion, reference: str) -> str | None:
 def answer_reading(name: str, sample: Callable, tool: Callable, expected: Callable[[str], str],
                    calls: int, tool_tokens: int, answer_tokens: int = 2) -> Task:
     """A task whose answer is expected(reference) (`answer_tokens` long), written by the model
-    after `calls` calls whose answers take `tool_tokens` tokens in all. The budget ends the
+    after `calls` calls whose observations take `tool_tokens` tokens in all. The budget ends the
     episode right after the answer (no stop to learn). Credit: per position of completion.answer
     (0.6), per digit of it found anywhere in the expected answer (0.2, as a multiset: "74" for
     "47" earns it), and the calls the tool answered, up to `calls` (0.2). With several calls the
@@ -663,21 +668,21 @@ def answer_reading(name: str, sample: Callable, tool: Callable, expected: Callab
     return Task(name, sample, [(answer_digits, 0.6), (answer_digits_anywhere, 0.2),
                                (calls_answered, 0.2)],
                 alphabet="abcd0123456789=?", max_new_tokens=budget, correct=answer_right,
-                tool=Tool(tool, call="?"))
+                call_tool=CallTool(tool, call="?"))
 
 
 # "?" + "47" (the tool's) + "47" (the model's): the value written again.
 lookup_copy = answer_reading("lookup_copy", sample_lookup, look_up, lambda ref: ref, 1, 2)
-# "?" + "47" + "74": the tool's answer transformed (reversed).
+# "?" + "47" + "74": the tool's observation transformed (reversed).
 lookup_reverse = answer_reading("lookup_reverse", sample_lookup, look_up,
                                 lambda ref: ref[::-1], 1, 2)
-# "?" + "4" + "?" + "7" + "47": two answers of two calls, combined in order.
+# "?" + "4" + "?" + "7" + "47": two observations of two calls, combined in order.
 lookup_inorder = answer_reading("lookup_inorder", sample_lookup_pair, look_up_next,
                                 lambda ref: ref.replace("+", ""), 2, 2)
-# "?" + "4" + "?" + "7" + "74": two answers of two calls, the last first.
+# "?" + "4" + "?" + "7" + "74": two observations of two calls, the last first.
 lookup_pair = answer_reading("lookup_pair", sample_lookup_pair, look_up_next,
                              lambda ref: ref[::-1].replace("+", ""), 2, 2)
-# "?" + "4" + "?" + "7" + "11": two answers of two calls, summed (two digits: "4+3" -> "07").
+# "?" + "4" + "?" + "7" + "11": two observations of two calls, summed (two digits: "4+3" -> "07").
 lookup_sum = answer_reading("lookup_sum", sample_lookup_pair, look_up_next,
                             lambda ref: f"{sum(map(int, ref.split('+'))):02d}", 2, 2)
 
@@ -755,12 +760,13 @@ def calc_correct(completion: Completion, reference: str) -> float:
 # The call ends the model's turn (call=""): the checkpoint's end-of-turn token, then the
 # template's tool message. 48 tokens hold a call, its result message and the answer.
 chat_calc = Task("chat_calc", sample_chat_calc, [(calc_correct, 1.0)], max_new_tokens=48,
-                 correct=lambda c, r: calc_correct(c, r) == 1.0, tool=Tool(calculator, call=""))
+                 correct=lambda c, r: calc_correct(c, r) == 1.0,
+                 call_tool=CallTool(calculator, call=""))
 
-# A function tool as TRL passes it (tools/functions.py): typed and documented, called natively. SmolLM2's
-# chat template renders no tools, so the system message announces the function (its JSON schema)
-# and the Hermes call format, and one example exchange shows a call, its tool message as SmolLM2's
-# template writes one, and the answer after it. (A system message in Qwen2.5's `# Tools` wording
+# A function tool as TRL passes it (tools/functions.py): typed and documented, called natively.
+# SmolLM2's chat template renders no tools, so the system message announces the function (its JSON
+# schema) and the Hermes call format, and one example exchange shows a call, its tool message as
+# SmolLM2's template writes one, and the answer after it. (A system message in Qwen2.5's `# Tools` wording
 # made SmolLM2-135M call an "add" it was never shown: 0 of 16 held-out questions right.)
 
 

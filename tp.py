@@ -1,8 +1,8 @@
 """
 Tensor parallelism (Megatron-LM style, by hand) for model.py's Llama, the tp x dp process groups,
-the gradient-norm clip over both, and data parallelism's few collectives (at the end); the tp ranks
-hold the same rows, so a task's tool is called on the first alone and its answers broadcast
-(on_first_rank).
+the gradient-norm clip over both, and data parallelism's few collectives (at the end). (The tp
+ranks hold the same rows: a task's tool is called on the first alone, tools/runtime.py's
+on_first_rank.)
 
 TP splits each block over the tp ranks: q/k/v and gate/up are column-parallel (H/tp heads, I/tp of
 the SwiGLU width per rank, their biases split alike; Qwen3's per-head q/k norms replicated, their
@@ -279,13 +279,13 @@ class GatherLinears(Function):
 
 @dataclass
 class TPState:  # per model, a plain attribute (not in the state dict)
-    groups: ParallelGroups
+    ranks: ParallelGroups
     sequence_parallel: bool                   # the SP switch, read once per forward by TPLlama
     buffer: MemoryBuffer
     sharded: dict[str, tuple[int, int, int]]  # param name -> (dim, start, stop) of its slice
 
-    def __deepcopy__(self, memo: dict) -> "TPState":  # a copied model (a reference) shares groups
-        return TPState(self.groups, self.sequence_parallel, MemoryBuffer(), dict(self.sharded))
+    def __deepcopy__(self, memo: dict) -> "TPState":  # a copied model (a reference) shares its process groups
+        return TPState(self.ranks, self.sequence_parallel, MemoryBuffer(), dict(self.sharded))
 
 
 class VocabParallelEmbedding(nn.Embedding):
@@ -296,7 +296,7 @@ class VocabParallelEmbedding(nn.Embedding):
         outside = (local < 0) | (local >= self.weight.shape[0])
         x = F.embedding(local.masked_fill(outside, 0), self.weight)  # (B, T, C)
         x = x.masked_fill(outside[..., None], 0.0)
-        group = self.state.groups.tp_group
+        group = self.state.ranks.tp_group
         if sp:
             return ReduceScatterToSP.apply(x.flatten(0, 1), group)  # (N/tp, C)
         return ReduceFromTP.apply(x, group)  # (B, T, C)
@@ -306,7 +306,7 @@ class VocabParallelLMHead(nn.Linear):
     """Logits of this rank's V/tp vocab rows; they stay split (gather_vocab, vocab-parallel
     logprobs)."""
     def forward(self, h: Tensor) -> Tensor:
-        return F.linear(CopyToTP.apply(h, self.state.groups.tp_group), self.weight)  # (..., V/tp)
+        return F.linear(CopyToTP.apply(h, self.state.ranks.tp_group), self.weight)  # (..., V/tp)
 
 
 class TPRMSNorm(RMSNorm):
@@ -317,7 +317,7 @@ class TPRMSNorm(RMSNorm):
         # weight sums it over tp ranks inside backward, and the grad stays replicated as in plain
         # TP (so SP and non-SP forwards can mix in one accumulation). The rest is model.RMSNorm's
         # math, in HF's order.
-        weight = CopyToTP.apply(self.weight, self.state.groups.tp_group)
+        weight = CopyToTP.apply(self.weight, self.state.ranks.tp_group)
         return rms_norm(x, weight, self.eps)
 
 
@@ -326,7 +326,7 @@ class TPHeadRMSNorm(RMSNorm):
     replicated, but a rank's grad sums over its own heads only: f on the weight sums it over the tp
     ranks inside backward (with or without SP), so the grad is the full one on every rank."""
     def forward(self, x: Tensor) -> Tensor:
-        weight = CopyToTP.apply(self.weight, self.state.groups.tp_group)
+        weight = CopyToTP.apply(self.weight, self.state.ranks.tp_group)
         return rms_norm(x, weight, self.eps)
 
 
@@ -336,7 +336,7 @@ class RowParallelLinear(nn.Linear):
     only then is the bias added: once, not once per rank. Its grad: the same full sum on every rank
     without SP; under SP each rank sees only its tokens, so f on the bias sums the grads."""
     def forward(self, x: Tensor, sp: bool = False) -> Tensor:
-        group = self.state.groups.tp_group
+        group = self.state.ranks.tp_group
         partial = self.partial(x)  # (B, T, C), or (N, C) under SP: this rank's share
         bias = self.bias
         if sp:
@@ -356,7 +356,7 @@ class ColumnParallelLoRALinear(LoRALinear):
     Every rank's update reads all of A, so its gradient on a rank is a partial sum: f on A sums it
     over the tp ranks in backward (the grad then whole on each, as a replicated weight's)."""
     def adapter_weights(self) -> tuple[Tensor, Tensor]:
-        return CopyToTP.apply(self.lora_A, self.state.groups.tp_group), self.lora_B
+        return CopyToTP.apply(self.lora_A, self.state.ranks.tp_group), self.lora_B
 
 
 class RowParallelLoRALinear(RowParallelLinear, LoRALinear):
@@ -364,7 +364,7 @@ class RowParallelLoRALinear(RowParallelLinear, LoRALinear):
     this rank's partial sum of the update: added to the base's partial, it is summed by the same
     g. B's gradient is a partial sum likewise: f on B sums it over the tp ranks in backward."""
     def adapter_weights(self) -> tuple[Tensor, Tensor]:
-        return self.lora_A, CopyToTP.apply(self.lora_B, self.state.groups.tp_group)
+        return self.lora_A, CopyToTP.apply(self.lora_B, self.state.ranks.tp_group)
 
     def partial(self, x: Tensor) -> Tensor:
         return F.linear(x, self.weight) + self.update(x)  # (..., C) this rank's share
@@ -390,14 +390,14 @@ def adapt(model: Llama) -> Llama:
 class TPAttention(Attention):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention: Callable,
                 last: Tensor | None = None, sp: bool = False) -> Tensor:
-        group = self.state.groups.tp_group
+        group = self.state.ranks.tp_group
         if not sp:  # f, model.Attention on this rank's H/tp heads, g in o_proj
             return super().forward(CopyToTP.apply(x, group), cos, sin, attention,
                                    last)  # (B, T|1, C)
         assert last is None, "under SP TPLlama picks the last positions after the gather"
         # x (N/tp, C): f is the all-gather fused into the q/k/v linears
         T = cos.shape[1]
-        B = x.shape[0] * self.state.groups.tp_size // T
+        B = x.shape[0] * self.state.ranks.tp_size // T
         qkv = (self.q_proj, self.k_proj, self.v_proj)
         q, k, v = GatherLinears.apply(x, group, self.state.buffer, *[m.weight for m in qkv],
                                       *[m.bias for m in qkv])  # (N, H/tp*D), (N, Hkv/tp*D) x2
@@ -410,7 +410,7 @@ class TPAttention(Attention):
 
 class TPMLP(MLP):
     def forward(self, x: Tensor, sp: bool = False) -> Tensor:
-        group = self.state.groups.tp_group
+        group = self.state.ranks.tp_group
         if not sp:  # f, SwiGLU on this rank's I/tp columns, g in down_proj
             return super().forward(CopyToTP.apply(x, group))  # (B, T, C)
         # x (N/tp, C): f is the all-gather fused into the gate/up linears
@@ -437,7 +437,7 @@ class TPLlama(Llama):
     def hidden(self, tokens: Tensor, positions: Tensor | None = None,
                attention: Callable | None = None, last: Tensor | None = None) -> Tensor:
         state = self.tp_state
-        tp = state.groups.tp_size
+        tp = state.ranks.tp_size
         B, T = tokens.shape
         # SP splits the B*T tokens evenly. When tp does not divide them, each row's end is padded
         # until it does; a decode step (T = 1: its hook takes one token a row) runs plain TP.
@@ -458,7 +458,7 @@ class TPLlama(Llama):
             block_last = last if i == final and not sp else None
             x = block(x, cos, sin, attention or causal_attention, block_last, sp)
         if sp:  # out of SP: every rank gets every token
-            x = GatherFromSP.apply(x, state.groups.tp_group).view(*tokens.shape, -1)  # (B, T', C)
+            x = GatherFromSP.apply(x, state.ranks.tp_group).view(*tokens.shape, -1)  # (B, T', C)
             x = x[:, :T]  # (B, T, C): the pads dropped
             if last is not None:
                 x = at_last(x, last)  # (B, 1, C)
@@ -483,19 +483,19 @@ def sequence_parallel(model: Llama, enabled: bool = True):
 # Sharding, loading, gathering
 
 
-def shard_model(model: Llama, groups: ParallelGroups, sequence_parallel: bool = False) -> Llama:
+def shard_model(model: Llama, ranks: ParallelGroups, sequence_parallel: bool = False) -> Llama:
     """In place: slice the full weights and turn the model and its modules into their TP classes;
     returns the model (untouched at tp_size 1, or if already sharded). Every tp rank must start
     from the same full weights."""
     cfg = model.config
-    tp = groups.tp_size
-    rank = groups.tp_rank
+    tp = ranks.tp_size
+    rank = ranks.tp_rank
     for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
         if getattr(cfg, name) % tp:
             raise ValueError(f"tp_size={tp} must divide {name}={getattr(cfg, name)}")
     if hasattr(model, "tp_state") or tp == 1:
         return model
-    state = TPState(groups, sequence_parallel, MemoryBuffer(), {})
+    state = TPState(ranks, sequence_parallel, MemoryBuffer(), {})
 
     def take(module: nn.Module, prefix: str, dim: int) -> None:
         """Keep this rank's slice of the weight, and of a column-parallel bias (dim 0). A
@@ -544,23 +544,23 @@ def shard_model(model: Llama, groups: ParallelGroups, sequence_parallel: bool = 
     return model
 
 
-def load_sharded(path: str, groups: ParallelGroups, device: str | torch.device,
+def load_sharded(path: str, ranks: ParallelGroups, device: str | torch.device,
                  dtype: torch.dtype, sequence_parallel: bool = False) -> Llama:
     """The sharded model, each rank reading only its slices (safe_open(...).get_slice): no rank
     ever holds the full checkpoint, nor one full tensor of a sharded parameter. The checkpoint is
     first checked against the full model's tensors (hf.check_checkpoint, as in
     hf.load_model), so every rank refuses a bad one alike, before any slicing."""
-    if groups.tp_size == 1:
+    if ranks.tp_size == 1:
         return load_model(path, device, dtype)
     cfg = load_config(path)
     files = check_checkpoint(path, expected_shapes(cfg))  # name -> file; full names, shapes checked
     with torch.device("meta"):  # shapes only: slicing meta tensors allocates nothing
-        model = shard_model(Llama(cfg), groups, sequence_parallel)
+        model = shard_model(Llama(cfg), ranks, sequence_parallel)
     # A tied model's stored copy of the embedding (the Hub's Qwen3-0.6B): each rank compares its
     # own vocab rows, then all-reduce(MAX) over the tp group: every rank refuses alike, or none.
     _, start, stop = model.tp_state.sharded[EMBEDDING]
     differs = torch.tensor([float(tied_copy_differs(cfg, files, start, stop))], device=device)
-    dist.all_reduce(differs, op=dist.ReduceOp.MAX, group=groups.tp_group)
+    dist.all_reduce(differs, op=dist.ReduceOp.MAX, group=ranks.tp_group)
     if differs.item():
         raise ValueError(tied_copy_message(files))
     allocate(model, device, dtype)  # NOTE: re-creates every parameter: unties lm_head
@@ -581,7 +581,7 @@ def load_sharded(path: str, groups: ParallelGroups, device: str | torch.device,
     return model
 
 
-def full_state_dict(model: Llama, groups: ParallelGroups) -> dict[str, Tensor]:
+def full_state_dict(model: Llama, ranks: ParallelGroups) -> dict[str, Tensor]:
     """The full CPU tensors of a sharded model, named as a plain Llama's named_parameters() (a tied
     lm_head appears once, as the embedding: the same tensors a TP=1 checkpoint holds), on every
     rank. Collective: every tp rank must call it."""
@@ -590,44 +590,25 @@ def full_state_dict(model: Llama, groups: ParallelGroups) -> dict[str, Tensor]:
     for name, p in model.named_parameters():  # a tied lm_head appears once, as the embedding
         t = p.detach()
         if name in sharded:
-            parts = [torch.empty_like(t) for _ in range(groups.tp_size)]
+            parts = [torch.empty_like(t) for _ in range(ranks.tp_size)]
             # every rank's slice, in rank order
-            dist.all_gather(parts, t.contiguous(), group=groups.tp_group)
+            dist.all_gather(parts, t.contiguous(), group=ranks.tp_group)
             t = torch.cat(parts, dim=sharded[name][0])
         out[name] = t.to("cpu", copy=True)
     return out
 
 
-def gather_vocab(logits: Tensor, groups: ParallelGroups) -> Tensor:
+def gather_vocab(logits: Tensor, ranks: ParallelGroups) -> Tensor:
     """All-gather vocab-split logits (..., V/tp) -> (..., V), the same on every rank (sampling;
     no grad)."""
-    if groups.tp_size == 1:
+    if ranks.tp_size == 1:
         return logits
     # flat: gloo only gathers along dim 0
-    parts = collective_output((groups.tp_size * logits.numel(),), logits.dtype, logits.device)
+    parts = collective_output((ranks.tp_size * logits.numel(),), logits.dtype, logits.device)
     # every rank's vocab slice
-    _all_gather(parts, logits.contiguous().view(-1), group=groups.tp_group)
-    parts = parts.view(groups.tp_size, *logits.shape).movedim(0, -2)  # (..., tp, V/tp)
+    _all_gather(parts, logits.contiguous().view(-1), group=ranks.tp_group)
+    parts = parts.view(ranks.tp_size, *logits.shape).movedim(0, -2)  # (..., tp, V/tp)
     return parts.reshape(*logits.shape[:-1], -1)  # (..., V)
-
-
-def on_first_rank(fn: Callable, groups: ParallelGroups, failure: type[Exception], *args):
-    """fn(*args) on the tp group's first rank alone, its result broadcast to the others: the tp
-    ranks hold the same rows, so they must get one answer (a task's tool need not be
-    deterministic). A `failure` it raises is raised on every rank, its message on the first alone
-    (said once)."""
-    result = [None]
-    if groups.tp_rank == 0:
-        try:
-            result = [(True, fn(*args))]
-        except failure as e:
-            result = [(False, str(e))]
-    first = dist.get_global_rank(groups.tp_group, 0)
-    dist.broadcast_object_list(result, src=first, group=groups.tp_group)  # TP: the first's result
-    done, value = result[0]
-    if not done:
-        raise failure(value if groups.tp_rank == 0 else "")
-    return value
 
 # -----------------------------------------------------------------------------
 # Vocab-parallel logprobs and entropy
@@ -676,7 +657,7 @@ class VocabParallelLogprobs(Function):
 
 
 def vocab_parallel_logprobs(logits: Tensor, targets: Tensor,
-                            groups: ParallelGroups) -> tuple[Tensor, Tensor]:
+                            ranks: ParallelGroups) -> tuple[Tensor, Tensor]:
     """logits (n, V/tp) this rank's shard, already divided by the temperature; targets (n,) global
     ids -> logp (n,), entropy (n,) in float32, identical on every tp rank. Two all-reduces, none in
     backward. Deterministic, so grpo.py may recompute it under checkpoint; every rank must run the
@@ -686,19 +667,19 @@ def vocab_parallel_logprobs(logits: Tensor, targets: Tensor,
     if targets.shape != logits.shape[:1] or targets.dtype != torch.long:
         raise ValueError(f"targets must be int64 of shape ({len(logits)},), got {targets.dtype} "
                          f"{tuple(targets.shape)}")
-    vocab = logits.shape[1] * groups.tp_size
+    vocab = logits.shape[1] * ranks.tp_size
     # One host sync per chunk: a target no rank owns would give a wrong logp, not an error.
     if targets.numel() and (targets.min() < 0 or targets.max() >= vocab):
         raise ValueError(f"targets must be global ids in [0, {vocab}), got [{targets.min()}, "
                          f"{targets.max()}]")
-    vocab_start = groups.tp_rank * logits.shape[1]
-    return VocabParallelLogprobs.apply(logits, targets, groups.tp_group, vocab_start)
+    vocab_start = ranks.tp_rank * logits.shape[1]
+    return VocabParallelLogprobs.apply(logits, targets, ranks.tp_group, vocab_start)
 
 # -----------------------------------------------------------------------------
 # Data parallelism and gradient clipping
 
 
-def clip_grad_norm(model: nn.Module, max_norm: float, groups: ParallelGroups) -> float:
+def clip_grad_norm(model: nn.Module, max_norm: float, ranks: ParallelGroups) -> float:
     """Scale all grads so that their global L2 norm is at most max_norm (torch's clip_grad_norm_
     rule) and return the norm before clipping. Sharded params' squares are summed over tp ranks;
     replicated ones (norm weights) hold the same full grad on every tp rank and count once. Call
@@ -717,9 +698,9 @@ def clip_grad_norm(model: nn.Module, max_norm: float, groups: ParallelGroups) ->
     dt = torch.promote_types(grads[0].dtype, torch.float32)
     squares = torch.stack([torch.stack(torch._foreach_norm(g, 2, dtype=dt)).square().sum() if g
                            else grads[0].new_zeros((), dtype=dt) for g in kinds])  # (2,)
-    if groups.tp_group is not None:
+    if ranks.tp_group is not None:
         # the sum over tp ranks of their disjoint slices' squares
-        dist.all_reduce(squares[0:1], group=groups.tp_group)
+        dist.all_reduce(squares[0:1], group=ranks.tp_group)
     total = squares.sum().sqrt().item()  # one host sync
     if not math.isfinite(total):
         return total
@@ -739,45 +720,45 @@ def clip_grad_norm(model: nn.Module, max_norm: float, groups: ParallelGroups) ->
 # with compute, sharded optimizer state (ZeRO).
 
 
-def dp_all_reduce(values: list[float], groups, device: torch.device, op=None) -> list[float]:
+def dp_all_reduce(values: list[float], ranks, device: torch.device, op=None) -> list[float]:
     """The elementwise sum (or `op`) of a list of floats over the dp ranks (through `device`: NCCL
     reduces device tensors)."""
-    if groups.dp_group is None:
+    if ranks.dp_group is None:
         return values
     t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=groups.dp_group)  # over dp ranks
+    dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=ranks.dp_group)  # over dp ranks
     return t.tolist()
 
 
-def dp_reduce_metrics(m: dict, tokens: float, groups, device: torch.device) -> dict:
+def dp_reduce_metrics(m: dict, tokens: float, ranks, device: torch.device) -> dict:
     """One optimizer iteration's metrics (grpo.accumulate's) over the dp ranks: the loss summed
     (each rank's is normalised by global counts), the min of *_min and the max of *_max, the rest
     means weighted by each rank's `tokens`; grad_norm, updated and finite are already global."""
     extremes = {k: -1 if k.endswith("_min") else 1 for k in sorted(m) if k[-4:] in ("_min", "_max")}
     keys = sorted(k for k in m if k not in ("loss", "tokens", "grad_norm", "updated", "finite",
                                             *extremes))
-    sums = dp_all_reduce([m["loss"], tokens] + [m[k] * tokens for k in keys], groups, device)
-    peaks = dp_all_reduce([s * m[k] for k, s in extremes.items()], groups, device, dist.ReduceOp.MAX)
+    sums = dp_all_reduce([m["loss"], tokens] + [m[k] * tokens for k in keys], ranks, device)
+    peaks = dp_all_reduce([s * m[k] for k, s in extremes.items()], ranks, device, dist.ReduceOp.MAX)
     return dict(loss=sums[0], grad_norm=m["grad_norm"], updated=m["updated"], finite=m["finite"],
                 **{k: s / max(sums[1], 1.0) for k, s in zip(keys, sums[2:])},
                 **{k: s * p for (k, s), p in zip(extremes.items(), peaks)})
 
 
-def dp_gather(t: torch.Tensor, groups) -> torch.Tensor:
+def dp_gather(t: torch.Tensor, ranks) -> torch.Tensor:
     """Every dp rank's tensor, concatenated in dp-rank order (the same on every rank)."""
-    if groups.dp_group is None:
+    if ranks.dp_group is None:
         return t
-    parts = [torch.empty_like(t) for _ in range(groups.dp_size)]
-    dist.all_gather(parts, t.contiguous(), group=groups.dp_group)  # DP: every rank's rows
+    parts = [torch.empty_like(t) for _ in range(ranks.dp_size)]
+    dist.all_gather(parts, t.contiguous(), group=ranks.dp_group)  # DP: every rank's rows
     return torch.cat(parts)
 
 
-def dp_interleave(items: list, groups) -> list:
+def dp_interleave(items: list, ranks) -> list:
     """Every dp rank's share of a list split as items[dp_rank::dp_size], back in its order."""
-    if groups.dp_group is None:
+    if ranks.dp_group is None:
         return items
-    shares = [None] * groups.dp_size
-    dist.all_gather_object(shares, items, group=groups.dp_group)  # DP: every rank's share
+    shares = [None] * ranks.dp_size
+    dist.all_gather_object(shares, items, group=ranks.dp_group)  # DP: every rank's share
     return [share[i] for i in range(len(shares[0])) for share in shares if i < len(share)]
 
 
@@ -789,20 +770,20 @@ def any_rank(flag: bool, device: torch.device) -> bool:
     return bool(t.item())
 
 
-def dp_sum_grads(model: torch.nn.Module, groups) -> None:
+def dp_sum_grads(model: torch.nn.Module, ranks) -> None:
     """Sums the trainable parameters' .grad over the dp group through one flat buffer: copy in, one
     all-reduce, copy out. SUM, not mean: train.py divides each loss by global counts (over the
     whole batch on all dp ranks), so the sum is the one-big-batch gradient. The buffer is one more
     copy of the grads while it lives (Megatron makes the grads views into it instead), so it lives
     only in this call: kept, it would sit through the rollout phase, where memory.py has released
     the grads. Trainable params must share one dtype."""
-    if groups.dp_group is None:
+    if ranks.dp_group is None:
         return
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:  # a missing grad sends zeros: every rank has the same layout
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     flat = torch.cat([p.grad.flatten() for p in params])  # (all trainable numel,)
-    dist.all_reduce(flat, group=groups.dp_group)  # DP: sum over dp ranks of each replica's grad
+    dist.all_reduce(flat, group=ranks.dp_group)  # DP: sum over dp ranks of each replica's grad
     for p, part in zip(params, flat.split([p.numel() for p in params])):
         p.grad.copy_(part.view_as(p))

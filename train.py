@@ -7,8 +7,8 @@ and its tokenizer, a sampler copy in another dtype and a frozen reference when a
 adapters on a frozen base), the optimizer and the memory phases. step() is one GRPO step, docs/design.md's data flow in numbered pieces:
 
     1. draw the step's prompts (a function of seed and step: a resumed run draws the same ones)
-    2. rollout phase: sync the sampler's weights from the trainer, sample G completions per prompt
-       (with a task's tool, multi-turn episodes: tools.py answers, rollout.py continues the row)
+    2. rollout phase: sync the sampler's weights from the trainer, roll out G completions per prompt
+       (with a task's tool, multi-turn episodes: tools/ answers, rollout.py continues the row)
     3. decode the completions and score them with the task's reward functions
     4. group advantages over every dp rank's rewards; --dynamic_sampling repeats 1-4 (DAPO)
     5. old logprobs (mu > 1; at mu = 1 they are the loss's logp.detach()), reference (beta > 0)
@@ -21,7 +21,7 @@ run/plot.py), and clean stops (Ctrl-C or SIGTERM: finish the step, checkpoint, e
 run going nowhere: one line and a checkpoint).
 
 Parallelism: world = tp x dp. The tp ranks of a dp group hold one sharded model (tp.py) and see the
-same prompts and tokens (the first calls the task's tool: tp.on_first_rank); each dp group takes its
+same prompts and tokens (the first calls the task's tool: tools/runtime.py); each dp group takes its
 own slice of the prompts; gradients are summed over dp (tp.py gathers rewards and sums counts and
 metrics). Loss normalisers count the whole generation batch on all ranks, so the update does not
 depend on how the batch is split.
@@ -30,7 +30,7 @@ Each knob lives in the dataclass of the file that uses it; `--field value` is ro
 (run/cli.py). --dtype bfloat16: fp32 master weights and AdamW state, bf16 autocast, a bf16 sampler
 (engine/precision.py); on a CPU without native bf16, bf16's values multiplied in float32, said at start.
 Leaves out: pipeline parallelism, multi-node launch details, wandb.
-Shapes: Bp prompts, G samples per prompt, N = Bp*G completions, Tr completion length.
+Shapes: Bp prompts, G rows per prompt (its group), R = Bp*G rows, Tc completion length.
 Tested by tests/test_train.py.
 """
 
@@ -62,7 +62,6 @@ from engine.hf import load_config, load_generation_config, load_model, save_mode
 from model import Llama, ModelConfig
 from run import checkpoint, cli, plan, plot, report
 from tasks import Task
-from tools import functions
 
 # -----------------------------------------------------------------------------
 # Config and command line
@@ -151,7 +150,7 @@ def build_configs(values: dict[str, object]) -> Configs:
 # frozen and adapted, the sampler the trainer itself, no reference copy.
 
 
-def build_model(cfg, task: Task, source: str, device: torch.device, groups: tp.ParallelGroups,
+def build_model(cfg, task: Task, source: str, device: torch.device, ranks: tp.ParallelGroups,
                 frozen: bool = False) -> tuple[Llama, tk.PromptTokenizer]:
     """From a HF directory (--model, or a checkpoint being resumed: its fp32 master/ when it has
     one), or fresh: a char tokenizer for the task's alphabet and a tiny Llama initialised from the
@@ -160,8 +159,8 @@ def build_model(cfg, task: Task, source: str, device: torch.device, groups: tp.P
     dtype = getattr(torch, cfg.dtype) if frozen else precision.master_dtype(cfg)
     if source:
         weights = checkpoint.master_dir(source) or source
-        if groups.tp_size > 1:
-            model = tp.load_sharded(weights, groups, device, dtype)  # each rank reads its slice
+        if ranks.tp_size > 1:
+            model = tp.load_sharded(weights, ranks, device, dtype)  # each rank reads its slice
         else:
             model = load_model(weights, device=device, dtype=dtype)
         return model, tk.load_tokenizer(source, model.config.vocab_size)
@@ -176,12 +175,12 @@ def build_model(cfg, task: Task, source: str, device: torch.device, groups: tp.P
                        bos_token_id=tokenizer.tok.token_to_id("<bos>"),
                        eos_token_id=tokenizer.tok.token_to_id("<eos>"))
     model = Llama(mcfg).init_weights(cfg.seed).to(device=device, dtype=dtype)  # same on every rank
-    if groups.tp_size > 1:
-        tp.shard_model(model, groups)
+    if ranks.tp_size > 1:
+        tp.shard_model(model, ranks)
     return model, tokenizer
 
 
-def compile_model(cfg, model: Llama, device: torch.device, groups: tp.ParallelGroups) -> list[str]:
+def compile_model(cfg, model: Llama, device: torch.device, ranks: tp.ParallelGroups) -> list[str]:
     """--compile_blocks: the blocks' training forward compiled once per model (engine/compiling.py);
     torch's caches in --compile_cache (for the decode step's compile too: --compile_decode,
     rollout.py); and on CUDA the training attention's route (packing.cuda_route). Returns the lines
@@ -200,7 +199,7 @@ def compile_model(cfg, model: Llama, device: torch.device, groups: tp.ParallelGr
                         f"parameters: a compile pays from {compiling.MIN_COMPILE_PARAMS / 1e6:.0f} "
                         "M)"]
     why = compiling.unsupported()
-    if not why and groups.tp_size > 1:
+    if not why and ranks.tp_size > 1:
         why = "a tensor-parallel block has collectives inside it"
     if why:
         return notes + [f"--compile_blocks: the blocks run eager: {why}"]
@@ -210,26 +209,26 @@ def compile_model(cfg, model: Llama, device: torch.device, groups: tp.ParallelGr
 
 
 def build(cfgs, task: Task, source: str, resume_dir: str, device: torch.device,
-          groups: tp.ParallelGroups) -> tuple[Llama, tk.PromptTokenizer, Llama, Llama | None,
+          ranks: tp.ParallelGroups) -> tuple[Llama, tk.PromptTokenizer, Llama, Llama | None,
                                               list[str]]:
     """The trainer (from `source`, or fresh), its tokenizer, the sampler, the reference (None
     when beta = 0), and compile_model's lines; the trainer's blocks compiled and checkpointed as
     the flags say (after the copies are made: they stay plain)."""
     cfg = cfgs.train
     if cfgs.lora.use_peft:  # the base from --model (a resumed run's adapter is in its checkpoint)
-        model, tokenizer = build_model(cfg, task, cfg.model, device, groups, frozen=True)
+        model, tokenizer = build_model(cfg, task, cfg.model, device, ranks, frozen=True)
         notes = [adapt(cfgs, model, resume_dir)]
         sampler = model  # the adapted model samples itself: no copy of the base
-        notes += compile_model(cfg, model, device, groups)
+        notes += compile_model(cfg, model, device, ranks)
         memory.checkpoint_blocks(model.model.layers, cfgs.memory.activation_checkpoint)
         return model, tokenizer, sampler, None, notes
-    model, tokenizer = build_model(cfg, task, source, device, groups)
+    model, tokenizer = build_model(cfg, task, source, device, ranks)
     reference = None
     if cfgs.grpo.beta > 0:  # on resume, rebuilt from --model (or the seed): the initial policy
-        reference = (build_model(cfg, task, cfg.model, device, groups)[0] if resume_dir
+        reference = (build_model(cfg, task, cfg.model, device, ranks)[0] if resume_dir
                      else copy.deepcopy(model)).requires_grad_(False)
     sampler = sampler_copy(cfg, model)
-    notes = compile_model(cfg, model, device, groups)
+    notes = compile_model(cfg, model, device, ranks)
     memory.checkpoint_blocks(model.model.layers, cfgs.memory.activation_checkpoint)
     memory.grads_into_weight(model.model.embed_tokens)
     return model, tokenizer, sampler, reference, notes
@@ -257,7 +256,7 @@ def adapt(cfgs, model: Llama, resume_dir: str) -> str:
     torch.manual_seed(cfgs.train.seed)
     c = cfgs.lora
     state = getattr(model, "tp_state", None)  # a shard counts tp times, a replicated one once
-    sharded, tp_size = ({}, 1) if state is None else (state.sharded, state.groups.tp_size)
+    sharded, tp_size = ({}, 1) if state is None else (state.sharded, state.ranks.tp_size)
     count = sum(p.numel() * (tp_size if name in sharded else 1)
                 for name, p in model.named_parameters() if p.requires_grad)
     kinds = sorted({t.rsplit(".", 1)[-1] for t in targets})
@@ -267,7 +266,7 @@ def adapt(cfgs, model: Llama, resume_dir: str) -> str:
                                               else ""))
 
 
-def shapes(cfg, task: Task, groups: tp.ParallelGroups, cfgs=None) -> tuple[Llama, Llama]:
+def shapes(cfg, task: Task, ranks: tp.ParallelGroups, cfgs=None) -> tuple[Llama, Llama]:
     """The trainer and the sampler on the meta device, for --plan: from config.json (--model) or
     the fresh model's flags; no weight is read. With LoRA (cfgs.lora) the base in the compute
     dtype, the adapters fresh, the sampler the trainer itself."""
@@ -275,9 +274,9 @@ def shapes(cfg, task: Task, groups: tp.ParallelGroups, cfgs=None) -> tuple[Llama
     with torch.device("meta"):  # shapes only
         if cfg.model:
             dtype = getattr(torch, cfg.dtype) if frozen else precision.master_dtype(cfg)
-            model = tp.shard_model(Llama(load_config(cfg.model)).to(dtype), groups)
+            model = tp.shard_model(Llama(load_config(cfg.model)).to(dtype), ranks)
         else:
-            model = build_model(cfg, task, "", torch.device("meta"), groups, frozen)[0]
+            model = build_model(cfg, task, "", torch.device("meta"), ranks, frozen)[0]
     if frozen:
         lora.add_adapters(model, cfgs.lora)
         tp.adapt(model)
@@ -334,13 +333,12 @@ class Run:
     """Everything setup() builds once and step() uses."""
     cfgs: Configs
     rank: int
-    groups: tp.ParallelGroups
+    ranks: tp.ParallelGroups
     device: torch.device
     task: Task
     tokenizer: tk.PromptTokenizer
     stop_ids: tuple[int, ...]        # config.json's and generation_config.json's eos ids
-    call_ids: tuple[int, ...]        # the task's tool-call token ids; () = no tool (tools.py)
-    toolbox: functions.Toolbox | None  # the task's function tools and environment
+    tools: tools.TaskTools | None    # the task's tools as this run calls them (tools/)
     generation_config: dict | None   # the source's, copied into every checkpoint
     model: Llama
     sampler: Llama                   # the trainer itself, or a copy in --sampler_dtype
@@ -356,11 +354,14 @@ class Run:
     logprob_fn: object = None        # TP: vocab-parallel logprobs
     signals: checkpoint.StopSignals = field(default_factory=checkpoint.StopSignals)
     notes: list[str] = field(default_factory=list)  # lines printed at the first step
-    dropped: set[str] = field(default_factory=set)  # characters of tool errors said dropped
+
+    @property
+    def calls_tools(self) -> bool:  # a tool is called (--use_tools false: a call is text)
+        return self.tools is not None and bool(self.tools.call_ids)
 
     @property
     def local_prompts(self) -> int:  # this dp rank's share of the generation batch
-        return self.cfgs.train.prompts_per_step // self.groups.dp_size
+        return self.cfgs.train.prompts_per_step // self.ranks.dp_size
 
     def phase(self, name: str):
         return self.mem.phase(name) if self.cfgs.train.phases else contextlib.nullcontext()
@@ -371,15 +372,16 @@ def setup(values: dict[str, object]) -> Run:
     changes, explicit = [], set(values)  # a resumed run: the checkpoint's flags, these on top
     if values.get("resume"):
         owners = cli.field_owners(SECTIONS)
-        values, changes = checkpoint.resume_values(values, owners, TrainConfig.out)
+        values, changes = checkpoint.resume_values(values, owners, TrainConfig.out,
+                                                   cli.renamed_fields())
     cfgs = build_configs(values)
     cli.check_config(cfgs)
     lora.check_flags(cfgs)
     notes = [cli.recipe_defaults(cfgs, explicit)]
     cfg = cfgs.train
-    groups = tp.make_groups(cfgs.parallel.tp)
-    cli.check_dp(cfg.prompts_per_step, groups.dp_size)
-    cli.check_eval_samples(cfg.eval_samples, cfg.prompts_per_step // groups.dp_size,
+    ranks = tp.make_groups(cfgs.parallel.tp)
+    cli.check_dp(cfg.prompts_per_step, ranks.dp_size)
+    cli.check_eval_samples(cfg.eval_samples, cfg.prompts_per_step // ranks.dp_size,
                            cfgs.rollout.num_samples)
     checkpoint.check_out_dir(cfg.out, cfg.resume, cfg.overwrite)
     checkpoint.lock_out_dir(cfg.out)  # one run per --out, before anything is written there
@@ -403,37 +405,27 @@ def setup(values: dict[str, object]) -> Run:
     # The trainer, the sampler and the reference (the initial policy: built before any checkpoint
     # is loaded), compiled and checkpointed as the flags say.
     model, tokenizer, sampler, reference, built = build(cfgs, task, source, resume_dir,
-                                                               device, groups)
+                                                               device, ranks)
     notes += built
     generation_config = load_generation_config(source) if source else None
     optimizer = torch.optim.AdamW(lora.trainable(model), lr=cfg.lr, betas=(0.9, 0.99),
                                   weight_decay=cfg.weight_decay, fused=True)  # run/plan.py's NOTE
     start = 0
     if resume_dir:
-        start = checkpoint.load_checkpoint(resume_dir, optimizer, groups.tp_rank, groups.tp_size)
-    local_prompts = cfg.prompts_per_step // groups.dp_size
+        start = checkpoint.load_checkpoint(resume_dir, optimizer, ranks.tp_rank, ranks.tp_size)
+    local_prompts = cfg.prompts_per_step // ranks.dp_size
     cache = rollout.KVCache.for_batch(model.config, local_prompts, cfgs.rollout.num_samples,
                                       cfg.max_prompt_len, cfgs.rollout.max_new_tokens,
                                       next(sampler.parameters()).dtype, device,
-                                      tp_size=groups.tp_size)
+                                      tp_size=ranks.tp_size)
     mem = plan.memory_phases(device, cfgs.memory, model, sampler, cache, optimizer, reference)
-    plan.fit(mem, cfgs, model, sampler, reference, local_prompts, groups.tp_size, device.type,
-             explicit)  # --memory_budget's micro-batch and chunk, or the default's bound
+    # --memory_budget's micro-batch and chunk, or the default's bound
+    cfgs.grpo = plan.fit(mem, cfgs, model, sampler, reference, local_prompts, ranks.tp_size,
+                         device.type, explicit)
     stop_ids = stop_token_ids(model.config, generation_config)
-    call_ids, toolbox = (), None
-    if task.tool is not None and cfgs.tools.tools:
-        try:
-            call_ids = tools.call_ids(task.tool, tokenizer, stop_ids)
-        except ValueError as e:
-            raise ValueError(f"task {task.name}: {e}") from None
-    if task.tools or task.environment_factory is not None:
-        toolbox, note = functions.build(task, tokenizer, stop_ids, groups.tp_size,
-                                        cfgs.prompt.template_variables())
-        task = dataclasses.replace(task, rewards=[*task.rewards, (toolbox.reward, 1.0)]
-                                   ) if toolbox.reward else task
-        call_ids = stop_ids if cfgs.tools.tools else ()  # a call ends the model's turn
-        notes.append(note)
-    run = Run(cfgs, rank, groups, device, task, tokenizer, stop_ids, call_ids, toolbox,
+    task, task_tools, note = tools.setup(task, tokenizer, stop_ids, cfgs.tools, cfgs.prompt, ranks)
+    notes.append(note)
+    run = Run(cfgs, rank, ranks, device, task, tokenizer, stop_ids, task_tools,
               generation_config, model, sampler, reference, optimizer, mem, cache, start=start,
               opt_step=start * cfgs.grpo.mu,
               health=report.Health(cfg.max_bad_steps, cfg.max_unscored_steps, cfg.max_flat_steps))
@@ -444,9 +436,9 @@ def setup(values: dict[str, object]) -> Run:
         run.eval = tasks.eval_split(task, eval_task, cfg.eval_prompts, cfg.seed)
         notes.append(run.eval.note)
     run.notes = [note for note in notes if note]
-    if groups.tp_size > 1:
-        run.logits_fn = partial(tp.gather_vocab, groups=groups)
-        run.logprob_fn = partial(tp.vocab_parallel_logprobs, groups=groups)
+    if ranks.tp_size > 1:
+        run.logits_fn = partial(tp.gather_vocab, ranks=ranks)
+        run.logprob_fn = partial(tp.vocab_parallel_logprobs, ranks=ranks)
     return run
 
 
@@ -467,9 +459,9 @@ def draw_prompts(run: Run, step: int, round: int = 0) -> tuple[list[list[int]], 
                     for _ in range(cfg.prompts_per_step)]
     except ValueError as e:
         raise StopTraining(str(e)) from None
-    lo = run.groups.dp_rank * run.local_prompts
+    lo = run.ranks.dp_rank * run.local_prompts
     examples = examples[lo:lo + run.local_prompts]
-    responder = episodes_for(run, examples, run.cfgs.rollout.num_samples)
+    responder = run.tools.start(examples, run.cfgs.rollout.num_samples) if run.tools else None
     examples = responder.examples if responder else examples
     ids, truncated = encode_prompts(run, [prompt for prompt, _ in examples])
     return ids, examples, truncated, responder
@@ -482,7 +474,7 @@ def encode_prompts(run: Run, prompts: list) -> tuple[list[list[int]], int]:
     try:
         ids, truncated = run.tokenizer.encode_prompts(
             prompts, run.cfgs.prompt, run.cfgs.train.max_prompt_len,
-            run.toolbox.schemas if run.toolbox else None)
+            run.tools.schemas if run.tools else None)
         hint = " (lower --max_prompt_len or --max_new_tokens)"
         if ids:
             rollout.check_prompts(ids, run.stop_ids, run.cfgs.rollout.max_new_tokens,
@@ -492,45 +484,28 @@ def encode_prompts(run: Run, prompts: list) -> tuple[list[list[int]], int]:
     return ids, truncated
 
 
-def episodes_for(run: Run, examples: list[tuple], G: int) -> tools.Responder | None:
-    """The rollout's tool (tools.py; with --tools false it answers nothing but still builds the
-    completions' messages and environments), or None when the task has none."""
-    if not run.task.has_tools:
-        return None
-    return tools.Responder(run.task, run.tokenizer, examples, G, run.cfgs.tools, run.cfgs.prompt,
-                           run.toolbox)
-
-
-def sample(run: Run, prompts: list[list[int]], cfg: rollout.RolloutConfig, seed: int | None,
-           responder: tools.Responder | None) -> rollout.Rollout:
-    """rollout.generate with this run's sampler, cache and stops, and the task's tool."""
-    episodes = None
-    if responder is not None and run.call_ids:
-        respond = responder
-        if run.groups.tp_size > 1:  # the first tp rank calls the tool, each rank writes its answers
-            def respond(calls):
-                return responder.apply(calls, tp.on_first_rank(responder.answer, run.groups,
-                                                               tools.ToolFailure, calls))
-        episodes = rollout.Episodes(respond, run.call_ids, run.cfgs.tools.max_turns)
+def roll_out(run: Run, prompts: list[list[int]], cfg: rollout.RolloutConfig, seed: int | None,
+             responder: tools.Responder | None) -> rollout.Rollout:
+    """The rollout: rollout.generate with this run's sampler, cache and stops, and the task's
+    tool (the responder's episodes)."""
     with run.phase("rollout"):
         rollout.sync_weights(run.sampler, run.model)
         return rollout.generate(run.sampler, prompts, cfg, stop_ids=run.stop_ids, seed=seed,
-                                cache=run.cache, logits_fn=run.logits_fn, episodes=episodes)
+                                cache=run.cache, logits_fn=run.logits_fn,
+                                episodes=responder.episodes if responder else None)
 
 
 def completion_texts(run: Run, out: rollout.Rollout, responder: tools.Responder | None) -> list:
     """What the reward functions see: each row's text without its stop token; for a task with a
-    tool, a tools.Completion each (the model's text told from the tool's answers, the messages,
+    tool, a tools.Completion each (the model's text told from the tool's observations, the messages,
     the environment). Error messages' characters the tokenizer lacks are said once."""
     ids, stopped = out.completions(), out.stopped.tolist()
     texts = run.tokenizer.decode_completions(ids, stopped)
     if responder is None:
         return texts
-    if responder.dropped - run.dropped and run.rank == 0:
-        run.dropped |= responder.dropped
-        print(f"note: task {run.task.name}: tool error messages hold characters the tokenizer "
-              f"cannot write, dropped from the rows: {''.join(sorted(run.dropped))!r}; add them "
-              "to the task's alphabet to keep them", flush=True)
+    note = run.tools.dropped_note()
+    if note and run.rank == 0:
+        print(note, flush=True)
     own = out.policy.tolist() if out.policy is not None else [[True] * len(x) for x in ids]
     return responder.completions(texts, ids, stopped, own)
 
@@ -538,36 +513,36 @@ def completion_texts(run: Run, out: rollout.Rollout, responder: tools.Responder 
 # One step
 
 
-def sample_round(run: Run, step: int, round: int) -> tuple[grpo.GRPOBatch, torch.Tensor, dict]:
+def rollout_round(run: Run, step: int, round: int) -> tuple[grpo.GRPOBatch, torch.Tensor, dict]:
     """Pieces 1-4 once (round > 0: dynamic sampling's other prompts): this rank's batch with its
-    advantages, every rank's rewards (dp * N,) and the rollout's counts."""
+    advantages, every rank's rewards (dp * R,) and the rollout's counts."""
     cfgs, G = run.cfgs, run.cfgs.rollout.num_samples
     t0 = time.perf_counter()
     # 1. The step's prompts (each dp rank checks its own: they stop together).
     prompts, examples, truncated, responder = together(run, draw_prompts, run, step, round)
     # 2. Rollout: the sampler gets the trainer's weights, then samples G completions per prompt
     # (with a tool: episodes, each rank calling the tool for its own rows).
-    seed = cfgs.train.seed * 1_000_003 + step * 7919 + run.groups.dp_rank + (round << 40)
-    out = together(run, sample, run, prompts, cfgs.rollout, seed, responder)
+    seed = cfgs.train.seed * 1_000_003 + step * 7919 + run.ranks.dp_rank + (round << 40)
+    out = together(run, roll_out, run, prompts, cfgs.rollout, seed, responder)
     counts = dict(rollout=time.perf_counter() - t0, truncated=truncated,
                   lengths=float(out.mask.sum()), new_tokens=float(out.stats["new_tokens"]),
                   tool_calls=sum(out.stats.get("calls", [])),
-                  tool_errors=responder.errors(out.stats["calls"]) if run.call_ids else 0)
+                  tool_errors=responder.errors(out.stats["calls"]) if run.calls_tools else 0)
     # 3. Rewards: each reward function's score, summed as TRL sums them (None leaves one out).
     stopped = out.stopped.tolist()
     texts = completion_texts(run, out, responder)
-    examples = [example for example in examples for _ in range(G)]  # (N,)
+    examples = [example for example in examples for _ in range(G)]  # (R,)
     references = [ref for _, ref in examples]
     rewards = together(run, tasks.total_rewards, run.task, texts, references, examples)
     counts["correct"] = sum(together(run, tasks.correct_flags, run.task, texts, references) or [])
     counts["shown"] = [dict(prompt=p, completion=t, reference=r, reward=x, stopped=s)
                        for (p, r), t, x, s in zip(examples, texts, rewards.tolist(), stopped)
                        ][:cfgs.train.show_rollouts]  # this rank's first rows, for the log
-    all_rewards = tp.dp_gather(rewards.to(run.device), run.groups)  # (dp * N,)
+    all_rewards = tp.dp_gather(rewards.to(run.device), run.ranks)  # (dp * R,)
     # 4. Group advantages over the whole generation batch; this rank keeps its rows.
     g = cfgs.grpo
     advantages = grpo.group_advantages(all_rewards, G, g.scale, g.std_eps, g.std_correction)
-    rows = slice(run.groups.dp_rank * len(rewards), (run.groups.dp_rank + 1) * len(rewards))
+    rows = slice(run.ranks.dp_rank * len(rewards), (run.ranks.dp_rank + 1) * len(rewards))
     batch = grpo.GRPOBatch.from_rollout(prompts, out, cfgs.rollout.max_new_tokens, advantages[rows])
     return batch, all_rewards, counts
 
@@ -579,15 +554,15 @@ def step(run: Run, step: int) -> tuple[dict, list[dict]]:
     compiled = compiling.compile_seconds()  # so far in this process: the step's is the difference
     # 1-4. Prompts, rollout, rewards, advantages; with --dynamic_sampling N (DAPO) up to N more
     # rounds, until they hold prompts_per_step informative groups: only those are trained.
-    rounds = [sample_round(run, step, 0)]
+    rounds = [rollout_round(run, step, 0)]
     while len(rounds) <= g.dynamic_sampling and run.cfgs.train.prompts_per_step > sum(
             int(grpo.informative_groups(rewards, G).sum()) for _, rewards, _ in rounds):
-        rounds.append(sample_round(run, step, len(rounds)))
+        rounds.append(rollout_round(run, step, len(rounds)))
     batch, all_rewards = rounds[0][0], torch.cat([rewards for _, rewards, _ in rounds])
     if g.dynamic_sampling:  # from every rank's flags: the same choice on every rank
         batch = grpo.keep_informative([(b, grpo.informative_groups(r, G)) for b, r, _ in rounds],
                                       run.cfgs.train.prompts_per_step,
-                                      run.groups.dp_rank * run.local_prompts)
+                                      run.ranks.dp_rank * run.local_prompts)
     shown = rounds[0][2].pop("shown")
     counts = {k: sum(c[k] for _, _, c in rounds) for k in rounds[0][2] if k != "shown"}
     counts.update(extra_rollouts=len(rounds) - 1, kept_groups=batch.prompt_ids.shape[0])
@@ -617,7 +592,7 @@ def train_phase(run: Run, batch: grpo.GRPOBatch) -> list[dict]:
     the dp ranks (token-weighted sums with their token count), and whether its update ran."""
     cfgs = run.cfgs
     counts = [batch.mask.shape[0], float(batch.loss_mask(cfgs.grpo).sum())]  # rows, loss tokens
-    num_seqs, num_tokens = tp.dp_all_reduce(counts, run.groups, run.device)
+    num_seqs, num_tokens = tp.dp_all_reduce(counts, run.ranks, run.device)
     iterations = []
     trim = partial(memory.return_freed_memory, run.device) if run.device.type == "cpu" else None
     with run.phase("train"):
@@ -627,21 +602,21 @@ def train_phase(run: Run, batch: grpo.GRPOBatch) -> list[dict]:
                 group["lr"] = lr
             run.optimizer.zero_grad(set_to_none=True)
             sp = (tp.sequence_parallel(run.model, cfgs.parallel.sequence_parallel)
-                  if run.groups.tp_size > 1 else contextlib.nullcontext())
+                  if run.ranks.tp_size > 1 else contextlib.nullcontext())
             with sp, run.mem.activations(run.model), precision.autocast(cfgs.train, run.device):
                 m = grpo.accumulate(run.model, batch, cfgs.grpo, logprob_fn=run.logprob_fn,
                                     num_seqs=int(num_seqs), num_tokens=max(1, int(num_tokens)),
                                     before_backward=trim)  # the CPU's heap: memory.py
-            tp.dp_sum_grads(run.model, run.groups)
+            tp.dp_sum_grads(run.model, run.ranks)
             m["grad_norm"] = tp.clip_grad_norm(run.model, cfgs.train.grad_clip or math.inf,
-                                               run.groups)
+                                               run.ranks)
             # A non-finite loss or gradient anywhere: skip this update on every rank. A gradient
             # of exactly 0 (every advantage 0) still steps AdamW, as TRL does (its momentum
             # moves the weights), but is counted apart from the updates that learned something.
             # The schedule advances on every step, as torch's schedulers do: the lr is a
             # function of the step, and a resumed run rebuilds it from the step.
             finite = math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])
-            (all_finite,) = tp.dp_all_reduce([float(finite)], run.groups, run.device,
+            (all_finite,) = tp.dp_all_reduce([float(finite)], run.ranks, run.device,
                                           dist.ReduceOp.MIN)
             m["finite"] = bool(all_finite)
             m["updated"] = m["finite"] and m["grad_norm"] > 0
@@ -649,7 +624,7 @@ def train_phase(run: Run, batch: grpo.GRPOBatch) -> list[dict]:
                 run.optimizer.step()
             run.opt_step += 1
             run.optimizer.zero_grad(set_to_none=True)
-            iterations.append(tp.dp_reduce_metrics(m, m["tokens"], run.groups, run.device))
+            iterations.append(tp.dp_reduce_metrics(m, m["tokens"], run.ranks, run.device))
     return iterations
 
 
@@ -659,12 +634,12 @@ def step_record(run: Run, step: int, rewards: torch.Tensor, counts: dict,
     `correct`: the share of the sampled completions the task's predicate calls fully correct."""
     keys = ("lengths", "new_tokens", "truncated", "kept_groups", "correct", "tool_calls",
             "tool_errors")
-    summed = tp.dp_all_reduce([counts[k] for k in keys], run.groups, run.device)  # over dp
+    summed = tp.dp_all_reduce([counts[k] for k in keys], run.ranks, run.device)  # over dp
     counts.update(zip(keys, summed))
     zero_std = (~grpo.informative_groups(rewards, run.cfgs.rollout.num_samples)).double().mean()
     correct = counts["correct"] / len(rewards) if run.task.correct is not None else None
     tool = {}
-    if run.call_ids:  # calls per sampled row (every round's), and calls the model got wrong
+    if run.calls_tools:  # calls per sampled row (every round's), and calls the model got wrong
         tool = dict(tool_calls=counts["tool_calls"] / len(rewards),
                     tool_errors=int(counts["tool_errors"]))
     return report.step_record(step, rewards, counts, iterations, times, float(zero_std),
@@ -680,7 +655,7 @@ def evaluate(run: Run, step: int) -> tuple[dict, list[dict]]:
     completion (samples.jsonl), prompt by prompt in the split's order, on every rank."""
     t0 = time.perf_counter()
     cfg, k = run.cfgs.train, run.cfgs.train.eval_samples
-    items = run.eval.examples[run.groups.dp_rank::run.groups.dp_size]
+    items = run.eval.examples[run.ranks.dp_rank::run.ranks.dp_size]
     drawn = dataclasses.replace(run.cfgs.rollout, num_samples=k, temperature=cfg.eval_temperature,
                                 top_k=cfg.eval_top_k, top_p=cfg.eval_top_p)
     # the rows the KV cache was sized for: as many prompts a batch as training's, fewer when k > G
@@ -688,14 +663,14 @@ def evaluate(run: Run, step: int) -> tuple[dict, list[dict]]:
     texts, stopped, shown = [], [], []  # shown: the prompts as the model saw them
     for first in range(0, len(items), per_batch):
         part = items[first:first + per_batch]
-        responder = together(run, episodes_for, run, part, k)  # environments reset
+        responder = together(run, run.tools.start, part, k) if run.tools else None  # reset
         part = responder.examples if responder else part
         shown += part
         prompts = together(run, encode_prompts, run, [prompt for prompt, _ in part])[0]
         # sampled: a stream of its own per (seed, step, rank, batch), apart from training's rounds
         seed = (None if drawn.temperature == 0 else cfg.seed * 1_000_003 + step * 7919
-                + run.groups.dp_rank + ((first + 1) << 48))
-        out = together(run, sample, run, prompts, drawn, seed, responder)
+                + run.ranks.dp_rank + ((first + 1) << 48))
+        out = together(run, roll_out, run, prompts, drawn, seed, responder)
         stopped += out.stopped.tolist()
         texts += completion_texts(run, out, responder)
     examples = [example for example in shown for _ in range(k)]  # (prompts * k,), prompt-major
@@ -705,7 +680,7 @@ def evaluate(run: Run, step: int) -> tuple[dict, list[dict]]:
     scored = scores[~scores.isnan()]
     passed = sum(any(correct[i:i + k]) for i in range(0, len(correct), k)) if correct else 0
     total, count, right, solved, prompts = tp.dp_all_reduce(
-        [scored.sum().item(), len(scored), sum(correct or []), passed, len(items)], run.groups,
+        [scored.sum().item(), len(scored), sum(correct or []), passed, len(items)], run.ranks,
         run.device)
     rewards = [None if math.isnan(x) else x for x in scores.tolist()]  # None: unscored
     samples = [dict(prompt=shown[i // k][0], completion=t, reference=r, reward=x, stopped=s,
@@ -713,7 +688,7 @@ def evaluate(run: Run, step: int) -> tuple[dict, list[dict]]:
                for i, (t, r, x, s, c) in enumerate(zip(texts, references, rewards, stopped,
                                                        correct or [None] * len(texts)))]
     by_prompt = [samples[i:i + k] for i in range(0, len(samples), k)]
-    samples = [s for group in tp.dp_interleave(by_prompt, run.groups) for s in group]  # every rank's
+    samples = [s for group in tp.dp_interleave(by_prompt, run.ranks) for s in group]  # every rank's
     record = dict(eval_reward=total / count if count else None,
                   eval_correct=right / (prompts * k) if run.task.correct is not None else None)
     if k > 1:
@@ -732,12 +707,12 @@ def print_plan(argv: list[str]) -> int:
     cfg = cfgs.train
     task = tasks.load_task(cfg.task, cfg.task_data)
     world = int(os.environ.get("WORLD_SIZE", 1))
-    groups = tp.ParallelGroups(None, None, tp_size=cfgs.parallel.tp,
+    ranks = tp.ParallelGroups(None, None, tp_size=cfgs.parallel.tp,
                                dp_size=max(1, world // cfgs.parallel.tp))
     budget = cfgs.rollout.max_new_tokens or task.max_new_tokens or 256  # as setup()
     cfgs.rollout = dataclasses.replace(cfgs.rollout, max_new_tokens=budget)
-    model, sampler = shapes(cfg, task, groups, cfgs)
-    plan.print_run_plan(cfgs, model, sampler, groups.tp_size, groups.dp_size, values)
+    model, sampler = shapes(cfg, task, ranks, cfgs)
+    plan.print_run_plan(cfgs, model, sampler, ranks.tp_size, ranks.dp_size, values)
     return 0
 
 
@@ -767,7 +742,7 @@ def write_merged(values: dict[str, object]) -> int:
 def save(run: Run, step: int) -> str:
     """A checkpoint (collective: every rank calls it). A sharded model is gathered into the full
     tensors a one-process model has, so TP and TP=1 checkpoints hold the same tensors."""
-    g = run.groups
+    g = run.ranks
     if g.tp_size > 1:
         tensors = tp.full_state_dict(run.model, g)  # collective over the tp ranks
     else:
@@ -852,7 +827,7 @@ def main(argv: list[str]) -> int:
     if "-h" in argv or "--help" in argv:
         cli.print_help(SECTIONS, report.STEP_LINE)
         return 0
-    finished = False  # every rank got through: the groups can meet at a last barrier
+    finished = False  # every rank got through: the ranks can meet at a last barrier
     try:
         if "--plan" in argv:
             return print_plan(argv)

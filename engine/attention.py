@@ -12,7 +12,7 @@ exp(lse_part - lse_all). One name, a suffix per implementation (docs/design.md's
   own (engine/decode.py's float32 step and a tool's extend); the decode kernels' reference.
 - shared_prompt_attention_repeated: the slow twin (the prompt repeated per row, one SDPA call
   under an (N, 1, T, P + T) mask), and the path of padded rows off the CPU.
-- SharedPromptAttentionPadded: the CPU's two fused flash kernels, forward and backward, on rows
+- SharedPromptAttentionPadded: the CPU's two flash kernels, forward and backward, on rows
   padded to one length (engine/packing.py's padded twin).
 - SharedPromptAttentionRagged: the same kernels on the packed row's rows at any lengths
   (engine/packing.py's training forward on a CPU): a group's tokens folded against its prompt, rows in
@@ -53,7 +53,7 @@ def merge(out_p: Tensor, lse_p: Tensor, out_o: Tensor,
 
 
 def padding_bias(valid: Tensor, dtype: torch.dtype, align: int = 1) -> Tensor:
-    """The prompt part's mask for a fused kernel: (Bp, P) bool, True on a prompt's tokens ->
+    """The prompt part's mask for a flash kernel: (Bp, P) bool, True on a prompt's tokens ->
     (Bp, 1, 1, P) additive, 0 there and -inf on the padding, in dtype; each row at a stride that is
     a multiple of `align` elements (decode.efficient_attention's kernel wants 16)."""
     Bp, P = valid.shape
@@ -62,7 +62,7 @@ def padding_bias(valid: Tensor, dtype: torch.dtype, align: int = 1) -> Tensor:
 
 
 def causal_bias(T: int, rep: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """The own part's mask for a fused kernel on rows of T tokens with the rep query heads of a kv
+    """The own part's mask for a flash kernel on rows of T tokens with the rep query heads of a kv
     head folded into the query length: (1, 1, rep*T, T) additive, each head causal."""
     future = torch.ones(T, T, dtype=torch.bool, device=device).triu(1)  # (T, T)
     bias = torch.zeros(T, T, dtype=dtype, device=device).masked_fill(future, float("-inf"))
@@ -136,7 +136,7 @@ def _by_row(x: Tensor, N: int, H: int) -> Tensor:
 class SharedPromptAttentionPadded(torch.autograd.Function):
     """Shared-prompt attention on rows padded to one length, in the CPU's flash kernels: each
     completion row attends to [its group's prompt keys; its own keys, causally], with the prompt's
-    K/V read once per group: no G-fold copy, no (N, T, P + T) mask. Two fused CPU flash calls: the
+    K/V read once per group: no G-fold copy, no (N, T, P + T) mask. Two CPU flash calls: the
     prompt part (the G rows of a group and the rep query heads of a kv head folded into the query
     length against the prompt's (Bp, Hkv, P, D), non-causal) and the own part (each row against its
     own keys, the rep heads folded too). They merge by log-sum-exp (shared_prompt_attention's

@@ -4,7 +4,7 @@ length, each completion at its own length, packed into one row of valid tokens. 
 and MLP runs once over that row (each weight used once, one gradient each); attention alone tells
 the segments apart:
 
-    [ prompt 0 | ... | prompt Bp-1 | row 0 | ... | row N-1 | tail ]
+    [ prompt 0 | ... | prompt Bp-1 | row 0 | ... | row R-1 | tail ]
 
 - a prompt attends causally to itself;
 - completion row i (of group g = i // G) attends to all of prompt g and causally to itself;
@@ -12,7 +12,7 @@ the segments apart:
   tokens), attends to nothing that matters and is dropped.
 The state predicting completion token t of row i is prompt g's last position for t = 0 and the
 row's own position t - 1 after it: a row of c_i tokens feeds its first c_i - 1 (its last predicts
-nothing). The forward runs sum(p_g) + sum(c_i - 1) tokens where the padded one ran Bp*P + N*Ti,
+nothing). The forward runs sum(p_g) + sum(c_i - 1) tokens where the padded one ran Bp*P + R*Ti,
 and the prompt stays in the graph: the gradients of all G rows sum into it (TRL PR #2669, exact).
 
 Attention over the packed row (packed_attention, a suffix per device): the prompts causal, the
@@ -40,8 +40,8 @@ Twins (tests/test_grpo.py): padded_hidden, the same forward with every prompt ri
 and every row to Ti, and naive_hidden, each prompt repeated G times in one causal forward.
 
 Leaves out: packing several micro-batches' rows across groups (a micro-batch is whole groups).
-Shapes: Bp prompts, G rows per prompt, N = Bp*G, P longest prompt, Tr completion length, Ti = Tr - 1
-the longest row's inputs (a row feeds its tokens but the last), L packed length, n predicted
+Shapes: Bp prompts, G rows per prompt, R = Bp*G rows, P longest prompt, Tc completion length,
+Ti = Tc - 1 the longest row's inputs (a row feeds its tokens but the last), L packed length, n predicted
 (valid) completion tokens, C width, H/Hkv heads (rep = H/Hkv), D head dim.
 Tested by tests/test_grpo.py and tests/test_grpo_cuda.py; benchmarked by tests/bench_ragged.py.
 """
@@ -79,42 +79,42 @@ class Packing:
     tokens: Tensor       # (1, L) ids: the prompts' valid tokens, then the rows' inputs
     positions: Tensor    # (1, L) rope positions: a prompt from 0, a row from its prompt's length
     prompt_at: Tensor    # (Lp,) each packed prompt token's index in the padded (Bp*P)
-    row_at: Tensor       # (Lc,) each packed row input's index in the padded (N*Ti)
+    row_at: Tensor       # (Lc,) each packed row input's index in the padded (R*Ti)
     predict: Tensor      # (n,) the packed index of the state predicting each valid token
     prompt_lens: Tensor  # (Bp,)
-    row_lens: Tensor     # (N,) each row's inputs (its c_i - 1 fed tokens)
-    shape: tuple[int, int, int, int]  # Bp, P, N, Ti
+    row_lens: Tensor     # (R,) each row's inputs (its c_i - 1 fed tokens)
+    shape: tuple[int, int, int, int]  # Bp, P, R, Ti
 
 
 def row_positions(prompt_lens: Tensor, G: int, Ti: int) -> Tensor:
-    """(N, Ti) the rope positions of the rows' inputs: a row goes on after its prompt, so token t
+    """(R, Ti) the rope positions of the rows' inputs: a row goes on after its prompt, so token t
     of row i sits at len(prompt i // G) + t."""
     return prompt_lens.repeat_interleave(G)[:, None] + torch.arange(Ti, device=prompt_lens.device)
 
 
 def pack(prompt_ids: Tensor, prompt_lens: Tensor, tokens: Tensor, mask: Tensor,
          G: int) -> Packing:
-    """prompt_ids (Bp, P) right-padded, prompt_lens (Bp,), tokens and mask (N, Tr) (each row's mask
+    """prompt_ids (Bp, P) right-padded, prompt_lens (Bp,), tokens and mask (R, Tc) (each row's mask
     a prefix) -> the packed row. `predict` follows mask order (row-major over valid tokens), the
     order of tokens[mask]."""
     Bp, P = prompt_ids.shape
-    N, Tr = tokens.shape
-    Ti = max(Tr - 1, 0)
+    R, Tc = tokens.shape
+    Ti = max(Tc - 1, 0)
     device = tokens.device
     prompt_valid = torch.arange(P, device=device) < prompt_lens[:, None]  # (Bp, P)
-    inputs_valid = mask[:, 1:]  # (N, Ti): token t feeds the state predicting token t + 1
+    inputs_valid = mask[:, 1:]  # (R, Ti): token t feeds the state predicting token t + 1
     positions = torch.cat([torch.arange(P, device=device).expand(Bp, P)[prompt_valid],
                            row_positions(prompt_lens, G, Ti)[inputs_valid]])
     packed = torch.cat([prompt_ids[prompt_valid], tokens[:, :Ti][inputs_valid]])  # (L,)
     Lp = int(prompt_lens.sum())
     # Token 0 of row i is predicted by its prompt's last position, token t >= 1 by input t - 1.
     prompt_last = torch.cumsum(prompt_lens, 0) - 1  # (Bp,)
-    input_index = Lp + torch.cumsum(inputs_valid.flatten(), 0).view(N, Ti) - 1  # (N, Ti)
-    first = prompt_last.repeat_interleave(G)[:, None]  # (N, 1)
-    predict = torch.cat([first, input_index], 1)[:, :Tr][mask]  # (n,); Tr = 0: none
+    input_index = Lp + torch.cumsum(inputs_valid.flatten(), 0).view(R, Ti) - 1  # (R, Ti)
+    first = prompt_last.repeat_interleave(G)[:, None]  # (R, 1)
+    predict = torch.cat([first, input_index], 1)[:, :Tc][mask]  # (n,); Tc = 0: none
     return Packing(packed[None], positions[None], prompt_valid.flatten().nonzero()[:, 0],
                    inputs_valid.flatten().nonzero()[:, 0], predict, prompt_lens,
-                   inputs_valid.sum(1), (Bp, P, N, Ti))
+                   inputs_valid.sum(1), (Bp, P, R, Ti))
 
 
 def ragged_layout(packing: Packing, rep: int, dtype: torch.dtype) -> RaggedLayout:
@@ -122,13 +122,13 @@ def ragged_layout(packing: Packing, rep: int, dtype: torch.dtype) -> RaggedLayou
     tokens (its rows back to back) folded in (Bp, M) slots, M the largest group's count; each row
     in a bucket of like lengths (attention.length_buckets over the rows, longest first), its tokens
     in T_b slots under a causal bias (in dtype, repeated for the rep folded query heads)."""
-    Bp, _, N, _ = packing.shape
-    G = N // Bp
-    lens = packing.row_lens  # (N,)
+    Bp, _, R, _ = packing.shape
+    G = R // Bp
+    lens = packing.row_lens  # (R,)
     device = lens.device
     Lc = int(lens.sum())
-    row_of = torch.repeat_interleave(torch.arange(N, device=device), lens)  # (Lc,)
-    row_start = torch.cumsum(lens, 0) - lens  # (N,)
+    row_of = torch.repeat_interleave(torch.arange(R, device=device), lens)  # (Lc,)
+    row_start = torch.cumsum(lens, 0) - lens  # (R,)
     position = torch.arange(Lc, device=device) - row_start[row_of]  # (Lc,) within its row
     group_lens = lens.view(Bp, G).sum(1)  # (Bp,)
     group_start = torch.cumsum(group_lens, 0) - group_lens
@@ -137,8 +137,8 @@ def ragged_layout(packing: Packing, rep: int, dtype: torch.dtype) -> RaggedLayou
     fold = group_of * M + torch.arange(Lc, device=device) - group_start[group_of]  # (Lc,)
     row_lens = lens.tolist()
     order = sorted((i for i, n in enumerate(row_lens) if n), key=lambda i: -row_lens[i])
-    rank = torch.zeros(N, dtype=torch.long, device=device)  # each row's place in its bucket
-    in_bucket = torch.zeros(N, dtype=torch.bool, device=device)
+    rank = torch.zeros(R, dtype=torch.long, device=device)  # each row's place in its bucket
+    in_bucket = torch.zeros(R, dtype=torch.bool, device=device)
     buckets = []
     for first, stop, T in length_buckets([row_lens[i] for i in order]):
         rows = torch.tensor(order[first:stop], device=device)
@@ -154,7 +154,7 @@ def ragged_layout(packing: Packing, rep: int, dtype: torch.dtype) -> RaggedLayou
 
 
 def padded_rows_attention(prompt_lens: Tensor, P: int, Ti: int, rep: int):
-    """attention(q, k, v, prompt_k, prompt_v) -> (N, H, Ti, D): shared-prompt attention of rows
+    """attention(q, k, v, prompt_k, prompt_v) -> (R, H, Ti, D): shared-prompt attention of rows
     padded to Ti on their group's prompt K/V: attention.SharedPromptAttentionPadded on the CPU, its
     repeated-prompt twin elsewhere (the CUDA route runs varlen or FlexAttention instead,
     cuda_route, or this). Its masks are built once for all layers (in v's dtype: bf16 under
@@ -183,13 +183,13 @@ def packed_attention_cpu(packing: Packing, rep: int):
     views of SharedPromptAttentionPadded (rows of like lengths), or, off the CPU without
     FlexAttention, padded views of the repeated-prompt twin. Tokens past the prompts and rows (a
     tail) get zeros."""
-    Bp, P, N, Ti = packing.shape
+    Bp, P, R, Ti = packing.shape
     Lp, Lc = len(packing.prompt_at), len(packing.row_at)
     # The ragged kernel where the rows' padding is worth its extra calls: when padded rows would
     # hold 1.5x their tokens or more. Below that (rows of like lengths: the default task's 1-4
     # tokens) padded views cost less than its bookkeeping (tests/bench_ragged.py, docs).
     ragged = (CPU_FLASH and packing.tokens.device.type == "cpu"
-              and N * Ti >= RAGGED_FROM * max(Lc, 1))
+              and R * Ti >= RAGGED_FROM * max(Lc, 1))
     attend_rows = padded_rows_attention(packing.prompt_lens, P, Ti, rep) if Ti and not ragged \
         else None
     layouts: dict[torch.dtype, tuple[RaggedLayout, Tensor]] = {}  # built once, for all layers
@@ -217,7 +217,7 @@ def packed_attention_cpu(packing: Packing, rep: int):
             out.append(SharedPromptAttentionRagged.apply(rq, rk, rv, pk.to(v.dtype), pv, bias,
                                                          layout))
         elif Lc:
-            rows = [padded(x[Lp:Lp + Lc], packing.row_at, N, Ti) for x in (q, k, v)]
+            rows = [padded(x[Lp:Lp + Lc], packing.row_at, R, Ti) for x in (q, k, v)]
             out.append(packed(attend_rows(*rows, pk, pv), packing.row_at))  # (Lc, H, D)
         out.append(q.new_zeros(q.shape[0] - Lp - Lc, *q.shape[1:]))  # a tail, if any
         return torch.cat(out).transpose(0, 1)[None]  # (1, H, L, D)
@@ -229,9 +229,9 @@ def varlen_layout(packing: Packing) -> VarlenLayout:
     offsets of the prompts, of each group's tokens (its rows back to back) and of each row, as
     int32 on the packing's device, and their longest (one host sync a micro-batch, not one a
     layer)."""
-    Bp, _, N, _ = packing.shape
+    Bp, _, R, _ = packing.shape
     prompt_lens, row_lens = packing.prompt_lens, packing.row_lens
-    group_lens = row_lens.view(Bp, N // Bp).sum(1)  # (Bp,) tokens of a group's rows
+    group_lens = row_lens.view(Bp, R // Bp).sum(1)  # (Bp,) tokens of a group's rows
 
     def offsets(lens: Tensor) -> Tensor:  # (S,) -> (S+1,) int32, from 0
         return torch.nn.functional.pad(torch.cumsum(lens, 0), (1, 0)).to(torch.int32)
@@ -278,7 +278,7 @@ def packed_attention_flex(packing: Packing, kernel=None):
     at its group's prompt". The mask is built once per micro-batch and length L (a tail makes it
     longer) and shared by every layer. kernel: compiled_flex() on CUDA, the eager flex_attention
     elsewhere (no backward there)."""
-    Bp, P, N, Ti = packing.shape
+    Bp, P, R, Ti = packing.shape
     device = packing.tokens.device
     Lp, Lc = len(packing.prompt_at), len(packing.row_at)
     prompt_of = packing.prompt_at.div(P, rounding_mode="floor")  # (Lp,) prompt b of each token
@@ -291,8 +291,8 @@ def packed_attention_flex(packing: Packing, kernel=None):
         # Tail tokens, and up to the next 128-token block (torch 2.5 calls the mask there too),
         # each a segment of its own.
         tail = torch.arange(-(-L // 128) * 128 - Lp - Lc, device=device)
-        segment = torch.cat([prompt_of, Bp + row_of, Bp + N + tail])  # (L',)
-        group = torch.cat([prompt_of, row_of.div(N // Bp, rounding_mode="floor"), -1 - tail])
+        segment = torch.cat([prompt_of, Bp + row_of, Bp + R + tail])  # (L',)
+        group = torch.cat([prompt_of, row_of.div(R // Bp, rounding_mode="floor"), -1 - tail])
         is_prompt = torch.arange(len(segment), device=device) < Lp
         position = torch.arange(len(segment), device=device)  # packed order: each segment's order
 
@@ -395,21 +395,21 @@ def packed_hidden(model, prompt_ids: Tensor, prompt_lens: Tensor, tokens: Tensor
 
 def padded_hidden(model, prompt_ids: Tensor, prompt_lens: Tensor, inputs: Tensor,
                   G: int) -> Tensor:
-    """The padded twin: (N, Ti+1, C) for inputs (N, Ti) = completions without their last token.
+    """The padded twin: (R, Ti+1, C) for inputs (R, Ti) = completions without their last token.
     Row i's first state is its prompt's last valid position; the rest come from the completions
     attending to their prompt's keys/values, which stay in the graph. The prompts right-padded to
-    P and the rows to Ti are packed into one row of Bp*P + N*Ti tokens: every linear and norm runs
+    P and the rows to Ti are packed into one row of Bp*P + R*Ti tokens: every linear and norm runs
     over the padding too."""
     Bp, P = prompt_ids.shape
-    N, Ti = inputs.shape
+    R, Ti = inputs.shape
     if Ti == 0:  # only the prompt's last state: the final block's queries and MLP run there alone
         last = model.hidden(prompt_ids, None, causal_attention, last=prompt_lens - 1)  # (Bp, 1, C)
-        return last[:, 0].repeat_interleave(G, 0)[:, None]  # (N, 1, C)
+        return last[:, 0].repeat_interleave(G, 0)[:, None]  # (R, 1, C)
     device = inputs.device
     config = model.config
     attend = padded_rows_attention(prompt_lens, P, Ti, config.num_attention_heads //
                                    config.num_key_value_heads)
-    split = Bp * P  # packed: [prompt 0 .. prompt Bp-1 (right-padded to P); row 0 .. row N-1]
+    split = Bp * P  # packed: [prompt 0 .. prompt Bp-1 (right-padded to P); row 0 .. row R-1]
 
     def unpack(x: Tensor, first: int, rows: int, length: int) -> Tensor:
         # (1, h, L, D) -> (rows, h, length, D), a view
@@ -419,9 +419,9 @@ def padded_hidden(model, prompt_ids: Tensor, prompt_lens: Tensor, inputs: Tensor
         # the prompts causal (right padding comes after valid tokens); each completion on its
         # group's prompt K/V and its own keys, causal. (1, H, L, D) -> (1, H, L, D)
         pq, pk, pv = (unpack(x, 0, Bp, P) for x in (q, k, v))  # (Bp, H|Hkv, P, D)
-        cq, ck, cv = (unpack(x, split, N, Ti) for x in (q, k, v))  # (N, H|Hkv, Ti, D)
+        cq, ck, cv = (unpack(x, split, R, Ti) for x in (q, k, v))  # (R, H|Hkv, Ti, D)
         y = [causal_attention(layer, pq, pk, pv), attend(cq, ck, cv, pk, pv)]
-        y = torch.cat([part.transpose(0, 1).flatten(1, 2) for part in y], 1)  # (H, Bp*P+N*Ti, D)
+        y = torch.cat([part.transpose(0, 1).flatten(1, 2) for part in y], 1)  # (H, Bp*P+R*Ti, D)
         tail = q.shape[2] - y.shape[1]  # tensor parallelism's, if any
         return torch.cat([y, y.new_zeros(y.shape[0], tail, y.shape[2])], 1)[None]
 
@@ -430,21 +430,21 @@ def padded_hidden(model, prompt_ids: Tensor, prompt_lens: Tensor, inputs: Tensor
                            row_positions(prompt_lens, G, Ti).reshape(-1)])[None]
     h = model.hidden(tokens, positions, padded_attention)[0]  # (L, C)
     last = h[:split].view(Bp, P, -1)[torch.arange(Bp, device=device), prompt_lens - 1]  # (Bp, C)
-    first = last.repeat_interleave(G, 0)[:, None]  # (N, 1, C): N*C floats, not G copies
-    return torch.cat([first, h[split:split + N * Ti].view(N, Ti, -1)], 1)  # (N, Ti+1, C)
+    first = last.repeat_interleave(G, 0)[:, None]  # (R, 1, C): R*C floats, not G copies
+    return torch.cat([first, h[split:split + R * Ti].view(R, Ti, -1)], 1)  # (R, Ti+1, C)
 
 
 def naive_hidden(model, prompts: list[list[int]], completions: list[list[int]], G: int,
                  device: torch.device) -> Tensor:
-    """The slow twin: each prompt repeated G times in one causal forward. Returns (N, Tr, C), the
+    """The slow twin: each prompt repeated G times in one causal forward. Returns (R, Tc, C), the
     states at positions len(prompt)-1+t, which predict completion token t."""
-    Tr = max((len(c) for c in completions), default=0)
+    Tc = max((len(c) for c in completions), default=0)
     rows = [prompts[i // G] + c[:-1] for i, c in enumerate(completions)]
     L = max(map(len, rows))
-    ids = torch.tensor([r + [0] * (L - len(r)) for r in rows], device=device)  # (N, L)
-    h = model.hidden(ids)  # (N, L, C)
+    ids = torch.tensor([r + [0] * (L - len(r)) for r in rows], device=device)  # (R, L)
+    h = model.hidden(ids)  # (R, L, C)
     prompt_lens = torch.tensor([len(prompts[i // G]) for i in range(len(completions))],
-                               device=device)  # (N,)
-    idx = prompt_lens[:, None] - 1 + torch.arange(Tr, device=device)  # (N, Tr)
+                               device=device)  # (R,)
+    idx = prompt_lens[:, None] - 1 + torch.arange(Tc, device=device)  # (R, Tc)
     idx = idx.clamp(max=h.shape[1] - 1)
-    return h.gather(1, idx[..., None].expand(-1, -1, h.shape[2]))  # (N, Tr, C)
+    return h.gather(1, idx[..., None].expand(-1, -1, h.shape[2]))  # (R, Tc, C)

@@ -161,13 +161,15 @@ FIXED_ON_RESUME = ("model", "dim", "layers", "heads", "kv_heads", "task", "task_
                    "num_samples", "use_peft")
 
 
-def resume_values(values: dict[str, object], owners: dict[str, str],
-                  out_default: str) -> tuple[dict[str, object], list[str]]:
+def resume_values(values: dict[str, object], owners: dict[str, str], out_default: str,
+                  renamed: dict[str, str] | None = None) -> tuple[dict[str, object], list[str]]:
     """The checkpoint's flags with this command line's on top, and what changes ("lr 0.0001, was
-    0.0005"). A flag the checkpoint fixes is refused when it differs: never half-applied."""
+    0.0005"). A flag the checkpoint fixes is refused when it differs: never half-applied. A field
+    saved under its former name (renamed: {former: new}) is read as the new one."""
     saved = saved_config(str(values["resume"]), str(values.get("out", out_default)))
-    flat = {name: value for section, fields in saved.items() for name, value in fields.items()
-            if owners.get(name) == section}
+    renamed = renamed or {}
+    flat = {renamed.get(name, name): value for section, fields in saved.items()
+            for name, value in fields.items() if owners.get(renamed.get(name, name)) == section}
     changes = []
     for name, value in values.items():
         if name in ("resume", "overwrite") or name not in flat or flat[name] == value:

@@ -94,7 +94,13 @@ SWITCHES = ("use_peft", "use_rslora")
 # This engine's former flag names: the one each became.
 OLD_NAMES = {
     "packed_linears": "--prepacked_linears",  # "packed" is the training forward's row of tokens
+    "tools": "--use_tools",  # a bool named like a task's function tools
 }
+
+
+def renamed_fields() -> dict[str, str]:
+    """{former field name: its name now}: a checkpoint written before a rename resumes with it."""
+    return {old: new.removeprefix("--") for old, new in OLD_NAMES.items()}
 
 
 def unknown_option(name: str, owners: dict[str, str]) -> str:

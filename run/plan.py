@@ -117,8 +117,8 @@ def micro_batch_memory(config: ModelConfig, groups: float, G: int, prompt_len: i
                        chunk_size: int, tp_size: int = 1, sequence_parallel: bool = False,
                        repeated_prompt: bool = False, autocast: bool = False,
                        frozen: bool = False, adapter_bytes: int = 0) -> dict[str, int]:
-    """Bytes one micro-batch of `groups` prompts of P tokens and their N = groups*G completions of
-    Tr tokens (T = Tr - 1 fed) holds at its largest moments, per rank, besides the weights, grads
+    """Bytes one micro-batch of `groups` prompts of P tokens and their R = groups*G completions of
+    Tc tokens (T = Tc - 1 fed) holds at its largest moments, per rank, besides the weights, grads
     and optimizer state (memory.py plans those): {"forward", "backward", "no grad"} (the last:
     old or reference logprobs). The prompts and completions run packed, one row through every
     block (engine/packing.py; `groups` may be a fraction: a token budget's share). Per layer, with
@@ -129,9 +129,9 @@ def micro_batch_memory(config: ModelConfig, groups: float, G: int, prompt_len: i
                            2a*K/tp*P, and a bool (T, P + T) mask per row
     With activation checkpointing a block keeps only its input (a*C) and backward recomputes one
     packed block at a time. Outside: the rope tables, the hidden states at the head (a*C + 16 per
-    token), the loss's (N, Tr) float32 tensors. Transients: a chunk of head logits (8 bytes per
+    token), the loss's (R, Tc) float32 tensors. Transients: a chunk of head logits (8 bytes per
     entry forward: float32 logits and exp; 16 + a backward, and a (V, C) lm_head grad per chunk),
-    the SwiGLU's 3 (inference) or 2 (gradients) I-wide tensors, the hidden states' (N, Tr, C).
+    the SwiGLU's 3 (inference) or 2 (gradients) I-wide tensors, the hidden states' (R, Tc, C).
     Under tensor parallelism a tied head's (V/tp, C) gradient waits in autograd for the
     embedding's, the last node of backward (on one rank both go into .grad: engine/logprobs.py,
     memory.grads_into_weight). autocast (bf16 over fp32 weights): block_bytes' autocast norms,
@@ -187,7 +187,7 @@ def block_weight_bytes(config: ModelConfig, dtype: torch.dtype, tp_size: int = 1
 
 
 def batch_bytes(rows: int, completion_len: int, old: bool, reference: bool) -> int:
-    """The generation batch's (N, Tr) tensors kept through the step: tokens (int64), mask (bool),
+    """The generation batch's (R, Tc) tensors kept through the step: tokens (int64), mask (bool),
     the sampler's logprobs, and old / reference logprobs when computed (float32)."""
     return rows * completion_len * (8 + 1 + 4 + 4 * old + 4 * reference)
 
@@ -256,7 +256,7 @@ def phase_peaks(mem: PhaseManager, transients: dict[str, int], target: str | tor
     plan = mem.plan(target)
     tags = {"idle": {tag: min(p[tag] for p in plan.values()) for tag in plan["train"]}, **plan}
     if not phases:
-        tags = {phase: {g.tag: g.full_bytes() for g in mem.groups} for phase in tags}
+        tags = {phase: {g.tag: g.full_bytes() for g in mem.holders} for phase in tags}
     out = {}
     for phase, by_tag in tags.items():
         row = {**by_tag, "transient": transients.get(phase, 0)}
@@ -338,16 +338,18 @@ def device_memory(target: str) -> int:
 
 
 def fit(mem: PhaseManager, cfgs, model, sampler, reference, prompts: int, tp_size: int,
-        target: str, explicit=()):
-    """plan_of(g) -> step_plan of this run; cfgs.grpo becomes the fitted one first: on a GPU,
-    unless chunk_bytes is among the explicit flags, GPU_CHUNK_BYTES; then with
+        target: str, explicit=()) -> GRPOConfig:
+    """cfgs.grpo with the micro-batch and logprob chunk this run fits (the caller assigns it): on
+    a GPU, unless chunk_bytes is among the explicit flags, GPU_CHUNK_BYTES; then with
     cfgs.memory.memory_budget, fit_memory_budget's; unless micro_batch_groups or
     micro_batch_tokens is among the explicit flags, on a GPU with no --memory_budget flag
     fit_memory_budget's for GPU_MEMORY_SHARE of its memory (its matmuls want the rows), on a CPU
     with no budget bound_micro_batch's."""
+    g = cfgs.grpo
     gpu = torch.device(target).type != "cpu"
     if gpu and "chunk_bytes" not in explicit:
-        cfgs.grpo = dataclasses.replace(cfgs.grpo, chunk_bytes=GPU_CHUNK_BYTES)
+        g = dataclasses.replace(g, chunk_bytes=GPU_CHUNK_BYTES)
+    # plan_of(g) -> step_plan of this run with the GRPO knobs g (the rest of cfgs, as given)
     plan_of = partial(step_plan, mem, cfgs, model, sampler, reference, prompts, tp_size, target)
     r = cfgs.rollout
     group_tokens = cfgs.train.max_prompt_len + r.num_samples * r.max_new_tokens  # at full length
@@ -358,14 +360,14 @@ def fit(mem: PhaseManager, cfgs, model, sampler, reference, prompts: int, tp_siz
         budget = GPU_MEMORY_SHARE * total
         source = f" ({GPU_MEMORY_SHARE:.0%} of the GPU's {total:.2f} GB; --memory_budget sets it)"
     if budget:
-        cfgs.grpo = fit_memory_budget(budget, plan_of, cfgs.grpo, prompts, group_tokens,
-                                      None if cfgs.memory.activation_checkpoint
-                                      else partial(step_plan, mem, with_checkpointing(cfgs),
-                                                   model, sampler, reference, prompts, tp_size,
-                                                   target), source)
-    elif not sized and not gpu:
-        cfgs.grpo = bound_micro_batch(plan_of, cfgs.grpo, group_tokens)
-    return plan_of
+        return fit_memory_budget(budget, plan_of, g, prompts, group_tokens,
+                                 None if cfgs.memory.activation_checkpoint
+                                 else partial(step_plan, mem, with_checkpointing(cfgs), model,
+                                              sampler, reference, prompts, tp_size, target),
+                                 source)
+    if not sized and not gpu:
+        return bound_micro_batch(plan_of, g, group_tokens)
+    return g
 
 
 # Training transients under this many bytes are never traded for speed (bound_micro_batch).
@@ -488,7 +490,8 @@ def print_run_plan(cfgs, model: nn.Module, sampler: nn.Module, tp_size: int, dp_
     mem = memory_phases("meta", cfgs.memory, model, sampler, cache,
                         torch.optim.AdamW(trainable(model)), reference)
     target = "cuda" if torch.cuda.is_available() else "cpu"
-    plan_of = fit(mem, cfgs, model, sampler, reference, Bp, tp_size, target, explicit)
+    g = fit(mem, cfgs, model, sampler, reference, Bp, tp_size, target, explicit)
     title = (f"tp {tp_size} x dp {dp_size}; {Bp} prompts x {P} + {r.max_new_tokens} tokens x "
              f"G {r.num_samples}")
-    print_plan(plan_of(cfgs.grpo), target, title)
+    print_plan(step_plan(mem, cfgs, model, sampler, reference, Bp, tp_size, target, g), target,
+               title)

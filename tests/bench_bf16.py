@@ -81,7 +81,7 @@ def plans() -> None:
                 header = next(r for r in rows if r[:1] == ["phase"])
                 mb = {tag: max(float(r[header.index(tag)].replace(",", "")) for r in rows
                                if len(r) == len(header) and r[0] != "phase")
-                      for tag in ("trainer", "weights", "grads", "optimizer")}
+                      for tag in ("trainer", "sampler", "grads", "optimizer")}
                 peak = next(r for r in rows if r[:1] == ["peak"])[1]
                 print(f"| {name} | {tp} | {mb['trainer']:,.0f} | {mb['weights']:,.0f} | "
                       f"{mb['grads']:,.0f} | {mb['optimizer']:,.0f} | {peak} |")

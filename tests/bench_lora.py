@@ -185,7 +185,7 @@ PLAN_VARIANTS = {"full": [], "lora q,v": ["--use_peft"],
 def plans() -> None:
     """One row per shape and variant: the plan's MB per tag at its largest phase, and its peak."""
     print(f"train.py --plan {' '.join(PLAN_FLAGS)}\n")
-    tags = ("trainer", "weights", "grads", "optimizer", "transient")
+    tags = ("trainer", "sampler", "grads", "optimizer", "transient")
     print("| shape | variant | " + " | ".join(f"{t} MB" for t in tags) + " | peak GB | x full |")
     print("|---" * (len(tags) + 4) + "|")
     shapes = {"Qwen2.5-0.5B": SHAPES["Qwen2.5-0.5B"], "Llama-3.1-8B": LLAMA_8B}

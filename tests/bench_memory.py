@@ -80,7 +80,7 @@ def build(cfg: M.ModelConfig, device: str, prompts: int, samples: int, prompt_le
 
 def print_plan(name: str, mgr: PhaseManager, unit: float, unit_name: str) -> None:
     plan = mgr.plan()
-    everything = {g.tag: g.full_bytes() for g in mgr.groups}
+    everything = {g.tag: g.full_bytes() for g in mgr.holders}
     print(f"\n{name}: {unit_name} resident per tag (activations not included)")
     print(f"{'tag':<10}" + "".join(f"{p:>11}" for p in PHASE_TAGS) + f"{'no phases':>11}")
     for tag in everything:
@@ -118,7 +118,7 @@ def offload_vs_copy(device: str, cycles: int = 7) -> None:
     cfg = MID
     mgr, trainer, sampler, reference, optimizer, cache = build(cfg, device, 4, 2, 32, 32)
     fake_steps(mgr, trainer, sampler, reference, optimizer, 1, device)  # AdamW state exists now
-    group = next(g for g in mgr.groups if g.tag == "optimizer")
+    group = next(g for g in mgr.holders if g.tag == "optimizer")
     moved = [t for t in mgr.transitions if t.tag == "optimizer"]
     nbytes = moved[-1].nbytes  # leaving train offloaded the state: these bytes
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -183,7 +183,7 @@ def released_guard(cycles: int = 7) -> None:
     mgr, trainer, sampler, reference, optimizer, cache = build(TINY, "cpu", 4, 2, 32, 32)
     never = copy.deepcopy(sampler)
     tokens = torch.randint(0, TINY.vocab_size, (8, 64))
-    group = next(g for g in mgr.groups if g.tag == "weights")
+    group = next(g for g in mgr.holders if g.tag == "sampler")
     rows = {"sleep (release)": [], "wake (re-allocate)": [], "sync_weights": []}
     with mgr.phase("rollout"):
         pass  # registered awake: released at this exit, so that every cycle below wakes it
@@ -193,7 +193,7 @@ def released_guard(cycles: int = 7) -> None:
         sync_weights(sampler, trainer)
         rows["sync_weights"].append(time.perf_counter() - start)
         mgr.exit()
-        done = {t.action: t for t in mgr.transitions if t.tag == "weights"}  # the last of each
+        done = {t.action: t for t in mgr.transitions if t.tag == "sampler"}  # the last of each
         rows["sleep (release)"].append(done["sleep"].seconds)
         rows["wake (re-allocate)"].append(done["wake"].seconds)
     print(f"\nthe bf16 sampler copy on the CPU: {group.full_bytes() / 1e6:.1f} MB in "

@@ -46,7 +46,7 @@ CFG = M.ModelConfig(vocab_size=2048, hidden_size=256, intermediate_size=704, num
 
 def saved_bytes(m: M.Llama, dtype: torch.dtype, sp: bool) -> int:
     """Bytes autograd keeps for backward during one block's forward, on this rank."""
-    block, tp_size = m.model.layers[0], m.tp_state.groups.tp_size if hasattr(m, "tp_state") else 1
+    block, tp_size = m.model.layers[0], m.tp_state.ranks.tp_size if hasattr(m, "tp_state") else 1
     cos, sin = M.rope_cos_sin(m.inv_freq, torch.arange(T).expand(B, T), dtype)
     skip = {t.untyped_storage().data_ptr() for t in [*m.parameters(), cos, sin]}
     shape = (B * T // tp_size, CFG.hidden_size) if sp else (B, T, CFG.hidden_size)  # the residual stream

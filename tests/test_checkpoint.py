@@ -113,6 +113,22 @@ def test_resume_refuses_what_the_checkpoint_fixes_and_prints_what_changes(tmp_pa
     assert open(state).read() == before
 
 
+
+def test_a_checkpoint_written_before_a_flag_was_renamed_resumes_with_its_value(tmp_path):
+    """Regression: a checkpoint's field saved under its former name (--tools, now --use_tools)
+    was dropped on resume, the default taken in silence: a run trained without its tool resumed
+    with it."""
+    code, out = run(tmp_path, "--task", "tasks:lookup", "--steps", "1", "--use_tools", "false",
+                    "--eval_every", "0")
+    state = os.path.join(out, "step-000001", "trainer_state.json")
+    with open(state) as f:
+        saved = json.load(f)
+    saved["config"]["tools"]["tools"] = saved["config"]["tools"].pop("use_tools")  # as then
+    with open(state, "w") as f:
+        json.dump(saved, f)
+    code, _ = run(tmp_path, "--resume", "latest", "--steps", "2")
+    assert code == 0 and "tool_calls" not in records(out)[-1]  # still without the tool
+
 def test_a_resume_that_fails_at_its_first_step_never_rewrites_the_checkpoint(tmp_path, capsys):
     """Regression: the fault's checkpoint rewrote step-000001 with the failing run's flags."""
     code, out = run(tmp_path, "--steps", "1")

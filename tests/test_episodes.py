@@ -306,9 +306,9 @@ def test_loss_and_gradients_with_observations_masked_equal_a_twin_that_drops_the
     policy[2] += [False] * (len(completions[2]) - 1)
     advantages = torch.randn(6, generator=gen, dtype=torch.float64)
     batch = grpo.GRPOBatch.from_lists(prompts, completions, advantages=advantages)
-    batch.policy = torch.zeros(batch.mask.shape, dtype=torch.bool)
+    batch.sampled = torch.zeros(batch.mask.shape, dtype=torch.bool)
     for r, keep in enumerate(policy):
-        batch.policy[r, :len(keep)] = torch.tensor(keep)
+        batch.sampled[r, :len(keep)] = torch.tensor(keep)
     cfg = grpo.GRPOConfig(loss_type=loss_type, entropy_coef=0.1, micro_batch_groups=2)
     with torch.no_grad():
         batch.old_logp = grpo.batch_logprobs(model, batch, cfg) + 0.3 * torch.randn(
@@ -358,7 +358,7 @@ def write_tool_task(tmp_path, body: str, budget: int = 7) -> str:
     return write_module(tmp_path, "mytool", "import string, tools\n" + body + "\ntask = tasks.Task("
                         "'mytool', tasks.sample_lookup, tasks.lookup.rewards, alphabet="
                         "tasks.lookup.alphabet + string.ascii_lowercase + ': ', max_new_tokens="
-                        f"{budget}, tool=tools.Tool(tool, call='?'))\n")
+                        f"{budget}, call_tool=tools.CallTool(tool, call='?'))\n")
 
 
 def test_a_tool_that_raises_mid_run_stops_after_a_checkpoint_of_the_last_step(tmp_path, capsys):
@@ -384,7 +384,7 @@ def test_a_run_with_a_tool_logs_its_calls_and_errors_and_false_turns_it_off(tmp_
     assert code == 0 and all(r["tool_calls"] > 0 for r in recs)
     assert sum(r["tool_errors"] for r in recs) > 0  # a random model calls anywhere
     code, out = run(tmp_path, "--task", spec, "--steps", "1", "--eval_every", "0",
-                    "--tools", "false", out="off")
+                    "--use_tools", "false", out="off")
     assert code == 0 and "tool_calls" not in records(out)[0]
 
 
@@ -406,7 +406,7 @@ def test_an_answer_the_tokenizer_cannot_write_stops_the_run_in_one_line(tmp_path
     spec = write_tool_task(tmp_path, "def tool(text, ref):\n    return 'ÿ'\n")
     code, _ = run(tmp_path, "--task", spec, "--steps", "2", "--eval_every", "0")
     err = capsys.readouterr().err
-    assert code == 2 and "task mytool: the tool's answer 'ÿ' to text '" in err
+    assert code == 2 and "task mytool: the tool's observation 'ÿ' to text '" in err
     assert "cannot go into the row" in err and err.count("\n") == 1
 
 
@@ -419,7 +419,7 @@ def test_an_error_message_the_tokenizer_cannot_write_is_cut_to_what_it_can_and_s
                         "    raise tools.ToolError('Bad call!')\n"
                         "task = tasks.Task('badcall', tasks.sample_lookup, tasks.lookup.rewards, "
                         "alphabet=tasks.lookup.alphabet + 'lo', max_new_tokens=24, "
-                        "tool=tools.Tool(tool, call='?'))\n")
+                        "call_tool=tools.CallTool(tool, call='?'))\n")
     code, out = run(tmp_path, "--task", spec, "--steps", "2", "--eval_every", "0")
     said = capsys.readouterr().out
     assert code == 0 and sum(r["tool_errors"] for r in records(out)) > 0
@@ -427,10 +427,37 @@ def test_an_error_message_the_tokenizer_cannot_write_is_cut_to_what_it_can_and_s
     assert len(lines) == 1 and "' !:Ber'" in lines[0], lines  # "error: Bad call!" less "abcdlo"
 
 
+
+def test_a_task_file_written_against_the_former_names_runs_unchanged(tmp_path, capsys):
+    """A task file as the README wrote it before the call-token tool was named CallTool
+    (`tasks.Task(..., tool=tools.Tool(fn, call))`, `tools.ToolError`, `tasks.calculator`) runs
+    unchanged, its tool called; the former flag `--tools false` stops in one line naming
+    --use_tools."""
+    spec = write_module(tmp_path, "oldtool", "import tools\ndef tool(text, ref):\n"
+                        "    if len(text) > 1:\n        raise tools.ToolError('no')\n"
+                        "    return ref\n"
+                        "assert tasks.calculator(tools.Completion('<calc>2*3</calc>'), '') "
+                        "== 'result: 6'\n"
+                        "task = tasks.Task('oldtool', tasks.sample_lookup, tasks.lookup.rewards, "
+                        "alphabet=tasks.lookup.alphabet + 'enor: ', max_new_tokens=12, "
+                        "tool=tools.Tool(tool, call='?'))\n")
+    code, out = run(tmp_path, "--task", spec, "--steps", "2", "--eval_every", "0",
+                    "--max_turns", "2")
+    recs = records(out)
+    assert code == 0 and sum(r["tool_calls"] for r in recs) > 0
+    assert sum(r["tool_errors"] for r in recs) > 0  # ToolError told to the model, counted
+    assert tools.Tool is tools.CallTool
+    assert tasks.load_task(spec, "").call_tool.fn.__name__ == "tool"
+    capsys.readouterr()
+    code, _ = run(tmp_path, "--task", spec, "--steps", "1", "--tools", "false", out="off")
+    err = capsys.readouterr().err
+    assert code == 2 and err == ("error: unknown option --tools (renamed): did you mean "
+                                 "--use_tools?\n")
+
 def test_a_call_token_that_is_not_one_token_is_refused_in_one_line(tmp_path, capsys):
     spec = write_module(tmp_path, "longcall", "import tools\ntask = tasks.Task('longcall', "
                         "tasks.sample_lookup, tasks.lookup.rewards, alphabet=tasks.lookup.alphabet,"
-                        " max_new_tokens=7, tool=tools.Tool(tasks.look_up, call='??'))\n")
+                        " max_new_tokens=7, call_tool=tools.CallTool(tasks.look_up, call='??'))\n")
     code, _ = run(tmp_path, "--task", spec, "--steps", "1")
     err = capsys.readouterr().err
     assert code == 2 and "task longcall: the tool's call token '??' is 2 tokens" in err
@@ -444,8 +471,9 @@ def test_a_chat_checkpoints_observation_is_the_templates_tool_message(tmp_path):
     path = write_checkpoint(tmp_path / "qwen", "qwen")
     tokenizer = tk.load_tokenizer(path)
     prompt, reference = tasks.chat_calc.sample(__import__("random").Random(0))
-    responder = tools.Responder(tasks.chat_calc, tokenizer, [(prompt, reference)] * 3, 1,
-                                tools.ToolConfig())
+    task_tools = tools.TaskTools(tasks.chat_calc, tasks.chat_calc.call_tool, tokenizer, (),
+                                 tools.ToolConfig())
+    responder = task_tools.start([(prompt, reference)] * 3, 1)
     end = tokenizer.tok.token_to_id("<|im_end|>")
     call = tokenizer.encode_text("Let me see. <calc>12 * 3</calc>", add_special_tokens=False)
     plain = tokenizer.encode_text("It is 36.", add_special_tokens=False)
@@ -457,7 +485,7 @@ def test_a_chat_checkpoints_observation_is_the_templates_tool_message(tmp_path):
     assert "error: '12 * x' is not arithmetic" in tokenizer.decode(answers[2])
     # the error counts once its answer is in the row (engine/episodes.py's calls), not before
     assert responder.errors([1, 0, 1]) == 1 and responder.errors([1, 0, 0]) == 0
-    # row 0 goes on: its next call reads its own turn, the tool's answer a part of its own
+    # row 0 goes on: its next call reads its own turn, the tool's observation a part of its own
     more = tokenizer.encode_text("So <calc>36 + 1</calc>", add_special_tokens=False)
     episode = responder.completion(0, call + [end] + answers[0] + more + [end])
     assert episode.observations == [tokenizer.decode(answers[0])]
@@ -497,7 +525,7 @@ def test_a_completion_tells_the_models_text_from_the_tools():
 
 
 def episode(*parts: str, stopped: bool = True) -> tools.Completion:
-    """A character-level episode: parts alternate the model's text and the tool's answers."""
+    """A character-level episode: parts alternate the model's text and the tool's observations."""
     return tools.Completion("".join(parts), [(p, i % 2 == 0) for i, p in enumerate(parts)],
                             stopped)
 

@@ -420,7 +420,7 @@ def test_hermes_and_llama3_json_turns_parse_every_call_in_order():
                                                     '<|eot_id|>', "llama3_json")
 
 
-def rollout_tools(**task_fields) -> functions.RolloutTools:
+def rollout_tools(**task_fields) -> tools.runtime.RolloutTools:
     task = tasks.Task("t", tasks.sample_chat_multiply, [], tool_format="hermes", **task_fields)
     return functions.Toolbox(task, None, ["<|im_end|>"]).start([("What?", "5")], 2)
 
@@ -517,7 +517,7 @@ def test_an_environment_per_row_reset_before_and_its_reward_after():
 def test_async_tools_are_awaited_in_trls_order_and_their_failures_kept_apart():
     """An async function tool's coroutine is awaited, never told as "<coroutine ...>": its answer
     comes after the plain functions' (TRL gathers the async calls after the others); its
-    ToolError is the model's mistake, anything else it raises stops the run. A tools.Tool's async
+    ToolError is the model's mistake, anything else it raises stops the run. A tools.CallTool's async
     fn, an async reward and an async get_reward are awaited too."""
     async def later(a: int) -> int:
         """Answer later.
@@ -697,8 +697,9 @@ def test_a_task_that_names_no_format_on_a_template_that_shows_none_is_refused():
     with pytest.raises(ValueError, match="tool_format 'json' is not one of hermes, llama3_json"):
         functions.Toolbox(tasks.Task("t", tasks.sample_chat_multiply, [], tools=[multiply],
                                      tool_format="json"), None, [])
-    with pytest.raises(ValueError, match="a tools.Tool .* or function tools"):
-        tasks.Task("t", tasks.sample_chat_multiply, [], tools=[multiply], tool=tasks.lookup.tool)
+    with pytest.raises(ValueError, match="a call-token tool .call_tool. or function tools"):
+        tasks.Task("t", tasks.sample_chat_multiply, [], tools=[multiply],
+                   call_tool=tasks.lookup.call_tool)
 
 # -----------------------------------------------------------------------------
 # End to end: a TRL-style task module through train.py
@@ -843,12 +844,12 @@ def test_the_docs_example_runs_through_train(tmp_path):
     assert 0 <= record["reward"] <= 1  # count 2 against a target of 1 to 3; no product written
 
 
-def test_with_tools_false_the_call_is_text_and_the_environment_still_scores(tmp_path):
+def test_with_use_tools_false_the_call_is_text_and_the_environment_still_scores(tmp_path):
     path = scripted_chat_checkpoint(tmp_path / "qwen", CALL, added=("<tool_call>", "</tool_call>",
                                                                     CALL[11:-12]))
     spec = write_module(tmp_path, "counter", TRL_TASK.replace("MAX", "256"))
     code, out = run(tmp_path, "--model", path, "--task", spec, "--steps", "1", "--eval_every",
-                    "0", "--tools", "false")
+                    "0", "--use_tools", "false")
     record = records(out)[0]
     assert code == 0 and "tool_calls" not in record
     assert record["reward"] == pytest.approx(0.5)  # the count stays 0; the call is still parsed

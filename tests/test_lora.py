@@ -453,7 +453,7 @@ def test_an_adapter_that_does_not_fit_the_base_is_one_line_and_writes_nothing(tm
 # Tensor parallelism: adapters sharded with their linears
 
 
-def check_tp_equals_one_process(cfg: ModelConfig, groups) -> None:
+def check_tp_equals_one_process(cfg: ModelConfig, ranks) -> None:
     """A sharded adapted model (column-parallel: A whole, B by rows; row-parallel: A by columns,
     B whole) against the adapted full model: add_adapters draws the same A and slices it; the
     logits, the GRPO loss and every adapter's gradient (gathered) equal one process's, no base
@@ -466,7 +466,7 @@ def check_tp_equals_one_process(cfg: ModelConfig, groups) -> None:
                         lora_dropout=0.0)
     ref = copy.deepcopy(full)
     targets = lora.add_adapters(ref, c, seed=0)
-    m = tp.shard_model(copy.deepcopy(full), groups)
+    m = tp.shard_model(copy.deepcopy(full), ranks)
     lora.add_adapters(m, c, seed=0)
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -475,8 +475,8 @@ def check_tp_equals_one_process(cfg: ModelConfig, groups) -> None:
             dim = m.tp_state.sharded[name + ".weight"][0]
             A = ours.lora_A
             if dim == 1:  # row-parallel: this rank's columns of the same draw
-                parts = [torch.empty_like(A) for _ in range(groups.tp_size)]
-                torch.distributed.all_gather(parts, A.contiguous(), group=groups.tp_group)
+                parts = [torch.empty_like(A) for _ in range(ranks.tp_size)]
+                torch.distributed.all_gather(parts, A.contiguous(), group=ranks.tp_group)
                 A = torch.cat(parts, 1)
             assert torch.equal(A, theirs.lora_A), name
             theirs.lora_B.copy_(torch.randn(theirs.lora_B.shape, generator=gen) * 0.2)
@@ -485,9 +485,9 @@ def check_tp_equals_one_process(cfg: ModelConfig, groups) -> None:
     prompts, completions, advantages = test_tp.grpo_batch(cfg)
     tokens = torch.randint(0, test_tp.V, (3, 6), generator=gen)
     with torch.no_grad():
-        test_tp.assert_close(tp.gather_vocab(m(tokens), groups), ref(tokens))
+        test_tp.assert_close(tp.gather_vocab(m(tokens), ranks), ref(tokens))
     want = test_tp.grpo_step(ref, prompts, completions, advantages)
-    logprob_fn = lambda logits, targets: tp.vocab_parallel_logprobs(logits, targets, groups)
+    logprob_fn = lambda logits, targets: tp.vocab_parallel_logprobs(logits, targets, ranks)
     got = test_tp.grpo_step(m, prompts, completions, advantages, logprob_fn)
     for key in ("loss", "entropy"):
         assert abs(got[key] - want[key]) <= test_tp.REL * max(1.0, abs(want[key])), key
@@ -499,26 +499,26 @@ def check_tp_equals_one_process(cfg: ModelConfig, groups) -> None:
             continue
         grad = p.grad
         if name in sharded:
-            parts = [torch.empty_like(grad) for _ in range(groups.tp_size)]
-            torch.distributed.all_gather(parts, grad.contiguous(), group=groups.tp_group)
+            parts = [torch.empty_like(grad) for _ in range(ranks.tp_size)]
+            torch.distributed.all_gather(parts, grad.contiguous(), group=ranks.tp_group)
             grad = torch.cat(parts, sharded[name][0])
         test_tp.assert_close(grad, theirs[name].grad, msg=name)
-    gathered = tp.full_state_dict(m, groups)
+    gathered = tp.full_state_dict(m, ranks)
     assert all(torch.equal(gathered[n], theirs[n]) for n in gathered if lora.is_adapter(n))
     greedy = rollout.RolloutConfig(num_samples=2, max_new_tokens=6, temperature=0.0)
     prompts = [[1, 2, 3, 4, 5], [7, 8]]
     want_tokens = rollout.generate(ref, prompts, greedy).tokens
-    gather = lambda logits: tp.gather_vocab(logits, groups)
+    gather = lambda logits: tp.gather_vocab(logits, ranks)
     assert torch.equal(rollout.generate(m, prompts, greedy, logits_fn=gather).tokens, want_tokens)
 
 
 def _tp_worker(rank: int, tmp: str) -> None:
     import test_tp
     import tp
-    groups = tp.make_groups(torch.distributed.get_world_size())
-    configs = (["llama", "llama_bias", "qwen_tied"] if groups.tp_size == 2 else ["qwen3"])
+    ranks = tp.make_groups(torch.distributed.get_world_size())
+    configs = (["llama", "llama_bias", "qwen_tied"] if ranks.tp_size == 2 else ["qwen3"])
     for name in configs:
-        check_tp_equals_one_process(test_tp.CONFIGS[name], groups)
+        check_tp_equals_one_process(test_tp.CONFIGS[name], ranks)
 
 
 @pytest.mark.parametrize("tp_size", [2, 4])

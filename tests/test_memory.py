@@ -74,7 +74,7 @@ def engine(cfg: MemoryConfig | None = None, sampler_dtype: torch.dtype | None = 
     mgr.add_grads(trainer)
     mgr.add_optimizer(optimizer)
     mgr.add_reference(reference)
-    for group in mgr.groups:
+    for group in mgr.holders:
         if group.tag in ("optimizer", "reference"):
             group.in_place = not copies
     return mgr, trainer, sampler, reference, optimizer, cache
@@ -108,7 +108,7 @@ def test_sleep_releases_every_tag_and_wake_restores_its_bytes(copies):
     mgr.add_scratch(scratch)
     train_step(trainer, optimizer, 0)  # grads and AdamW state exist now
     params = list(trainer.parameters())
-    awake = {"trainer": nbytes(params), "weights": 2 * nbytes(params), "kv_cache": 8192 * 8,
+    awake = {"trainer": nbytes(params), "sampler": 2 * nbytes(params), "kv_cache": 8192 * 8,
              "grads": nbytes(params), "optimizer": optimizer_bytes(optimizer),
              "reference": nbytes(params), "scratch": 0}
     assert mgr.resident_bytes() == awake  # before any phase everything is as registered
@@ -132,7 +132,7 @@ def test_sleep_releases_every_tag_and_wake_restores_its_bytes(copies):
     for phase, by_tag in mgr.plan().items():
         measured = {t: mgr.phase_bytes[phase].get(t, 0) for t in by_tag if t != "scratch"}
         assert {t: b for t, b in by_tag.items() if t != "scratch"} == measured, phase
-    rollout = awake["trainer"] + awake["weights"] + awake["kv_cache"]
+    rollout = awake["trainer"] + awake["sampler"] + awake["kv_cache"]
     rollout += 0 if copies else awake["optimizer"] + awake["reference"]
     assert mgr.phase_peak["rollout"] == rollout
     assert mgr.peak_bytes() == max(mgr.phase_peak.values())
@@ -154,7 +154,7 @@ def test_transitions_and_report(copies):
     assert [t.action for t in mgr.transitions if t.tag == "optimizer"] == actions
     text = mgr.report()
     words = ["offload", "GB/s"] if copies else ["guard"]
-    for word in ("rollout", "train", "trainer", "weights", "kv_cache", "grads", "optimizer",
+    for word in ("rollout", "train", "trainer", "sampler", "kv_cache", "grads", "optimizer",
                  "reference", "release", "peak", *words):
         assert word in text, word
     assert ("offload" in text) == copies
@@ -180,8 +180,8 @@ def test_plan_on_the_meta_device_counts_bytes_from_shapes():
     mgr.add_weights(trainer, sampler)
     mgr.add_grads(trainer)
     n = sum(p.numel() for p in trainer.parameters())
-    assert mgr.plan()["rollout"] == {"trainer": 4 * n, "weights": 2 * n, "grads": 0}
-    assert mgr.plan()["train"] == {"trainer": 4 * n, "weights": 0, "grads": 4 * n}
+    assert mgr.plan()["rollout"] == {"trainer": 4 * n, "sampler": 2 * n, "grads": 0}
+    assert mgr.plan()["train"] == {"trainer": 4 * n, "sampler": 0, "grads": 4 * n}
     with pytest.raises(RuntimeError, match="meta device can only plan"):
         mgr.enter("rollout")
 
@@ -319,7 +319,7 @@ def test_training_with_sleep_wake_around_every_rollout_is_bit_exact_with_the_sam
             assert torch.equal(optimizer.state[p][key], plain_opt.state[q][key]), key
     # One host buffer per offloaded group, allocated at its first offload with state, and reused;
     # none on a CPU.
-    offloaded = [g for g in mgr.groups if g.tag in ("optimizer", "reference")]
+    offloaded = [g for g in mgr.holders if g.tag in ("optimizer", "reference")]
     assert [g.host_allocations for g in offloaded] == [int(copies)] * 2
     # The reference went through 4 offload/reload cycles and is still the initial model.
     assert all(torch.equal(p, q) for p, q in zip(reference.parameters(),
@@ -336,7 +336,7 @@ def test_leaving_train_offloads_the_optimizer_and_a_checkpoint_reads_the_same_va
         train_step(trainer, optimizer, 0)
         awake = copy.deepcopy(optimizer.state_dict())
     assert mgr.resident_bytes()["optimizer"] == 0
-    host = next(g.host for g in mgr.groups if g.tag == "optimizer").untyped_storage().data_ptr()
+    host = next(g.host for g in mgr.holders if g.tag == "optimizer").untyped_storage().data_ptr()
     asleep = optimizer.state_dict()
     tensors = {}
     for i, state in awake["state"].items():
@@ -382,9 +382,9 @@ def test_on_a_cpu_offload_copies_nothing_keeps_every_bit_and_still_guards():
         # A copy's host buffer is kept for reuse: awake, the state would be there twice.
         assert resident_kib() - rss < 8 * 1024, "no second copy of the 32 MB state (in KiB)"
         optimizer.step()  # awake: no hook left behind
-    offloaded = [g for g in mgr.groups if g.tag in ("optimizer", "reference")]
+    offloaded = [g for g in mgr.holders if g.tag in ("optimizer", "reference")]
     assert all(g.host is None and g.host_allocations == 0 for g in offloaded)
-    assert all(g.policy == "guard" for g in offloaded) and not mgr.transitions
+    assert all(g.rule == "guard" for g in offloaded) and not mgr.transitions
 
 
 def test_wake_sync_generate_is_bit_exact_with_a_never_released_sampler():
@@ -433,8 +433,8 @@ def test_shared_weights_are_left_alone():
         with mgr.phase(phase):
             sync_weights(sampler, trainer)  # the same module: nothing to do
     assert [p.data_ptr() for p in trainer.parameters()] == data
-    assert not [t for t in mgr.transitions if t.tag in ("weights", "trainer")]
-    assert mgr.resident_bytes()["weights"] == 0  # counted once, under "trainer"
+    assert not [t for t in mgr.transitions if t.tag in ("sampler", "trainer")]
+    assert mgr.resident_bytes()["sampler"] == 0  # counted once, under "trainer"
 
 
 def test_kv_cache_is_released_and_woken_as_the_same_object():
@@ -470,7 +470,7 @@ USES = {
 
 
 @pytest.mark.parametrize("use", USES)
-@pytest.mark.parametrize("tag", ["kv_cache", "weights"])
+@pytest.mark.parametrize("tag", ["kv_cache", "sampler"])
 def test_any_use_of_released_memory_raises_one_clear_error(tag, use):
     """Regression: the released KV cache (storage resized to 0 under its full shape) segfaulted on
     whole-tensor use (sum, clone, zero_, to; numpy() gave a dangling array), and a released sampler
@@ -489,7 +489,7 @@ def test_released_modules_raise_and_metadata_and_repr_stay_readable():
     mgr, trainer, sampler, reference, optimizer, cache = engine()
     weight = sampler.lm_head.weight
     with mgr.phase("reference"):
-        message = r"its weights memory is released in phase 'reference'"
+        message = r"its sampler memory is released in phase 'reference'"
         for use in (lambda: sampler(batch(0)), lambda: sampler.state_dict(),
                     lambda: copy.deepcopy(sampler), lambda: sync_weights(sampler, trainer),
                     lambda: sampler.head(torch.zeros(1, 64, dtype=torch.float64))):
@@ -499,7 +499,7 @@ def test_released_modules_raise_and_metadata_and_repr_stay_readable():
         assert weight.shape == (V, 64) and weight.numel() == V * 64
         assert weight.dtype == torch.float64 and weight.device.type == "cpu"
         assert isinstance(weight, torch.nn.Parameter) and weight in set(sampler.parameters())
-        assert repr(weight) == f"{weight}" == "<released weights tensor (128, 64) torch.float64>"
+        assert repr(weight) == f"{weight}" == "<released sampler tensor (128, 64) torch.float64>"
     with pytest.raises(RuntimeError, match=r"released in no phase; use it inside `with mgr.phase"):
         weight.sum()
 

@@ -91,7 +91,8 @@ def test_chat_calc_episodes_equal_transformers_turn_by_turn(models):
     rng = random.Random(0)
     examples = [tasks.chat_calc.sample(rng) for _ in range(6)]
     prompts = [tok.encode(p, tk.PromptConfig()) for p, _ in examples]
-    responder = tools.Responder(tasks.chat_calc, tok, examples, 1, tools.ToolConfig())
+    responder = tools.TaskTools(tasks.chat_calc, tasks.chat_calc.call_tool, tok, (),
+                                tools.ToolConfig()).start(examples, 1)
     new = tasks.chat_calc.max_new_tokens
     out = generate(ours, prompts, RolloutConfig(num_samples=1, max_new_tokens=new,
                                                 temperature=0.0),

@@ -101,13 +101,13 @@ def _entry(rank: int, worker, world: int, tmp: str) -> None:
     tp.destroy_groups()
 
 
-def unshard(name: str, t: torch.Tensor, groups: tp.ParallelGroups) -> torch.Tensor:
+def unshard(name: str, t: torch.Tensor, ranks: tp.ParallelGroups) -> torch.Tensor:
     """The full tensor from the tp ranks' slices (replicated tensors as they are)."""
     dim = next((d for key, d in SPLIT_DIM.items() if f"{key}." in name), None)
     if dim is None or (dim == 1 and name.endswith(".bias")):
         return t
-    parts = [torch.empty_like(t) for _ in range(groups.tp_size)]
-    dist.all_gather(parts, t.contiguous(), group=groups.tp_group)
+    parts = [torch.empty_like(t) for _ in range(ranks.tp_size)]
+    dist.all_gather(parts, t.contiguous(), group=ranks.tp_group)
     return torch.cat(parts, dim)
 
 
@@ -147,8 +147,8 @@ def grpo_step(model, prompts, completions, advantages, logprob_fn=None, *, old_l
 # 2 processes: TP = 2
 
 
-def check_vocab_parallel_logprobs(groups: tp.ParallelGroups) -> None:
-    rank, n = groups.tp_rank, 9
+def check_vocab_parallel_logprobs(ranks: tp.ParallelGroups) -> None:
+    rank, n = ranks.tp_rank, 9
     gen = torch.Generator().manual_seed(2)
     logits = torch.randn(n, V, generator=gen) * 3
     targets = torch.randint(0, V, (n,), generator=gen)
@@ -157,7 +157,7 @@ def check_vocab_parallel_logprobs(groups: tp.ParallelGroups) -> None:
     shard = logits[:, cols].clone().requires_grad_()
     before = shard.detach().clone()
     full = logits.clone().requires_grad_()
-    logp, entropy = tp.vocab_parallel_logprobs(shard, targets, groups)
+    logp, entropy = tp.vocab_parallel_logprobs(shard, targets, ranks)
     want_logp, want_entropy = plain_logprobs(full, targets)
     assert_close(logp, want_logp)
     assert_close(entropy, want_entropy)
@@ -169,19 +169,19 @@ def check_vocab_parallel_logprobs(groups: tp.ParallelGroups) -> None:
     assert torch.equal(shard.detach(), before), "the input logits were modified"
     # Recomputed under checkpoint, as grpo.py runs it: the same values and gradients.
     again = before.clone().requires_grad_()
-    fn = functools.partial(tp.vocab_parallel_logprobs, groups=groups)
+    fn = functools.partial(tp.vocab_parallel_logprobs, ranks=ranks)
     logp2, entropy2 = checkpoint(fn, again, targets, use_reentrant=False)
     (w1 * logp2 + w2 * entropy2).sum().backward()
     assert torch.equal(logp2, logp) and torch.equal(entropy2, entropy)
     torch.testing.assert_close(again.grad, shard.grad, atol=0, rtol=0)
 
 
-def check_entropy_gradient(groups: tp.ParallelGroups) -> None:
+def check_entropy_gradient(ranks: tp.ParallelGroups) -> None:
     """grpo.py's contract for its three logprob routes: the entropy is differentiable. The
     vocab-parallel route against autograd of the float64 definitions, then inside
     logprobs.chunked_logprobs on a sharded head (checkpointed chunks) against TP = 1's chunked
     Function, with an entropy term in the loss: every parameter's gradient."""
-    rank, n = groups.tp_rank, 9
+    rank, n = ranks.tp_rank, 9
     gen = torch.Generator().manual_seed(6)
     logits = torch.randn(n, V, generator=gen, dtype=torch.float64) * 3
     targets = torch.randint(0, V, (n,), generator=gen)
@@ -189,7 +189,7 @@ def check_entropy_gradient(groups: tp.ParallelGroups) -> None:
     w2 = torch.randn(n, generator=gen, dtype=torch.float64)
     cols = slice(rank * V // 2, (rank + 1) * V // 2)
     shard = logits[:, cols].clone().requires_grad_()
-    logp, entropy = tp.vocab_parallel_logprobs(shard, targets, groups)
+    logp, entropy = tp.vocab_parallel_logprobs(shard, targets, ranks)
     (w1 * logp + w2 * entropy).sum().backward()
     full = logits.clone().requires_grad_()
     p = full.softmax(-1)  # (n, V)
@@ -202,9 +202,9 @@ def check_entropy_gradient(groups: tp.ParallelGroups) -> None:
     torch.testing.assert_close(shard.grad, full.grad[:, cols], **tol)
     # The whole head, sharded: checkpointed chunks of 4 rows of vocab-parallel logprobs.
     one = full_model(CONFIGS["llama"])
-    m = tp.shard_model(copy.deepcopy(one), groups)
+    m = tp.shard_model(copy.deepcopy(one), ranks)
     h = torch.randn(n, one.config.hidden_size, generator=gen)
-    logprob_fn = functools.partial(tp.vocab_parallel_logprobs, groups=groups)
+    logprob_fn = functools.partial(tp.vocab_parallel_logprobs, ranks=ranks)
     grad_h = []
     for model, fn in ((m, logprob_fn), (one, None)):
         x = h.clone().requires_grad_()
@@ -215,7 +215,7 @@ def check_entropy_gradient(groups: tp.ParallelGroups) -> None:
     assert_close(grad_h[0], grad_h[1])
     for (name, p), (_, q) in zip(m.named_parameters(), one.named_parameters()):
         if q.grad is not None:  # the head's: final norm and lm_head
-            assert_close(unshard(name, p.grad, groups), q.grad, msg=name)
+            assert_close(unshard(name, p.grad, ranks), q.grad, msg=name)
 
 
 class Bug203(torch.autograd.Function):
@@ -242,10 +242,10 @@ class Bug203(torch.autograd.Function):
         return grad_x, grad.t() @ full, None, None, None
 
 
-def check_two_fused_gather_linears(groups: tp.ParallelGroups) -> None:
+def check_two_fused_gather_linears(ranks: tp.ParallelGroups) -> None:
     """x -> gather+linear(W1) -> silu -> row-parallel W2 -> reduce-scatter -> tanh -> gather+linear(W3):
     both gathers share one buffer, and the second overwrites the first before backward (the #203 bug)."""
-    rank, group, N, C, O = groups.tp_rank, groups.tp_group, 8, 6, 10
+    rank, group, N, C, O = ranks.tp_rank, ranks.tp_group, 8, 6, 10
     gen = torch.Generator().manual_seed(4)
     x, W1, b1, W2, W3, R = (torch.randn(*s, generator=gen) for s in [(N, C), (O, C), (O,), (C, O), (O, C), (N, O)])
     xf, W1f, b1f, W2f, W3f = (t.clone().requires_grad_() for t in (x, W1, b1, W2, W3))
@@ -279,7 +279,7 @@ def check_two_fused_gather_linears(groups: tp.ParallelGroups) -> None:
         assert "modified by an inplace operation" in str(e)
 
 
-def check_tp_equals_one_process(cfg: M.ModelConfig, groups: tp.ParallelGroups) -> None:
+def check_tp_equals_one_process(cfg: M.ModelConfig, ranks: tp.ParallelGroups) -> None:
     full = full_model(cfg)
     prompts, completions, advantages = grpo_batch(cfg)
     gen = torch.Generator().manual_seed(5)
@@ -292,9 +292,9 @@ def check_tp_equals_one_process(cfg: M.ModelConfig, groups: tp.ParallelGroups) -
         old_logp = old_logp + 0.1 * torch.randn(old_logp.shape, generator=gen)  # ratio != 1: clipping acts
         ref_logp = old_logp + 0.1 * torch.randn(old_logp.shape, generator=gen)
     want = grpo_step(ref, prompts, completions, advantages, old_logp=old_logp, ref_logp=ref_logp)
-    logprob_fn = functools.partial(tp.vocab_parallel_logprobs, groups=groups)
+    logprob_fn = functools.partial(tp.vocab_parallel_logprobs, ranks=ranks)
     for sp, recompute in ((False, False), (True, False), (True, True)):
-        m = tp.shard_model(copy.deepcopy(full), groups, sequence_parallel=sp)
+        m = tp.shard_model(copy.deepcopy(full), ranks, sequence_parallel=sp)
         if recompute:  # blocks rerun in backward (train.py's activation_checkpoint): SP must take the same path
             assert memory.checkpoint_blocks(m.model.layers) == cfg.num_hidden_layers
         assert [n for n, _ in m.named_parameters()] == [n for n, _ in full.named_parameters()]
@@ -302,22 +302,22 @@ def check_tp_equals_one_process(cfg: M.ModelConfig, groups: tp.ParallelGroups) -
         assert bool(m.tp_state.buffer.tensors) == sp, "SP did (not) run on the odd packed rows"
         with torch.no_grad():
             logits = m(tokens)
-        assert logits.shape == (3, 6, V // groups.tp_size)
-        assert_close(tp.gather_vocab(logits, groups), want_logits)
+        assert logits.shape == (3, 6, V // ranks.tp_size)
+        assert_close(tp.gather_vocab(logits, ranks), want_logits)
         assert bool(m.tp_state.buffer.tensors) == sp, "SP did (not) run"  # only SP's gathers use the buffer
         for key in ("loss", "kl", "clip_low", "clip_high", "entropy"):
             assert abs(got[key] - want[key]) <= REL * max(1.0, abs(want[key])), (key, got[key], want[key])
         for (name, p), (_, q) in zip(m.named_parameters(), ref.named_parameters()):
-            assert_close(unshard(name, p.grad, groups), q.grad, msg=f"{sp=} {recompute=} {name}")
+            assert_close(unshard(name, p.grad, ranks), q.grad, msg=f"{sp=} {recompute=} {name}")
     # The switch: plain TP by default, SP inside the scope only; a deep copy (a reference model) works too.
-    m = tp.shard_model(copy.deepcopy(full), groups)
+    m = tp.shard_model(copy.deepcopy(full), ranks)
     with tp.sequence_parallel(m), torch.no_grad():
         logits = m(tokens)
     assert m.tp_state.buffer.tensors and not m.tp_state.sequence_parallel
-    assert_close(tp.gather_vocab(logits, groups), want_logits)
+    assert_close(tp.gather_vocab(logits, ranks), want_logits)
     twin = copy.deepcopy(m)
     with torch.no_grad():
-        assert_close(tp.gather_vocab(twin(tokens), groups), want_logits)
+        assert_close(tp.gather_vocab(twin(tokens), ranks), want_logits)
 
 
 # Tensors that do not fit config.json, and load_sharded's refusal (hf.check_checkpoint's, as in
@@ -336,7 +336,7 @@ WRONG = {
 }
 
 
-def check_load_and_full_state_dict(name: str, cfg: M.ModelConfig, groups: tp.ParallelGroups, tmp: str) -> None:
+def check_load_and_full_state_dict(name: str, cfg: M.ModelConfig, ranks: tp.ParallelGroups, tmp: str) -> None:
     full, path = full_model(cfg), f"{tmp}/{name}"
     if dist.get_rank() == 0:
         hf.save_model(full, path, max_shard_bytes=40_000)  # several files + index.json
@@ -350,9 +350,9 @@ def check_load_and_full_state_dict(name: str, cfg: M.ModelConfig, groups: tp.Par
     dist.barrier()
     for i, (_, error) in enumerate(WRONG[name]):
         with pytest.raises(ValueError, match=error):
-            tp.load_sharded(f"{path}_wrong{i}", groups, "cpu", torch.float32)
-    loaded = tp.load_sharded(path, groups, "cpu", torch.float32)
-    sliced = tp.shard_model(hf.load_model(path), groups)
+            tp.load_sharded(f"{path}_wrong{i}", ranks, "cpu", torch.float32)
+    loaded = tp.load_sharded(path, ranks, "cpu", torch.float32)
+    sliced = tp.shard_model(hf.load_model(path), ranks)
     assert loaded.state_dict().keys() == sliced.state_dict().keys()
     for (n, a), b in zip(loaded.state_dict().items(), sliced.state_dict().values()):
         assert torch.equal(a, b), n
@@ -360,28 +360,28 @@ def check_load_and_full_state_dict(name: str, cfg: M.ModelConfig, groups: tp.Par
         assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
         # with its stored copy, the same model; a copy that differs in the last rank's rows alone
         # is refused by every rank (each compares its own rows: the flag is all-reduced)
-        with_copy = tp.load_sharded(f"{path}_copy", groups, "cpu", torch.float32)
+        with_copy = tp.load_sharded(f"{path}_copy", ranks, "cpu", torch.float32)
         for (n, a), b in zip(with_copy.state_dict().items(), loaded.state_dict().values()):
             assert torch.equal(a, b), n
         with pytest.raises(ValueError, match="tensor 'lm_head.weight' differs from 'model.embed"):
-            tp.load_sharded(f"{path}_other", groups, "cpu", torch.float32)
+            tp.load_sharded(f"{path}_other", ranks, "cpu", torch.float32)
     # The same tensors, under the same names, as a TP=1 model's (a tied lm_head once, as the
     # embedding: a TP checkpoint of a tied model once held an extra lm_head.weight).
-    gathered = tp.full_state_dict(loaded, groups)
+    gathered = tp.full_state_dict(loaded, ranks)
     want = dict(full.named_parameters())
     assert list(gathered) == list(want)
     for n, t in gathered.items():
         assert torch.equal(t, want[n]), n
 
 
-def check_sampling(groups: tp.ParallelGroups, cfg: M.ModelConfig = CONFIGS["llama"]) -> None:
+def check_sampling(ranks: tp.ParallelGroups, cfg: M.ModelConfig = CONFIGS["llama"]) -> None:
     """rollout.generate on the sharded model, plain TP and SP (prefill of 2 x 5 and decode of 6 x 1 tokens
     run SP; the sampler's KV-cache attention sees the same q/k/v either way).
     Regression (torch 2.5.1): gloo wrote the gathers' outputs, made under the sampler's inference_mode, on
     its own thread and raised "Inplace update to inference tensor outside InferenceMode"."""
     full = full_model(cfg)
     prompts = [[1, 2, 3, 4, 5], [7, 8]]
-    gather = functools.partial(tp.gather_vocab, groups=groups)
+    gather = functools.partial(tp.gather_vocab, ranks=ranks)
     greedy_cfg = rollout.RolloutConfig(num_samples=3, max_new_tokens=6, temperature=0.0)
     sample_cfg = rollout.RolloutConfig(num_samples=3, max_new_tokens=6)
     want = rollout.generate(full, prompts, greedy_cfg).tokens
@@ -389,7 +389,7 @@ def check_sampling(groups: tp.ParallelGroups, cfg: M.ModelConfig = CONFIGS["llam
                         tuple(range(0, V, 3)), 2)
     want_episodes = rollout.generate(full, prompts, greedy_cfg, episodes=episodes)
     for sp in (False, True):
-        m = tp.shard_model(copy.deepcopy(full), groups, sequence_parallel=sp)
+        m = tp.shard_model(copy.deepcopy(full), ranks, sequence_parallel=sp)
         sampled = rollout.generate(m, prompts, sample_cfg, seed=0, logits_fn=gather)
         assert_same_on_all_ranks(sampled.tokens)
         greedy = rollout.generate(m, prompts, greedy_cfg, logits_fn=gather)
@@ -402,15 +402,15 @@ def check_sampling(groups: tp.ParallelGroups, cfg: M.ModelConfig = CONFIGS["llam
 
 
 def _tp2_worker(rank: int, tmp: str) -> None:
-    groups = tp.make_groups(2)
-    assert (groups.tp_rank, groups.tp_size, groups.dp_rank, groups.dp_size, groups.dp_group) == (rank, 2, 0, 1, None)
-    check_vocab_parallel_logprobs(groups)
-    check_entropy_gradient(groups)
-    check_two_fused_gather_linears(groups)
+    ranks = tp.make_groups(2)
+    assert (ranks.tp_rank, ranks.tp_size, ranks.dp_rank, ranks.dp_size, ranks.dp_group) == (rank, 2, 0, 1, None)
+    check_vocab_parallel_logprobs(ranks)
+    check_entropy_gradient(ranks)
+    check_two_fused_gather_linears(ranks)
     for name, cfg in CONFIGS.items():
-        check_tp_equals_one_process(cfg, groups)
-        check_load_and_full_state_dict(name, cfg, groups, tmp)
-    check_sampling(groups)
+        check_tp_equals_one_process(cfg, ranks)
+        check_load_and_full_state_dict(name, cfg, ranks, tmp)
+    check_sampling(ranks)
 
 
 def test_tp2_equals_one_process_logits_grpo_loss_grads_logprobs_loading_sampling(tmp_path):
@@ -418,11 +418,11 @@ def test_tp2_equals_one_process_logits_grpo_loss_grads_logprobs_loading_sampling
 
 
 def _tp4_worker(rank: int, tmp: str) -> None:
-    groups = tp.make_groups(4)
+    ranks = tp.make_groups(4)
     cfg = CONFIGS["qwen3"]  # 2 query heads, 1 kv head a rank: a q/k norm's grad from 1/4 of them
-    check_tp_equals_one_process(cfg, groups)
-    check_load_and_full_state_dict("qwen3", cfg, groups, tmp)
-    check_sampling(groups, cfg)
+    check_tp_equals_one_process(cfg, ranks)
+    check_load_and_full_state_dict("qwen3", cfg, ranks, tmp)
+    check_sampling(ranks, cfg)
 
 
 def test_tp4_equals_one_process_on_qwen3(tmp_path):
@@ -456,13 +456,13 @@ def write_hf_checkpoint(path, config_class: str, kw: dict, x: torch.Tensor) -> N
 
 
 def _hf_worker(rank: int, tmp: str) -> None:
-    groups = tp.make_groups(2)
+    ranks = tp.make_groups(2)
     for name in HF_CASES:
         expected = load_file(f"{tmp}/{name}/expected.safetensors")
         for sp in (False, True):
-            m = tp.load_sharded(f"{tmp}/{name}", groups, "cpu", torch.float32, sequence_parallel=sp)
+            m = tp.load_sharded(f"{tmp}/{name}", ranks, "cpu", torch.float32, sequence_parallel=sp)
             with torch.no_grad():
-                logits = tp.gather_vocab(m(expected["x"]), groups)
+                logits = tp.gather_vocab(m(expected["x"]), ranks)
             # fp32, as tests/test_model.py's one-process parity: summation order only.
             want = expected["logits"]
             depth = tolerance.model_depth(m.config, want.shape[1], "logits")
@@ -470,7 +470,7 @@ def _hf_worker(rank: int, tmp: str) -> None:
                                        **tolerance.reordered(depth, want.abs().max()))
     unused = r"tensor 'model.layers.0.self_attn.k_proj.bias' is not used"
     with pytest.raises(ValueError, match=unused):
-        tp.load_sharded(f"{tmp}/unused", groups, "cpu", torch.float32)
+        tp.load_sharded(f"{tmp}/unused", ranks, "cpu", torch.float32)
 
 
 def test_tp2_loads_checkpoints_written_by_transformers_to_its_logits(tmp_path):
@@ -490,8 +490,8 @@ def test_tp2_loads_checkpoints_written_by_transformers_to_its_logits(tmp_path):
 
 
 def _dp_tp_worker(rank: int, tmp: str) -> None:
-    groups = tp.make_groups(2)
-    assert (groups.tp_rank, groups.dp_rank, groups.dp_size) == (rank % 2, rank // 2, 2)  # tp ranks contiguous
+    ranks = tp.make_groups(2)
+    assert (ranks.tp_rank, ranks.dp_rank, ranks.dp_size) == (rank % 2, rank // 2, 2)  # tp ranks contiguous
     with pytest.raises(ValueError, match="tp_size=3 must be >= 1 and divide the world size 4"):
         tp.make_groups(3)
     full = full_model(CONFIGS["llama"])
@@ -502,18 +502,18 @@ def _dp_tp_worker(rank: int, tmp: str) -> None:
     want_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm).item()
     assert want_norm > 2 * max_norm, "the clip must act for the check to mean something"
     torch.optim.SGD(ref.parameters(), lr=lr).step()  # SGD: the update is linear in the gradient
-    logprob_fn = functools.partial(tp.vocab_parallel_logprobs, groups=groups)
-    mine = [slice(0, 1), slice(1, 3)][groups.dp_rank]  # prompt 0 | prompts 1, 2: uneven on purpose
+    logprob_fn = functools.partial(tp.vocab_parallel_logprobs, ranks=ranks)
+    mine = [slice(0, 1), slice(1, 3)][ranks.dp_rank]  # prompt 0 | prompts 1, 2: uneven on purpose
     rows = slice(mine.start * 2, mine.stop * 2)
     for sp in (False, True):
-        m = tp.shard_model(copy.deepcopy(full), groups, sequence_parallel=sp)
+        m = tp.shard_model(copy.deepcopy(full), ranks, sequence_parallel=sp)
         grpo_step(m, prompts[mine], completions[rows], advantages[rows], logprob_fn,
                   num_seqs=len(completions), num_tokens=num_tokens)  # global counts: SUM over dp is the big batch
-        tp.dp_sum_grads(m, groups)
-        norm = tp.clip_grad_norm(m, max_norm, groups)
+        tp.dp_sum_grads(m, ranks)
+        norm = tp.clip_grad_norm(m, max_norm, ranks)
         assert abs(norm - want_norm) <= REL * want_norm, (norm, want_norm)
         torch.optim.SGD(m.parameters(), lr=lr).step()
-        got = tp.full_state_dict(m, groups)
+        got = tp.full_state_dict(m, ranks)
         for name, want in ref.named_parameters():
             assert_close(got[name], want, msg=f"sp={sp} {name}")
 
@@ -529,16 +529,16 @@ def test_clip_grad_norm_sums_in_float32_and_a_norm_under_the_limit_changes_no_bi
     """The multi-tensor clip: bf16 grads' norm summed in float32 (a bf16 sum of squares would be
     off by ~1e-3 relative); under max_norm the grads stay as they were, bit for bit; over it each
     is scaled by max_norm / norm, as torch's clip_grad_norm_ scales."""
-    groups = tp.make_groups(1)
+    ranks = tp.make_groups(1)
     m = full_model(tiny()).to(torch.bfloat16)
     gen = torch.Generator().manual_seed(0)
     for p in m.parameters():
         p.grad = torch.randn(p.shape, generator=gen).to(torch.bfloat16)
     before = [p.grad.clone() for p in m.parameters()]
     want = torch.cat([g.float().flatten() for g in before]).norm().item()
-    assert tp.clip_grad_norm(m, 2 * want, groups) == pytest.approx(want, rel=1e-6)
+    assert tp.clip_grad_norm(m, 2 * want, ranks) == pytest.approx(want, rel=1e-6)
     assert all(torch.equal(p.grad, g) for p, g in zip(m.parameters(), before))
-    assert tp.clip_grad_norm(m, want / 4, groups) == pytest.approx(want, rel=1e-6)
+    assert tp.clip_grad_norm(m, want / 4, ranks) == pytest.approx(want, rel=1e-6)
     for p, g in zip(m.parameters(), before):
         torch.testing.assert_close(p.grad, g * (want / 4 / (want + 1e-6)), rtol=8e-3, atol=0)
 
@@ -547,24 +547,24 @@ def test_world_size_1_needs_no_process_group(monkeypatch):
     for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
     assert tp.init_distributed()[:2] == (0, 1) and not dist.is_initialized()
-    groups = tp.make_groups(1)
-    assert (groups.tp_group, groups.dp_group, groups.tp_size, groups.dp_size) == (None, None, 1, 1)
+    ranks = tp.make_groups(1)
+    assert (ranks.tp_group, ranks.dp_group, ranks.tp_size, ranks.dp_size) == (None, None, 1, 1)
     m = full_model(tiny())
-    assert tp.shard_model(m, groups) is m and not hasattr(m, "tp_state")
+    assert tp.shard_model(m, ranks) is m and not hasattr(m, "tp_state")
     with tp.sequence_parallel(m):  # a no-op on an unsharded model
         pass
     tokens = torch.randint(0, V, (2, 5))
     logits = m(tokens).flatten(0, 1)[:-1]
-    logp, entropy = tp.vocab_parallel_logprobs(logits, tokens.flatten()[1:], groups)
+    logp, entropy = tp.vocab_parallel_logprobs(logits, tokens.flatten()[1:], ranks)
     want_logp, want_entropy = plain_logprobs(logits, tokens.flatten()[1:])
     assert_close(logp, want_logp)
     assert_close(entropy, want_entropy)
     ref = copy.deepcopy(m)
     logp.sum().backward()
     plain_logprobs(ref(tokens).flatten(0, 1)[:-1], tokens.flatten()[1:])[0].sum().backward()
-    tp.dp_sum_grads(m, groups)  # dp 1: nothing to do
+    tp.dp_sum_grads(m, ranks)  # dp 1: nothing to do
     want_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1).item()
-    assert tp.clip_grad_norm(m, 0.1, groups) == pytest.approx(want_norm, rel=1e-6)
+    assert tp.clip_grad_norm(m, 0.1, ranks) == pytest.approx(want_norm, rel=1e-6)
     for p, q in zip(m.parameters(), ref.parameters()):
         assert_close(p.grad, q.grad)
 
@@ -576,9 +576,9 @@ def test_world_size_1_needs_no_process_group(monkeypatch):
     (dict(vocab_size=127), 2, "vocab_size=127"),
 ])
 def test_shard_model_refuses_sizes_tp_does_not_divide(kw, tp_size, field):
-    groups = tp.ParallelGroups(None, None, tp_rank=0, tp_size=tp_size)  # refused before any collective
+    ranks = tp.ParallelGroups(None, None, tp_rank=0, tp_size=tp_size)  # refused before any collective
     with pytest.raises(ValueError, match=f"tp_size={tp_size} must divide {field}"):
-        tp.shard_model(M.Llama(tiny(**kw)), groups)
+        tp.shard_model(M.Llama(tiny(**kw)), ranks)
 
 
 @pytest.mark.parametrize("logits, targets, match", [

@@ -747,23 +747,23 @@ def _dp_metrics_worker(rank: int, tmp: str) -> None:
     import torch.distributed as dist
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=2)
     try:
-        groups = train.tp.make_groups(1)  # tp 1: dp = 2
-        run_ = types.SimpleNamespace(groups=groups, device=torch.device("cpu"))
+        ranks = train.tp.make_groups(1)  # tp 1: dp = 2
+        run_ = types.SimpleNamespace(ranks=ranks, device=torch.device("cpu"))
         # Rank 0 has 30 completion tokens of entropy 1.0, rank 1 has 10 of entropy 3.0.
         m = [dict(loss=0.25, entropy=1.0, clip_low=0.1, clip_high=0.0, ratio_mean=1.0,
                   ratio_min=0.9, ratio_max=1.2, grad_norm=2.0, updated=True, finite=True),
              dict(loss=0.5, entropy=3.0, clip_low=0.5, clip_high=0.2, ratio_mean=1.0,
                   ratio_min=0.7, ratio_max=1.1, grad_norm=2.0, updated=True, finite=True)][rank]
-        got = train.tp.dp_reduce_metrics(m, [30.0, 10.0][rank], run_.groups, run_.device)
+        got = train.tp.dp_reduce_metrics(m, [30.0, 10.0][rank], run_.ranks, run_.device)
         assert got["entropy"] == pytest.approx((30 * 1.0 + 10 * 3.0) / 40)  # not (1 + 3) / 2
         assert got["clip_low"] == pytest.approx((30 * 0.1 + 10 * 0.5) / 40)
         assert got["loss"] == pytest.approx(0.75)  # each rank's is normalised globally: they sum
         assert (got["ratio_min"], got["ratio_max"]) == (0.7, 1.2)
-        rewards = train.tp.dp_gather(torch.tensor([1.0, 2.0]) + 10 * rank, run_.groups)
+        rewards = train.tp.dp_gather(torch.tensor([1.0, 2.0]) + 10 * rank, run_.ranks)
         assert rewards.tolist() == [1.0, 2.0, 11.0, 12.0]  # dp-rank order on every rank
         # The evaluation's split, items[dp_rank::dp_size] on each rank, back in its order.
         items = list("abcde")[rank::2]
-        assert train.tp.dp_interleave(items, run_.groups) == list("abcde")
+        assert train.tp.dp_interleave(items, run_.ranks) == list("abcde")
     except BaseException:
         train.tp.destroy_groups(barrier=False)  # the other rank may never reach a barrier
         raise
@@ -1007,14 +1007,14 @@ def test_bf16_at_mu_1_scores_no_old_logprobs_and_trains_as_if_it_did(tmp_path, m
     args = ["--dtype", "bfloat16", "--steps", "3", "--eval_every", "0"]
     code, fast = run(tmp_path, *args, out="fast")
     assert code == 0 and calls == []
-    real_round = train.sample_round
+    real_round = train.rollout_round
 
     def with_old_logp(r, step, round):  # the old path: the old logprobs by their own forward
         batch, rewards, counts = real_round(r, step, round)
         with train.precision.autocast(r.cfgs.train, r.device):
             batch.old_logp = train.grpo.batch_logprobs(r.model, batch, r.cfgs.grpo)
         return batch, rewards, counts
-    monkeypatch.setattr(train, "sample_round", with_old_logp)
+    monkeypatch.setattr(train, "rollout_round", with_old_logp)
     code, slow = run(tmp_path, *args, out="slow")
     assert code == 0 and len(calls) == 3
     keys = ("reward", "loss", "entropy", "sampler_ratio_mean", "grad_norm")
@@ -1208,7 +1208,7 @@ def test_plan_counts_the_fp32_master_and_the_bf16_sampler(capsys):
         return float(next(r for r in rows if r[:1] == [phase])[header.index(tag)])
     assert mb(bf16, "train", "trainer") == mb(fp32, "train", "trainer") > 0  # the fp32 master
     assert mb(bf16, "train", "optimizer") == mb(fp32, "train", "optimizer")  # fp32 AdamW state
-    assert mb(bf16, "rollout", "weights") == pytest.approx(mb(fp32, "train", "trainer") / 2,
+    assert mb(bf16, "rollout", "sampler") == pytest.approx(mb(fp32, "train", "trainer") / 2,
                                                            abs=0.1)  # the bf16 sampler
 
 
@@ -1671,7 +1671,7 @@ def test_under_tensor_parallelism_one_rank_calls_the_tool_and_its_failure_stops_
                  "    if len(calls) > 30:\n        raise KeyError('gone')\n    return ref\n"
                  "task = tasks.Task('tptool', tasks.sample_lookup, tasks.lookup.rewards, "
                  "alphabet=tasks.lookup.alphabet + 'x', max_new_tokens=6, "  # tp divides 20
-                 "tool=tools.Tool(tool, call='?'))\n")
+                 "call_tool=tools.CallTool(tool, call='?'))\n")
     code, output = torchrun(tmp_path, "--task", "tptool:task", "--steps", "20", "--out", "run",
                             "--tp", "2", "--eval_every", "0")
     assert code != 0 and output.count("tool tool raised KeyError: 'gone'") == 1, output[-3000:]

@@ -6,20 +6,20 @@ parsed and dispatched, and environments that keep a row's state.
 1. Schemas. A function with type hints and a Google-style docstring becomes the JSON schema that
    transformers' get_json_schema builds (name, description, parameters: types, descriptions,
    `(choices: [...])` enums, required), which the checkpoint's chat template renders as
-   `apply_chat_template(messages, tools=schemas)` does (engine/tokenizer.py): Qwen's `# Tools` system
-   block, Llama 3.1's JSON in the first user message. A template that renders no tools (SmolLM2's)
+   `apply_chat_template(messages, tools=schemas)` does (engine/tokenizer.py): Qwen's `# Tools`
+   system block, Llama 3.1's JSON in the first user message. A template that renders no tools (SmolLM2's)
    leaves the announcing to the task's own prompt, and the first step says so.
-2. Calls. The model's turn ends (its stop token: tools.Tool's call ""), and it is parsed as TRL
-   parses it with tools (transformers' parse_response with TRL's response template for the
-   family, given the prompt and the tools): "hermes" (Qwen, Hermes: `<tool_call>{"name": ...,
+2. Calls. The model's turn ends (its stop token), and it is parsed as TRL parses it with tools
+   (transformers' parse_response with TRL's response template for the family, given the prompt
+   and the tools): "hermes" (Qwen, Hermes: `<tool_call>{"name": ...,
    "arguments": {...}}</tool_call>`, several in a turn; a Qwen3 `<think>...</think>` becomes
    reasoning_content) or "llama3_json" (Llama 3.1: one JSON object with "name" and "parameters"
    ending the turn), chosen from the template's text unless the task names it. String arguments
    are typed by the tool's schema ("5" -> 5 for an integer). A turn whose call does not parse
    (malformed or unclosed JSON, no name) is plain text, as in TRL: no call. Each call is
    dispatched by name; the answers are the template's tool messages, one per call, plain
-   functions' first and then the async ones' (TRL gathers those), and tools.Responder writes them
-   into the row. A turn with no call ends the episode.
+   functions' first and then the async ones' (TRL gathers those): the call's observation, which
+   tools/runtime.py's Responder writes into the row. A turn with no call ends the episode.
 3. Mistakes and failures. An unknown tool, missing, unexpected or ill-typed arguments (checked
    against the schema) and a tool's own tools.ToolError are the model's mistakes: its tool
    message says "error: ...", and the step line counts them. A tool that raises anything else
@@ -33,7 +33,7 @@ parsed and dispatched, and environments that keep a row's state.
    share one prompt (prefilled once), so their resets must return the same text. A
    `get_reward()` method (awaited when async) is a reward function of weight 1 (named after the
    class) that scores each row from its own instance's state after the episode.
-5. What a reward sees: tools.Completion, and its `messages` (TRL's completion): the assistant
+5. What a reward sees: runtime.Completion, and its `messages` (TRL's completion): the assistant
    turns (content, reasoning_content, and tool_calls in TRL's {"type": "function", "function":
    {...}} shape), the tool messages ({"role": "tool", "name", "content"}), and `environment`,
    the row's instance. A reward in TRL's form gets these as TRL passes them (tasks.py).
@@ -54,7 +54,8 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from tools import ToolError, ToolFailure, ToolMessages, run_async
+from tools.runtime import (Observation, RolloutTools, ToolError, ToolFailure, ToolKind,
+                           run_async)
 
 FORMATS = ("hermes", "llama3_json")
 
@@ -414,7 +415,7 @@ def check_arguments(schema: dict, arguments: dict) -> None:
             raise ToolError(f"{name}'s argument {arg!r}: {why}")
 
 # -----------------------------------------------------------------------------
-# The task's tools: functions and an environment, checked once; one RolloutTools per rollout
+# The task's tools: functions and an environment, checked once, answering each row's calls
 
 
 def environment_methods(instance) -> list[Callable]:
@@ -433,13 +434,15 @@ def reset_keywords(reset: Callable, **fields) -> dict:
     return {k: v for k, v in fields.items() if k in {p.name for p in params}}
 
 
-class Toolbox:
+class Toolbox(ToolKind):
     """A task's function tools and environment factory, checked at setup: their schemas, the call
     format, the environment's get_reward as a reward function. `ends`: the texts of the tokens
     that end a turn (the stop ids); `opening`: what the chat template's generation prompt writes
     after the assistant header (build() reads it), where the parse of a turn starts. The
     environments are a pool, as TRL keeps one: made once (the probe is the first), reset before
-    each episode, more made only when a rollout has more rows than the pool (`made` counts)."""
+    each episode, more made only when a rollout has more rows than the pool (`made` counts). A
+    kind of tool (runtime.ToolKind): it reads a turn with its end token (parse_turn)."""
+    reads_end = True
 
     def __init__(self, task, template: str | None, ends: list[str]):
         self.task_name, self.factory, self.ends = task.name, task.environment_factory, ends
@@ -469,13 +472,17 @@ class Toolbox:
                              f"name it: tasks.Task(..., tool_format=\"hermes\" or "
                              "\"llama3_json\")")
 
+    @property
+    def name(self) -> str:  # for a failure's line
+        return ", ".join(s["function"]["name"] for s in self.schemas)
+
     def make(self):
         """A new environment, into the pool."""
         self.pool.append(self.factory())
         self.made += 1
         return self.pool[-1]
 
-    def start(self, examples: list[tuple], G: int) -> "RolloutTools":
+    def start(self, examples: list[tuple], G: int) -> RolloutTools:
         """One rollout's tools: an environment per row (prompt-major, G rows a prompt) from the
         pool, reset, its text appended to the prompt's last message. reset gets the example's
         columns (tasks.Example: a dataset row's), prompt and reference."""
@@ -524,37 +531,19 @@ class Toolbox:
         (parse_turn): content, reasoning_content, its calls with their arguments typed."""
         return parse_turn(text, self.format, self.schemas, self.opening, self.ends)
 
-
-def environment_reward(name: str) -> Callable:
-    """get_reward() of the row's environment (awaited when it is async, as TRL awaits it), as a
-    task's reward function named after its class."""
-    def reward(completion, reference):
-        value = completion.environment.get_reward()
-        return run_async(value) if inspect.isawaitable(value) else value
-    reward.__name__ = name
-    return reward
-
-
-@dataclass
-class RolloutTools:
-    """One rollout's tools: the examples as reset left them, and each row's environment."""
-    box: Toolbox
-    examples: list[tuple]
-    environments: list
-
-    def respond(self, text, reference, row: int) -> ToolMessages | None:
+    def respond(self, text, reference, environment) -> Observation | None:
         """The calls of the row's turn (text.answer: what the model wrote since the last tool
-        message) answered, or None: the turn holds no call, the episode ends. The order is TRL's:
-        the answers of plain functions (and the mistakes) in the calls' order, then the async
-        functions' (awaited together)."""
-        calls = self.box.assistant(text.answer).get("tool_calls")
+        message) answered, the row's environment's methods among the tools, or None: the turn
+        holds no call, the episode ends. The order is TRL's: the answers of plain functions (and
+        the mistakes) in the calls' order, then the async functions' (awaited together)."""
+        calls = self.assistant(text.answer).get("tool_calls")
         if not calls:
             return None
-        env = self.environments[row]
-        tools = {fn.__name__: fn for fn in self.box.functions}
-        tools.update({fn.__name__: fn for fn in environment_methods(env)} if env else {})
-        schemas = {s["function"]["name"]: s for s in self.box.schemas}
-        answers, waiting = [], []
+        tools = {fn.__name__: fn for fn in self.functions}
+        if environment is not None:
+            tools.update({fn.__name__: fn for fn in environment_methods(environment)})
+        schemas = {s["function"]["name"]: s for s in self.schemas}
+        answered, waiting = [], []
         for call in calls:
             name, arguments = call["function"]["name"], call["function"]["arguments"]
             try:
@@ -567,12 +556,12 @@ class RolloutTools:
                 check_arguments(schemas[name], arguments)
                 result = self.call(tools[name], arguments, reference)
             except ToolError as e:
-                answers.append((name, e))
+                answered.append((name, e))
                 continue
             if inspect.isawaitable(result):
                 waiting.append((tools[name], arguments, result))
             else:
-                answers.append((name, result))
+                answered.append((name, result))
         if waiting:
             async def gather():
                 return await asyncio.gather(*(w[2] for w in waiting), return_exceptions=True)
@@ -580,12 +569,12 @@ class RolloutTools:
             for (fn, arguments, _), result in zip(waiting, results):
                 if isinstance(result, Exception) and not isinstance(result, ToolError):
                     raise self.failure(fn, arguments, reference, result)
-                answers.append((fn.__name__, result))
+                answered.append((fn.__name__, result))
         messages = [{"role": "tool", "name": name,
                      "content": f"error: {result}" if isinstance(result, ToolError)
                      else result if isinstance(result, str) else str(result)}
-                    for name, result in answers]
-        return ToolMessages(messages, sum(isinstance(r, ToolError) for _, r in answers))
+                    for name, result in answered]
+        return Observation(messages, sum(isinstance(r, ToolError) for _, r in answered))
 
     def call(self, fn: Callable, arguments: dict, reference):
         """fn(**arguments): its result (a coroutine for an async function, awaited by respond); a
@@ -598,10 +587,20 @@ class RolloutTools:
             raise self.failure(fn, arguments, reference, e) from None
 
     def failure(self, fn: Callable, arguments: dict, reference, e: Exception) -> ToolFailure:
-        return ToolFailure(f"task {self.box.task_name}: tool {fn.__name__} raised "
+        return ToolFailure(f"task {self.task_name}: tool {fn.__name__} raised "
                            f"{type(e).__name__}: {e} on arguments {json.dumps(arguments)} "
                            f"(reference {reference!r}); a call the model got wrong should "
                            "raise tools.ToolError")
+
+
+def environment_reward(name: str) -> Callable:
+    """get_reward() of the row's environment (awaited when it is async, as TRL awaits it), as a
+    task's reward function named after its class."""
+    def reward(completion, reference):
+        value = completion.environment.get_reward()
+        return run_async(value) if inspect.isawaitable(value) else value
+    reward.__name__ = name
+    return reward
 
 
 def build(task, tokenizer, stop_ids: tuple[int, ...], tp_size: int,
