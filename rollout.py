@@ -60,12 +60,12 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
-from engine.decode import Decoder, KVCache  # noqa: F401 (rollout.KVCache: train.py, run/plan.py, memory's)
+from engine.decode import Decoder, KVCache
 from engine.episodes import Episodes, Rows
 from engine.compiling import CompiledStep, decide, dynamic
 from lora import LoRALinear
 from model import ModelConfig, causal_attention, fused_projections
-from engine.sampling import filter_logits, inverse_cdf, race_clocks, sample, sample_raced  # noqa: F401
+from engine import sampling
 
 # -----------------------------------------------------------------------------
 # Config and result
@@ -79,14 +79,14 @@ class RolloutConfig:
     temperature: float = 1.0        # 0 = greedy (evaluation only: GRPO needs distinct samples)
     top_k: int = 0                  # 0 = off
     top_p: float = 1.0              # 1 = off; keeps the smallest set of tokens whose mass reaches p
-    check_every: int = 8            # decode steps between the host syncs that drop finished rows
+    sync_every: int = 8             # decode steps between the host syncs that drop finished rows
     prefill_tokens: int = 2048      # padded prompt tokens per prefill forward (bounds activations)
     cuda_graphs: bool = True        # capture the decode step on CUDA (ignored on the CPU)
     compile_decode: str = "auto"    # bf16/fp16 step + draw compiled: auto (CUDA, big), true, false
     prepacked_linears: bool = True  # CPU, float32: linears via oneDNN, weights prepacked per call
 
     def __post_init__(self):
-        checks = dict(num_samples=1, max_new_tokens=0, top_k=0, check_every=1, prefill_tokens=1)
+        checks = dict(num_samples=1, max_new_tokens=0, top_k=0, sync_every=1, prefill_tokens=1)
         for name, low in checks.items():
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
@@ -110,8 +110,8 @@ class Rollout:
     stopped: Tensor      # (R,) bool; the row ends with a stop id (else it hit max_new_tokens)
     temperature: float   # the distribution the trainer scores them under (trl#4159)
     stats: dict = field(default_factory=dict)
-    policy: Tensor | None = None  # (R, Tc) bool; True on sampled tokens, False on a tool's
-                                  # observations (engine/episodes.py); None: every token was sampled
+    sampled: Tensor | None = None  # (R, Tc) bool; True on sampled tokens, False on a tool's
+                                   # observations (engine/episodes.py); None: every token was sampled
 
     def completions(self) -> list[list[int]]:
         """Each row's tokens as a Python list (one host copy): for decoding text and for tests."""
@@ -274,8 +274,8 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], cfg: RolloutConfi
             # 2. Fan out: each of the G rows of a prompt draws its own first token (logits_fn once
             # per prompt, then repeated).
             first = (logits_fn or _same)(logits).repeat_interleave(G, dim=0)  # (R, V')
-            rows = Rows.empty(new, len(prompts) * G, device)
-            rows.tokens[0], rows.logprobs[0] = sample(first, cfg.temperature, cfg.top_k,
+            rows = Rows.empty(len(prompts) * G, new, device)
+            rows.tokens[:, 0], rows.logprobs[:, 0] = sampling.draw(first, cfg.temperature, cfg.top_k,
                                                       cfg.top_p, generator)
             # 3-5. Decode, finished rows dropped, a tool's answers extended into their rows. A
             # logits_fn is tensor parallelism's vocab gather: tp.py's layers run their collectives
@@ -284,19 +284,19 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], cfg: RolloutConfi
                               decide(cfg.compile_decode, model) and logits_fn is None)
             draw = Draw(cfg, generator, logits_fn or _same, decoder.compiled is not None)
             with fused_projections(model, decoder.compiled is not None):  # 4 matmuls a layer
-                stats.update(_decode(decoder, rows, draw, stop_ids, cfg.check_every, episodes))
+                stats.update(_decode(decoder, rows, draw, stop_ids, cfg.sync_every, episodes))
         stats.update(_kv_and_compile_stats(views, decoder.compiled, draw.compiled))
     else:  # nothing to sample: every row is empty
-        rows = Rows.empty(0, len(prompts) * G, device)
+        rows = Rows.empty(len(prompts) * G, 0, device)
     # 6. Each row cut at its length, rows in the caller's prompt order; it stays on the device.
     rank = sorted(range(len(order)), key=order.__getitem__)  # each prompt's place in the sort
     where = [rank[i // G] * G + i % G for i in range(len(order) * G)]  # each row's sorted row
-    tokens, mask, logprobs, stopped, policy = rows.cut(where)
+    tokens, mask, logprobs, stopped, sampled = rows.cut(where)
     if episodes is not None:
         stats["calls"] = [rows.calls[r] for r in where]
     stats.update(new_tokens=sum(rows.length), seconds=time.perf_counter() - started)
     return Rollout(tokens, mask, logprobs, stopped, cfg.temperature, stats,
-                   policy if episodes is not None else None)
+                   sampled if episodes is not None else None)
 
 
 def _same(logits: Tensor) -> Tensor:
@@ -327,27 +327,27 @@ def draw_structure(logits: Tensor, temperature: float, top_k: int, top_p: float,
 
 class Draw:
     """Logits to tokens and their logprobs, (rows, V') -> (rows,), (rows,): logits_fn, then
-    sampling.sample under the config's temperature, top-k and top-p. Beside a compiled decode step
-    the draw is compiled too (sampling.sample_raced: its elementwise work fused), its race's clocks
+    sampling.draw under the config's temperature, top-k and top-p. Beside a compiled decode step
+    the draw is compiled too (sampling.draw_raced: its elementwise work fused), its race's clocks
     wound eagerly before it: a traced graph holds no torch.Generator."""
 
     def __init__(self, cfg: RolloutConfig, generator: torch.Generator,
                  logits_fn: Callable[[Tensor], Tensor], compiled: bool):
         self.cfg, self.generator, self.logits_fn = cfg, generator, logits_fn
-        self.compiled = CompiledStep(sample_raced, draw_structure) if compiled else None
+        self.compiled = CompiledStep(sampling.draw_raced, draw_structure) if compiled else None
 
     def __call__(self, logits: Tensor) -> tuple[Tensor, Tensor]:
         logits = self.logits_fn(logits)
         cfg = self.cfg
         if self.compiled is None:
-            return sample(logits, cfg.temperature, cfg.top_k, cfg.top_p, self.generator)
-        clocks = tuple(dynamic(c, 0) for c in race_clocks(logits, cfg.temperature,
+            return sampling.draw(logits, cfg.temperature, cfg.top_k, cfg.top_p, self.generator)
+        clocks = tuple(dynamic(c, 0) for c in sampling.race_clocks(logits, cfg.temperature,
                                                            self.generator))  # (N, .)
         return self.compiled(dynamic(logits, 0), cfg.temperature, cfg.top_k, cfg.top_p, clocks)
 
 
 def _decode(decoder: Decoder, rows: Rows, draw: Callable[[Tensor], tuple[Tensor, Tensor]],
-            stop_ids: tuple[int, ...], check_every: int, episodes: Episodes | None) -> dict:
+            stop_ids: tuple[int, ...], sync_every: int, episodes: Episodes | None) -> dict:
     """Steps 3-5 of the module docstring, one loop for plain and multi-turn rows, filling rows in
     place: feed each active row its last token and draw its next, until every row has ended. The
     check comes every check_every steps (on a CPU also as soon as a row draws a call: a check
@@ -355,9 +355,9 @@ def _decode(decoder: Decoder, rows: Rows, draw: Callable[[Tensor], tuple[Tensor,
     device = rows.tokens.device
     calls = torch.tensor(episodes.call_ids if episodes else (), dtype=torch.long, device=device)
     ends = torch.cat([torch.tensor(stop_ids, dtype=torch.long, device=device), calls])
-    every = check_every if len(ends) else len(rows.tokens)  # nothing to look for: no check
+    every = sync_every if len(ends) else rows.tokens.shape[1]  # nothing to look for: no check
     stop_at_calls = device.type == "cpu" and len(calls) > 0
-    tokens = rows.tokens[0].clone()  # (N,) each active row's last token
+    tokens = rows.tokens[:, 0].clone()  # (N,) each active row's last token
     drew_end = torch.isin(tokens, ends)  # (N,) drew a call or a stop since the last check
     stats = dict(decode_steps=0, row_steps=0, compactions=0)
     if episodes:
@@ -368,8 +368,8 @@ def _decode(decoder: Decoder, rows: Rows, draw: Callable[[Tensor], tuple[Tensor,
         steps = min(every - (stats["decode_steps"] + 1) % every, rows.budget(active))
         ran = 0
         for ran in range(1, steps + 1):
-            tokens, logprobs = draw(decoder.step(tokens))  # (N,)
-            rows.write(decoder.fed + 1, decoder.rows, tokens, logprobs)
+            tokens, logprobs = draw(decoder.decode(tokens))  # (N,)
+            rows.write(decoder.rows, decoder.fed + 1, tokens, logprobs)
             drew_end |= torch.isin(tokens, ends)
             if stop_at_calls and torch.isin(tokens, calls).any():
                 break  # a row called: on a CPU the check costs no sync, decoding past it does
@@ -381,9 +381,9 @@ def _decode(decoder: Decoder, rows: Rows, draw: Callable[[Tensor], tuple[Tensor,
         bad = rows.first_nan(active)
         if bad is not None:
             raise NonFiniteLogits(bad)
-        waiting = rows.check(active, drew_end.nonzero()[:, 0].tolist(), stop_ids, episodes)
+        waiting = rows.sync(active, drew_end.nonzero()[:, 0].tolist(), stop_ids, episodes)
         # 3. The tool answers the rows that called.
-        feeds = rows.answer(waiting, episodes, decoder.model.config.vocab_size) if waiting else []
+        feeds = rows.observe(waiting, episodes, decoder.model.config.vocab_size) if waiting else []
         # 4. Ended rows leave. A CUDA graph's re-capture costs about a step: while the rows
         # replay one (in lockstep, no tool turn), they leave once 1/8 of them have ended.
         keep = [i for i, r in enumerate(active) if not rows.ended[r]]
@@ -430,7 +430,7 @@ def _extend(decoder: Decoder, rows: Rows, feeds: list[tuple[int, list[int], int]
     logits = decoder.extend(picks, [f for _, f, _ in feeds], [j for _, _, j in feeds])
     drawn, logprobs = draw(logits)  # (k,)
     at = torch.tensor([rows.length[r] for r in answered], device=device)
-    rows.write(at, torch.tensor(answered, device=device), drawn, logprobs)
+    rows.write(torch.tensor(answered, device=device), at, drawn, logprobs)
     rows.moved_on(answered, 1)
     places = torch.tensor(picks, device=device)  # (k,)
     drew_end = torch.zeros_like(tokens, dtype=torch.bool).index_copy_(0, places,

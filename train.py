@@ -58,6 +58,8 @@ import tools
 import tp
 from engine import compiling, packing, precision
 from engine import tokenizer as tk
+from engine.decode import KVCache
+from engine.episodes import Episodes
 from engine.hf import load_config, load_generation_config, load_model, save_model, stop_token_ids
 from model import Llama, ModelConfig
 from run import checkpoint, cli, plan, plot, report
@@ -347,7 +349,7 @@ class Run:
     reference: Llama | None          # the initial policy, when beta > 0
     optimizer: torch.optim.Optimizer
     mem: memory.PhaseManager
-    cache: rollout.KVCache
+    cache: KVCache
     start: int = 0                   # steps done before this process (a resumed run)
     opt_step: int = 0
     health: report.Health | None = None  # steps in a row that went nowhere
@@ -412,7 +414,7 @@ def setup(values: dict[str, object]) -> Run:
     if resume_dir:
         start = checkpoint.load_checkpoint(resume_dir, optimizer, groups.tp_rank, groups.tp_size)
     local_prompts = cfg.prompts_per_step // groups.dp_size
-    cache = rollout.KVCache.for_batch(model.config, local_prompts, cfgs.rollout.num_samples,
+    cache = KVCache.for_batch(model.config, local_prompts, cfgs.rollout.num_samples,
                                       cfg.max_prompt_len, cfgs.rollout.max_new_tokens,
                                       next(sampler.parameters()).dtype, device,
                                       tp_size=groups.tp_size)
@@ -511,7 +513,7 @@ def sample(run: Run, prompts: list[list[int]], cfg: rollout.RolloutConfig, seed:
             def respond(calls):
                 return responder.apply(calls, tp.on_first_rank(responder.answer, run.groups,
                                                                tools.ToolFailure, calls))
-        episodes = rollout.Episodes(respond, run.call_ids, run.cfgs.tools.max_turns)
+        episodes = Episodes(respond, run.call_ids, run.cfgs.tools.max_turns)
     with run.phase("rollout"):
         rollout.sync_weights(run.sampler, run.model)
         return rollout.generate(run.sampler, prompts, cfg, stop_ids=run.stop_ids, seed=seed,
@@ -531,7 +533,7 @@ def completion_texts(run: Run, out: rollout.Rollout, responder: tools.Responder 
         print(f"note: task {run.task.name}: tool error messages hold characters the tokenizer "
               f"cannot write, dropped from the rows: {''.join(sorted(run.dropped))!r}; add them "
               "to the task's alphabet to keep them", flush=True)
-    own = out.policy.tolist() if out.policy is not None else [[True] * len(x) for x in ids]
+    own = out.sampled.tolist() if out.sampled is not None else [[True] * len(x) for x in ids]
     return responder.completions(texts, ids, stopped, own)
 
 # -----------------------------------------------------------------------------

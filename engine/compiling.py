@@ -25,7 +25,7 @@ into fused kernels, then captured in a CUDA graph that replays all of them in on
   structure runs eagerly, one line each (REFUSED), and the rest compiles as before.
 - GraphedStep: a CUDA graph of step(tokens) -> logits for one layout: warm up (the compile, if
   any, happens there) on a side stream, capture, replay.
-rollout.py compiles the draw beside a compiled step (sampling.sample_raced: the logits' float32
+rollout.py compiles the draw beside a compiled step (sampling.draw_raced: the logits' float32
 copy, softmax, the race's reductions fused), outside the graph: the race's clocks come from the
 rollout's torch.Generator, which a traced graph cannot hold, so they are wound eagerly before it.
 

@@ -451,7 +451,7 @@ class Decoder:
             self.marked = True
         return self.compiled(self, dynamic(tokens, 0))
 
-    def step(self, tokens: Tensor) -> Tensor:
+    def decode(self, tokens: Tensor) -> Tensor:
         """Feed each active row its next token at its own completion index, tokens (N,) -> logits
         (N, V), and move every row on by one: the token drawn from a row's logits goes at
         fed + 1. In lockstep every row is at index t, a tensor a CUDA graph replays; once a tool

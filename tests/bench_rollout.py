@@ -7,7 +7,7 @@ in one run (best of 5 interleaved rounds); only the ratios mean much on a shared
 
 The naive sampler is the obvious design: every sample is its own cache row, so the prompt is prefilled
 G times and its KV stored G times (what nanochat-style engines and transformers' generate do).
-It uses the same `sample` function, so the difference is the KV/prefill design alone.
+It uses the same `draw` function, so the difference is the KV/prefill design alone.
 
     python tests/bench_rollout.py             # full tables (+ a bf16 1B-sized config when CUDA is present)
     python tests/bench_rollout.py --quick     # P = 64 only, no transformers
@@ -42,7 +42,9 @@ from engine import compiling  # noqa: E402
 import rollout  # noqa: E402
 from engine.episodes import Episodes  # noqa: E402
 from model import Llama, ModelConfig, fused_projections  # noqa: E402
-from rollout import RolloutConfig, generate, sample  # noqa: E402
+from engine import sampling  # noqa: E402
+from engine.sampling import draw  # noqa: E402
+from rollout import RolloutConfig, generate  # noqa: E402
 
 CFG = ModelConfig(vocab_size=2048, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
                   num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048)
@@ -79,7 +81,7 @@ def naive_generate(model: Llama, prompts: list[list[int]], num_samples: int, new
     prefill_seconds = time.perf_counter() - started
     out = []
     for t in range(new):
-        next_tokens, _ = sample(logits, 1.0, 0, 1.0, generator)
+        next_tokens, _ = draw(logits, 1.0, 0, 1.0, generator)
         out.append(next_tokens)
         if t + 1 < new:
             cache.pos += tokens.shape[1] if t == 0 else 1
@@ -181,10 +183,10 @@ def breakdown(model: Llama, P: int, rounds: int = 3) -> None:
 
     def timed_sample(*args):
         begun = time.perf_counter()
-        out = sample(*args)
+        out = draw(*args)
         spent["sampling"] = spent.get("sampling", 0.0) + time.perf_counter() - begun
         return out
-    rollout.sample = timed_sample  # generate's draw() looks it up in rollout at each step
+    sampling.draw = timed_sample  # generate's Draw looks it up in engine/sampling.py at each step
     for name, module in model.named_modules():
         if part(name):
             module.bench_part = part(name)
@@ -199,7 +201,7 @@ def breakdown(model: Llama, P: int, rounds: int = 3) -> None:
             best[new] = (seconds, dict(spent))
     for handle in handles:
         handle.remove()
-    rollout.sample = sample
+    sampling.draw = draw
     (full, parts), (first, first_parts) = best[NEW], best[1]
     ms = {k: (v - first_parts.get(k, 0.0)) / (NEW - 1) * 1e3 for k, v in parts.items()}  # per decode step
     step = (full - first) / (NEW - 1) * 1e3

@@ -75,21 +75,21 @@ def recomputed_episode(model: Llama, prompt: list[int], row: int, budget: int,
     return tokens, policy, False, calls
 
 
-@pytest.mark.parametrize("check_every", [1, 3, 8])
+@pytest.mark.parametrize("sync_every", [1, 3, 8])
 @pytest.mark.parametrize("max_turns", [1, 3])
-def test_greedy_episodes_equal_a_full_recompute_turn_by_turn(model, check_every, max_turns):
+def test_greedy_episodes_equal_a_full_recompute_turn_by_turn(model, sync_every, max_turns):
     """Calls at every check phase (a row decodes past its call until the check, then is cut
     back), observations cut by the budget (the call not counted), a tool that ends the episode,
     turns used up."""
     out = rollout.generate(model, PROMPTS, RolloutConfig(num_samples=2, max_new_tokens=20,
-                                                         temperature=0, check_every=check_every),
+                                                         temperature=0, sync_every=sync_every),
                            stop_ids=STOPS, episodes=episodes(max_turns))
     assert sum(out.stats["calls"]) >= len(PROMPTS)  # the case under test happens
     for r, got in enumerate(out.completions()):
         tokens, policy, stopped, calls = recomputed_episode(model, PROMPTS[r // 2], r, 20,
                                                            max_turns)
         assert got == tokens, r
-        assert out.policy[r, :len(got)].tolist() == policy
+        assert out.sampled[r, :len(got)].tolist() == policy
         assert bool(out.stopped[r]) == stopped and out.stats["calls"][r] == calls
 
 
@@ -104,7 +104,7 @@ def test_the_continued_cache_equals_a_fresh_prefill_of_the_whole_row(model, monk
         return real(decoder, *args)
     monkeypatch.setattr(rollout, "_decode", keep)
     out = rollout.generate(model, PROMPTS, RolloutConfig(num_samples=2, max_new_tokens=20,
-                                                         temperature=0, check_every=3),
+                                                         temperature=0, sync_every=3),
                            episodes=episodes(3))  # no stop ids: rows end at their budget
     d = decoders[0]
     order = sorted(range(len(PROMPTS)), key=lambda i: -len(PROMPTS[i]))  # generate's sort
@@ -143,10 +143,10 @@ def test_sampled_logprobs_of_the_policys_tokens_equal_the_trainers(dtype):
     the logits' magnitude over the temperature (tests/tolerance.py; the logits reach ~6 here)."""
     model = Llama(CFG).init_weights(seed=0, std=0.2).eval().to(dtype)
     out = rollout.generate(model, PROMPTS, RolloutConfig(num_samples=4, max_new_tokens=24,
-                                                         temperature=0.9, check_every=4),
+                                                         temperature=0.9, sync_every=4),
                            stop_ids=STOPS, seed=3, episodes=episodes(3))
-    assert sum(out.stats["calls"]) > 0 and not out.policy[out.mask].all()
-    assert (out.logprobs[~out.policy] == 0).all()
+    assert sum(out.stats["calls"]) > 0 and not out.sampled[out.mask].all()
+    assert (out.logprobs[~out.sampled] == 0).all()
     batch = grpo.GRPOBatch.from_rollout(PROMPTS, out, 24, torch.zeros(len(out.tokens)))
     with torch.no_grad():
         logp, _ = grpo.completion_logprobs(model, batch)
@@ -164,7 +164,7 @@ def test_sampled_logprobs_of_the_policys_tokens_equal_the_trainers(dtype):
 def test_a_rollout_without_a_call_equals_todays_bit_for_bit(model):
     """A task with a tool whose rows never call: the same tokens, logprobs and stops as the
     rollout without episodes (the same steps, drops and draws)."""
-    cfg = RolloutConfig(num_samples=4, max_new_tokens=16, temperature=1.0, check_every=3)
+    cfg = RolloutConfig(num_samples=4, max_new_tokens=16, temperature=1.0, sync_every=3)
     plain = rollout.generate(model, PROMPTS, cfg, stop_ids=STOPS, seed=5)
     never = Episodes(lambda calls: [[9] for _ in calls], (127,), 2)  # an id nobody samples
     with_tool = rollout.generate(model, PROMPTS, cfg, stop_ids=STOPS, seed=5, episodes=never)
@@ -172,7 +172,7 @@ def test_a_rollout_without_a_call_equals_todays_bit_for_bit(model):
     assert torch.equal(plain.tokens, with_tool.tokens) and torch.equal(plain.mask, with_tool.mask)
     assert torch.equal(plain.logprobs, with_tool.logprobs)
     assert torch.equal(plain.stopped, with_tool.stopped)
-    assert torch.equal(with_tool.policy, plain.mask)
+    assert torch.equal(with_tool.sampled, plain.mask)
 
 
 class FakeGraph:
@@ -210,7 +210,7 @@ def test_on_a_graphed_decoder_a_rollout_without_a_call_drops_rows_as_todays(mode
         d.drop = counted
         return d
     monkeypatch.setattr(rollout, "Decoder", graphed)
-    cfg = RolloutConfig(num_samples=4, max_new_tokens=16, temperature=1.0, check_every=3)
+    cfg = RolloutConfig(num_samples=4, max_new_tokens=16, temperature=1.0, sync_every=3)
     never = Episodes(lambda calls: [[9] for _ in calls], (127,), 2)  # an id nobody samples
     outs, captures = [], []
     for episodes in (None, never):
@@ -241,7 +241,7 @@ def test_greedy_episodes_equal_transformers_generate_turn_by_turn(tmp_path):
     theirs = save_random_hf_model(tmp_path, "LlamaConfig", config)
     ours = hf.load_model(str(tmp_path))
     out = rollout.generate(ours, PROMPTS, RolloutConfig(num_samples=1, max_new_tokens=20,
-                                                        temperature=0, check_every=4),
+                                                        temperature=0, sync_every=4),
                            stop_ids=(1,), episodes=episodes(2))
     assert sum(out.stats["calls"]) > 0
     for r, prompt in enumerate(PROMPTS):
@@ -657,7 +657,7 @@ def test_trls_multi_turn_training_on_our_episodes_trains_the_same_tokens_loss_an
     out = rollout.generate(sampler, prompts, RolloutConfig(num_samples=G, max_new_tokens=budget,
                                                            temperature=TRL_TEMPERATURE),
                            stop_ids=(1,), seed=11, episodes=episodes(3))
-    rows, policy = out.completions(), out.policy.tolist()
+    rows, policy = out.completions(), out.sampled.tolist()
     env_mask = [[int(p) for p in flags[:len(row)]] for row, flags in zip(rows, policy)]
     assert sum(out.stats["calls"]) >= 3 and any(0 in m for m in env_mask)  # the case under test
     trainer = trl_trainer(hf_checkpoint, tmp_path, prompts, rows, env_mask=env_mask,

@@ -98,8 +98,8 @@ def step_against_float64(model: Llama, wide: Llama, compiled: decode.Decoder,
     for i, r in enumerate(compiled.layout.rows):
         seqs[r].append(int(tokens[i]))
     with fused_projections(model):
-        got = compiled.step(tokens).double()
-    want = eager.step(tokens).double()
+        got = compiled.decode(tokens).double()
+    want = eager.decode(tokens).double()
     exact = torch.stack([wide(torch.tensor([seqs[r]]))[0, -1]
                          for r in compiled.layout.rows])  # (N, V)
     for logits in (got, want):
@@ -177,7 +177,7 @@ def test_the_compiled_step_takes_the_cuda_kernels_strided_outputs(model, wide, m
 
 @needs_compile
 def test_the_compiled_draw_equals_the_eager_race_on_the_same_clocks():
-    """sampling.sample_raced compiled (rollout.py runs it so beside a compiled step) against itself
+    """sampling.draw_raced compiled (rollout.py runs it so beside a compiled step) against itself
     eager on the same clocks, bf16 logits (the compiled step's) with masked ids: greedy,
     temperature, and temperature with top-k and top-p (a sort and a scatter traced). The same
     tokens; logprobs within float32 rounding (both work on the logits' float32 copy; the softmax's
@@ -186,9 +186,9 @@ def test_the_compiled_draw_equals_the_eager_race_on_the_same_clocks():
     logits = logits.to(torch.bfloat16).index_fill_(1, torch.arange(0, 1000, 7), float("-inf"))
     for knobs in [(0.0, 0, 1.0), (0.8, 0, 1.0), (0.8, 50, 0.9)]:
         clocks = sampling.race_clocks(logits, knobs[0], torch.Generator().manual_seed(1))
-        step = compiling.CompiledStep(sampling.sample_raced)
+        step = compiling.CompiledStep(sampling.draw_raced)
         tokens, logprobs = step(logits, *knobs, clocks)
-        want = sampling.sample_raced(logits, *knobs, clocks)
+        want = sampling.draw_raced(logits, *knobs, clocks)
         assert step.compiles >= 1 and torch.equal(tokens, want[0])
         scale = logits.float().nan_to_num(neginf=0).abs().max() / (knobs[0] or 1.0)
         torch.testing.assert_close(logprobs, want[1], **tolerance.reordered(1000, scale))
@@ -204,7 +204,7 @@ def test_greedy_generate_compiled_equals_eager_and_compiles_nothing_again(model,
     ran in this process (they compiled each structure and the draw; a layout they did not meet may
     be new), at most five where they did not, and a second call of the same shapes compiles
     nothing (compiles 0, compile_seconds 0)."""
-    knobs = dict(num_samples=3, max_new_tokens=16, temperature=0.0, check_every=2)
+    knobs = dict(num_samples=3, max_new_tokens=16, temperature=0.0, sync_every=2)
     stops = (5, 9, 17, 23, 31)
     runs = [rollout.generate(model, PROMPTS, RolloutConfig(compile_decode=on, **knobs),
                              stop_ids=stops, seed=0) for on in ("true", "true", "false")]
@@ -236,7 +236,7 @@ def test_sampled_tokens_on_the_compiled_route_score_as_the_trainer(model, kernel
     bf16's rounding of logits of size ~5 (tests/test_rollout.py's bf16 test: 0.1). Temperature
     alone: a top-k or top-p boundary may fall between two roundings of the same logits. Compiles
     as the test above bounds them."""
-    cfg = RolloutConfig(num_samples=3, max_new_tokens=12, temperature=0.8, check_every=2)
+    cfg = RolloutConfig(num_samples=3, max_new_tokens=12, temperature=0.8, sync_every=2)
     out = rollout.generate(model, PROMPTS, cfg, stop_ids=(5, 9, 17), seed=3)
     assert out.stats["compiles"] <= (1 if COMPILED_HERE == {"structures", "draw"} else 5)
     for row, completion in enumerate(out.completions()):
@@ -315,7 +315,7 @@ def test_the_compiled_step_and_draw_keep_the_model_dims_static_one_graph_for_eve
     monkeypatch.setattr(compiling.torch, "compile",
                         lambda fn, **options: compile(fn, backend=recording, **options))
     torch._dynamo.reset()  # this test's own graphs, whatever ran before it in this process
-    knobs = dict(temperature=0.0, check_every=2, compile_decode="true")
+    knobs = dict(temperature=0.0, sync_every=2, compile_decode="true")
     stops = (5, 9, 17, 23, 31)
     out = rollout.generate(model, PROMPTS, RolloutConfig(num_samples=3, max_new_tokens=16,
                                                          **knobs), stop_ids=stops, seed=0)
@@ -362,7 +362,7 @@ def test_nan_logits_on_the_compiled_route_stop_the_rollout_naming_the_step(model
 def assert_a_nan_embedding_row_stops_the_compiled_rollout(model: Llama) -> None:
     """A NaN embedding row for a token the greedy compiled rollout first draws at completion
     index j (a copy of model poisoned): the rollout stops naming decode step j + 1."""
-    knobs = dict(num_samples=2, max_new_tokens=10, temperature=0.0, check_every=3,
+    knobs = dict(num_samples=2, max_new_tokens=10, temperature=0.0, sync_every=3,
                  compile_decode="true")
     poisoned = copy.deepcopy(model)
     clean = rollout.generate(poisoned, PROMPTS, RolloutConfig(**knobs), seed=0)
