@@ -5,10 +5,10 @@ on. A plain rollout's row is an episode with no call in it.
 A row is sampled tokens (the model's) and observation tokens (a tool's) interleaved, within one
 completion budget. When a row samples one of the task's call ids, the tool gets the row's tokens so
 far and returns the observation's ids, or None (the episode ends there). The sampler does not
-restart the row: rollout.py's decode loop prefills [the call token; the observation] into that
-row's own KV cache at its position, in one forward for all the rows answered at a sync
-(decode.Decoder.extend), samples the next token from its last logits, and decoding goes on. No
-earlier token of the row is recomputed, and its prompt is still read once per group.
+restart the row: rollout.py's decode loop feeds [the call token; the observation] into that row's
+own KV cache at its place, in one decode forward for all the rows answered at a sync, several
+tokens a row (decode.Decoder.feed), samples the next token from its last logits, and decoding goes
+on. No earlier token of the row is recomputed, and its prompt is still read once per group.
 
 Rows holds each row as the decode loop (rollout.py) writes it, and the two pieces of its sync (the
 loop's host sync):
@@ -78,7 +78,7 @@ class Rows:
 
     def moved_on(self, active: list[int], steps: int) -> None:
         for r in active:
-            if not self.ended[r]:  # an ended row may decode on in lockstep: its tokens are not
+            if not self.ended[r]:  # an ended row may decode on under a graph: its tokens are not
                 self.length[r] += steps
 
     def first_nan(self, active: list[int]) -> int | None:

@@ -109,7 +109,7 @@ def test_the_continued_cache_equals_a_fresh_prefill_of_the_whole_row(model, monk
     d = decoders[0]
     order = sorted(range(len(PROMPTS)), key=lambda i: -len(PROMPTS[i]))  # generate's sort
     checked = 0
-    for row, slot in zip(d.layout.rows, d.layout.slots):  # the rows active at the last check
+    for row, slot in zip(d.grid.rows, d.grid.slots):  # the rows active at the last sync
         caller = order[row // 2] * 2 + row % 2
         prompt, episode = PROMPTS[order[row // 2]], out.completions()[caller]
         keys = {}
@@ -124,8 +124,8 @@ def test_the_continued_cache_equals_a_fresh_prefill_of_the_whole_row(model, monk
         # float32, other summation orders: at most the whole stack's chain, at the K/V's magnitude
         depth = tolerance.model_depth(CFG, len(prompt) + n, "hidden")
         for layer, (k, v) in keys.items():
-            own_k = d.attention.own_k[layer][slot, :, :n]
-            own_v = d.attention.own_v[layer][slot, :, :n]
+            own_k = d.views[2][layer][slot, :, :n]
+            own_v = d.views[3][layer][slot, :, :n]
             for got, want in ((own_k, k), (own_v, v)):
                 want = want[:, len(prompt):len(prompt) + n]
                 torch.testing.assert_close(got, want,
@@ -205,7 +205,7 @@ def test_on_a_graphed_decoder_a_rollout_without_a_call_drops_rows_as_todays(mode
         drop = d.drop
 
         def counted(keep, filled):
-            drops.append((len(keep), len(d.layout.rows)))
+            drops.append((len(keep), len(d.grid.rows)))
             drop(keep, filled)
         d.drop = counted
         return d

@@ -95,13 +95,13 @@ def step_against_float64(model: Llama, wide: Llama, compiled: decode.Decoder,
     route) and the eager step's each within ULPS of the float64 forward of each row's whole
     sequence, the compiled greedy picks the float64 forward's (near ties aside). The compiled
     step's logits (N, V), float64."""
-    for i, r in enumerate(compiled.layout.rows):
+    for i, r in enumerate(compiled.grid.rows):
         seqs[r].append(int(tokens[i]))
     with fused_projections(model):
         got = compiled.decode(tokens).double()
     want = eager.decode(tokens).double()
     exact = torch.stack([wide(torch.tensor([seqs[r]]))[0, -1]
-                         for r in compiled.layout.rows])  # (N, V)
+                         for r in compiled.grid.rows])  # (N, V)
     for logits in (got, want):
         torch.testing.assert_close(logits, exact, rtol=0, atol=bf16_tol(exact))
     top2 = exact.topk(2, dim=-1).values
@@ -135,21 +135,21 @@ def test_compiled_bf16_step_equals_the_eager_step_and_compiles_once_a_structure(
     with torch.inference_mode():
         for t in range(new - 1):
             if t in survivors:
-                keep = [i for i, r in enumerate(compiled.layout.rows) if r in survivors[t]]
+                keep = [i for i, r in enumerate(compiled.grid.rows) if r in survivors[t]]
                 for d in (compiled, eager):
                     d.drop(keep, filled=t)
                 tokens = tokens[torch.tensor(keep)]
-            assert compiled.t == eager.t == t  # each step feeds every row at index t
+            assert (compiled.index == t).all() and (eager.index == t).all()  # lockstep: index t
             got = step_against_float64(model, wide, compiled, eager, tokens, seqs)
             tokens = got.argmax(-1)
             counts.append(compiled.compiled.compiles)
-    assert compiled.attention.slots is None and compiled.attention.prompt_valid.shape == (2, 2)
+    assert compiled.grid.scatter is None and compiled.grid.prompt_valid.shape == (2, 2)
     assert counts[0] == 1 and compiled.compiled.seconds > 0
     COMPILED_HERE.add("structures")
     for t in range(1, new - 1):
         assert counts[t] - counts[t - 1] <= (1 if t in (4, 6, 8) else 0), counts
-    for mine, theirs in zip(compiled.attention.own_k + compiled.attention.own_v,
-                            eager.attention.own_k + eager.attention.own_v):
+    for mine, theirs in zip(compiled.views[2] + compiled.views[3],
+                            eager.views[2] + eager.views[3]):
         written = theirs[:, :, :new - 1].float()  # every slot's keys so far (dropped rows' too)
         torch.testing.assert_close(mine[:, :, :new - 1].float(), written, rtol=0,
                                    atol=bf16_tol(written))
@@ -288,7 +288,7 @@ def test_the_compiled_qwen3_step_runs_its_q_k_norms_inside_on_stacked_projection
             got = step_against_float64(model, wide, compiled, eager, tokens, seqs)
             tokens = got.argmax(-1)
     assert compiled.compiled.compiles >= 1
-    for mine, theirs in zip(compiled.attention.own_k, eager.attention.own_k):
+    for mine, theirs in zip(compiled.views[2], eager.views[2]):
         written = theirs[:, :, :new - 1].float()
         torch.testing.assert_close(mine[:, :, :new - 1].float(), written, rtol=0,
                                    atol=bf16_tol(written))

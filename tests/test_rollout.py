@@ -499,10 +499,11 @@ def test_prepacked_linears_equal_f_linear_and_are_undone(model):
 
 @pytest.mark.parametrize("kernel", [False, True])
 def test_decode_attention_over_all_completion_slots_masks_the_unwritten_ones(monkeypatch, kernel):
-    """A CUDA graph attends to all Tc completion slots with a mask on `step` (static shapes); the CPU path
-    slices to the step + 1 written ones. Both must agree, also with garbage in the unwritten slots.
-    kernel: CUDA's bf16 route (shared_prompt_attention_decode_cuda, the step's own bias, the aligned prompt
-    bias), the CPU's fused kernel standing in for CUDA's; it equals the plain route too."""
+    """A CUDA graph attends to all Tc completion slots under each row's mask (static shapes); the CPU
+    path slices to the keys written so far. Both must agree, also with garbage in the unwritten slots,
+    with the rows in lockstep (equal indices) and apart (each its own, as after a tool turn).
+    kernel: CUDA's bf16 route (shared_prompt_attention_decode_cuda, the rows' own bias, the aligned
+    prompt bias), the CPU's fused kernel standing in for CUDA's; it equals the plain route too."""
     monkeypatch.setattr(decode, "_CPU_FLASH", None)
     if kernel:
         monkeypatch.setattr(decode, "kernel_for", lambda device, dtype, head_dim: cpu_kernel)
@@ -512,17 +513,23 @@ def test_decode_attention_over_all_completion_slots_masks_the_unwritten_ones(mon
     views = cache.carve(1, Hkv, D, Bp, G, P, Tc + 1)
     for x in sum(views, []):
         x.copy_(torch.randn(x.shape, generator=gen))  # written slots and garbage alike
-    step = torch.tensor([t])
-    attn = decode.DecodeAttention(views, step, Tc)
-    attn.set_layout(decode.Layout.of([0, 1, 2, 4, 5], G, [6, 3]), torch.tensor([6, 3]))  # row 3 finished
+    one_layer = Llama(ModelConfig(vocab_size=16, hidden_size=H * D, intermediate_size=16,
+                                  num_hidden_layers=1, num_attention_heads=H,
+                                  num_key_value_heads=Hkv))
+    decoder = decode.Decoder(one_layer, views, [6, 3], G, graphed=False)
+    decoder.drop([0, 1, 2, 4, 5], filled=0)  # row 3 finished: an empty slot in the grid
+    assert decoder.grid.scatter is not None and (decoder.kernel is not None) == kernel
     q, k, v = (torch.randn(shape, generator=gen) for shape in [(5, H, 1, D)] + [(5, Hkv, 1, D)] * 2)
-    full = attn(0, q, k, v)  # (N, H, 1, D)
-    attn.own_len = t + 1
     tol = tolerance.reordered(D + P + Tc, views[1][0].abs().max())  # another summation order
-    torch.testing.assert_close(attn(0, q, k, v), full, **tol)
-    if kernel:
-        attn.kernel = None  # shared_prompt_attention's plain float32 ops
-        torch.testing.assert_close(attn(0, q, k, v), full, **tol)
+    for index in (torch.full((5, 1), t), torch.tensor([[3], [1], [5], [0], [2]])):
+        decoder.apart = bool(index.unique().numel() > 1)  # apart: the plain route, each its own
+        full = decoder.attention(index, None)(0, q, k, v)  # (B, H, 1, D)
+        torch.testing.assert_close(decoder.attention(index, int(index.max()) + 1)(0, q, k, v),
+                                   full, **tol)
+        if kernel:
+            decoder.kernel = None  # shared_prompt_attention's plain float32 ops
+            torch.testing.assert_close(decoder.attention(index, None)(0, q, k, v), full, **tol)
+            decoder.kernel = cpu_kernel
 
 
 def test_bf16_model_on_the_cpu(model):
