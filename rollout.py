@@ -21,8 +21,8 @@ per prompt decoded on top of that one shared prompt KV, finished rows dropped as
    or inf logits: engine/sampling.py) stops the rollout with one line naming its step
    (NonFiniteLogits); each row that sampled a stop id or a call is cut just after it
    (episodes.Rows.sync), and finished rows are dropped: the linears run on the B active rows
-   only; attention sees them in a Bp' x G' grid. While the step replays a CUDA graph, rows are
-   dropped only once 1/8 of them have finished: a re-capture costs about a step.
+   only; attention sees them in a Bp' x G' grid (under CUDA graphs the whole grid, every row in its
+   carved slot: the step's rows padded up to a graph's bucket, no graph captured again).
 5. A tool's turn (generate(episodes=...)): each row that called gets the tool's observation
    (episodes.Rows.observe), fed into the row's own KV cache at its place by the decode forward,
    several tokens a row (Decoder.feed); from the first turn on, each row decodes at its own index.
@@ -38,8 +38,9 @@ CPU: in lockstep the prompt part goes through SDPA's flash kernel, whose log-sum
 the own part's softmax as one more score: the same merge in fewer kernels
 (decode.shared_prompt_attention_decode_cpu); float32 linears run on weights prepacked once per call
 for oneDNN (_prepacked_linears).
-CUDA: the decode step is a CUDA graph per grid of active rows (`cuda_graphs`); in bf16 / fp16 it
-is compiled first, and the draw beside it (`compile_decode`: torch.compile, once for every grid,
+CUDA: the decode step is a CUDA graph per bucket of active rows (`cuda_graphs`: 1, 2, 4, 8, then
+every 16, the rows padded up); in bf16 / fp16 it is compiled first, and the draw beside it
+(`compile_decode`: torch.compile, once for every grid and bucket,
 its seconds in the stats' compile_seconds; engine/compiling.py), on q/k/v's and gate/up's weights
 stacked for the rollout (model.fused_projections: one matmul each); the private KV cache is bf16.
 
@@ -382,13 +383,12 @@ def _decode(decoder: Decoder, rows: Rows, draw: Callable[[Tensor], tuple[Tensor,
         waiting = rows.sync(active, drew_end.nonzero()[:, 0].tolist(), stop_ids, episodes)
         # 3. The tool answers the rows that called.
         feeds = rows.observe(waiting, episodes, decoder.model.config.vocab_size) if waiting else []
-        # 4. Ended rows leave. A CUDA graph's re-capture costs about a step: while the rows
-        # replay one (in lockstep, no tool turn), they leave once 1/8 of them have ended.
+        # 4. Ended rows leave (under CUDA graphs the step's rows are padded up to the graph's
+        # bucket: no graph is captured again).
         keep = [i for i, r in enumerate(active) if not rows.ended[r]]
         if not keep:
             break
-        graph = decoder.graphed and not decoder.apart and not waiting
-        if len(keep) < len(active) and not (graph and len(keep) > len(active) * 7 // 8):
+        if len(keep) < len(active):
             decoder.drop(keep, filled=max(rows.length[active[i]] for i in keep) - 1)
             tokens = tokens[torch.tensor(keep, device=device)]
             stats["compactions"] += 1

@@ -23,7 +23,7 @@ into fused kernels, then captured in a CUDA graph that replays all of them in on
   `unsupported`), the step runs eagerly and one line says so, once a process; where it refuses
   one structure of one compiled function (no C++ compiler or Triton, a lowering it lacks), that
   structure runs eagerly, one line each (REFUSED), and the rest compiles as before.
-- GraphedStep: a CUDA graph of step(tokens) -> logits for one grid: warm up (the compile, if
+- GraphedStep: a CUDA graph of step(inputs) -> logits for one bucket of rows: warm up (the compile, if
   any, happens there) on a side stream, capture, replay.
 rollout.py compiles the draw beside a compiled step (sampling.draw_raced: the logits' float32
 copy, softmax, the race's reductions fused), outside the graph: the race's clocks come from the
@@ -211,22 +211,24 @@ class CompiledStep:
 
 
 class GraphedStep:
-    """A CUDA graph of `step(tokens) -> logits` for one grid: warm up on a side stream, capture,
-    replay. Replaying a step that already ran is harmless: it rewrites the same K/V."""
+    """A CUDA graph of `step(*inputs) -> logits` for inputs of one shape (a bucket of rows): warm
+    up on a side stream, capture on copies of the inputs, replay with new values copied in.
+    Replaying a step that already ran is harmless: it rewrites the same K/V."""
 
-    def __init__(self, step: Callable[[Tensor], Tensor], tokens: Tensor):
-        self.tokens = tokens.clone()
+    def __init__(self, step: Callable[..., Tensor], *inputs: Tensor):
+        self.inputs = [x.clone() for x in inputs]
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            step(self.tokens)
+            step(*self.inputs)
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            self.logits = step(self.tokens)
+            self.logits = step(*self.inputs)
 
-    def __call__(self, tokens: Tensor) -> Tensor:
-        self.tokens.copy_(tokens)
+    def __call__(self, *inputs: Tensor) -> Tensor:
+        for mine, x in zip(self.inputs, inputs):
+            mine.copy_(x)
         self.graph.replay()
         return self.logits
 

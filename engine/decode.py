@@ -24,14 +24,16 @@ prompt shared by a group of rows plus each row's own keys.
   index.
 - On the kernel route the lockstep step is compiled by torch.compile (compiling.CompiledStep:
   norms, RoPE, the cache writes, residual adds, SwiGLU's product and the merge fused; counted on
-  the CPU by tests/bench_rollout.py --kernels) and captured in a CUDA graph per grid of active rows
-  (compiling.GraphedStep), captured again after each drop (rollout.py drops rows under a graph only
-  once 1/8 of them have ended); float32 stays the plain exact eager step.
+  the CPU by tests/bench_rollout.py --kernels); float32 stays the plain exact eager step. On CUDA
+  the lockstep step is captured in a CUDA graph per bucket of rows (`bucket`: 1, 2, 4, 8, then
+  every 16; compiling.GraphedStep), the rows padded up to it, never captured again as rows drop:
+  a graphed decoder's grid is whole (every row in the slot it was carved in, nothing moved at a
+  drop), so a graph's shapes are its bucket's; what it costs: attention keeps reading every
+  prompt and every row's own keys (masked) after rows drop, where the eager grid shrinks.
 
 Leaves out: sampling (engine/sampling.py), the prefill and the loop (rollout.py), which rows end and
 what a tool answers (engine/episodes.py), compiling and capturing a step (engine/compiling.py);
-CUDA graphs per bucket of row counts, padded up (a graph here is a grid's: the grid's shape changes
-at every drop); paged KV.
+paged KV.
 Shapes: Bp prompts, G rows per prompt (a group), R = Bp*G rows, B active rows (the forward's), T new
 tokens a row, S = Bp'*G' slots of the grid, P longest prompt, Tc completion length, H/Hkv heads,
 D head dim, V vocab.
@@ -39,6 +41,7 @@ Tested by tests/test_rollout.py, tests/test_episodes.py and tests/test_graphs.py
 step).
 """
 
+import dataclasses
 import itertools
 import math
 from collections import Counter
@@ -136,12 +139,14 @@ class Grid:
 
     @classmethod
     def of(cls, rows: list[int], G: int, prompt_lens: Tensor, dtype: torch.dtype,
-           within: "Grid | None" = None) -> "Grid":
-        """The grid of `rows` (ascending); within: the decode grid a feed's rows sit in."""
+           within: "Grid | None" = None, whole: bool = False) -> "Grid":
+        """The grid of `rows` (ascending); within: the decode grid a feed's rows sit in; whole:
+        every prompt's G slots, each row in its own (row r in slot r: the cache as carved)."""
         counts = Counter(r // G for r in rows)  # in order of first appearance: prompt-major rows
-        size = max(counts.values())
-        slots = [i * size + j for i, n in enumerate(counts.values()) for j in range(n)]
-        groups = list(counts)
+        size = G if whole else max(counts.values())
+        slots = rows if whole else [i * size + j for i, n in enumerate(counts.values())
+                                    for j in range(n)]
+        groups = list(range(len(prompt_lens))) if whole else list(counts)
         S = len(groups) * size
         device = prompt_lens.device
         scatter = None if slots == list(range(S)) else torch.tensor(slots, device=device)
@@ -291,6 +296,11 @@ def shared_prompt_attention_decode_cuda(q: Tensor, k: Tensor, v: Tensor, own_bia
     return y
 
 
+def bucket(rows: int) -> int:
+    """The rows a CUDA graph of the step is captured for: 1, 2, 4, 8, then every 16."""
+    return 1 << (rows - 1).bit_length() if rows <= 8 else -(-rows // 16) * 16
+
+
 class Decoder:
     """The decode state over the active rows and its one forward. Each active row holds one state,
     on the device: its global id (`ids`; its group is id // G), the position of its completion
@@ -298,8 +308,10 @@ class Decoder:
     always per row, equal values while the rows run in lockstep (no tool turn yet: `apart` False).
     Where the rows sit for attention is `grid`.
     `compiled`: the step through torch.compile (compiling.CompiledStep) where the attention takes
-    the kernel route (bf16 / fp16 on CUDA); float32 stays the plain exact eager one. `graph`: the
-    CUDA graph of the current grid (`graphed`), captured again after a drop."""
+    the kernel route (bf16 / fp16 on CUDA); float32 stays the plain exact eager one. `graphs`
+    (None: no graphs): the lockstep step's CUDA graphs, one per bucket of rows (1, 2, 4, 8, then
+    every 16), the rows padded up to it and never captured again as rows drop: a graphed
+    decoder's grid is whole (every row in the slot it was carved in), so a drop moves no K/V."""
 
     def __init__(self, model: torch.nn.Module, views: tuple[list[Tensor], ...],
                  prompt_lens: list[int], G: int, graphed: bool, compiled: bool = False):
@@ -308,7 +320,8 @@ class Decoder:
         self.model, self.views, self.G = model, views, G
         self.prompt_lens = torch.tensor(prompt_lens, device=device)  # (Bp,)
         R = len(prompt_lens) * G
-        self.grid = Grid.of(list(range(R)), G, self.prompt_lens, own.dtype)
+        self.graphs: dict[int, GraphedStep] | None = {} if graphed else None
+        self.grid = Grid.of(list(range(R)), G, self.prompt_lens, own.dtype, whole=graphed)
         self.ids = torch.arange(R, device=device)  # (B,)
         self.first = self.prompt_lens.repeat_interleave(G)  # (B,) completion index 0's position
         self.index = torch.zeros(R, dtype=torch.long, device=device)  # (B,)
@@ -319,8 +332,6 @@ class Decoder:
         same = next(model.parameters()).dtype == own.dtype
         self.kernel = kernel_for(device, own.dtype, own.shape[-1]) if same else None
         self.flash = same and self.kernel is None and device.type == "cpu" and _CPU_FLASH is not None
-        self.graphed = graphed
-        self.graph: GraphedStep | None = None
         # The unbound forward, called with the decoder: a bound one would make a reference cycle
         # (decoder -> compiled step -> decoder) that keeps the KV views and graphs until a gc.
         step = CompiledStep(Decoder.forward, Decoder.structure) if compiled and self.kernel \
@@ -332,14 +343,13 @@ class Decoder:
     # -------------------------------------------------------------------------
     # The forward: B rows, T new tokens each, one attention entry
 
-    def forward(self, tokens: Tensor, index: Tensor, keys: int | None, grid: Grid | None = None,
-                rows: Tensor | None = None, last: Tensor | None = None) -> Tensor:
+    def forward(self, tokens: Tensor, index: Tensor, first: Tensor, keys: int | None,
+                grid: Grid | None = None, last: Tensor | None = None) -> Tensor:
         """Feed tokens (B, T) at their completion indices index (B, T) -> the logits (B, V) after
         each row's last token (last (B,) its place, for rows of fewer tokens; None: the T-th).
-        rows (B,): which active rows (a feed's, on its own grid); None: all, on the decode grid.
-        keys: the own keys attended (None: all Tc under their mask, a graph's or a compile's
-        static shapes)."""
-        first = self.first if rows is None else self.first[rows]
+        first (B,): each row's completion index 0's position. grid: where the rows sit (a feed's
+        own, a graph's bucket); None: the decode grid. keys: the own keys attended (None: all Tc
+        under their mask, a graph's or a compile's static shapes)."""
         positions = first[:, None] + index  # completion index j sits at its prompt's length + j
         attention = self.attention(index, keys, grid, last)
         return self.model.head(self.model.hidden(tokens, positions, attention, last)[:, -1])
@@ -355,8 +365,8 @@ class Decoder:
           (shared_prompt_attention_decode_cpu), the own keys up to `keys` (rows in lockstep).
         Each layer first writes its new keys and values into the rows' own cache at their indices;
         rows of a feed write their tokens up to `last` only."""
-        feed = grid is not None
         grid = grid or self.grid
+        feed = grid.reads is not None
         route = ("plain" if feed or self.apart else "kernel" if self.kernel is not None
                  else "flash" if self.flash else "plain")
         prompt_k, prompt_v, own_k, own_v = self.views
@@ -384,10 +394,15 @@ class Decoder:
             own_bias = torch.zeros(S, -(-keys // 16) * 16, dtype=own_k[0].dtype,
                                    device=device)[:, :keys]
             own_bias = own_bias.masked_fill_(unseen, float("-inf"))[:, None, None]  # (S, 1, 1, Tc)
-        allowed = {}  # (S, Tq, keys) bool per query count: the last layer's query the last only
-        if route == "plain":
-            for tq, qi in ((T, index), (1, queries)) if last is not None else ((T, index),):
+        allowed = {}  # (S, Tq, keys) bool, made by the first layer that meets Tq queries a row
+
+        def own_mask(tq: int) -> Tensor:
+            # The final layer's query is the last token's alone; tensor parallelism's sequence
+            # parallelism may pad a feed's rows past T (the pads come after every real token).
+            qi = queries if tq == 1 else index[:, :1] + torch.arange(tq, device=device)
+            if tq not in allowed:
                 allowed[tq] = key_positions <= grid.place(qi, fill)[:, :, None]
+            return allowed[tq]
 
         def attend(layer: int, q: Tensor, k: Tensor, v: Tensor, last: Tensor | None = None):
             if written is None:  # (B, Hkv, T, D) -> (B*T, Hkv, D)
@@ -416,16 +431,17 @@ class Decoder:
                 y = shared_prompt_attention_decode_cuda(q, ok, ov, own_bias, pk, pv,
                                                         grid.prompt_bias, self.kernel)
             else:
-                y = shared_prompt_attention(q, ok, ov, allowed[q.shape[2]], pk, pv,
+                y = shared_prompt_attention(q, ok, ov, own_mask(q.shape[2]), pk, pv,
                                             grid.prompt_valid)
             return y if grid.scatter is None else y.index_select(0, grid.scatter)  # (B, H, Tq, D)
         return attend
 
-    def structure(self, tokens: Tensor, index: Tensor, keys: int | None) -> str:
+    def structure(self, tokens: Tensor, index: Tensor, first: Tensor, keys: int | None,
+                  grid: Grid | None = None) -> str:
         """What a compile of the step specialises on besides the sizes marked dynamic (a refused
         compile leaves that structure eager: compiling.CompiledStep): rows scattered into a grid with
         empty slots, padded prompts, the longest prompt gone, a dim of size 1."""
-        g = self.grid
+        g = grid or self.grid
         Bp, P = g.prompt_valid.shape
         sizes = dict(rows=len(tokens), groups=Bp, slots_a_group=g.occupied.shape[0] // Bp,
                      prompt_length=P)
@@ -456,25 +472,38 @@ class Decoder:
     def decode(self, tokens: Tensor) -> Tensor:
         """Feed each active row its next token at its own completion index, tokens (B,) ->
         logits (B, V), and move every row on by one: the token drawn from a row's logits goes at
-        its index (`index` after the call). In lockstep a CUDA graph replays the step (tokens and
-        the rows' indices in place); once a tool turn moved rows apart, each attends to the own
-        keys up to the furthest row's, in eager mode."""
-        if self.graphed and not self.apart:
-            if self.graph is None:
-                self.graph = GraphedStep(self._lockstep, tokens[:, None])
-            logits = self.graph(tokens[:, None])
+        its index (`index` after the call). In lockstep a CUDA graph of the bucket of rows
+        replays the step, the rows padded up to it (the padding repeats the last row: it writes
+        what that row writes); once a tool turn moved rows apart, each attends to the own keys up
+        to the furthest row's, in eager mode."""
+        B = len(tokens)
+        if self.graphs is not None and not self.apart:
+            b = bucket(B)
+            pad = torch.arange(b, device=tokens.device).clamp_(max=B - 1)  # (b,)
+            inputs = (tokens[pad][:, None], self.index[pad][:, None], self.first[pad],
+                      self.ids[pad])
+            if b not in self.graphs:
+                self.graphs[b] = GraphedStep(self._lockstep, *inputs)
+            logits = self.graphs[b](*inputs)[:B]
         elif self.compiled is not None and not self.apart:
-            logits = self._lockstep(tokens[:, None])
+            logits = self._lockstep(tokens[:, None], self.index[:, None], self.first)
         else:  # eager: attend only to the keys written so far (one host read, eager anyway)
-            logits = self.forward(tokens[:, None], self.index[:, None], int(self.index.max()) + 1)
-        self.index += 1  # in place: a graph reads it
+            logits = self.forward(tokens[:, None], self.index[:, None], self.first,
+                                  int(self.index.max()) + 1)
+        self.index += 1
         return logits
 
-    def _lockstep(self, tokens: Tensor) -> Tensor:
-        """The step a graph captures and a compile traces: every own key under its mask."""
+    def _lockstep(self, tokens: Tensor, index: Tensor, first: Tensor,
+                  slots: Tensor | None = None) -> Tensor:
+        """The step a graph captures and a compile traces: every own key under its mask. slots
+        (b,): a graph's rows' slots in the whole grid."""
+        grid = None if slots is None else dataclasses.replace(self.grid, scatter=slots)
         if self.compiled is None:
-            return self.forward(tokens, self.index[:, None], None)
-        return self.compiled(self, dynamic(tokens, 0), dynamic(self.index[:, None], 0), None)
+            return self.forward(tokens, index, first, None, grid)
+        if slots is not None:
+            dynamic(slots, 0)
+        return self.compiled(self, dynamic(tokens, 0), dynamic(index, 0), dynamic(first, 0), None,
+                             grid)
 
     def feed(self, picks: list[int], feeds: list[list[int]], starts: list[int]) -> Tensor:
         """Feed active row picks[i] the tokens feeds[i] from its completion index starts[i] on (a
@@ -496,17 +525,24 @@ class Decoder:
                        self.views[0][0].dtype, within=self.grid)
         rows = torch.tensor(picks, device=device)
         keys = max(a + len(f) for a, f in zip(starts, feeds))  # the own keys any row reaches
-        logits = self.forward(tokens, index, keys, grid, rows, last)
+        logits = self.forward(tokens, index, self.first[rows], keys, grid, last)
         self.index[rows] = start + last + 1
         return logits
 
     def drop(self, keep: list[int], filled: int) -> None:
         """Keep the active rows at positions `keep`: the survivors' prompts' KV move to the front
         of the prompt views and their `filled` completion KV positions to their new slots (via
-        temporaries: they overlap)."""
+        temporaries: they overlap). A graphed decoder's grid stays whole: nothing moves, and its
+        tensors stay the ones its graphs read."""
         old = self.grid
-        new = Grid.of([old.rows[i] for i in keep], self.G, self.prompt_lens, self.views[0][0].dtype)
         device = self.index.device
+        picked = torch.tensor(keep, device=device)
+        rows = [old.rows[i] for i in keep]
+        self.ids, self.first, self.index = (x[picked] for x in (self.ids, self.first, self.index))
+        if self.graphs is not None:
+            self.grid = dataclasses.replace(old, rows=rows, slots=rows, scatter=self.ids)
+            return
+        new = Grid.of(rows, self.G, self.prompt_lens, self.views[0][0].dtype)
         group_of = {p: i for i, p in enumerate(old.groups)}
         slot_of = dict(zip(old.rows, old.slots))
         old_groups = torch.tensor([group_of[p] for p in new.groups], device=device)
@@ -520,9 +556,6 @@ class Decoder:
             moved = x[:old.occupied.shape[0], :, :filled].index_select(0, old_slots)
             x[:new.occupied.shape[0], :, :filled].index_copy_(0, new_slots, moved)
         self.grid = new
-        picked = torch.tensor(keep, device=device)
-        self.ids, self.first, self.index = (x[picked] for x in (self.ids, self.first, self.index))
-        self.graph = None  # addresses and shapes changed: capture again
         self._mark()
 
     def _plain_linears(self) -> None:

@@ -408,12 +408,11 @@ def launches(decoder: decode.Decoder, tokens: torch.Tensor) -> collections.Count
     matmuls, attention)."""
     # generate's routes: the CPU's eager one attends to the keys written so far; a graph or a
     # compile to all Tc slots under each row's mask (Decoder._lockstep, keys None)
-    if decoder.compiled is None and not tokens.is_cuda:
-        def run(tokens):
-            return decoder.forward(tokens, decoder.index[:, None],
+    def run(tokens):
+        if decoder.compiled is None and not tokens.is_cuda:
+            return decoder.forward(tokens, decoder.index[:, None], decoder.first,
                                    int(decoder.index.max()) + 1 if decoder.flash else None)
-    else:
-        run = decoder._lockstep
+        return decoder._lockstep(tokens, decoder.index[:, None], decoder.first)
     with fused_projections(decoder.model, decoder.compiled is not None):  # as generate's
         return _launches(run, decoder, tokens)
 

@@ -176,59 +176,80 @@ def test_a_rollout_without_a_call_equals_todays_bit_for_bit(model):
 
 
 class FakeGraph:
-    """decode.GraphedStep's stand-in on a CPU: the step runs eagerly at every replay; captures
-    counts the graphs a rollout would capture."""
-    captures = 0
+    """decode.GraphedStep's stand-in on a CPU: the step runs eagerly at every replay, on copies of
+    the inputs as a graph's; `captured` counts the graphs a rollout would capture, by bucket."""
+    captured: list[int] = []
 
-    def __init__(self, step, tokens):
-        FakeGraph.captures += 1
-        self.step = step
+    def __init__(self, step, *inputs):
+        FakeGraph.captured.append(len(inputs[0]))
+        self.step, self.inputs = step, [x.clone() for x in inputs]
 
-    def __call__(self, tokens):
-        return self.step(tokens)
+    def __call__(self, *inputs):
+        for mine, x in zip(self.inputs, inputs):
+            mine.copy_(x)
+        return self.step(*self.inputs)
 
 
-def test_on_a_graphed_decoder_a_rollout_without_a_call_drops_rows_as_todays(model, monkeypatch):
-    """Issue 43, item 5: on CUDA the episode loop dropped finished rows at every check (a graph
-    re-capture each) where the tool-less rollout keeps them until 1/8 of the rows have ended, so
-    the two rollouts' rows, and then their draws, differed. The CPU stands in for CUDA (a decoder
-    that captures graphs, FakeGraph; the plain attention, as a graph's): every drop leaves at
-    most 7/8 of the rows, a rollout with no call equals the tool-less one bit for bit, and each
-    captures a graph at the start and after each drop only."""
+def graphed_rollouts(model: Llama, monkeypatch, cfg: RolloutConfig, episodes) -> tuple:
+    """The rollout on a decoder that captures graphs (FakeGraph; the plain attention, as a
+    graph's: all Tc own keys under each row's mask), its captures, and the row counts it met."""
     from engine import decode
-    monkeypatch.setattr(decode, "_CPU_FLASH", None)  # a graph attends to all Tc slots, masked
     monkeypatch.setattr(decode, "GraphedStep", FakeGraph)
-    drops = []
+    counts = []
 
     def graphed(model, views, lens, G, _, compiled=False):
         d = decode.Decoder(model, views, lens, G, True, compiled)
-        drop = d.drop
+        real = d.decode
 
-        def counted(keep, filled):
-            drops.append((len(keep), len(d.grid.rows)))
-            drop(keep, filled)
-        d.drop = counted
+        def counted(tokens):
+            counts.append(len(tokens))
+            return real(tokens)
+        d.decode = counted
         return d
     monkeypatch.setattr(rollout, "Decoder", graphed)
+    FakeGraph.captured = []
+    out = rollout.generate(model, PROMPTS, cfg, stop_ids=STOPS, seed=5, episodes=episodes)
+    monkeypatch.undo()
+    return out, FakeGraph.captured, counts
+
+
+def test_graphs_are_captured_once_a_bucket_and_equal_the_eager_decode(model, monkeypatch):
+    """CUDA graphs per bucket of rows (1, 2, 4, 8, then every 16), the rows padded up to it: the CPU
+    stands in for CUDA (FakeGraph). Rows drop at every sync as on the eager route, each bucket met
+    is captured once and never again, and in float64 the graphed rollout (the whole grid, padded
+    rows, all own keys masked) draws the eager one's tokens with its logprobs (the slow twin: the
+    compacted grid, the written keys alone); with a tool, the same, episodes and all."""
+    from engine import decode
+    assert [decode.bucket(n) for n in (1, 2, 3, 5, 8, 9, 16, 17, 33)] == [1, 2, 4, 8, 8, 16, 16,
+                                                                        32, 48]
+    wide = Llama(CFG).init_weights(seed=0, std=0.2).double().eval()
+    cfg = RolloutConfig(num_samples=4, max_new_tokens=16, temperature=1.0, sync_every=3)
+    for tool in (None, episodes(3)):
+        monkeypatch.setattr(decode, "_CPU_FLASH", None)  # the eager twin: the plain route too
+        eager = rollout.generate(wide, PROMPTS, cfg, stop_ids=STOPS, seed=5, episodes=tool)
+        out, captured, counts = graphed_rollouts(wide, monkeypatch, cfg, tool)
+        assert out.stats["compactions"] == eager.stats["compactions"] > 0
+        assert torch.equal(out.tokens, eager.tokens) and torch.equal(out.mask, eager.mask)
+        torch.testing.assert_close(out.logprobs, eager.logprobs, rtol=0, atol=1e-9)
+        assert len(captured) == len(set(captured)), "a bucket captured twice"
+        assert set(captured) <= {decode.bucket(n) for n in counts} and len(set(counts)) > 1
+        assert captured[0] == decode.bucket(len(PROMPTS) * 4)
+        if tool is None:  # every step in lockstep: a graph for each bucket met
+            assert set(captured) == {decode.bucket(n) for n in counts}
+
+
+def test_on_a_graphed_decoder_a_rollout_without_a_call_equals_the_tool_less_one(model, monkeypatch):
+    """Issue 43, item 5: the episode loop's rows, and then its draws, differed from the tool-less
+    loop's on CUDA. On a decoder that captures graphs (FakeGraph), a rollout with no call equals
+    the tool-less one bit for bit, graphs and all."""
     cfg = RolloutConfig(num_samples=4, max_new_tokens=16, temperature=1.0, sync_every=3)
     never = Episodes(lambda calls: [[9] for _ in calls], (127,), 2)  # an id nobody samples
-    outs, captures = [], []
-    for episodes in (None, never):
-        FakeGraph.captures = 0
-        outs.append(rollout.generate(model, PROMPTS, cfg, stop_ids=STOPS, seed=5,
-                                     episodes=episodes))
-        captures.append(FakeGraph.captures)
-    plain, with_tool = outs
-    assert sum(with_tool.stats["calls"]) == 0
-    assert drops and all(keep <= active * 7 // 8 for keep, active in drops), drops
-    assert plain.stats["compactions"] == with_tool.stats["compactions"] == len(drops) // 2
-    assert captures == [len(drops) // 2 + 1] * 2
+    plain, captured, _ = graphed_rollouts(model, monkeypatch, cfg, None)
+    with_tool, captured_too, _ = graphed_rollouts(model, monkeypatch, cfg, never)
+    assert sum(with_tool.stats["calls"]) == 0 and plain.stats["compactions"] > 0
+    assert captured == captured_too
     for key in ("tokens", "mask", "logprobs", "stopped"):
         assert torch.equal(getattr(plain, key), getattr(with_tool, key)), key
-    # The rule acts: an eager decoder drops rows at checks where fewer than 1/8 have ended.
-    monkeypatch.undo()
-    eager = rollout.generate(model, PROMPTS, cfg, stop_ids=STOPS, seed=5)
-    assert eager.stats["compactions"] > plain.stats["compactions"]
 
 
 def test_greedy_episodes_equal_transformers_generate_turn_by_turn(tmp_path):

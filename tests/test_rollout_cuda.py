@@ -29,9 +29,9 @@ def test_cuda_graph_decode_equals_eager_decode(model):
     # float32 kernels of the two paths sum in their own orders (TF32 is off for matmuls)
     tol = logprob_tol(model, 0.9)
     torch.testing.assert_close(graphed.logprobs, eager.logprobs, **tol)
-    # With stop ids the graphed path keeps finished rows until 1/8 of them are done and eager drops
-    # them at once: the random stream differs, so compare each with the trainer's forward instead,
-    # through re-captures after rows are dropped.
+    # With stop ids rows are dropped: the graphed path pads the rest up to a graph's bucket (1, 2,
+    # 4, 8, then every 16; none captured again) on the whole grid, eager compacts them: compare each
+    # with the trainer's forward.
     for graphs in (True, False):
         out = generate(gpu, PROMPTS, RolloutConfig(cuda_graphs=graphs, **knobs),
                        stop_ids=(5, 9, 17, 23, 31), seed=1, cache=cache)
@@ -46,7 +46,7 @@ def test_cuda_graph_decode_equals_eager_decode(model):
 
 
 def test_episodes_on_cuda_score_as_the_trainer_with_graphs_and_without(model):
-    """A tool's answers extended into rows on the GPU (graphed lockstep steps until the first tool
+    """A tool's observations fed into rows on the GPU (graphed lockstep steps until the first tool
     turn, then eager rows at their own lengths): each sampled token's logprob equals the trainer's
     forward of prompt + episode, as above; observation tokens carry 0."""
     from test_episodes import STOPS, episodes
@@ -69,9 +69,9 @@ def test_episodes_on_cuda_score_as_the_trainer_with_graphs_and_without(model):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_rollout_without_a_call_equals_the_tool_less_one_with_graphs_and_without(model, dtype):
-    """Issue 43, item 5: the episode loop dropped finished rows at every check (a graph re-capture
-    each) where the tool-less rollout keeps them until 1/8 of the rows have ended: the rows, and
-    then the draws, differed on CUDA. One loop, one rule: a task's tool that is never called
+    """Issue 43, item 5: the episode loop dropped finished rows at other syncs than the tool-less
+    rollout: the rows, and then the draws, differed on CUDA. One loop, one rule (rows drop at
+    every sync; a graph per bucket of rows, padded up): a task's tool that is never called
     leaves the rollout as it was, bit for bit, graphed (compiled in bf16) and eager, with the
     same drops."""
     from engine.episodes import Episodes
