@@ -279,7 +279,7 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], cfg: RolloutConfi
             rows = Rows.empty(len(prompts) * G, new, device)
             rows.tokens[:, 0], rows.logprobs[:, 0] = sampling.draw(first, cfg.temperature, cfg.top_k,
                                                       cfg.top_p, generator)
-            # 3-5. Decode, finished rows dropped, a tool's answers extended into their rows. A
+            # 3-5. Decode, finished rows dropped, a tool's observations fed into their rows. A
             # logits_fn is tensor parallelism's vocab gather: tp.py's layers run their collectives
             # in autograd Functions (mark_dirty), which torch.compile does not trace: eager.
             decoder = Decoder(model, views, lens, G, device.type == "cuda" and cfg.cuda_graphs,

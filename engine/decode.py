@@ -124,7 +124,8 @@ class Grid:
     rows finish, groups hold different counts, so attention sees the rows scattered into a grid of
     Bp' groups x G' slots (G' the largest count); empty slots compute garbage nobody reads. The
     decode step's grid reads the first Bp' prompt views and the first S cache rows (Decoder.drop
-    moves the survivors' K/V there); a feed's grid (the rows a tool answered) reads its groups'
+    moves the survivors' K/V there; a graphed decoder's grid is whole: every prompt's G slots, each
+    row in the one it was carved in); a feed's grid (the rows a tool answered) reads its groups'
     prompt views and its rows' cache rows by index (`reads`)."""
     rows: list[int]               # each row's global id (prompt * G + sample), ascending
     groups: list[int]             # the prompt of each of the Bp' groups
@@ -373,17 +374,22 @@ class Decoder:
         B, T = index.shape
         S = grid.occupied.shape[0]
         Bp, P = grid.prompt_valid.shape  # dims a compiled step keeps dynamic, as tensor shapes
+        # Where the new keys go. In lockstep every row writes at the one index, a slice of the grid
+        # (eager: `keys` - 1) or an index tensor (a graph's, a compile's: the first row's index);
+        # else each row at its own: its cache row, a feed's rows their tokens up to `last`.
+        lockstep = not feed and not self.apart
+        at = keys - 1 if lockstep and keys is not None else index[:1, 0] if lockstep else None
         keys = own_k[0].shape[2] if keys is None else keys
         device = index.device
-        # Where each row writes: its cache row; a feed's rows their tokens up to `last`.
-        cache_rows = (grid.reads[1] if feed else
-                      torch.arange(B, device=device) if grid.scatter is None else grid.scatter)
-        if last is not None:
-            written = (torch.arange(T, device=device) <= last[:, None]).nonzero()  # (n, 2)
-            at = (cache_rows[written[:, 0]], index[written[:, 0], written[:, 1]])  # (n,), (n,)
-        else:
-            written = None
-            at = (cache_rows[:, None].expand(B, T).reshape(-1), index.reshape(-1))  # (B*T,)
+        written = None
+        if not lockstep:
+            cache_rows = (grid.reads[1] if feed else
+                          torch.arange(B, device=device) if grid.scatter is None else grid.scatter)
+            if last is not None:
+                written = (torch.arange(T, device=device) <= last[:, None]).nonzero()  # (n, 2)
+                at = (cache_rows[written[:, 0]], index[written[:, 0], written[:, 1]])  # (n,), (n,)
+            else:
+                at = (cache_rows[:, None].expand(B, T).reshape(-1), index.reshape(-1))  # (B*T,)
         # The own keys each query may see, once for every layer: up to its own index; an empty
         # slot sees key 0 (the decode grid's: no kernel meets a row with no key) or none (a feed's).
         fill = -1 if feed else 0
@@ -405,12 +411,19 @@ class Decoder:
             return allowed[tq]
 
         def attend(layer: int, q: Tensor, k: Tensor, v: Tensor, last: Tensor | None = None):
-            if written is None:  # (B, Hkv, T, D) -> (B*T, Hkv, D)
-                new_k, new_v = (x.transpose(1, 2).reshape(-1, *x.shape[1::2]) for x in (k, v))
-            else:
-                new_k, new_v = (x[written[:, 0], :, written[:, 1]] for x in (k, v))
-            own_k[layer][at[0], :, at[1]] = new_k.to(own_k[layer].dtype)
-            own_v[layer][at[0], :, at[1]] = new_v.to(own_v[layer].dtype)
+            if isinstance(at, int):  # lockstep, eager: the grid's slots at index `at`
+                own_k[layer][:S, :, at:at + 1] = grid.place(k).to(own_k[layer].dtype)
+                own_v[layer][:S, :, at:at + 1] = grid.place(v).to(own_v[layer].dtype)
+            elif isinstance(at, Tensor):  # lockstep, a tensor index: a graph replays it
+                own_k[layer][:S].index_copy_(2, at, grid.place(k).to(own_k[layer].dtype))
+                own_v[layer][:S].index_copy_(2, at, grid.place(v).to(own_v[layer].dtype))
+            else:  # each row at its own index
+                if written is None:  # (B, Hkv, T, D) -> (B*T, Hkv, D)
+                    new_k, new_v = (x.transpose(1, 2).reshape(-1, *x.shape[1::2]) for x in (k, v))
+                else:
+                    new_k, new_v = (x[written[:, 0], :, written[:, 1]] for x in (k, v))
+                own_k[layer][at[0], :, at[1]] = new_k.to(own_k[layer].dtype)
+                own_v[layer][at[0], :, at[1]] = new_v.to(own_v[layer].dtype)
             q = grid.place(q)  # (S, H, Tq, D): the B rows into the grid, empty slots zeros
             if feed:  # its groups' prompts and its rows' own keys, gathered
                 pk = prompt_k[layer][grid.reads[0], :, :P]  # (Bp', Hkv, P', D): once per group
