@@ -231,6 +231,33 @@ def test_greedy_generate_compiled_equals_eager_and_compiles_nothing_again(model,
 
 
 @needs_compile
+def test_the_compiled_step_serves_every_bucket_of_graphed_rows(model, kernel_route, monkeypatch):
+    """Graphs per bucket of rows (tests/test_episodes.py's FakeGraph stands in for CUDA's): the
+    compiled step on the whole grid, rows padded up to each bucket, compiles no graph a bucket (the
+    rows a dynamic dim): one rollout compiles at most the step and the draw, a second nothing; it
+    captures each bucket once and draws the greedy tokens of the compacted, uncaptured route."""
+    from test_episodes import FakeGraph
+    monkeypatch.setattr(decode, "GraphedStep", FakeGraph)
+    monkeypatch.setattr(rollout, "Decoder", lambda model, views, lens, G, _, compiled=False:
+                        decode.Decoder(model, views, lens, G, True, compiled))
+    knobs = dict(num_samples=3, max_new_tokens=16, temperature=0.0, sync_every=2,
+                 compile_decode="true")
+    stops = (5, 9, 17, 23, 31)
+    captures = []
+    for _ in range(2):
+        FakeGraph.captured = []
+        out = rollout.generate(model, PROMPTS, RolloutConfig(**knobs), stop_ids=stops, seed=0)
+        captures.append((out.stats["compiles"], FakeGraph.captured))
+    (first, buckets), (again, buckets_again) = captures
+    assert first <= 2 and again == 0 and out.stats["compactions"] >= 1
+    assert buckets == buckets_again and len(buckets) == len(set(buckets)) >= 2
+    monkeypatch.undo()
+    monkeypatch.setattr(decode, "kernel_for", lambda device, dtype, head_dim: decode.cpu_flash)
+    plain = rollout.generate(model, PROMPTS, RolloutConfig(**knobs), stop_ids=stops, seed=0)
+    assert torch.equal(out.tokens, plain.tokens)  # greedy, no near tie on this seed
+
+
+@needs_compile
 def test_sampled_tokens_on_the_compiled_route_score_as_the_trainer(model, kernel_route):
     """Sampling after the compiled step: each token's logprob is the bf16 trainer forward's within
     bf16's rounding of logits of size ~5 (tests/test_rollout.py's bf16 test: 0.1). Temperature
