@@ -113,7 +113,7 @@ class Rollout:
     temperature: float   # the distribution the trainer scores them under (trl#4159)
     stats: dict = field(default_factory=dict)
     sampled: Tensor | None = None  # (R, Tc) bool; True on sampled tokens, False on a tool's
-                                   # observations (engine/episodes.py); None: every token was sampled
+                                   # observations (engine/episodes.py); None: all sampled
 
     def completions(self) -> list[list[int]]:
         """Each row's tokens as a Python list (one host copy): for decoding text and for tests."""
@@ -277,8 +277,8 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], cfg: RolloutConfi
             # per prompt, then repeated).
             first = (logits_fn or _same)(logits).repeat_interleave(G, dim=0)  # (R, V')
             rows = Rows.empty(len(prompts) * G, new, device)
-            rows.tokens[:, 0], rows.logprobs[:, 0] = sampling.draw(first, cfg.temperature, cfg.top_k,
-                                                      cfg.top_p, generator)
+            rows.tokens[:, 0], rows.logprobs[:, 0] = sampling.draw(
+                first, cfg.temperature, cfg.top_k, cfg.top_p, generator)
             # 3-5. Decode, finished rows dropped, a tool's observations fed into their rows. A
             # logits_fn is tensor parallelism's vocab gather: tp.py's layers run their collectives
             # in autograd Functions (mark_dirty), which torch.compile does not trace: eager.

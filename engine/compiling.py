@@ -23,8 +23,8 @@ into fused kernels, then captured in a CUDA graph that replays all of them in on
   `unsupported`), the step runs eagerly and one line says so, once a process; where it refuses
   one structure of one compiled function (no C++ compiler or Triton, a lowering it lacks), that
   structure runs eagerly, one line each (REFUSED), and the rest compiles as before.
-- GraphedStep: a CUDA graph of step(inputs) -> logits for one bucket of rows: warm up (the compile, if
-  any, happens there) on a side stream, capture, replay.
+- GraphedStep: a CUDA graph of step(inputs) -> logits for one bucket of rows: warm up (the
+  compile, if any, happens there) on a side stream, capture, replay.
 rollout.py compiles the draw beside a compiled step (sampling.draw_raced: the logits' float32
 copy, softmax, the race's reductions fused), outside the graph: the race's clocks come from the
 rollout's torch.Generator, which a traced graph cannot hold, so they are wound eagerly before it.

@@ -131,7 +131,7 @@ class Grid:
     groups: list[int]             # the prompt of each of the Bp' groups
     slots: list[int]              # each row's slot in the grid (group * G' + j)
     scatter: Tensor | None        # (B,) the slots; None: row i sits in slot i (no scatter)
-    occupied: Tensor              # (S,) bool: S as a tensor's dim (a compiled step keeps it dynamic)
+    occupied: Tensor              # (S,) bool: S as a tensor's dim (a compiled step's, dynamic)
     prompt_valid: Tensor          # (Bp', P') bool; False on a prompt's padding
     prompt_bias: Tensor | None    # (Bp', 1, 1, P') 0 / -inf, rows 16-aligned; None: no padding
     buckets: list[tuple]          # the CPU's runs of like prompt lengths: (first, stop, keys, bias)
@@ -332,7 +332,8 @@ class Decoder:
         # flash kernel for the prompt part (`flash`); else the plain float32 ops.
         same = next(model.parameters()).dtype == own.dtype
         self.kernel = kernel_for(device, own.dtype, own.shape[-1]) if same else None
-        self.flash = same and self.kernel is None and device.type == "cpu" and _CPU_FLASH is not None
+        self.flash = (same and self.kernel is None and device.type == "cpu"
+                      and _CPU_FLASH is not None)
         # The unbound forward, called with the decoder: a bound one would make a reference cycle
         # (decoder -> compiled step -> decoder) that keeps the KV views and graphs until a gc.
         step = CompiledStep(Decoder.forward, Decoder.structure) if compiled and self.kernel \
@@ -360,8 +361,9 @@ class Decoder:
         """The attention hook of one forward (model.hidden's `attention`), its route picked once:
         - plain: shared_prompt_attention's float32 ops, each row's own keys up to each query's
           index (a feed's rows, rows apart after a tool turn, float32 off the CPU);
-        - kernel: both parts through kernel_for's fused kernel (shared_prompt_attention_decode_cuda),
-          the own keys under a per-row bias: a CUDA graph's and a compile's route;
+        - kernel: both parts through kernel_for's fused kernel
+          (shared_prompt_attention_decode_cuda), the own keys under a per-row bias: a CUDA
+          graph's and a compile's route;
         - flash: the CPU's, in buckets of like prompt lengths, each reading its prompts' keys only
           (shared_prompt_attention_decode_cpu), the own keys up to `keys` (rows in lockstep).
         Each layer first writes its new keys and values into the rows' own cache at their indices;
@@ -452,8 +454,8 @@ class Decoder:
     def structure(self, tokens: Tensor, index: Tensor, first: Tensor, keys: int | None,
                   grid: Grid | None = None) -> str:
         """What a compile of the step specialises on besides the sizes marked dynamic (a refused
-        compile leaves that structure eager: compiling.CompiledStep): rows scattered into a grid with
-        empty slots, padded prompts, the longest prompt gone, a dim of size 1."""
+        compile leaves that structure eager: compiling.CompiledStep): rows scattered into a grid
+        with empty slots, padded prompts, the longest prompt gone, a dim of size 1."""
         g = grid or self.grid
         Bp, P = g.prompt_valid.shape
         sizes = dict(rows=len(tokens), groups=Bp, slots_a_group=g.occupied.shape[0] // Bp,
