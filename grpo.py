@@ -246,7 +246,7 @@ class GRPOBatch:
         prompt_ids, prompt_lens = pad_right(prompts, out.tokens.device)
         return cls(prompt_ids, prompt_lens, out.tokens, out.mask, out.temperature, max_new_tokens,
                    advantages, sampler_logp=out.logprobs, stopped=out.stopped,
-                   sampled=out.policy)
+                   sampled=out.sampled)
 
     def lists(self) -> tuple[list[list[int]], list[list[int]]]:
         """The prompts and completions as ragged Python lists (one host copy)."""

@@ -8,43 +8,45 @@ per prompt decoded on top of that one shared prompt KV, finished rows dropped as
    D).
 2. Fan-out: each prompt's last-position logits are repeated G times and every row draws its own
    first token (nanochat once broadcast one first token to all G rows).
-3. Decode (engine/decode.py), one loop (_decode) for plain and multi-turn rows: the attention hook
-   writes each row's key/value into its own completion KV and runs shared-prompt attention
-   (engine/attention.py): the G rows of a group are folded into the query dimension against the one
-   prompt KV (Hydragen) and merged with the row's own keys by log-sum-exp. Prompt KV memory and
-   reads / G. On the CPU the groups run in buckets of like prompt lengths (length_buckets), each
-   reading its own prompts' keys: a short prompt's padding is not read. Sampling (engine/sampling.py)
-   has no host sync; each returned logprob is under the distribution actually sampled from, after
-   temperature, top-k, top-p (trl#4159, trl#6789: otherwise the GRPO ratio is not 1).
-4. The check, every `check_every` steps (the loop's only host sync; on the CPU, where it costs
-   none, also as soon as a row samples a tool's call): a NaN logprob since the last check (NaN
+3. Decode (engine/decode.py's Decoder: one state per active row, its completion index always per
+   row), one loop (_decode) for plain and multi-turn rows: each step feeds every active row its
+   last token; the attention writes each row's key/value into its own completion KV and runs
+   shared-prompt attention (engine/attention.py): the G rows of a group are folded into the query
+   dimension against the one prompt KV (Hydragen) and merged with the row's own keys by
+   log-sum-exp. Prompt KV memory and reads / G. The draw (engine/sampling.py) has no host sync;
+   each returned logprob is under the distribution actually sampled from, after temperature,
+   top-k, top-p (trl#4159, trl#6789: otherwise the GRPO ratio is not 1).
+4. The sync, every `sync_every` steps (the loop's only host sync; on the CPU, where it costs
+   nothing, also as soon as a row samples a tool's call): a NaN logprob since the last sync (NaN
    or inf logits: engine/sampling.py) stops the rollout with one line naming its step
    (NonFiniteLogits); each row that sampled a stop id or a call is cut just after it
-   (episodes.Rows.check), and finished rows are dropped: the linears run on
-   the N active rows only; attention sees them in a Bp' x G' grid. While the step replays a CUDA
-   graph, rows are dropped only once 1/8 of them have finished: a re-capture costs about a step.
-5. A tool's turn (generate(episodes=...)): each row that called gets the tool's answer
-   (episodes.Rows.answer), prefilled into the row's own KV cache at its position
-   (Decoder.extend); from the first turn on, each row decodes at its own length. A plain row is an
-   episode with no call: a rollout with no call is the tool-less rollout, bit for bit.
+   (episodes.Rows.sync), and finished rows are dropped: the linears run on the B active rows
+   only; attention sees them in a Bp' x G' grid (under CUDA graphs the whole grid, every row in its
+   carved slot: the step's rows padded up to a graph's bucket, no graph captured again).
+5. A tool's turn (generate(episodes=...)): each row that called gets the tool's observation
+   (episodes.Rows.observe), fed into the row's own KV cache at its place by the decode forward,
+   several tokens a row (Decoder.feed); from the first turn on, each row decodes at its own index.
+   A plain row is an episode with no call: a rollout with no call is the tool-less rollout, bit
+   for bit.
 6. The result stays on the device as tensors: tokens, mask and logprobs (R, Tc), each row cut at
    its length. GRPO trains on them as they are; only the text for the rewards is decoded on the
    host (train.py).
 
 Leaves out: paged KV and continuous batching (a GRPO rollout is one static batch), speculative
 decoding, stop strings (stop ids only), prefix sharing across different prompts.
-CPU: the prompt part goes through SDPA's fused kernel, whose log-sum-exp then enters the own
-part's softmax as one more score: the same merge in fewer kernels
+CPU: in lockstep the prompt part goes through SDPA's flash kernel, whose log-sum-exp then enters
+the own part's softmax as one more score: the same merge in fewer kernels
 (decode.shared_prompt_attention_decode_cpu); float32 linears run on weights prepacked once per call
 for oneDNN (_prepacked_linears).
-CUDA: the decode step is a CUDA graph per layout of active rows (`cuda_graphs`); in bf16 / fp16 it
-is compiled first, and the draw beside it (`compile_decode`: torch.compile, once for every layout,
-its seconds in the stats' compile_seconds; engine/compiling.py), on q/k/v's and gate/up's weights stacked for
-the rollout (model.fused_projections: one matmul each); the private KV cache is bf16.
+CUDA: the decode step is a CUDA graph per bucket of active rows (`cuda_graphs`: 1, 2, 4, 8, then
+every 16, the rows padded up); in bf16 / fp16 it is compiled first, and the draw beside it
+(`compile_decode`: torch.compile, once for every grid and bucket,
+its seconds in the stats' compile_seconds; engine/compiling.py), on q/k/v's and gate/up's weights
+stacked for the rollout (model.fused_projections: one matmul each); the private KV cache is bf16.
 
-Shapes: Bp prompts, G samples per prompt, R = Bp*G rows, N active rows, S = Bp'*G' slots of the
-grid, P longest prompt, Tc completion length, C width, H/Hkv heads, D head dim, V vocab (V/tp when
-the lm_head is split by tensor parallelism), L layers.
+Shapes: Bp prompts, G rows per prompt (a group), R = Bp*G rows, B active rows, S = Bp'*G' slots of
+the grid, P longest prompt, Tc completion length, C width, H/Hkv heads, D head dim, V vocab (V/tp
+when the lm_head is split by tensor parallelism), L layers.
 Tested by tests/test_rollout.py and tests/test_episodes.py (multi-turn rows); benchmarked by
 tests/bench_rollout.py.
 """
@@ -60,12 +62,12 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
-from engine.decode import Decoder, KVCache  # noqa: F401 (rollout.KVCache: train.py, run/plan.py, memory's)
+from engine.decode import Decoder, KVCache
 from engine.episodes import Episodes, Rows
 from engine.compiling import CompiledStep, decide, dynamic
 from lora import LoRALinear
 from model import ModelConfig, causal_attention, fused_projections
-from engine.sampling import filter_logits, inverse_cdf, race_clocks, sample, sample_raced  # noqa: F401
+from engine import sampling
 
 # -----------------------------------------------------------------------------
 # Config and result
@@ -79,14 +81,14 @@ class RolloutConfig:
     temperature: float = 1.0        # 0 = greedy (evaluation only: GRPO needs distinct samples)
     top_k: int = 0                  # 0 = off
     top_p: float = 1.0              # 1 = off; keeps the smallest set of tokens whose mass reaches p
-    check_every: int = 8            # decode steps between the host syncs that drop finished rows
+    sync_every: int = 8             # decode steps between the host syncs that drop finished rows
     prefill_tokens: int = 2048      # padded prompt tokens per prefill forward (bounds activations)
     cuda_graphs: bool = True        # capture the decode step on CUDA (ignored on the CPU)
     compile_decode: str = "auto"    # bf16/fp16 step + draw compiled: auto (CUDA, big), true, false
     prepacked_linears: bool = True  # CPU, float32: linears via oneDNN, weights prepacked per call
 
     def __post_init__(self):
-        checks = dict(num_samples=1, max_new_tokens=0, top_k=0, check_every=1, prefill_tokens=1)
+        checks = dict(num_samples=1, max_new_tokens=0, top_k=0, sync_every=1, prefill_tokens=1)
         for name, low in checks.items():
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
@@ -110,8 +112,8 @@ class Rollout:
     stopped: Tensor      # (R,) bool; the row ends with a stop id (else it hit max_new_tokens)
     temperature: float   # the distribution the trainer scores them under (trl#4159)
     stats: dict = field(default_factory=dict)
-    policy: Tensor | None = None  # (R, Tc) bool; True on sampled tokens, False on a tool's
-                                  # observations (engine/episodes.py); None: every token was sampled
+    sampled: Tensor | None = None  # (R, Tc) bool; True on sampled tokens, False on a tool's
+                                   # observations (engine/episodes.py); None: all sampled
 
     def completions(self) -> list[list[int]]:
         """Each row's tokens as a Python list (one host copy): for decoding text and for tests."""
@@ -274,29 +276,31 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], cfg: RolloutConfi
             # 2. Fan out: each of the G rows of a prompt draws its own first token (logits_fn once
             # per prompt, then repeated).
             first = (logits_fn or _same)(logits).repeat_interleave(G, dim=0)  # (R, V')
-            rows = Rows.empty(new, len(prompts) * G, device)
-            rows.tokens[0], rows.logprobs[0] = sample(first, cfg.temperature, cfg.top_k,
-                                                      cfg.top_p, generator)
-            # 3-5. Decode, finished rows dropped, a tool's answers extended into their rows. A
+            rows = Rows.empty(len(prompts) * G, new, device)
+            rows.tokens[:, 0], rows.logprobs[:, 0] = sampling.draw(
+                first, cfg.temperature, cfg.top_k, cfg.top_p, generator)
+            # 3-5. Decode, finished rows dropped, a tool's observations fed into their rows. A
             # logits_fn is tensor parallelism's vocab gather: tp.py's layers run their collectives
             # in autograd Functions (mark_dirty), which torch.compile does not trace: eager.
             decoder = Decoder(model, views, lens, G, device.type == "cuda" and cfg.cuda_graphs,
                               decide(cfg.compile_decode, model) and logits_fn is None)
-            draw = Draw(cfg, generator, logits_fn or _same, decoder.compiled is not None)
+            compiled_draw = (CompiledStep(sampling.draw_raced, draw_structure)
+                             if decoder.compiled is not None else None)
+            draw = drawer(cfg, generator, logits_fn or _same, compiled_draw)
             with fused_projections(model, decoder.compiled is not None):  # 4 matmuls a layer
-                stats.update(_decode(decoder, rows, draw, stop_ids, cfg.check_every, episodes))
-        stats.update(_kv_and_compile_stats(views, decoder.compiled, draw.compiled))
+                stats.update(_decode(decoder, rows, draw, stop_ids, cfg.sync_every, episodes))
+        stats.update(_kv_and_compile_stats(views, decoder.compiled, compiled_draw))
     else:  # nothing to sample: every row is empty
-        rows = Rows.empty(0, len(prompts) * G, device)
+        rows = Rows.empty(len(prompts) * G, 0, device)
     # 6. Each row cut at its length, rows in the caller's prompt order; it stays on the device.
     rank = sorted(range(len(order)), key=order.__getitem__)  # each prompt's place in the sort
     where = [rank[i // G] * G + i % G for i in range(len(order) * G)]  # each row's sorted row
-    tokens, mask, logprobs, stopped, policy = rows.cut(where)
+    tokens, mask, logprobs, stopped, sampled = rows.cut(where)
     if episodes is not None:
         stats["calls"] = [rows.calls[r] for r in where]
     stats.update(new_tokens=sum(rows.length), seconds=time.perf_counter() - started)
     return Rollout(tokens, mask, logprobs, stopped, cfg.temperature, stats,
-                   policy if episodes is not None else None)
+                   sampled if episodes is not None else None)
 
 
 def _same(logits: Tensor) -> Tensor:
@@ -325,83 +329,75 @@ def draw_structure(logits: Tensor, temperature: float, top_k: int, top_p: float,
     return f"the draw{rows} at temperature {temperature}, top-k {top_k}, top-p {top_p}"
 
 
-class Draw:
-    """Logits to tokens and their logprobs, (rows, V') -> (rows,), (rows,): logits_fn, then
-    sampling.sample under the config's temperature, top-k and top-p. Beside a compiled decode step
-    the draw is compiled too (sampling.sample_raced: its elementwise work fused), its race's clocks
-    wound eagerly before it: a traced graph holds no torch.Generator."""
-
-    def __init__(self, cfg: RolloutConfig, generator: torch.Generator,
-                 logits_fn: Callable[[Tensor], Tensor], compiled: bool):
-        self.cfg, self.generator, self.logits_fn = cfg, generator, logits_fn
-        self.compiled = CompiledStep(sample_raced, draw_structure) if compiled else None
-
-    def __call__(self, logits: Tensor) -> tuple[Tensor, Tensor]:
-        logits = self.logits_fn(logits)
-        cfg = self.cfg
-        if self.compiled is None:
-            return sample(logits, cfg.temperature, cfg.top_k, cfg.top_p, self.generator)
-        clocks = tuple(dynamic(c, 0) for c in race_clocks(logits, cfg.temperature,
-                                                           self.generator))  # (N, .)
-        return self.compiled(dynamic(logits, 0), cfg.temperature, cfg.top_k, cfg.top_p, clocks)
+def drawer(cfg: RolloutConfig, generator: torch.Generator, logits_fn: Callable[[Tensor], Tensor],
+           compiled: CompiledStep | None) -> Callable[[Tensor], tuple[Tensor, Tensor]]:
+    """The draw: logits to tokens and their logprobs, (rows, V') -> (rows,), (rows,): logits_fn,
+    then sampling.draw under the config's temperature, top-k and top-p. Beside a compiled decode
+    step the draw is compiled too (`compiled`, of sampling.draw_raced: its elementwise work fused),
+    its race's clocks wound eagerly before it: a traced graph holds no torch.Generator."""
+    def draw(logits: Tensor) -> tuple[Tensor, Tensor]:
+        logits = logits_fn(logits)
+        if compiled is None:
+            return sampling.draw(logits, cfg.temperature, cfg.top_k, cfg.top_p, generator)
+        clocks = tuple(dynamic(c, 0) for c in sampling.race_clocks(logits, cfg.temperature,
+                                                                    generator))  # (B, .)
+        return compiled(dynamic(logits, 0), cfg.temperature, cfg.top_k, cfg.top_p, clocks)
+    return draw
 
 
 def _decode(decoder: Decoder, rows: Rows, draw: Callable[[Tensor], tuple[Tensor, Tensor]],
-            stop_ids: tuple[int, ...], check_every: int, episodes: Episodes | None) -> dict:
+            stop_ids: tuple[int, ...], sync_every: int, episodes: Episodes | None) -> dict:
     """Steps 3-5 of the module docstring, one loop for plain and multi-turn rows, filling rows in
     place: feed each active row its last token and draw its next, until every row has ended. The
-    check comes every check_every steps (on a CPU also as soon as a row draws a call: a check
-    costs no sync there, decoding past the call does). Returns the stats."""
+    sync comes every sync_every steps (on a CPU also as soon as a row draws a call: a sync
+    costs nothing there, decoding past the call does). Returns the stats."""
     device = rows.tokens.device
     calls = torch.tensor(episodes.call_ids if episodes else (), dtype=torch.long, device=device)
     ends = torch.cat([torch.tensor(stop_ids, dtype=torch.long, device=device), calls])
-    every = check_every if len(ends) else len(rows.tokens)  # nothing to look for: no check
+    every = sync_every if len(ends) else rows.tokens.shape[1]  # nothing to look for: no sync
     stop_at_calls = device.type == "cpu" and len(calls) > 0
-    tokens = rows.tokens[0].clone()  # (N,) each active row's last token
-    drew_end = torch.isin(tokens, ends)  # (N,) drew a call or a stop since the last check
+    tokens = rows.tokens[:, 0].clone()  # (B,) each active row's last token
+    drew_end = torch.isin(tokens, ends)  # (B,) drew a call or a stop since the last sync
     stats = dict(decode_steps=0, row_steps=0, compactions=0)
     if episodes:
         stats["tool_turns"] = 0
     while True:
-        # 1. Decode every active row up to the next check, within every row's budget.
-        active = decoder.layout.rows
+        # 1. Decode every active row up to the next sync, within every row's budget.
+        active = decoder.grid.rows
         steps = min(every - (stats["decode_steps"] + 1) % every, rows.budget(active))
         ran = 0
         for ran in range(1, steps + 1):
-            tokens, logprobs = draw(decoder.step(tokens))  # (N,)
-            rows.write(decoder.fed + 1, decoder.rows, tokens, logprobs)
+            tokens, logprobs = draw(decoder.decode(tokens))  # (B,)
+            rows.write(decoder.ids, decoder.index, tokens, logprobs)
             drew_end |= torch.isin(tokens, ends)
             if stop_at_calls and torch.isin(tokens, calls).any():
-                break  # a row called: on a CPU the check costs no sync, decoding past it does
+                break  # a row called: on a CPU the sync costs nothing, decoding past it does
         rows.moved_on(active, ran)
         stats["decode_steps"] += ran
         stats["row_steps"] += ran * len(active)
-        # 2. The check (the only host sync): logits that held NaN or inf stop the rollout; each
+        # 2. The sync (the only host sync): logits that held NaN or inf stop the rollout; each
         # row that drew a call or a stop is cut after it.
         bad = rows.first_nan(active)
         if bad is not None:
             raise NonFiniteLogits(bad)
-        waiting = rows.check(active, drew_end.nonzero()[:, 0].tolist(), stop_ids, episodes)
+        waiting = rows.sync(active, drew_end.nonzero()[:, 0].tolist(), stop_ids, episodes)
         # 3. The tool answers the rows that called.
-        feeds = rows.answer(waiting, episodes, decoder.model.config.vocab_size) if waiting else []
-        # 4. Ended rows leave. A CUDA graph's re-capture costs about a step: while the rows
-        # replay one (in lockstep, no tool turn), they leave once 1/8 of them have ended.
+        feeds = rows.observe(waiting, episodes, decoder.model.config.vocab_size) if waiting else []
+        # 4. Ended rows leave (under CUDA graphs the step's rows are padded up to the graph's
+        # bucket: no graph is captured again).
         keep = [i for i, r in enumerate(active) if not rows.ended[r]]
         if not keep:
             break
-        graph = decoder.graphed and decoder.lockstep and not waiting
-        if len(keep) < len(active) and not (graph and len(keep) > len(active) * 7 // 8):
+        if len(keep) < len(active):
             decoder.drop(keep, filled=max(rows.length[active[i]] for i in keep) - 1)
             tokens = tokens[torch.tensor(keep, device=device)]
             stats["compactions"] += 1
         drew_end = torch.zeros_like(tokens, dtype=torch.bool)
-        # 5. The answered rows are extended and draw their next token.
+        # 5. The answered rows are fed their observations and draw their next token.
         if feeds:
-            tokens, drew_end = _extend(decoder, rows, feeds, tokens, draw, ends)
+            tokens, drew_end = _feed(decoder, rows, feeds, tokens, draw, ends)
             stats["tool_turns"] += len(feeds)
             stats["row_steps"] += len(feeds)
-        if not decoder.lockstep:  # each row goes on from its own last token
-            decoder.seek([rows.length[r] - 1 for r in decoder.layout.rows])
     return stats
 
 
@@ -417,20 +413,20 @@ class NonFiniteLogits(RuntimeError):
         self.step = step
 
 
-def _extend(decoder: Decoder, rows: Rows, feeds: list[tuple[int, list[int], int]],
-            tokens: Tensor, draw: Callable, ends: Tensor) -> tuple[Tensor, Tensor]:
-    """Step 5: each answered row's [call token; observation] prefilled into its own cache at its
-    place (Decoder.extend), and its next token drawn from the last one's logits. tokens (N,) each
-    active row's last token -> the same with the answered rows' drawn ones, and which drew a
-    call or a stop."""
+def _feed(decoder: Decoder, rows: Rows, feeds: list[tuple[int, list[int], int]],
+          tokens: Tensor, draw: Callable, ends: Tensor) -> tuple[Tensor, Tensor]:
+    """Step 5: each answered row's [call token; observation] fed into its own cache at its place
+    (Decoder.feed: the decode forward, several tokens a row), and its next token drawn from the
+    last one's logits. tokens (B,) each active row's last token -> the same with the answered
+    rows' drawn ones, and which drew a call or a stop."""
     device = tokens.device
-    place = {r: i for i, r in enumerate(decoder.layout.rows)}
+    place = {r: i for i, r in enumerate(decoder.grid.rows)}
     answered = [r for r, _, _ in feeds]
     picks = [place[r] for r in answered]  # each answered row's place among the active
-    logits = decoder.extend(picks, [f for _, f, _ in feeds], [j for _, _, j in feeds])
+    logits = decoder.feed(picks, [f for _, f, _ in feeds], [j for _, _, j in feeds])
     drawn, logprobs = draw(logits)  # (k,)
     at = torch.tensor([rows.length[r] for r in answered], device=device)
-    rows.write(at, torch.tensor(answered, device=device), drawn, logprobs)
+    rows.write(torch.tensor(answered, device=device), at, drawn, logprobs)
     rows.moved_on(answered, 1)
     places = torch.tensor(picks, device=device)  # (k,)
     drew_end = torch.zeros_like(tokens, dtype=torch.bool).index_copy_(0, places,

@@ -58,6 +58,7 @@ import tools
 import tp
 from engine import compiling, packing, precision
 from engine import tokenizer as tk
+from engine.decode import KVCache
 from engine.hf import load_config, load_generation_config, load_model, save_model, stop_token_ids
 from model import Llama, ModelConfig
 from run import checkpoint, cli, plan, plot, report
@@ -345,7 +346,7 @@ class Run:
     reference: Llama | None          # the initial policy, when beta > 0
     optimizer: torch.optim.Optimizer
     mem: memory.PhaseManager
-    cache: rollout.KVCache
+    cache: KVCache
     start: int = 0                   # steps done before this process (a resumed run)
     opt_step: int = 0
     health: report.Health | None = None  # steps in a row that went nowhere
@@ -414,7 +415,7 @@ def setup(values: dict[str, object]) -> Run:
     if resume_dir:
         start = checkpoint.load_checkpoint(resume_dir, optimizer, ranks.tp_rank, ranks.tp_size)
     local_prompts = cfg.prompts_per_step // ranks.dp_size
-    cache = rollout.KVCache.for_batch(model.config, local_prompts, cfgs.rollout.num_samples,
+    cache = KVCache.for_batch(model.config, local_prompts, cfgs.rollout.num_samples,
                                       cfg.max_prompt_len, cfgs.rollout.max_new_tokens,
                                       next(sampler.parameters()).dtype, device,
                                       tp_size=ranks.tp_size)
@@ -506,7 +507,7 @@ def completion_texts(run: Run, out: rollout.Rollout, responder: tools.Responder 
     note = run.tools.dropped_note()
     if note and run.rank == 0:
         print(note, flush=True)
-    own = out.policy.tolist() if out.policy is not None else [[True] * len(x) for x in ids]
+    own = out.sampled.tolist() if out.sampled is not None else [[True] * len(x) for x in ids]
     return responder.completions(texts, ids, stopped, own)
 
 # -----------------------------------------------------------------------------

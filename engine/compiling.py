@@ -10,12 +10,12 @@ into fused kernels, then captured in a CUDA graph that replays all of them in on
   attention merge become a few kernels around the matmuls and the attention kernels. Its
   batch-like dims (active rows, the grid's groups and slots, the prompt and completion lengths)
   are marked dynamic (`dynamic`), every other dim is the number it is (heads, head dim, width,
-  vocabulary: inductor specialises on them), so one compile serves every layout of active rows
-  and every batch a process meets: a layout is a new CUDA graph, not a new compile (a static
-  compile per layout would compile again at every compaction and at every new longest prompt,
+  vocabulary: inductor specialises on them), so one compile serves every grid of active rows
+  and every batch a process meets: a grid is a new CUDA graph, not a new compile (a static
+  compile per grid would compile again at every compaction and at every new longest prompt,
   and a compile takes seconds, several on a CPU with a warm cache, where a decode step takes
   milliseconds). What may compile again is a different structure:
-  rows scattered into a grid with empty slots (Layout.slots), the longest prompt gone (its K/V
+  rows scattered into a grid with empty slots (Grid.scatter), the longest prompt gone (its K/V
   views no longer whole), prompts with and without padding, a dim of size 1 (torch specializes
   0 and 1): tests/test_graphs.py meets four structures in one rollout. It counts its compiles and
   the seconds they took; torch's caches (FX graph, AOT) make a later process's compile cheaper.
@@ -23,9 +23,9 @@ into fused kernels, then captured in a CUDA graph that replays all of them in on
   `unsupported`), the step runs eagerly and one line says so, once a process; where it refuses
   one structure of one compiled function (no C++ compiler or Triton, a lowering it lacks), that
   structure runs eagerly, one line each (REFUSED), and the rest compiles as before.
-- GraphedStep: a CUDA graph of step(tokens) -> logits for one layout: warm up (the compile, if
-  any, happens there) on a side stream, capture, replay.
-rollout.py compiles the draw beside a compiled step (sampling.sample_raced: the logits' float32
+- GraphedStep: a CUDA graph of step(inputs) -> logits for one bucket of rows: warm up (the
+  compile, if any, happens there) on a side stream, capture, replay.
+rollout.py compiles the draw beside a compiled step (sampling.draw_raced: the logits' float32
 copy, softmax, the race's reductions fused), outside the graph: the race's clocks come from the
 rollout's torch.Generator, which a traced graph cannot hold, so they are wound eagerly before it.
 
@@ -54,7 +54,7 @@ compile caches kept across runs, and the seconds a step spent compiling.
 - compile_seconds: this process's compile time so far as dynamo measures it (each frame's trace
   and backend compile, each backward graph's at its first backward); train.py reports each step's.
 
-Leaves out: what the decode step computes (engine/decode.py), when a layout changes (rollout.py);
+Leaves out: what the decode step computes (engine/decode.py), when the grid changes (rollout.py);
 compiling the embedding, the head and the chunked logprobs, or the optimizer; tensor
 parallelism's blocks (their collectives sit inside the regions); CUDA graphs of the training step.
 Shapes: B rows, T tokens, C width, H/Hkv heads, D head dim.
@@ -79,8 +79,8 @@ from model import Block
 
 def compile_settings() -> contextlib.ExitStack:
     """torch's settings while a step compiles (read when it traces): no equalities between sizes
-    that happen to be equal then (torch's "duck shapes": the first layout's rows equal the cache's
-    slots, its longest prompt the carved one: a later layout would fail those guards and compile
+    that happen to be equal then (torch's "duck shapes": the first grid's rows equal the cache's
+    slots, its longest prompt the carved one: a later grid would fail those guards and compile
     again), and room for the structures of the module docstring (torch's limit, 8, would run the
     ninth eagerly for the rest of the process)."""
     from torch.fx.experimental import _config as shapes
@@ -115,7 +115,7 @@ def decide(setting: str, model: torch.nn.Module, device: str = "") -> bool:
 
 
 # The compiled paths (this decode step, engine/compiling.py's block regions) need this torch or newer:
-# torch 2.5 compiles the step again for every layout of active rows (it guards the sizes of the
+# torch 2.5 compiles the step again for every grid of active rows (it guards the sizes of the
 # tensors the step reaches through the decoder) and the regions again for every layer, and 2.6
 # compiles the regions again at a packed length that one of inductor's patterns guarded.
 MIN_TORCH = (2, 7)
@@ -163,7 +163,7 @@ def say_once(line: str) -> None:
 
 
 class CompiledStep:
-    """fn compiled once for all layouts (module docstring), called like fn. `compiles` and
+    """fn compiled once for all grids (module docstring), called like fn. `compiles` and
     `seconds`: the graphs compiled during its calls and the wall clock of those calls.
     structure(*args) -> a few words naming what a compile of these arguments specialises on
     besides the sizes marked dynamic (decode.Decoder.structure); a structure torch refuses runs
@@ -171,7 +171,6 @@ class CompiledStep:
 
     def __init__(self, fn: Callable, structure: Callable[..., str] | None = None):
         self.fn = fn
-        self.name = fn.__qualname__
         self.structure = structure or (lambda *args: "every call")
         self.compiles = 0
         self.seconds = 0.0
@@ -186,7 +185,7 @@ class CompiledStep:
     def __call__(self, *args):
         if self.compiled is None:
             return self.fn(*args)
-        key = (self.name, self.structure(*args))
+        key = (self.fn.__qualname__, self.structure(*args))
         if key in REFUSED:
             return self.fn(*args)
         before = graphs_compiled()
@@ -212,22 +211,24 @@ class CompiledStep:
 
 
 class GraphedStep:
-    """A CUDA graph of `step(tokens) -> logits` for one layout: warm up on a side stream, capture,
-    replay. Replaying a step that already ran is harmless: it rewrites the same K/V."""
+    """A CUDA graph of `step(*inputs) -> logits` for inputs of one shape (a bucket of rows): warm
+    up on a side stream, capture on copies of the inputs, replay with new values copied in.
+    Replaying a step that already ran is harmless: it rewrites the same K/V."""
 
-    def __init__(self, step: Callable[[Tensor], Tensor], tokens: Tensor):
-        self.tokens = tokens.clone()
+    def __init__(self, step: Callable[..., Tensor], *inputs: Tensor):
+        self.inputs = [x.clone() for x in inputs]
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            step(self.tokens)
+            step(*self.inputs)
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            self.logits = step(self.tokens)
+            self.logits = step(*self.inputs)
 
-    def __call__(self, tokens: Tensor) -> Tensor:
-        self.tokens.copy_(tokens)
+    def __call__(self, *inputs: Tensor) -> Tensor:
+        for mine, x in zip(self.inputs, inputs):
+            mine.copy_(x)
         self.graph.replay()
         return self.logits
 

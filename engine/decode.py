@@ -1,35 +1,47 @@
 """
-The decode step of the sampler: the KV cache, attention to a prompt shared by a group of rows plus
-each row's own keys, the rows that leave, and (for a tool's answer) a row extended in place.
+The decode state of the sampler: the KV cache, each active row's state, and the one forward that
+feeds rows new tokens (one each at a decode step, several at a tool's observation) against a
+prompt shared by a group of rows plus each row's own keys.
 
 - KVCache: one flat preallocated buffer (memory.py frees and re-creates it whole), carved per call
   into the shared prompt K/V (Bp, Hkv, P, D) and each row's completion K/V (R, Hkv, Tc, D).
-- DecodeAttention: each row writes its key at its own completion index and attends to its group's
-  prompt keys plus its own (shared-prompt attention, engine/attention.py: the prompt part, the G rows of
-  a group folded against the one prompt K/V, and the own part, merged by log-sum-exp). Active rows
-  sit in a grid of Bp' groups x G' slots (Layout). On the CPU, groups run in buckets of like
-  prompt lengths through SDPA's fused kernel (shared_prompt_attention_decode_cpu); on CUDA the
-  step is a CUDA graph per layout (compiling.GraphedStep), and in bf16 both parts run in SDPA's
-  memory-efficient kernel, which reads the bf16 cache as it is
-  (shared_prompt_attention_decode_cuda: no float32 copy of the KV, float32 accumulation inside
-  the kernel). Float32 elsewhere: attention.shared_prompt_attention, the plain ops.
-- Decoder: the step over the active rows (model.hidden with the attention hook), each row's
-  completion index (one for all in lockstep, each row's own after a tool turn), the dropping of
-  finished ones, and extend(): a tool's observation prefilled into a row's own cache at its
-  position (ExtendAttention), rows then at their own lengths (engine/episodes.py). On the kernel route
-  (bf16 / fp16 on CUDA) the step is compiled by torch.compile (compiling.CompiledStep: norms, RoPE,
-  the cache writes, residual adds, SwiGLU's product and the merge fused; counted on the CPU, 15
-  launches a layer where the eager step runs 45: tests/bench_rollout.py --kernels), then captured
-  per layout as above; float32 stays the plain exact eager step.
+- Decoder: one state per active row, on the device: its id (its group: id // G), the position of
+  its completion index 0 and the index it feeds next, always per row (lockstep is equal values);
+  live or done is the decode loop's ledger (engine/episodes.py), which drops the done rows
+  (Decoder.drop: the survivors' K/V moved to the front). Its forward feeds B rows T tokens each:
+  each layer writes the new keys and values at the rows' own indices, then attends through one
+  entry (Decoder.attention) whose route is picked once per call: the rows sit in a grid of Bp'
+  groups x G' slots (Grid), the G' rows of a group folded against the one prompt K/V
+  (shared-prompt attention, engine/attention.py: a prompt part and an own part merged by
+  log-sum-exp). Routes: on the CPU in lockstep, SDPA's flash kernel in buckets of like prompt
+  lengths (shared_prompt_attention_decode_cpu: a short prompt's padding is not read); on CUDA in
+  bf16 / fp16, SDPA's memory-efficient kernel for both parts, reading the bf16 cache as it is
+  (shared_prompt_attention_decode_cuda), each row's own keys under its bias; else, and for rows
+  apart (after a tool turn) or fed several tokens, attention.shared_prompt_attention's plain
+  float32 ops under each row's mask.
+- A tool's observation (Decoder.feed) is the same forward over the answered rows, on their own grid,
+  several tokens a row: no earlier token is recomputed, and from then on each row feeds at its own
+  index.
+- On the kernel route the lockstep step is compiled by torch.compile (compiling.CompiledStep:
+  norms, RoPE, the cache writes, residual adds, SwiGLU's product and the merge fused; counted on
+  the CPU by tests/bench_rollout.py --kernels); float32 stays the plain exact eager step. On CUDA
+  the lockstep step is captured in a CUDA graph per bucket of rows (`bucket`: 1, 2, 4, 8, then
+  every 16; compiling.GraphedStep), the rows padded up to it, never captured again as rows drop:
+  a graphed decoder's grid is whole (every row in the slot it was carved in, nothing moved at a
+  drop), so a graph's shapes are its bucket's; what it costs: attention keeps reading every
+  prompt and every row's own keys (masked) after rows drop, where the eager grid shrinks.
 
 Leaves out: sampling (engine/sampling.py), the prefill and the loop (rollout.py), which rows end and
-what a tool answers (engine/episodes.py), compiling and capturing a step (engine/compiling.py).
-Shapes: Bp prompts, G samples per prompt, R = Bp*G rows, N active rows, S = Bp'*G' slots of the
-grid, P longest prompt, Tc completion length, H/Hkv heads, D head dim, V vocab.
+what a tool answers (engine/episodes.py), compiling and capturing a step (engine/compiling.py);
+paged KV.
+Shapes: Bp prompts, G rows per prompt (a group), R = Bp*G rows, B active rows (the forward's), T new
+tokens a row, S = Bp'*G' slots of the grid, P longest prompt, Tc completion length, H/Hkv heads,
+D head dim, V vocab.
 Tested by tests/test_rollout.py, tests/test_episodes.py and tests/test_graphs.py (the compiled
 step).
 """
 
+import dataclasses
 import itertools
 import math
 from collections import Counter
@@ -107,28 +119,65 @@ class KVCache:
 
 
 @dataclass
-class Layout:
-    """Where the N active rows sit. Shared-prompt attention wants G' query rows per group; once
+class Grid:
+    """Where B rows sit for attention. Shared-prompt attention wants G' query rows per group; once
     rows finish, groups hold different counts, so attention sees the rows scattered into a grid of
-    Bp' groups x G' slots (G' = the largest count); empty slots compute garbage that nobody
-    reads."""
-    rows: list[int]          # global row id (prompt * G + sample) of each active row, ascending
-    groups: list[int]        # the prompt of each of the Bp' groups
-    group_size: int          # G'
-    slots: list[int]         # slot of each active row in the grid
-    prompt_len: int          # longest prompt among the groups
+    Bp' groups x G' slots (G' the largest count); empty slots compute garbage nobody reads. The
+    decode step's grid reads the first Bp' prompt views and the first S cache rows (Decoder.drop
+    moves the survivors' K/V there; a graphed decoder's grid is whole: every prompt's G slots, each
+    row in the one it was carved in); a feed's grid (the rows a tool answered) reads its groups'
+    prompt views and its rows' cache rows by index (`reads`)."""
+    rows: list[int]               # each row's global id (prompt * G + sample), ascending
+    groups: list[int]             # the prompt of each of the Bp' groups
+    slots: list[int]              # each row's slot in the grid (group * G' + j)
+    scatter: Tensor | None        # (B,) the slots; None: row i sits in slot i (no scatter)
+    occupied: Tensor              # (S,) bool: S as a tensor's dim (a compiled step's, dynamic)
+    prompt_valid: Tensor          # (Bp', P') bool; False on a prompt's padding
+    prompt_bias: Tensor | None    # (Bp', 1, 1, P') 0 / -inf, rows 16-aligned; None: no padding
+    buckets: list[tuple]          # the CPU's runs of like prompt lengths: (first, stop, keys, bias)
+    reads: tuple[Tensor, Tensor] | None = None  # a feed's: its groups' prompt views (Bp',), its
+                                                # rows' cache rows (B,); None: the leading ones
 
     @classmethod
-    def of(cls, rows: list[int], G: int, prompt_lens: list[int]) -> "Layout":
+    def of(cls, rows: list[int], G: int, prompt_lens: Tensor, dtype: torch.dtype,
+           within: "Grid | None" = None, whole: bool = False) -> "Grid":
+        """The grid of `rows` (ascending); within: the decode grid a feed's rows sit in; whole:
+        every prompt's G slots, each row in its own (row r in slot r: the cache as carved)."""
         counts = Counter(r // G for r in rows)  # in order of first appearance: prompt-major rows
-        group_size = max(counts.values())
-        slots = [i * group_size + j for i, n in enumerate(counts.values()) for j in range(n)]
-        prompt_len = max(prompt_lens[p] for p in counts)
-        return cls(rows, list(counts), group_size, slots, prompt_len)
+        size = G if whole else max(counts.values())
+        slots = rows if whole else [i * size + j for i, n in enumerate(counts.values())
+                                    for j in range(n)]
+        groups = list(range(len(prompt_lens))) if whole else list(counts)
+        S = len(groups) * size
+        device = prompt_lens.device
+        scatter = None if slots == list(range(S)) else torch.tensor(slots, device=device)
+        occupied = torch.zeros(S, dtype=torch.bool, device=device)
+        occupied[slots] = True
+        lens = prompt_lens[groups]  # (Bp',) longest first: generate() sorts the prompts
+        lens_list = lens.tolist()
+        prompt_valid = torch.arange(max(lens_list), device=device) < lens[:, None]
+        bias = None  # no padding: the fused kernels skip their mask
+        if not prompt_valid.all():  # rows 16-aligned: efficient_attention's kernel wants it
+            bias = padding_bias(prompt_valid, dtype, align=16)
+        # Each bucket's slice of the mask, or None where its prompts fill all its keys.
+        buckets = [(first, stop, keys, None if bias is None or min(lens_list[first:stop]) == keys
+                    else bias[first:stop, ..., :keys])
+                   for first, stop, keys in length_buckets(lens_list)]
+        reads = None
+        if within is not None:
+            group_of = {p: i for i, p in enumerate(within.groups)}
+            slot_of = dict(zip(within.rows, within.slots))
+            reads = (torch.tensor([group_of[p] for p in groups], device=device),
+                     torch.tensor([slot_of[r] for r in rows], device=device))
+        return cls(rows, groups, slots, scatter, occupied, prompt_valid, bias, buckets, reads)
+
+    def place(self, x: Tensor, fill: int = 0) -> Tensor:
+        """(B, ...) rows -> (S, ...) the grid: row i at its slot, `fill` in the empty ones."""
+        return x if self.scatter is None else to_grid(x, self.scatter, self.occupied.shape[0], fill)
 
 
 def to_grid(x: Tensor, slots: Tensor, num_slots: int, fill: int = 0) -> Tensor:
-    """(N, ...) active rows -> (S, ...) the grid: row i at slots[i], `fill` in the empty slots.
+    """(B, ...) active rows -> (S, ...) the grid: row i at slots[i], `fill` in the empty slots.
     Its inverse is x.index_select(0, slots)."""
     return x.new_full((num_slots, *x.shape[1:]), fill).index_copy_(0, slots, x)
 
@@ -192,7 +241,7 @@ def efficient_attention(q: Tensor, k: Tensor, v: Tensor,
     """SDPA's memory-efficient CUDA kernel with its log-sum-exp: q (B, Hkv, M, D), k/v
     (B, Hkv, S, D) of one dtype, bias (B or 1, 1, 1, S) 0 / -inf in it or None -> out
     (B, Hkv, M, D), lse (B, Hkv, M) float32. The kernel wants each bias row at a 16-element
-    aligned stride (DecodeAttention.set_layout allocates it so) and pads its lse to a multiple of
+    aligned stride (Grid.of and the own bias are allocated so) and pads its lse to a multiple of
     32 queries."""
     B, H, M, _ = q.shape
     if bias is not None:
@@ -202,7 +251,7 @@ def efficient_attention(q: Tensor, k: Tensor, v: Tensor,
 
 
 def kernel_for(device: torch.device, dtype: torch.dtype, head_dim: int) -> Callable | None:
-    """The fused kernel DecodeAttention's step runs both parts through, or None:
+    """The fused kernel the decode step runs both parts through (the kernel route), or None:
     attention.shared_prompt_attention in plain float32 ops. SDPA's memory-efficient kernel on CUDA
     in bf16 / fp16, for head dims it takes (multiples of 8); float32 keeps the plain ops (the
     engine's exact path: the logits equal transformers')."""
@@ -248,316 +297,286 @@ def shared_prompt_attention_decode_cuda(q: Tensor, k: Tensor, v: Tensor, own_bia
     return y
 
 
-class DecodeAttention:
-    """Writes the step's K/V into each row's completion KV (position `step`) and attends to the
-    shared prompt KV plus the row's own keys. Every per-step input is a tensor, so a CUDA graph can
-    replay it; `own_len` (keys attended per row) is None under a graph or a compile (all Tc slots,
-    masked: no Python number a compiled step would guard on), and the step + 1 written ones in
-    eager mode. The dims that vary with the batch and the layout are marked for a compiled step
-    (compiling.dynamic): the rows, groups, slots, prompt and completion lengths, never the model's."""
-
-    def __init__(self, views: tuple[list[Tensor], ...], step: Tensor, completion_len: int):
-        self.prompt_k, self.prompt_v, self.own_k, self.own_v = views
-        self.step = step  # (1,) long: the completion index of the token being fed
-        self.own_len: int | None = None
-        self.key_positions = torch.arange(completion_len, device=step.device)
-        self.kernel = kernel_for(step.device, self.own_k[0].dtype, self.own_k[0].shape[-1])
-        self.fused = self.kernel is None and step.device.type == "cpu" and _CPU_FLASH is not None
-        self.own_bias: Tensor | None = None  # the step's own-key mask, made by layer 0
-        self.layout: Layout | None = None
-        self.row_pos: Tensor | None = None  # (N,) each row's own index, once rows differ (tools)
-
-    def set_layout(self, layout: Layout, prompt_lens: Tensor, filled: int = 0) -> None:
-        """Switch to a new layout; move the surviving prompts' KV to the front of the prompt views
-        and the surviving rows' `filled` completion KV positions to their new slots (via
-        temporaries: they overlap)."""
-        device = self.step.device
-        old = self.layout
-        Bp = len(layout.groups)
-        P = layout.prompt_len
-        if old is not None:
-            group_of = {p: i for i, p in enumerate(old.groups)}
-            slot_of = dict(zip(old.rows, old.slots))
-            old_groups = torch.tensor([group_of[p] for p in layout.groups], device=device)
-            old_slots = torch.tensor([slot_of[r] for r in layout.rows], device=device)
-            new_slots = torch.tensor(layout.slots, device=device)
-            for x in self.prompt_k + self.prompt_v:
-                x[:Bp, :, :P] = x[:len(old.groups), :, :P].index_select(0, old_groups)
-            for x in self.own_k + self.own_v:
-                old_part = x[:len(old.groups) * old.group_size, :, :filled]
-                moved = old_part.index_select(0, old_slots)
-                x[:Bp * layout.group_size, :, :filled].index_copy_(0, new_slots, moved)
-        self.layout = layout
-        self.num_slots = Bp * layout.group_size
-        identity = layout.slots == list(range(self.num_slots))  # no empty slots: no scatter/gather
-        self.slots = None if identity else torch.tensor(layout.slots, device=device)
-        # (S,) the slots that hold a row: S as a tensor's dim, which a compiled step keeps dynamic
-        # (the int num_slots would be guarded: a compile per layout)
-        self.occupied = torch.zeros(self.num_slots, dtype=torch.bool, device=device)
-        self.occupied[layout.slots] = True
-        lens = prompt_lens[layout.groups]  # (Bp',) longest first: generate() sorts the prompts
-        lens_list = lens.tolist()
-        self.buckets = length_buckets(lens_list)
-        self.prompt_valid = torch.arange(P, device=device) < lens[:, None]
-        self.prompt_bias = None  # no padding: the fused kernel skips its mask
-        if not self.prompt_valid.all():  # rows 16-aligned: efficient_attention's kernel wants it
-            self.prompt_bias = padding_bias(self.prompt_valid, self.prompt_k[0].dtype, align=16)
-        # Each bucket's slice of the mask, or None where its prompts fill all its keys.
-        self.bucket_bias = [None if self.prompt_bias is None or min(lens_list[first:stop]) == keys
-                            else self.prompt_bias[first:stop, ..., :keys]
-                            for first, stop, keys in self.buckets]
-
-    def mark_dynamic(self) -> None:
-        """Mark the dims a compiled step keeps dynamic (compiling.dynamic): the cache views' rows and
-        lengths (Bp, ., P, .) and (Bp*G, ., Tc, .), this batch's, and the layout's tensors."""
-        for x in self.prompt_k + self.prompt_v + self.own_k + self.own_v:
-            dynamic(x, 0, 2)
-        dynamic(self.key_positions, 0)
-        for x, dims in ((self.slots, (0,)), (self.occupied, (0,)), (self.prompt_valid, (0, 1)),
-                        (self.prompt_bias, (0, 3))):
-            if x is not None:
-                dynamic(x, *dims)
-
-    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        S = self.occupied.shape[0]
-        if self.slots is not None:  # scatter the N rows into the grid; empty slots get zeros
-            q, k, v = (to_grid(x, self.slots, S) for x in (q, k, v))  # (S, H|Hkv, 1, D)
-        own_k = self.own_k[layer][:S]
-        own_v = self.own_v[layer][:S]
-        # The layout's groups and longest prompt as a tensor's shape: dims a compiled step keeps
-        # dynamic (Python ints and list lengths would be guarded: a compile per layout).
-        Bp, P = self.prompt_valid.shape
-        prompt_k = self.prompt_k[layer][:Bp, :, :P]
-        prompt_v = self.prompt_v[layer][:Bp, :, :P]
-        if self.row_pos is not None:  # rows at their own lengths (a tool turn moved some on)
-            every = torch.arange(S, device=q.device)
-            own_k[every, :, self.slot_pos] = k[:, :, 0].to(own_k.dtype)  # each at its own index
-            own_v[every, :, self.slot_pos] = v[:, :, 0].to(own_v.dtype)
-            y = shared_prompt_attention(q, own_k[:, :, :self.own_len], own_v[:, :, :self.own_len],
-                                        self.slot_allowed, prompt_k, prompt_v, self.prompt_valid)
-            return self._gather(y)
-        if self.fused and q.dtype == own_k.dtype:
-            # Eager CPU: write at a Python index, attend to the written keys only, and to each
-            # bucket's prompt keys only (a short prompt's padding is not read).
-            t = self.own_len - 1
-            own_k[:, :, t:t + 1] = k
-            own_v[:, :, t:t + 1] = v
-            G = self.layout.group_size
-            parts = []
-            for (first, stop, keys), bias in zip(self.buckets, self.bucket_bias):
-                slots = slice(first * G, stop * G)
-                parts.append(shared_prompt_attention_decode_cpu(
-                    q[slots], own_k[slots, :, :t + 1], own_v[slots, :, :t + 1],
-                    prompt_k[first:stop, :, :keys], prompt_v[first:stop, :, :keys], bias))
-            return self._gather(torch.cat(parts) if len(parts) > 1 else parts[0])
-        own_k.index_copy_(2, self.step, k.to(own_k.dtype))  # a tensor index: a graph replays it
-        own_v.index_copy_(2, self.step, v.to(own_v.dtype))
-        own_k = own_k[:, :, :self.own_len]  # (S, Hkv, Tc or t+1, D)
-        own_v = own_v[:, :, :self.own_len]
-        if self.kernel is not None and q.dtype == own_k.dtype:
-            if layer == 0:  # one mask for every layer: 0 up to `step`, -inf after (1, 1, 1, T)
-                unwritten = self.key_positions[:self.own_len] > self.step
-                bias = torch.zeros(unwritten.shape, dtype=q.dtype, device=q.device)
-                self.own_bias = bias.masked_fill_(unwritten, float("-inf"))[None, None, None]
-            y = shared_prompt_attention_decode_cuda(q, own_k, own_v, self.own_bias, prompt_k,
-                                                    prompt_v, self.prompt_bias, self.kernel)
-            return self._gather(y)
-        own_allowed = (self.key_positions[:self.own_len] <= self.step)[None, None]  # (1, 1, Tc)
-        y = shared_prompt_attention(q, own_k, own_v, own_allowed, prompt_k, prompt_v,
-                                    self.prompt_valid)
-        return self._gather(y)
-
-    def at_positions(self, row_pos: Tensor, own_len: int) -> None:
-        """Rows at their own lengths (after a tool turn, Decoder.seek): active row i writes its
-        key at its own index row_pos[i] (N,) and attends to its own keys up to it; own_len =
-        max(row_pos) + 1. The grid's positions and own-key mask, once per step for every layer."""
-        self.row_pos = row_pos
-        self.own_len = own_len
-        self.slot_pos = (row_pos if self.slots is None
-                         else to_grid(row_pos, self.slots, self.num_slots))  # (S,); empty: 0
-        self.slot_allowed = self.key_positions[:own_len] <= self.slot_pos[:, None, None]
-
-    def _gather(self, y: Tensor) -> Tensor:
-        if self.slots is None:
-            return y
-        return y.index_select(0, self.slots)  # (S, H, 1, D) -> (N, H, 1, D)
+def bucket(rows: int) -> int:
+    """The rows a CUDA graph of the step is captured for: 1, 2, 4, 8, then every 16."""
+    return 1 << (rows - 1).bit_length() if rows <= 8 else -(-rows // 16) * 16
 
 
 class Decoder:
-    """The decode step over the active rows, and the dropping of finished ones. It owns the state
-    the steps share: which rows are active (`rows`, global ids), the attention's layout, each row's
-    first position and completion index (`t`, every row's in lockstep; `at`, each row's own after
-    a tool turn), the compiled step and the CUDA graph of the current layout. `compiled`: the
-    step through torch.compile (compiling.CompiledStep) where the attention takes the kernel route
-    (bf16 / fp16 on CUDA); float32 stays the plain exact eager one."""
+    """The decode state over the active rows and its one forward. Each active row holds one state,
+    on the device: its global id (`ids`; its group is id // G), the position of its completion
+    index 0 (`first`: its prompt's length) and the completion index it feeds next (`index`):
+    always per row, equal values while the rows run in lockstep (no tool turn yet: `apart` False).
+    Where the rows sit for attention is `grid`.
+    `compiled`: the step through torch.compile (compiling.CompiledStep) where the attention takes
+    the kernel route (bf16 / fp16 on CUDA); float32 stays the plain exact eager one. `graphs`
+    (None: no graphs): the lockstep step's CUDA graphs, one per bucket of rows (1, 2, 4, 8, then
+    every 16), the rows padded up to it and never captured again as rows drop: a graphed
+    decoder's grid is whole (every row in the slot it was carved in), so a drop moves no K/V."""
 
     def __init__(self, model: torch.nn.Module, views: tuple[list[Tensor], ...],
                  prompt_lens: list[int], G: int, graphed: bool, compiled: bool = False):
-        device = views[0][0].device
-        self.model = model
-        self.prompt_lens = prompt_lens
-        self.G = G
-        self.lens = torch.tensor(prompt_lens, device=device)
-        self.step_index = torch.zeros(1, dtype=torch.long, device=device)
-        completion_len = views[2][0].shape[2]
-        self.attention = DecodeAttention(views, self.step_index, completion_len)
-        self.layout = Layout.of(list(range(len(prompt_lens) * G)), G, prompt_lens)
-        self.attention.set_layout(self.layout, self.lens)
-        self.rows = torch.arange(len(prompt_lens) * G, device=device)  # (N,)
-        self.first_position = self.lens[self.rows // G][:, None]  # (N, 1)
-        self.lockstep = True  # every active row at one index, t: no tool turn yet (extend)
-        self.t = 0  # the index the next step feeds: every row's in lockstep, else the furthest's
-        self.at: Tensor | None = None  # (N,) each row's own next index once rows differ (seek)
-        self.fed = self.step_index  # (1,) or (N,): where the last step fed each row
-        self.graphed = graphed
-        self.graph: GraphedStep | None = None
-        self.marked = False  # the layout's dims marked for the compiled step (compiled_forward)
+        own = views[2][0]
+        device = own.device
+        self.model, self.views, self.G = model, views, G
+        self.prompt_lens = torch.tensor(prompt_lens, device=device)  # (Bp,)
+        R = len(prompt_lens) * G
+        self.graphs: dict[int, GraphedStep] | None = {} if graphed else None
+        self.grid = Grid.of(list(range(R)), G, self.prompt_lens, own.dtype, whole=graphed)
+        self.ids = torch.arange(R, device=device)  # (B,)
+        self.first = self.prompt_lens.repeat_interleave(G)  # (B,) completion index 0's position
+        self.index = torch.zeros(R, dtype=torch.long, device=device)  # (B,)
+        self.apart = False  # a tool turn moved rows apart: each at its own index (feed)
+        # The kernel route: both parts of the step's attention through one fused kernel (kernel_for,
+        # CUDA in bf16 / fp16) when the cache holds the model's dtype; else, on the CPU, SDPA's
+        # flash kernel for the prompt part (`flash`); else the plain float32 ops.
+        same = next(model.parameters()).dtype == own.dtype
+        self.kernel = kernel_for(device, own.dtype, own.shape[-1]) if same else None
+        self.flash = (same and self.kernel is None and device.type == "cpu"
+                      and _CPU_FLASH is not None)
         # The unbound forward, called with the decoder: a bound one would make a reference cycle
         # (decoder -> compiled step -> decoder) that keeps the KV views and graphs until a gc.
-        kernel_route = self.attention.kernel is not None
-        step = CompiledStep(Decoder.forward, Decoder.structure) if compiled and kernel_route \
+        step = CompiledStep(Decoder.forward, Decoder.structure) if compiled and self.kernel \
             else None
         # None where torch cannot compile here (said once): the eager route, draw and all
         self.compiled = step if step is not None and step.compiled is not None else None
+        self._mark()
 
-    def forward(self, tokens: Tensor) -> Tensor:
-        """(N, 1) -> (N, V); every other input is a tensor held here or by the attention."""
-        row_pos = self.attention.row_pos  # (N,) or None: every row at step_index
-        index = self.step_index if row_pos is None else row_pos[:, None]
-        positions = self.first_position + index  # completion token t sits at len + t
-        return self.model.head(self.model.hidden(tokens, positions, self.attention)[:, -1])
+    # -------------------------------------------------------------------------
+    # The forward: B rows, T new tokens each, one attention entry
 
-    def structure(self, tokens: Tensor) -> str:
+    def forward(self, tokens: Tensor, index: Tensor, first: Tensor, keys: int | None,
+                grid: Grid | None = None, last: Tensor | None = None) -> Tensor:
+        """Feed tokens (B, T) at their completion indices index (B, T) -> the logits (B, V) after
+        each row's last token (last (B,) its place, for rows of fewer tokens; None: the T-th).
+        first (B,): each row's completion index 0's position. grid: where the rows sit (a feed's
+        own, a graph's bucket); None: the decode grid. keys: the own keys attended (None: all Tc
+        under their mask, a graph's or a compile's static shapes)."""
+        positions = first[:, None] + index  # completion index j sits at its prompt's length + j
+        attention = self.attention(index, keys, grid, last)
+        return self.model.head(self.model.hidden(tokens, positions, attention, last)[:, -1])
+
+    def attention(self, index: Tensor, keys: int | None, grid: Grid | None = None,
+                  last: Tensor | None = None) -> Callable:
+        """The attention hook of one forward (model.hidden's `attention`), its route picked once:
+        - plain: shared_prompt_attention's float32 ops, each row's own keys up to each query's
+          index (a feed's rows, rows apart after a tool turn, float32 off the CPU);
+        - kernel: both parts through kernel_for's fused kernel
+          (shared_prompt_attention_decode_cuda), the own keys under a per-row bias: a CUDA
+          graph's and a compile's route;
+        - flash: the CPU's, in buckets of like prompt lengths, each reading its prompts' keys only
+          (shared_prompt_attention_decode_cpu), the own keys up to `keys` (rows in lockstep).
+        Each layer first writes its new keys and values into the rows' own cache at their indices;
+        rows of a feed write their tokens up to `last` only."""
+        grid = grid or self.grid
+        feed = grid.reads is not None
+        route = ("plain" if feed or self.apart else "kernel" if self.kernel is not None
+                 else "flash" if self.flash else "plain")
+        prompt_k, prompt_v, own_k, own_v = self.views
+        B, T = index.shape
+        S = grid.occupied.shape[0]
+        Bp, P = grid.prompt_valid.shape  # dims a compiled step keeps dynamic, as tensor shapes
+        # Where the new keys go. In lockstep every row writes at the one index, a slice of the grid
+        # (eager: `keys` - 1) or an index tensor (a graph's, a compile's: the first row's index);
+        # else each row at its own: its cache row, a feed's rows their tokens up to `last`.
+        lockstep = not feed and not self.apart
+        at = keys - 1 if lockstep and keys is not None else index[:1, 0] if lockstep else None
+        keys = own_k[0].shape[2] if keys is None else keys
+        device = index.device
+        written = None
+        if not lockstep:
+            cache_rows = (grid.reads[1] if feed else
+                          torch.arange(B, device=device) if grid.scatter is None else grid.scatter)
+            if last is not None:
+                written = (torch.arange(T, device=device) <= last[:, None]).nonzero()  # (n, 2)
+                at = (cache_rows[written[:, 0]], index[written[:, 0], written[:, 1]])  # (n,), (n,)
+            else:
+                at = (cache_rows[:, None].expand(B, T).reshape(-1), index.reshape(-1))  # (B*T,)
+        # The own keys each query may see, once for every layer: up to its own index; an empty
+        # slot sees key 0 (the decode grid's: no kernel meets a row with no key) or none (a feed's).
+        fill = -1 if feed else 0
+        queries = index if last is None else index.gather(1, last[:, None])  # (B, Tq)
+        key_positions = torch.arange(keys, device=device) if route != "flash" else None
+        if route == "kernel":  # additive, rows 16-aligned (efficient_attention)
+            unseen = key_positions > grid.place(queries[:, -1], fill)[:, None]  # (S, Tc)
+            own_bias = torch.zeros(S, -(-keys // 16) * 16, dtype=own_k[0].dtype,
+                                   device=device)[:, :keys]
+            own_bias = own_bias.masked_fill_(unseen, float("-inf"))[:, None, None]  # (S, 1, 1, Tc)
+        allowed = {}  # (S, Tq, keys) bool, made by the first layer that meets Tq queries a row
+
+        def own_mask(tq: int) -> Tensor:
+            # The final layer's query is the last token's alone; tensor parallelism's sequence
+            # parallelism may pad a feed's rows past T (the pads come after every real token).
+            qi = queries if tq == 1 else index[:, :1] + torch.arange(tq, device=device)
+            if tq not in allowed:
+                allowed[tq] = key_positions <= grid.place(qi, fill)[:, :, None]
+            return allowed[tq]
+
+        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor, last: Tensor | None = None):
+            if isinstance(at, int):  # lockstep, eager: the grid's slots at index `at`
+                own_k[layer][:S, :, at:at + 1] = grid.place(k).to(own_k[layer].dtype)
+                own_v[layer][:S, :, at:at + 1] = grid.place(v).to(own_v[layer].dtype)
+            elif isinstance(at, Tensor):  # lockstep, a tensor index: a graph replays it
+                own_k[layer][:S].index_copy_(2, at, grid.place(k).to(own_k[layer].dtype))
+                own_v[layer][:S].index_copy_(2, at, grid.place(v).to(own_v[layer].dtype))
+            else:  # each row at its own index
+                if written is None:  # (B, Hkv, T, D) -> (B*T, Hkv, D)
+                    new_k, new_v = (x.transpose(1, 2).reshape(-1, *x.shape[1::2]) for x in (k, v))
+                else:
+                    new_k, new_v = (x[written[:, 0], :, written[:, 1]] for x in (k, v))
+                own_k[layer][at[0], :, at[1]] = new_k.to(own_k[layer].dtype)
+                own_v[layer][at[0], :, at[1]] = new_v.to(own_v[layer].dtype)
+            q = grid.place(q)  # (S, H, Tq, D): the B rows into the grid, empty slots zeros
+            if feed:  # its groups' prompts and its rows' own keys, gathered
+                pk = prompt_k[layer][grid.reads[0], :, :P]  # (Bp', Hkv, P', D): once per group
+                pv = prompt_v[layer][grid.reads[0], :, :P]
+                ok = own_k[layer][grid.place(grid.reads[1]), :, :keys]  # (S, Hkv, ., D)
+                ov = own_v[layer][grid.place(grid.reads[1]), :, :keys]
+            else:
+                pk, pv = prompt_k[layer][:Bp, :, :P], prompt_v[layer][:Bp, :, :P]
+                ok, ov = own_k[layer][:S, :, :keys], own_v[layer][:S, :, :keys]  # (S, Hkv, ., D)
+            if route == "flash":
+                G = S // Bp
+                parts = [shared_prompt_attention_decode_cpu(
+                    q[first * G:stop * G], ok[first * G:stop * G], ov[first * G:stop * G],
+                    pk[first:stop, :, :n], pv[first:stop, :, :n], bias)
+                    for first, stop, n, bias in grid.buckets]
+                y = torch.cat(parts) if len(parts) > 1 else parts[0]
+            elif route == "kernel":
+                y = shared_prompt_attention_decode_cuda(q, ok, ov, own_bias, pk, pv,
+                                                        grid.prompt_bias, self.kernel)
+            else:
+                y = shared_prompt_attention(q, ok, ov, own_mask(q.shape[2]), pk, pv,
+                                            grid.prompt_valid)
+            return y if grid.scatter is None else y.index_select(0, grid.scatter)  # (B, H, Tq, D)
+        return attend
+
+    def structure(self, tokens: Tensor, index: Tensor, first: Tensor, keys: int | None,
+                  grid: Grid | None = None) -> str:
         """What a compile of the step specialises on besides the sizes marked dynamic (a refused
-        compile leaves that structure eager: compiling.CompiledStep): rows scattered into a grid with
-        empty slots, padded prompts, the longest prompt gone, a dim of size 1."""
-        a = self.attention
-        Bp, P = a.prompt_valid.shape
-        sizes = dict(rows=len(tokens), groups=Bp, slots_a_group=self.layout.group_size,
+        compile leaves that structure eager: compiling.CompiledStep): rows scattered into a grid
+        with empty slots, padded prompts, the longest prompt gone, a dim of size 1."""
+        g = grid or self.grid
+        Bp, P = g.prompt_valid.shape
+        sizes = dict(rows=len(tokens), groups=Bp, slots_a_group=g.occupied.shape[0] // Bp,
                      prompt_length=P)
-        parts = [name for name, on in (("rows scattered into a grid", a.slots is not None),
-                                       ("padded prompts", a.prompt_bias is not None),
-                                       ("the longest prompt gone", P < a.prompt_k[0].shape[2]))
+        parts = [name for name, on in (("rows scattered into a grid", g.scatter is not None),
+                                       ("padded prompts", g.prompt_bias is not None),
+                                       ("the longest prompt gone", P < self.views[0][0].shape[2]))
                  if on] + [f"{name} 1" for name, n in sizes.items() if n == 1]
         return "the decode step with " + (", ".join(parts) or "every row in its slot")
 
-    def compiled_forward(self, tokens: Tensor) -> Tensor:
-        """forward through the compiled step, the dims that vary with the layout and the batch
-        marked (compiling.dynamic), once a layout (the first marks import dynamo: the eager route
-        never does); tokens at every call: a CUDA graph captures on a copy, which has no mark."""
-        if not self.marked:
-            self.attention.mark_dynamic()
-            dynamic(self.first_position, 0)
-            self.marked = True
-        return self.compiled(self, dynamic(tokens, 0))
+    def _mark(self) -> None:
+        """For a compiled step, mark the dims that vary with the batch and the grid
+        (compiling.dynamic), once a grid: the cache views' rows and lengths (Bp, ., P, .) and
+        (Bp*G, ., Tc, .), the rows' state and the grid's tensors; never the model's (the first
+        marks import dynamo: the eager route never does)."""
+        if self.compiled is None:
+            return
+        for x in sum(self.views, []):
+            dynamic(x, 0, 2)
+        g = self.grid
+        for x, dims in ((self.first, (0,)), (self.index, (0,)), (g.scatter, (0,)),
+                        (g.occupied, (0,)), (g.prompt_valid, (0, 1)), (g.prompt_bias, (0, 3))):
+            if x is not None:
+                dynamic(x, *dims)
 
-    def step(self, tokens: Tensor) -> Tensor:
-        """Feed each active row its next token at its own completion index, tokens (N,) -> logits
-        (N, V), and move every row on by one: the token drawn from a row's logits goes at
-        fed + 1. In lockstep every row is at index t, a tensor a CUDA graph replays; once a tool
-        turn moved rows apart, each is at its own (seek), in eager mode."""
-        t = self.t
-        self.t += 1
-        if not self.lockstep:
-            self.attention.at_positions(self.at, t + 1)
-            self.fed, self.at = self.at, self.at + 1
-            return self.forward(tokens[:, None])
-        self.step_index.fill_(t)
-        run = self.forward if self.compiled is None else self.compiled_forward
-        if self.graphed:
-            if self.graph is None:
-                self.graph = GraphedStep(run, tokens[:, None])
-            return self.graph(tokens[:, None])
-        if self.compiled is None:  # eager: attend only to the keys written so far
-            self.attention.own_len = t + 1
-        return run(tokens[:, None])  # compiled: all Tc keys under the step's mask, as a graph
+    # -------------------------------------------------------------------------
+    # The rows' state: a decode step, a feed, a drop
 
-    def seek(self, at: list[int]) -> None:
-        """Rows at their own lengths: active row i feeds its next token at index at[i]."""
-        self.at = torch.tensor(at, device=self.rows.device)  # (N,)
-        self.t = max(at)
+    def decode(self, tokens: Tensor) -> Tensor:
+        """Feed each active row its next token at its own completion index, tokens (B,) ->
+        logits (B, V), and move every row on by one: the token drawn from a row's logits goes at
+        its index (`index` after the call). In lockstep a CUDA graph of the bucket of rows
+        replays the step, the rows padded up to it (the padding repeats the last row: it writes
+        what that row writes); once a tool turn moved rows apart, each attends to the own keys up
+        to the furthest row's, in eager mode."""
+        B = len(tokens)
+        if self.graphs is not None and not self.apart:
+            b = bucket(B)
+            pad = torch.arange(b, device=tokens.device).clamp_(max=B - 1)  # (b,)
+            inputs = (tokens[pad][:, None], self.index[pad][:, None], self.first[pad],
+                      self.ids[pad])
+            if b not in self.graphs:
+                self.graphs[b] = GraphedStep(self._lockstep, *inputs)
+            logits = self.graphs[b](*inputs)[:B]
+        elif self.compiled is not None and not self.apart:
+            logits = self._lockstep(tokens[:, None], self.index[:, None], self.first)
+        else:  # eager: attend only to the keys written so far (one host read, eager anyway)
+            logits = self.forward(tokens[:, None], self.index[:, None], self.first,
+                                  int(self.index.max()) + 1)
+        self.index += 1
+        return logits
 
-    def drop(self, keep: list[int], filled: int) -> None:
-        """Keep the active rows at positions `keep`; `filled` completion KV slots are written."""
-        rows = [self.layout.rows[i] for i in keep]
-        self.layout = Layout.of(rows, self.G, self.prompt_lens)
-        self.attention.set_layout(self.layout, self.lens, filled=filled)
-        self.rows = self.rows[torch.tensor(keep, device=self.rows.device)]  # (N',)
-        self.first_position = self.lens[self.rows // self.G][:, None]  # (N', 1)
-        self.marked = False
-        self.graph = None  # addresses and shapes changed: capture again
+    def _lockstep(self, tokens: Tensor, index: Tensor, first: Tensor,
+                  slots: Tensor | None = None) -> Tensor:
+        """The step a graph captures and a compile traces: every own key under its mask. slots
+        (b,): a graph's rows' slots in the whole grid."""
+        grid = None if slots is None else dataclasses.replace(self.grid, scatter=slots)
+        if self.compiled is None:
+            return self.forward(tokens, index, first, None, grid)
+        if slots is not None:
+            dynamic(slots, 0)
+        return self.compiled(self, dynamic(tokens, 0), dynamic(index, 0), dynamic(first, 0), None,
+                             grid)
 
-    def extend(self, picks: list[int], feeds: list[list[int]], starts: list[int]) -> Tensor:
-        """Feed active row picks[i] the tokens feeds[i] at its completion indices starts[i]...
-        (a tool's observation after the token that called it) in one forward: their K/V go into
-        the row's own cache, no earlier token is recomputed. Returns the logits (k, V) after each
-        row's last fed token. From the first, rows are at their own lengths (seek)."""
-        if self.lockstep:
-            self.lockstep = False
+    def feed(self, picks: list[int], feeds: list[list[int]], starts: list[int]) -> Tensor:
+        """Feed active row picks[i] the tokens feeds[i] from its completion index starts[i] on (a
+        tool's observation after the token that called it), the rows on their own grid, in one
+        forward: their K/V go into the rows' own cache, no earlier token is recomputed. Returns
+        the logits (k, V) after each row's last fed token; each row then feeds from the index
+        after it. From the first feed on, rows are apart."""
+        if not self.apart:
+            self.apart = True
             self._plain_linears()
-        device = self.rows.device
+        device = self.index.device
         width = max(map(len, feeds))
         tokens = torch.tensor([f + [0] * (width - len(f)) for f in feeds], device=device)  # (k, M)
-        start = torch.tensor(starts, device=device)[:, None]  # (k, 1)
-        rows = self.rows[torch.tensor(picks, device=device)]  # (k,) global ids
-        positions = self.lens[rows // self.G][:, None] + start + torch.arange(width, device=device)
-        attention = ExtendAttention(self.attention, picks, [len(f) for f in feeds], start, self.G,
-                                    self.prompt_lens)
-        last = torch.tensor([len(f) - 1 for f in feeds], device=device)
-        return self.model.head(self.model.hidden(tokens, positions, attention, last)[:, 0])
+        start = torch.tensor(starts, device=device)  # (k,)
+        index = start[:, None] + torch.arange(width, device=device)  # (k, M)
+        last = torch.tensor([len(f) - 1 for f in feeds], device=device)  # (k,)
+        # ascending: engine/episodes.py answers rows in order
+        grid = Grid.of([self.grid.rows[i] for i in picks], self.G, self.prompt_lens,
+                       self.views[0][0].dtype, within=self.grid)
+        rows = torch.tensor(picks, device=device)
+        keys = max(a + len(f) for a, f in zip(starts, feeds))  # the own keys any row reaches
+        logits = self.forward(tokens, index, self.first[rows], keys, grid, last)
+        self.index[rows] = start + last + 1
+        return logits
+
+    def drop(self, keep: list[int], filled: int) -> None:
+        """Keep the active rows at positions `keep`: the survivors' prompts' KV move to the front
+        of the prompt views and their `filled` completion KV positions to their new slots (via
+        temporaries: they overlap). A graphed decoder's grid stays whole: nothing moves, and its
+        tensors stay the ones its graphs read."""
+        old = self.grid
+        device = self.index.device
+        picked = torch.tensor(keep, device=device)
+        rows = [old.rows[i] for i in keep]
+        self.ids, self.first, self.index = (x[picked] for x in (self.ids, self.first, self.index))
+        if self.graphs is not None:
+            self.grid = dataclasses.replace(old, rows=rows, slots=rows, scatter=self.ids)
+            return
+        new = Grid.of(rows, self.G, self.prompt_lens, self.views[0][0].dtype)
+        group_of = {p: i for i, p in enumerate(old.groups)}
+        slot_of = dict(zip(old.rows, old.slots))
+        old_groups = torch.tensor([group_of[p] for p in new.groups], device=device)
+        old_slots = torch.tensor([slot_of[r] for r in new.rows], device=device)
+        new_slots = torch.tensor(new.slots, device=device)
+        Bp, P = new.prompt_valid.shape
+        prompt_k, prompt_v, own_k, own_v = self.views
+        for x in prompt_k + prompt_v:
+            x[:Bp, :, :P] = x[:len(old.groups), :, :P].index_select(0, old_groups)
+        for x in own_k + own_v:
+            moved = x[:old.occupied.shape[0], :, :filled].index_select(0, old_slots)
+            x[:new.occupied.shape[0], :, :filled].index_copy_(0, new_slots, moved)
+        self.grid = new
+        self._mark()
 
     def _plain_linears(self) -> None:
         """F.linear from here on (after the first tool turn): rows at their own lengths come in
-        new counts and shapes at every check, and rollout._prepacked_linears' oneDNN keeps a
+        new counts and shapes at every sync, and rollout._prepacked_linears' oneDNN keeps a
         primitive for each (a tasks:lookup run grew by 0.5 GB in 100 steps). Undone with the rest
         at the end of generate."""
         for m in self.model.modules():
             m.__dict__.pop("forward", None)
-
-
-class ExtendAttention:
-    """Attention for Decoder.extend: the k extended rows in a grid of their groups (Layout, as the
-    decode step's), so each group's prompt K/V is gathered once however many of its rows extend;
-    each row attends to it and to its own keys up to each new token, whose K/V are written into
-    the row's own cache first. The k rows' own keys are gathered (a copy of k rows, not of the
-    batch)."""
-
-    def __init__(self, decode: DecodeAttention, picks: list[int], counts: list[int],
-                 start: Tensor, G: int, prompt_lens: list[int]):
-        layout = decode.layout
-        rows = [layout.rows[i] for i in picks]  # ascending: engine/episodes.py answers rows in order
-        grid = Layout.of(rows, G, prompt_lens)
-        group_of = {p: i for i, p in enumerate(layout.groups)}
-        device = start.device
-        self.decode, self.counts, self.start = decode, counts, start  # start (k, 1)
-        self.starts = start[:, 0].tolist()
-        self.cache_slots = [layout.slots[i] for i in picks]  # each row's slot in the cache views
-        self.grid = torch.tensor(grid.slots, device=device)  # (k,) each row's slot in the grid
-        self.num_slots = len(grid.groups) * grid.group_size
-        self.cache_of_slot = to_grid(torch.tensor(self.cache_slots, device=device), self.grid,
-                                     self.num_slots)  # (S,); empty slots: 0
-        self.groups = torch.tensor([group_of[g] for g in grid.groups], device=device)  # (Bp_e,)
-        self.prompt_len = grid.prompt_len
-        self.keys = max(a + n for a, n in zip(self.starts, counts))  # own keys any row reaches
-
-    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor,
-                 last: Tensor | None = None) -> Tensor:
-        d = self.decode
-        own_k, own_v = d.own_k[layer], d.own_v[layer]
-        for i, (slot, first, n) in enumerate(zip(self.cache_slots, self.starts, self.counts)):
-            own_k[slot, :, first:first + n] = k[i, :, :n].to(own_k.dtype)
-            own_v[slot, :, first:first + n] = v[i, :, :n].to(own_v.dtype)
-        P = self.prompt_len
-        prompt_k = d.prompt_k[layer][self.groups, :, :P]  # (Bp_e, Hkv, P, D): once per group
-        prompt_v = d.prompt_v[layer][self.groups, :, :P]
-        index = self.start + torch.arange(q.shape[2], device=q.device)  # (k, Tq) own indices
-        if last is not None:
-            index = self.start + last[:, None]  # (k, 1): the last fed token's queries alone
-        S = self.num_slots
-        q = to_grid(q, self.grid, S)  # (S, H, Tq, D)
-        index = to_grid(index, self.grid, S, fill=-1)  # (S, Tq): empty slots see no own key
-        own_allowed = torch.arange(self.keys, device=q.device) <= index[:, :, None]  # (S, Tq, .)
-        y = shared_prompt_attention(q, own_k[self.cache_of_slot, :, :self.keys],
-                                    own_v[self.cache_of_slot, :, :self.keys], own_allowed,
-                                    prompt_k, prompt_v, d.prompt_valid[self.groups, :P])
-        return y.index_select(0, self.grid)  # (k, H, Tq, D)

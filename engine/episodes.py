@@ -2,28 +2,29 @@
 The rows of a rollout as episodes: the model acts, a tool answers inside the same row, the row goes
 on. A plain rollout's row is an episode with no call in it.
 
-A row is sampled tokens (the policy's) and observation tokens (a tool's) interleaved, within one
+A row is sampled tokens (the model's) and observation tokens (a tool's) interleaved, within one
 completion budget. When a row samples one of the task's call ids, the tool gets the row's tokens so
 far and returns the observation's ids, or None (the episode ends there). The sampler does not
-restart the row: rollout.py's decode loop prefills [the call token; the observation] into that
-row's own KV cache at its position, in one forward for all the rows answered at a check
-(decode.Decoder.extend), samples the next token from its last logits, and decoding goes on. No
-earlier token of the row is recomputed, and its prompt is still read once per group.
+restart the row: rollout.py's decode loop feeds [the call token; the observation] into that row's
+own KV cache at its place, in one decode forward for all the rows answered at a sync, several
+tokens a row (decode.Decoder.feed), samples the next token from its last logits, and decoding goes
+on. No earlier token of the row is recomputed, and its prompt is still read once per group.
 
-Rows holds each row as the decode loop (rollout.py) writes it, and the two pieces of its check:
-- check: the check's host side. Each row that drew an end since the last check (a call or a stop
+Rows holds each row as the decode loop (rollout.py) writes it, and the two pieces of its sync (the
+loop's host sync):
+- sync: the sync's host side. Each row that drew an end since the last sync (a call or a stop
   id; the loop flags them on the device) is cut just after its first one: the tokens it decoded
   past it are dropped. A stop ends the row; a call with turns left makes it wait for the tool; a
   call with no turns left (max_turns) ends it, not stopped. A row that reached the budget ends.
-- answer: the tool answers the waiting rows (`respond`, one call per check for all of them:
+- observe: the tool answers the waiting rows (`respond`, one call per sync for all of them:
   train.py runs the task's tool there, with its timeout). An observation is written into the row,
-  marked as not sampled (policy False, logprob 0), and counts as a call (the row's `calls`). One
+  marked as not sampled (`sampled` False, logprob 0), and counts as a call (the row's `calls`). One
   that does not fit in the budget is rolled back, as TRL's tool loop rolls it back: the row ends
   at its call, stopped when the call token is a stop id (TRL's completion ends with its EOS).
 
 Leaves out: the decoding itself (rollout.py, engine/decode.py), tools running concurrently with decoding
-(they run at the check, while the batch waits), stop strings (calls and stops are token ids).
-Shapes: R rows, Tc the completion budget.
+(they run at the sync, while the batch waits), stop strings (calls and stops are token ids).
+Shapes: R rows, Tc the completion budget, k the rows a call reads or writes.
 Tested by tests/test_episodes.py; benchmarked by tests/bench_rollout.py (a tool turn against
 re-prefilling the row).
 """
@@ -46,82 +47,81 @@ class Episodes:
 @dataclass
 class Rows:
     """Each row of a rollout as the decode loop writes it: on the device its tokens, their
-    logprobs and which the policy sampled, (Tc, R); on the host, settled at the checks, its
-    length, how much of it a check has scanned for an end, its calls and how it ended. Row ids are
+    logprobs and which the model sampled, (R, Tc); on the host, settled at the syncs, its
+    length, how much of it a sync has scanned for an end, its calls and how it ended. Row ids are
     the decode loop's (rollout.generate maps them to the caller's)."""
-    tokens: Tensor        # (Tc, R) long; -1 where nothing was written
-    logprobs: Tensor      # (Tc, R) float32; 0 on observations
-    policy: Tensor        # (Tc, R) bool; False on a tool's observation tokens
+    tokens: Tensor        # (R, Tc) long; -1 where nothing was written
+    logprobs: Tensor      # (R, Tc) float32; 0 on observations
+    sampled: Tensor       # (R, Tc) bool; False on a tool's observation tokens
     length: list[int]     # each row's tokens so far (the first, drawn at fan-out, included)
-    scanned: list[int]    # how many of them a check has looked at for a call or a stop
-    calls: list[int]      # tool calls whose whole answer is in the row
+    scanned: list[int]    # how many of them a sync has looked at for a call or a stop
+    calls: list[int]      # tool calls whose whole observation is in the row
     ended: list[bool]     # the row takes no more tokens
     stopped: list[bool]   # it ended with a stop id (or its tool ended the episode)
 
     @classmethod
-    def empty(cls, Tc: int, R: int, device: torch.device) -> "Rows":
-        tokens = torch.full((Tc, R), -1, dtype=torch.long, device=device)
-        logprobs = torch.zeros(Tc, R, dtype=torch.float32, device=device)
-        policy = torch.ones(Tc, R, dtype=torch.bool, device=device)
-        return cls(tokens, logprobs, policy, [min(Tc, 1)] * R, [0] * R, [0] * R, [False] * R,
+    def empty(cls, R: int, Tc: int, device: torch.device) -> "Rows":
+        tokens = torch.full((R, Tc), -1, dtype=torch.long, device=device)
+        logprobs = torch.zeros(R, Tc, dtype=torch.float32, device=device)
+        sampled = torch.ones(R, Tc, dtype=torch.bool, device=device)
+        return cls(tokens, logprobs, sampled, [min(Tc, 1)] * R, [0] * R, [0] * R, [False] * R,
                    [False] * R)
 
-    def write(self, at: Tensor, rows: Tensor, tokens: Tensor, logprobs: Tensor) -> None:
-        """Drawn tokens and their logprobs (k,) into rows (k,) at completion indices at, (k,) or
-        one for all (1,)."""
-        self.tokens.index_put_((at, rows), tokens)
-        self.logprobs.index_put_((at, rows), logprobs)
+    def write(self, rows: Tensor, at: Tensor, tokens: Tensor, logprobs: Tensor) -> None:
+        """Drawn tokens and their logprobs (k,) into rows (k,) at completion indices at (k,)."""
+        self.tokens.index_put_((rows, at), tokens)
+        self.logprobs.index_put_((rows, at), logprobs)
 
     def budget(self, active: list[int]) -> int:
         """Decode steps every active row that goes on still has room for."""
-        return min(len(self.tokens) - self.length[r] for r in active if not self.ended[r])
+        return min(self.tokens.shape[1] - self.length[r] for r in active if not self.ended[r])
 
     def moved_on(self, active: list[int], steps: int) -> None:
         for r in active:
-            if not self.ended[r]:  # an ended row may decode on in lockstep: its tokens are not
+            if not self.ended[r]:  # an ended row may decode on under a graph: its tokens are not
                 self.length[r] += steps
 
     def first_nan(self, active: list[int]) -> int | None:
-        """The first completion index since the last check where a row's logprob is NaN, or None.
+        """The first completion index since the last sync where a row's logprob is NaN, or None.
         The draw gives a row NaN when its logits hold NaN or +inf, or are all -inf (engine/sampling.py):
-        on the device no step checks its logits; here, at the check that syncs anyway, one
-        reduction over the steps since the last one finds them (one host copy)."""
+        on the device no step looks at its logits; here, at the sync, one reduction over the
+        steps since the last one finds them (one host copy)."""
         first = min(self.scanned[r] for r in active)
         last = max(self.length[r] for r in active)
-        bad = self.logprobs[first:last].isnan().any(1).nonzero()[:1, 0].tolist()  # (<= 1,)
+        bad = self.logprobs[:, first:last].isnan().any(0).nonzero()[:1, 0].tolist()  # (<= 1,)
         return first + bad[0] if bad else None
 
-    def check(self, active: list[int], drew: list[int], stop_ids: tuple[int, ...],
-              episodes: Episodes | None) -> list[tuple[int, int, list[int]]]:
-        """The check (module docstring): active[i] for i in `drew` drew a call or a stop since
-        the last check. Returns the rows that wait for the tool: (row, its call's index, its
+    def sync(self, active: list[int], drew: list[int], stop_ids: tuple[int, ...],
+             episodes: Episodes | None) -> list[tuple[int, int, list[int]]]:
+        """The sync (module docstring): active[i] for i in `drew` drew a call or a stop since
+        the last sync. Returns the rows that wait for the tool: (row, its call's index, its
         tokens up to the call)."""
         found = [active[i] for i in drew if not self.ended[active[i]]]
         call_ids = episodes.call_ids if episodes else ()
         ends = set(stop_ids) | set(call_ids)
-        seen = self.tokens[:max(self.length[r] for r in found), found].T.tolist() if found else []
+        seen = self.tokens[found, :max(self.length[r] for r in found)].tolist() if found else []
         waiting = []
         for r, tokens in zip(found, seen):  # each row's first end among its new tokens
             j = next(j for j in range(self.scanned[r], self.length[r]) if tokens[j] in ends)
             self.length[r] = j + 1  # what it decoded past the call or stop is dropped
             if tokens[j] in call_ids and self.calls[r] < episodes.max_turns:
                 waiting.append((r, j, tokens[:j + 1]))
-                self.stopped[r] = tokens[j] in stop_ids  # how it ends if its answer is cut
+                self.stopped[r] = tokens[j] in stop_ids  # how it ends if its observation is cut
             else:  # a stop, or a call with no turns left: the row ends
                 self.ended[r] = True
                 self.stopped[r] = tokens[j] in stop_ids
         for r in active:
             self.scanned[r] = self.length[r]
-            self.ended[r] |= self.length[r] == len(self.tokens)  # the budget is spent
+            self.ended[r] |= self.length[r] == self.tokens.shape[1]  # the budget is spent
         return waiting
 
-    def answer(self, waiting: list[tuple[int, int, list[int]]], episodes: Episodes,
-               vocab: int) -> list[tuple[int, list[int], int]]:
-        """The tool answers the waiting rows (module docstring). Returns the rows to extend:
+    def observe(self, waiting: list[tuple[int, int, list[int]]], episodes: Episodes,
+                vocab: int) -> list[tuple[int, list[int], int]]:
+        """The tool answers the waiting rows (module docstring). Returns the rows to feed:
         (row, [its call token; the observation], the call's index); the others end."""
-        answers = episodes.respond([(r, tokens) for r, _, tokens in waiting])
+        observations = episodes.respond([(r, tokens) for r, _, tokens in waiting])
         feeds = []
-        for (r, j, tokens), observation in zip(waiting, answers):
+        for (r, j, tokens), observation in zip(waiting, observations):
             if observation is None:  # the tool ended the episode (a turn with no call in it)
                 self.ended[r] = self.stopped[r] = True
                 continue
@@ -129,17 +129,17 @@ class Rows:
             if bad:
                 raise ValueError(f"the tool's observation has token id {bad[0]!r} outside the "
                                  f"vocabulary [0, {vocab})")
-            room = len(self.tokens) - self.length[r]  # the budget counts observation tokens too
+            room = self.tokens.shape[1] - self.length[r]  # the budget counts observation tokens too
             if len(observation) > room:  # rolled back: the row ends at its call, uncounted
                 self.ended[r] = True
                 continue
             self.calls[r] += 1
             self.stopped[r] = False
             span = slice(self.length[r], self.length[r] + len(observation))
-            self.tokens[span, r] = torch.tensor(observation, dtype=torch.long,
+            self.tokens[r, span] = torch.tensor(observation, dtype=torch.long,
                                                 device=self.tokens.device)
-            self.logprobs[span, r] = 0.0
-            self.policy[span, r] = False
+            self.logprobs[r, span] = 0.0
+            self.sampled[r, span] = False
             self.length[r] += len(observation)
             self.scanned[r] = self.length[r]
             if len(observation) < room:  # room for at least one more sampled token
@@ -150,7 +150,7 @@ class Rows:
 
     def cut(self, order: list[int]) -> tuple[Tensor, ...]:
         """The rows in `order`, each cut at its length: tokens (R, Tc) with 0 after the end, mask
-        (R, Tc), logprobs 0 off the policy's tokens, stopped (R,) and policy (R, Tc), on the
+        (R, Tc), logprobs 0 off the sampled tokens, stopped (R,) and sampled (R, Tc), on the
         device (Tc the longest row), as normal tensors (training may index them under
         autograd)."""
         device = self.tokens.device
@@ -158,9 +158,9 @@ class Rows:
         lengths = torch.tensor([self.length[r] for r in order], device=device)  # (R,)
         Tc = max(self.length)
         mask = torch.arange(Tc, device=device) < lengths[:, None]  # (R, Tc)
-        tokens = self.tokens.T[rows, :Tc].masked_fill(~mask, 0)
-        policy = self.policy.T[rows, :Tc] & mask
-        logprobs = self.logprobs.T[rows, :Tc].masked_fill(~policy, 0.0)
+        tokens = self.tokens[rows, :Tc].masked_fill(~mask, 0)
+        sampled = self.sampled[rows, :Tc] & mask
+        logprobs = self.logprobs[rows, :Tc].masked_fill(~sampled, 0.0)
         stopped = torch.tensor([self.stopped[r] for r in order], device=device)
         with torch.inference_mode(False):  # generate runs in inference mode
-            return tuple(t.clone() for t in (tokens, mask, logprobs, stopped, policy))
+            return tuple(t.clone() for t in (tokens, mask, logprobs, stopped, sampled))

@@ -1,5 +1,5 @@
 """
-Sampling: a (rows, V) logits tensor to one token per row and its logprob under the distribution it
+The draw: a (rows, V) logits tensor to one token per row and its logprob under the distribution it
 was drawn from: the logits divided by the temperature, then top-k, then top-p (vLLM's order). That
 logprob is what a trainer must reproduce for its ratio to be 1 on-policy (trl#4159: temperature;
 trl#6789: top-p's truncated mass). No host sync, and two levels (a block of 256 ids drawn by its
@@ -13,7 +13,7 @@ Logits holding NaN or +inf (or all -inf) give their row NaN probabilities: every
 an id in range with a NaN logprob, which the rollout's check turns into one error naming the step
 (rollout.NonFiniteLogits), never a silent token 0.
 The race's clocks are drawn first (race_clocks) and the rest is a function of the logits and the
-clocks alone (sample_raced), which torch.compile can trace (rollout.py compiles it beside a compiled
+clocks alone (draw_raced), which torch.compile can trace (rollout.py compiles it beside a compiled
 decode step); the CPU's default route draws by the inverse CDF, eagerly.
 
 Leaves out: beam search, repetition penalties, min-p.
@@ -46,14 +46,14 @@ def filter_logits(logits: Tensor, temperature: float, top_k: int = 0, top_p: flo
     return x
 
 
-def sample(logits: Tensor, temperature: float, top_k: int, top_p: float,
+def draw(logits: Tensor, temperature: float, top_k: int, top_p: float,
            generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
     """logits (rows, V) -> tokens (rows,), logprobs (rows,), no host sync: inverse-CDF sampling on
     the CPU, an exponential race on CUDA (module docstring). Greedy (temperature 0) returns the
     argmax's logprob under temperature 1 and the same masks: a point mass (logprob 0) is what no
     trainer forward reproduces."""
     if temperature == 0 or logits.is_cuda:
-        return sample_raced(logits, temperature, top_k, top_p,
+        return draw_raced(logits, temperature, top_k, top_p,
                             race_clocks(logits, temperature, generator))
     # The filtered copy (if any) is freed once softmaxed.
     probs = filter_logits(logits, temperature, top_k, top_p).softmax(dim=-1)  # (rows, V)
@@ -62,9 +62,9 @@ def sample(logits: Tensor, temperature: float, top_k: int, top_p: float,
     return tokens, probs.gather(-1, tokens[:, None])[:, 0].log()
 
 
-def sample_raced(logits: Tensor, temperature: float, top_k: int, top_p: float,
+def draw_raced(logits: Tensor, temperature: float, top_k: int, top_p: float,
                  clocks: tuple[Tensor, ...]) -> tuple[Tensor, Tensor]:
-    """sample() by the exponential race on clocks drawn beforehand (race_clocks; none when
+    """draw() by the exponential race on clocks drawn beforehand (race_clocks; none when
     greedy): no generator inside, so torch.compile can trace it (rollout.py compiles it beside the
     decode step). logits (rows, V) -> tokens, logprobs (rows,)."""
     if temperature == 0:

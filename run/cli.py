@@ -95,6 +95,7 @@ SWITCHES = ("use_peft", "use_rslora")
 OLD_NAMES = {
     "packed_linears": "--prepacked_linears",  # "packed" is the training forward's row of tokens
     "tools": "--use_tools",  # a bool named like a task's function tools
+    "check_every": "--sync_every",  # "check" is input validation; the decode loop's is a host sync
 }
 
 

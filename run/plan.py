@@ -35,7 +35,8 @@ from lora import adapted, trainable
 from memory import MemoryConfig, PhaseManager
 from model import ModelConfig
 from engine.packing import cuda_route
-from rollout import KVCache, RolloutConfig
+from engine.decode import KVCache
+from rollout import RolloutConfig
 
 # -----------------------------------------------------------------------------
 # Rollout: what generate() allocates besides the weights and the KV cache

@@ -60,7 +60,8 @@ from bench_bf16 import SHAPES  # noqa: E402
 from bench_ragged import tiny_model  # noqa: E402
 from memory import MemoryConfig  # noqa: E402
 from model import Llama  # noqa: E402
-from rollout import KVCache, RolloutConfig, generate, sync_weights  # noqa: E402
+from engine.decode import KVCache  # noqa: E402
+from rollout import RolloutConfig, generate, sync_weights  # noqa: E402
 
 BP, G, P, NEW = 16, 8, 64, 256
 GB = 1e9

@@ -41,7 +41,8 @@ from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E
 from engine import hf  # noqa: E402
 import model as M  # noqa: E402
 from memory import PHASE_TAGS, PhaseManager, checkpoint_blocks, offload_activations  # noqa: E402
-from rollout import KVCache, RolloutConfig, generate, sync_weights  # noqa: E402
+from engine.decode import KVCache  # noqa: E402
+from rollout import RolloutConfig, generate, sync_weights  # noqa: E402
 
 TINY = M.ModelConfig(vocab_size=2048, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
                      num_attention_heads=8, num_key_value_heads=4)

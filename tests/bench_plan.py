@@ -55,6 +55,7 @@ def phase_of(run) -> dict:
     import grpo
     import memory
     import rollout
+    from engine import sampling
     import torch
     import train
 
@@ -71,7 +72,7 @@ def phase_of(run) -> dict:
         rollout.generate: fixed("rollout: other"),
         rollout._prefill: fixed("rollout: prefill"),
         rollout._decode: fixed("rollout: decode"),
-        rollout.sample: fixed("rollout: sampling"),
+        sampling.draw: fixed("rollout: sampling"),
         grpo.batch_logprobs: logprobs,
         train.train_phase: fixed("train: optimizer"),
         grpo.accumulate: fixed("train: forward"),

@@ -7,7 +7,7 @@ in one run (best of 5 interleaved rounds); only the ratios mean much on a shared
 
 The naive sampler is the obvious design: every sample is its own cache row, so the prompt is prefilled
 G times and its KV stored G times (what nanochat-style engines and transformers' generate do).
-It uses the same `sample` function, so the difference is the KV/prefill design alone.
+It uses the same `draw` function, so the difference is the KV/prefill design alone.
 
     python tests/bench_rollout.py             # full tables (+ a bf16 1B-sized config when CUDA is present)
     python tests/bench_rollout.py --quick     # P = 64 only, no transformers
@@ -42,7 +42,9 @@ from engine import compiling  # noqa: E402
 import rollout  # noqa: E402
 from engine.episodes import Episodes  # noqa: E402
 from model import Llama, ModelConfig, fused_projections  # noqa: E402
-from rollout import RolloutConfig, generate, sample  # noqa: E402
+from engine import sampling  # noqa: E402
+from engine.sampling import draw  # noqa: E402
+from rollout import RolloutConfig, generate  # noqa: E402
 
 CFG = ModelConfig(vocab_size=2048, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
                   num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048)
@@ -79,7 +81,7 @@ def naive_generate(model: Llama, prompts: list[list[int]], num_samples: int, new
     prefill_seconds = time.perf_counter() - started
     out = []
     for t in range(new):
-        next_tokens, _ = sample(logits, 1.0, 0, 1.0, generator)
+        next_tokens, _ = draw(logits, 1.0, 0, 1.0, generator)
         out.append(next_tokens)
         if t + 1 < new:
             cache.pos += tokens.shape[1] if t == 0 else 1
@@ -181,10 +183,10 @@ def breakdown(model: Llama, P: int, rounds: int = 3) -> None:
 
     def timed_sample(*args):
         begun = time.perf_counter()
-        out = sample(*args)
+        out = draw(*args)
         spent["sampling"] = spent.get("sampling", 0.0) + time.perf_counter() - begun
         return out
-    rollout.sample = timed_sample  # generate's draw() looks it up in rollout at each step
+    sampling.draw = timed_sample  # generate's Draw looks it up in engine/sampling.py at each step
     for name, module in model.named_modules():
         if part(name):
             module.bench_part = part(name)
@@ -199,7 +201,7 @@ def breakdown(model: Llama, P: int, rounds: int = 3) -> None:
             best[new] = (seconds, dict(spent))
     for handle in handles:
         handle.remove()
-    rollout.sample = sample
+    sampling.draw = draw
     (full, parts), (first, first_parts) = best[NEW], best[1]
     ms = {k: (v - first_parts.get(k, 0.0)) / (NEW - 1) * 1e3 for k, v in parts.items()}  # per decode step
     step = (full - first) / (NEW - 1) * 1e3
@@ -267,10 +269,10 @@ def compiled_vs_eager(model: Llama, P: int, rounds: int) -> None:
 def tool_turns(model: Llama, P: int, rounds: int) -> None:
     """Greedy episodes of 128 prompts (G = 1), 64 new tokens, a call whenever a row writes one of
     1/16 of the vocabulary, answered by 12 observation tokens, up to 3 turns: the engine (each
-    answered row extended in place, Decoder.extend) against the same episodes run turn by turn,
-    each turn a new generate() call on the whole row so far, prefilled again. Per check, extend's
+    answered row fed in place, Decoder.feed) against the same episodes run turn by turn,
+    each turn a new generate() call on the whole row so far, prefilled again. Per sync, the feed's
     time against one decode step plus the observations' prefill alone (a causal forward of the
-    extended rows' new tokens, no cache), measured in the same rounds."""
+    fed rows' new tokens, no cache), measured in the same rounds."""
     V, new, m = model.config.vocab_size, 64, 12
     calls = tuple(range(0, V, 16))
     gen = torch.Generator().manual_seed(0)
@@ -279,18 +281,18 @@ def tool_turns(model: Llama, P: int, rounds: int) -> None:
 
     def observation(row: int, tokens: list[int]) -> list[int]:
         return [(row * 31 + len(tokens) * 7 + i) % V for i in range(m)]
-    extends: list[tuple[float, int]] = []
-    real = decode.Decoder.extend
+    fed: list[tuple[float, int]] = []
+    real = decode.Decoder.feed
 
     def timed(self, picks, feeds, starts):
         t0 = time.perf_counter()
         logits = real(self, picks, feeds, starts)
-        extends.append((time.perf_counter() - t0, len(picks)))
+        fed.append((time.perf_counter() - t0, len(picks)))
         return logits
-    decode.Decoder.extend = timed
+    decode.Decoder.feed = timed
     best: dict[str, float] = {}
     for _ in range(rounds):
-        extends.clear()
+        fed.clear()
         t0 = time.perf_counter()
         out = generate(model, prompts, cfg, episodes=Episodes(
             lambda c: [observation(r, t) for r, t in c], calls, 3))
@@ -318,28 +320,28 @@ def tool_turns(model: Llama, P: int, rounds: int) -> None:
         restart = time.perf_counter() - t0
         assert done == episodes, "the twin's episodes differ from the engine's"
         # one decode step, and the observations' prefill alone, at a typical check's size
-        k = max(n for _, n in extends)
+        k = max(n for _, n in fed)
         obs_prefill = math.inf
         for _ in range(3):  # the first call of a shape is slow on the CPU
             t0 = time.perf_counter()
             with torch.no_grad():
                 model.hidden(torch.randint(V, (k, m + 1), generator=gen))
             obs_prefill = min(obs_prefill, time.perf_counter() - t0)
-        step = (seconds - out.stats["prefill_seconds"] - sum(t for t, _ in extends)) / steps
-        extend = max(t for t, n in extends if n == k)
-        for key, value in dict(engine=seconds, restart=restart, extend=extend, decode=step,
+        step = (seconds - out.stats["prefill_seconds"] - sum(t for t, _ in fed)) / steps
+        feed = max(t for t, n in fed if n == k)
+        for key, value in dict(engine=seconds, restart=restart, feed=feed, decode=step,
                                obs_prefill=obs_prefill).items():
             best[key] = min(best.get(key, value), value)
-    decode.Decoder.extend = real
+    decode.Decoder.feed = real
     turns_done = sum(out.stats["calls"])
-    print(f"P = {P}, {len(prompts)} rows, {turns_done} tool turns in {len(extends)} checks, "
+    print(f"P = {P}, {len(prompts)} rows, {turns_done} tool turns in {len(fed)} syncs, "
           f"{m} observation tokens each; best of {rounds}")
     print(f"rollout: engine {best['engine']:.3f}s, re-prefilling each turn {best['restart']:.3f}s "
           f"({best['restart'] / best['engine']:.2f}x)")
-    print(f"one check's extend of {k} rows: {best['extend'] * 1e3:.1f} ms; one decode step "
+    print(f"one sync's feed of {k} rows: {best['feed'] * 1e3:.1f} ms; one decode step "
           f"{best['decode'] * 1e3:.1f} ms + their observations' prefill alone "
           f"{best['obs_prefill'] * 1e3:.1f} ms = {(best['decode'] + best['obs_prefill']) * 1e3:.1f} ms "
-          f"(extend / that = {best['extend'] / (best['decode'] + best['obs_prefill']):.2f})")
+          f"(feed / that = {best['feed'] / (best['decode'] + best['obs_prefill']):.2f})")
 
 
 # Ops that launch no kernel: views, and allocations without a fill.
@@ -370,7 +372,7 @@ def step_decoder(route: str, cfg: ModelConfig, Bp: int, G: int, P: int, Tc: int,
     random weights. route: "float32" (shared_prompt_attention's plain ops), "bf16 kernel" (CUDA's
     shared_prompt_attention_decode_cuda; on a CPU, SDPA's fused CPU kernel runs in the CUDA kernel's place
     through the same code), "bf16 kernel, compiled" (the same through torch.compile) or "cpu
-    fused" (the CPU's eager path, float32)."""
+    flash" (the CPU's eager path, float32)."""
     dtype = torch.bfloat16 if route.startswith("bf16") else torch.float32
     with torch.device(device):
         model = Llama(cfg)
@@ -393,11 +395,8 @@ def step_decoder(route: str, cfg: ModelConfig, Bp: int, G: int, P: int, Tc: int,
                                  compiled=route.endswith("compiled"))
     finally:
         decode.kernel_for = kernel
-    decoder.attention.fused = route == "cpu fused"
-    decoder.step_index.fill_(3)
-    # the CPU's eager route attends to the keys written so far; a graph or a compile to all Tc
-    # slots under the step's mask (None: what generate sets there)
-    decoder.attention.own_len = 4 if route == "cpu fused" else None
+    decoder.flash = route == "cpu flash"
+    decoder.index.fill_(3)  # every row at completion index 3 (lockstep)
     return decoder, torch.randint(0, cfg.vocab_size, (Bp * G, 1), device=device)
 
 
@@ -407,8 +406,13 @@ def launches(decoder: decode.Decoder, tokens: torch.Tensor) -> collections.Count
     allocations (OpCount: a kernel each on CUDA) of an eager step, and of a compiled one the
     calls its graph makes (inductor's generated kernels, profiled, and the aten ops it calls:
     matmuls, attention)."""
-    # generate's route: compiled_forward marks the layout's dims dynamic before the first compile
-    run = decoder.forward if decoder.compiled is None else decoder.compiled_forward
+    # generate's routes: the CPU's eager one attends to the keys written so far; a graph or a
+    # compile to all Tc slots under each row's mask (Decoder._lockstep, keys None)
+    def run(tokens):
+        if decoder.compiled is None and not tokens.is_cuda:
+            return decoder.forward(tokens, decoder.index[:, None], decoder.first,
+                                   int(decoder.index.max()) + 1 if decoder.flash else None)
+        return decoder._lockstep(tokens, decoder.index[:, None], decoder.first)
     with fused_projections(decoder.model, decoder.compiled is not None):  # as generate's
         return _launches(run, decoder, tokens)
 
@@ -486,7 +490,7 @@ def kernels() -> None:
     shape = option("--shape", "Qwen2.5-0.5B") if device.type == "cuda" else ""
     routes = ("bf16 kernel", "bf16 kernel, compiled")
     if device.type == "cpu":
-        routes = ("float32", *routes, "cpu fused")
+        routes = ("float32", *routes, "cpu flash")
         print("launches of one decode step (on the CPU: aten ops less views, a kernel each on "
               "CUDA; compiled: inductor's kernels and the aten ops its graph calls)")
     else:

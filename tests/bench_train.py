@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import grpo  # noqa: E402
 import memory  # noqa: E402
 import rollout  # noqa: E402
+from engine import decode  # noqa: E402
 from model import Llama, ModelConfig  # noqa: E402
 
 PROMPTS, G, C = 16, 8, 32
@@ -86,7 +87,7 @@ def main(repeats: int = 3, lengths: tuple[int, ...] = (64, 512)) -> None:
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
             gcfg = grpo.GRPOConfig(micro_batch_groups=PROMPTS)
             mem = memory.PhaseManager(device)
-            mem.cache = rollout.KVCache.for_batch(cfg, PROMPTS, G, P, C, dtype, device)
+            mem.cache = decode.KVCache.for_batch(cfg, PROMPTS, G, P, C, dtype, device)
             mem.add_weights(model, model)
             mem.add_kv_cache(mem.cache.buffer)
             mem.add_grads(model)

@@ -75,21 +75,21 @@ def recomputed_episode(model: Llama, prompt: list[int], row: int, budget: int,
     return tokens, policy, False, calls
 
 
-@pytest.mark.parametrize("check_every", [1, 3, 8])
+@pytest.mark.parametrize("sync_every", [1, 3, 8])
 @pytest.mark.parametrize("max_turns", [1, 3])
-def test_greedy_episodes_equal_a_full_recompute_turn_by_turn(model, check_every, max_turns):
+def test_greedy_episodes_equal_a_full_recompute_turn_by_turn(model, sync_every, max_turns):
     """Calls at every check phase (a row decodes past its call until the check, then is cut
     back), observations cut by the budget (the call not counted), a tool that ends the episode,
     turns used up."""
     out = rollout.generate(model, PROMPTS, RolloutConfig(num_samples=2, max_new_tokens=20,
-                                                         temperature=0, check_every=check_every),
+                                                         temperature=0, sync_every=sync_every),
                            stop_ids=STOPS, episodes=episodes(max_turns))
     assert sum(out.stats["calls"]) >= len(PROMPTS)  # the case under test happens
     for r, got in enumerate(out.completions()):
         tokens, policy, stopped, calls = recomputed_episode(model, PROMPTS[r // 2], r, 20,
                                                            max_turns)
         assert got == tokens, r
-        assert out.policy[r, :len(got)].tolist() == policy
+        assert out.sampled[r, :len(got)].tolist() == policy
         assert bool(out.stopped[r]) == stopped and out.stats["calls"][r] == calls
 
 
@@ -104,12 +104,12 @@ def test_the_continued_cache_equals_a_fresh_prefill_of_the_whole_row(model, monk
         return real(decoder, *args)
     monkeypatch.setattr(rollout, "_decode", keep)
     out = rollout.generate(model, PROMPTS, RolloutConfig(num_samples=2, max_new_tokens=20,
-                                                         temperature=0, check_every=3),
+                                                         temperature=0, sync_every=3),
                            episodes=episodes(3))  # no stop ids: rows end at their budget
     d = decoders[0]
     order = sorted(range(len(PROMPTS)), key=lambda i: -len(PROMPTS[i]))  # generate's sort
     checked = 0
-    for row, slot in zip(d.layout.rows, d.layout.slots):  # the rows active at the last check
+    for row, slot in zip(d.grid.rows, d.grid.slots):  # the rows active at the last sync
         caller = order[row // 2] * 2 + row % 2
         prompt, episode = PROMPTS[order[row // 2]], out.completions()[caller]
         keys = {}
@@ -124,8 +124,8 @@ def test_the_continued_cache_equals_a_fresh_prefill_of_the_whole_row(model, monk
         # float32, other summation orders: at most the whole stack's chain, at the K/V's magnitude
         depth = tolerance.model_depth(CFG, len(prompt) + n, "hidden")
         for layer, (k, v) in keys.items():
-            own_k = d.attention.own_k[layer][slot, :, :n]
-            own_v = d.attention.own_v[layer][slot, :, :n]
+            own_k = d.views[2][layer][slot, :, :n]
+            own_v = d.views[3][layer][slot, :, :n]
             for got, want in ((own_k, k), (own_v, v)):
                 want = want[:, len(prompt):len(prompt) + n]
                 torch.testing.assert_close(got, want,
@@ -143,10 +143,10 @@ def test_sampled_logprobs_of_the_policys_tokens_equal_the_trainers(dtype):
     the logits' magnitude over the temperature (tests/tolerance.py; the logits reach ~6 here)."""
     model = Llama(CFG).init_weights(seed=0, std=0.2).eval().to(dtype)
     out = rollout.generate(model, PROMPTS, RolloutConfig(num_samples=4, max_new_tokens=24,
-                                                         temperature=0.9, check_every=4),
+                                                         temperature=0.9, sync_every=4),
                            stop_ids=STOPS, seed=3, episodes=episodes(3))
-    assert sum(out.stats["calls"]) > 0 and not out.policy[out.mask].all()
-    assert (out.logprobs[~out.policy] == 0).all()
+    assert sum(out.stats["calls"]) > 0 and not out.sampled[out.mask].all()
+    assert (out.logprobs[~out.sampled] == 0).all()
     batch = grpo.GRPOBatch.from_rollout(PROMPTS, out, 24, torch.zeros(len(out.tokens)))
     with torch.no_grad():
         logp, _ = grpo.completion_logprobs(model, batch)
@@ -164,7 +164,7 @@ def test_sampled_logprobs_of_the_policys_tokens_equal_the_trainers(dtype):
 def test_a_rollout_without_a_call_equals_todays_bit_for_bit(model):
     """A task with a tool whose rows never call: the same tokens, logprobs and stops as the
     rollout without episodes (the same steps, drops and draws)."""
-    cfg = RolloutConfig(num_samples=4, max_new_tokens=16, temperature=1.0, check_every=3)
+    cfg = RolloutConfig(num_samples=4, max_new_tokens=16, temperature=1.0, sync_every=3)
     plain = rollout.generate(model, PROMPTS, cfg, stop_ids=STOPS, seed=5)
     never = Episodes(lambda calls: [[9] for _ in calls], (127,), 2)  # an id nobody samples
     with_tool = rollout.generate(model, PROMPTS, cfg, stop_ids=STOPS, seed=5, episodes=never)
@@ -172,63 +172,84 @@ def test_a_rollout_without_a_call_equals_todays_bit_for_bit(model):
     assert torch.equal(plain.tokens, with_tool.tokens) and torch.equal(plain.mask, with_tool.mask)
     assert torch.equal(plain.logprobs, with_tool.logprobs)
     assert torch.equal(plain.stopped, with_tool.stopped)
-    assert torch.equal(with_tool.policy, plain.mask)
+    assert torch.equal(with_tool.sampled, plain.mask)
 
 
 class FakeGraph:
-    """decode.GraphedStep's stand-in on a CPU: the step runs eagerly at every replay; captures
-    counts the graphs a rollout would capture."""
-    captures = 0
+    """decode.GraphedStep's stand-in on a CPU: the step runs eagerly at every replay, on copies of
+    the inputs as a graph's; `captured` counts the graphs a rollout would capture, by bucket."""
+    captured: list[int] = []
 
-    def __init__(self, step, tokens):
-        FakeGraph.captures += 1
-        self.step = step
+    def __init__(self, step, *inputs):
+        FakeGraph.captured.append(len(inputs[0]))
+        self.step, self.inputs = step, [x.clone() for x in inputs]
 
-    def __call__(self, tokens):
-        return self.step(tokens)
+    def __call__(self, *inputs):
+        for mine, x in zip(self.inputs, inputs):
+            mine.copy_(x)
+        return self.step(*self.inputs)
 
 
-def test_on_a_graphed_decoder_a_rollout_without_a_call_drops_rows_as_todays(model, monkeypatch):
-    """Issue 43, item 5: on CUDA the episode loop dropped finished rows at every check (a graph
-    re-capture each) where the tool-less rollout keeps them until 1/8 of the rows have ended, so
-    the two rollouts' rows, and then their draws, differed. The CPU stands in for CUDA (a decoder
-    that captures graphs, FakeGraph; the plain attention, as a graph's): every drop leaves at
-    most 7/8 of the rows, a rollout with no call equals the tool-less one bit for bit, and each
-    captures a graph at the start and after each drop only."""
+def graphed_rollouts(model: Llama, monkeypatch, cfg: RolloutConfig, episodes) -> tuple:
+    """The rollout on a decoder that captures graphs (FakeGraph; the plain attention, as a
+    graph's: all Tc own keys under each row's mask), its captures, and the row counts it met."""
     from engine import decode
-    monkeypatch.setattr(decode, "_CPU_FLASH", None)  # a graph attends to all Tc slots, masked
     monkeypatch.setattr(decode, "GraphedStep", FakeGraph)
-    drops = []
+    counts = []
 
     def graphed(model, views, lens, G, _, compiled=False):
         d = decode.Decoder(model, views, lens, G, True, compiled)
-        drop = d.drop
+        real = d.decode
 
-        def counted(keep, filled):
-            drops.append((len(keep), len(d.layout.rows)))
-            drop(keep, filled)
-        d.drop = counted
+        def counted(tokens):
+            counts.append(len(tokens))
+            return real(tokens)
+        d.decode = counted
         return d
     monkeypatch.setattr(rollout, "Decoder", graphed)
-    cfg = RolloutConfig(num_samples=4, max_new_tokens=16, temperature=1.0, check_every=3)
+    FakeGraph.captured = []
+    out = rollout.generate(model, PROMPTS, cfg, stop_ids=STOPS, seed=5, episodes=episodes)
+    monkeypatch.undo()
+    return out, FakeGraph.captured, counts
+
+
+def test_graphs_are_captured_once_a_bucket_and_equal_the_eager_decode(model, monkeypatch):
+    """CUDA graphs per bucket of rows (1, 2, 4, 8, then every 16), the rows padded up to it: the CPU
+    stands in for CUDA (FakeGraph). Rows drop at every sync as on the eager route, each bucket met
+    is captured once and never again, and in float64 the graphed rollout (the whole grid, padded
+    rows, all own keys masked) draws the eager one's tokens with its logprobs (the slow twin: the
+    compacted grid, the written keys alone); with a tool, the same, episodes and all."""
+    from engine import decode
+    assert [decode.bucket(n) for n in (1, 2, 3, 5, 8, 9, 16, 17, 33)] == [1, 2, 4, 8, 8, 16, 16,
+                                                                        32, 48]
+    wide = Llama(CFG).init_weights(seed=0, std=0.2).double().eval()
+    cfg = RolloutConfig(num_samples=4, max_new_tokens=16, temperature=1.0, sync_every=3)
+    for tool in (None, episodes(3)):
+        monkeypatch.setattr(decode, "_CPU_FLASH", None)  # the eager twin: the plain route too
+        eager = rollout.generate(wide, PROMPTS, cfg, stop_ids=STOPS, seed=5, episodes=tool)
+        out, captured, counts = graphed_rollouts(wide, monkeypatch, cfg, tool)
+        assert out.stats["compactions"] == eager.stats["compactions"] > 0
+        assert torch.equal(out.tokens, eager.tokens) and torch.equal(out.mask, eager.mask)
+        torch.testing.assert_close(out.logprobs, eager.logprobs, rtol=0, atol=1e-9)
+        assert len(captured) == len(set(captured)), "a bucket captured twice"
+        assert set(captured) <= {decode.bucket(n) for n in counts} and len(set(counts)) > 1
+        assert captured[0] == decode.bucket(len(PROMPTS) * 4)
+        if tool is None:  # every step in lockstep: a graph for each bucket met
+            assert set(captured) == {decode.bucket(n) for n in counts}
+
+
+def test_on_a_graphed_decoder_a_rollout_without_a_call_equals_the_tool_less_one(model, monkeypatch):
+    """Issue 43, item 5: the episode loop's rows, and then its draws, differed from the tool-less
+    loop's on CUDA. On a decoder that captures graphs (FakeGraph), a rollout with no call equals
+    the tool-less one bit for bit, graphs and all."""
+    cfg = RolloutConfig(num_samples=4, max_new_tokens=16, temperature=1.0, sync_every=3)
     never = Episodes(lambda calls: [[9] for _ in calls], (127,), 2)  # an id nobody samples
-    outs, captures = [], []
-    for episodes in (None, never):
-        FakeGraph.captures = 0
-        outs.append(rollout.generate(model, PROMPTS, cfg, stop_ids=STOPS, seed=5,
-                                     episodes=episodes))
-        captures.append(FakeGraph.captures)
-    plain, with_tool = outs
-    assert sum(with_tool.stats["calls"]) == 0
-    assert drops and all(keep <= active * 7 // 8 for keep, active in drops), drops
-    assert plain.stats["compactions"] == with_tool.stats["compactions"] == len(drops) // 2
-    assert captures == [len(drops) // 2 + 1] * 2
+    plain, captured, _ = graphed_rollouts(model, monkeypatch, cfg, None)
+    with_tool, captured_too, _ = graphed_rollouts(model, monkeypatch, cfg, never)
+    assert sum(with_tool.stats["calls"]) == 0 and plain.stats["compactions"] > 0
+    assert captured == captured_too
     for key in ("tokens", "mask", "logprobs", "stopped"):
         assert torch.equal(getattr(plain, key), getattr(with_tool, key)), key
-    # The rule acts: an eager decoder drops rows at checks where fewer than 1/8 have ended.
-    monkeypatch.undo()
-    eager = rollout.generate(model, PROMPTS, cfg, stop_ids=STOPS, seed=5)
-    assert eager.stats["compactions"] > plain.stats["compactions"]
 
 
 def test_greedy_episodes_equal_transformers_generate_turn_by_turn(tmp_path):
@@ -241,7 +262,7 @@ def test_greedy_episodes_equal_transformers_generate_turn_by_turn(tmp_path):
     theirs = save_random_hf_model(tmp_path, "LlamaConfig", config)
     ours = hf.load_model(str(tmp_path))
     out = rollout.generate(ours, PROMPTS, RolloutConfig(num_samples=1, max_new_tokens=20,
-                                                        temperature=0, check_every=4),
+                                                        temperature=0, sync_every=4),
                            stop_ids=(1,), episodes=episodes(2))
     assert sum(out.stats["calls"]) > 0
     for r, prompt in enumerate(PROMPTS):
@@ -685,7 +706,7 @@ def test_trls_multi_turn_training_on_our_episodes_trains_the_same_tokens_loss_an
     out = rollout.generate(sampler, prompts, RolloutConfig(num_samples=G, max_new_tokens=budget,
                                                            temperature=TRL_TEMPERATURE),
                            stop_ids=(1,), seed=11, episodes=episodes(3))
-    rows, policy = out.completions(), out.policy.tolist()
+    rows, policy = out.completions(), out.sampled.tolist()
     env_mask = [[int(p) for p in flags[:len(row)]] for row, flags in zip(rows, policy)]
     assert sum(out.stats["calls"]) >= 3 and any(0 in m for m in env_mask)  # the case under test
     trainer = trl_trainer(hf_checkpoint, tmp_path, prompts, rows, env_mask=env_mask,

@@ -95,13 +95,13 @@ def step_against_float64(model: Llama, wide: Llama, compiled: decode.Decoder,
     route) and the eager step's each within ULPS of the float64 forward of each row's whole
     sequence, the compiled greedy picks the float64 forward's (near ties aside). The compiled
     step's logits (N, V), float64."""
-    for i, r in enumerate(compiled.layout.rows):
+    for i, r in enumerate(compiled.grid.rows):
         seqs[r].append(int(tokens[i]))
     with fused_projections(model):
-        got = compiled.step(tokens).double()
-    want = eager.step(tokens).double()
+        got = compiled.decode(tokens).double()
+    want = eager.decode(tokens).double()
     exact = torch.stack([wide(torch.tensor([seqs[r]]))[0, -1]
-                         for r in compiled.layout.rows])  # (N, V)
+                         for r in compiled.grid.rows])  # (N, V)
     for logits in (got, want):
         torch.testing.assert_close(logits, exact, rtol=0, atol=bf16_tol(exact))
     top2 = exact.topk(2, dim=-1).values
@@ -135,21 +135,21 @@ def test_compiled_bf16_step_equals_the_eager_step_and_compiles_once_a_structure(
     with torch.inference_mode():
         for t in range(new - 1):
             if t in survivors:
-                keep = [i for i, r in enumerate(compiled.layout.rows) if r in survivors[t]]
+                keep = [i for i, r in enumerate(compiled.grid.rows) if r in survivors[t]]
                 for d in (compiled, eager):
                     d.drop(keep, filled=t)
                 tokens = tokens[torch.tensor(keep)]
-            assert compiled.t == eager.t == t  # each step feeds every row at index t
+            assert (compiled.index == t).all() and (eager.index == t).all()  # lockstep: index t
             got = step_against_float64(model, wide, compiled, eager, tokens, seqs)
             tokens = got.argmax(-1)
             counts.append(compiled.compiled.compiles)
-    assert compiled.attention.slots is None and compiled.attention.prompt_valid.shape == (2, 2)
+    assert compiled.grid.scatter is None and compiled.grid.prompt_valid.shape == (2, 2)
     assert counts[0] == 1 and compiled.compiled.seconds > 0
     COMPILED_HERE.add("structures")
     for t in range(1, new - 1):
         assert counts[t] - counts[t - 1] <= (1 if t in (4, 6, 8) else 0), counts
-    for mine, theirs in zip(compiled.attention.own_k + compiled.attention.own_v,
-                            eager.attention.own_k + eager.attention.own_v):
+    for mine, theirs in zip(compiled.views[2] + compiled.views[3],
+                            eager.views[2] + eager.views[3]):
         written = theirs[:, :, :new - 1].float()  # every slot's keys so far (dropped rows' too)
         torch.testing.assert_close(mine[:, :, :new - 1].float(), written, rtol=0,
                                    atol=bf16_tol(written))
@@ -177,7 +177,7 @@ def test_the_compiled_step_takes_the_cuda_kernels_strided_outputs(model, wide, m
 
 @needs_compile
 def test_the_compiled_draw_equals_the_eager_race_on_the_same_clocks():
-    """sampling.sample_raced compiled (rollout.py runs it so beside a compiled step) against itself
+    """sampling.draw_raced compiled (rollout.py runs it so beside a compiled step) against itself
     eager on the same clocks, bf16 logits (the compiled step's) with masked ids: greedy,
     temperature, and temperature with top-k and top-p (a sort and a scatter traced). The same
     tokens; logprobs within float32 rounding (both work on the logits' float32 copy; the softmax's
@@ -186,9 +186,9 @@ def test_the_compiled_draw_equals_the_eager_race_on_the_same_clocks():
     logits = logits.to(torch.bfloat16).index_fill_(1, torch.arange(0, 1000, 7), float("-inf"))
     for knobs in [(0.0, 0, 1.0), (0.8, 0, 1.0), (0.8, 50, 0.9)]:
         clocks = sampling.race_clocks(logits, knobs[0], torch.Generator().manual_seed(1))
-        step = compiling.CompiledStep(sampling.sample_raced)
+        step = compiling.CompiledStep(sampling.draw_raced)
         tokens, logprobs = step(logits, *knobs, clocks)
-        want = sampling.sample_raced(logits, *knobs, clocks)
+        want = sampling.draw_raced(logits, *knobs, clocks)
         assert step.compiles >= 1 and torch.equal(tokens, want[0])
         scale = logits.float().nan_to_num(neginf=0).abs().max() / (knobs[0] or 1.0)
         torch.testing.assert_close(logprobs, want[1], **tolerance.reordered(1000, scale))
@@ -204,7 +204,7 @@ def test_greedy_generate_compiled_equals_eager_and_compiles_nothing_again(model,
     ran in this process (they compiled each structure and the draw; a layout they did not meet may
     be new), at most five where they did not, and a second call of the same shapes compiles
     nothing (compiles 0, compile_seconds 0)."""
-    knobs = dict(num_samples=3, max_new_tokens=16, temperature=0.0, check_every=2)
+    knobs = dict(num_samples=3, max_new_tokens=16, temperature=0.0, sync_every=2)
     stops = (5, 9, 17, 23, 31)
     runs = [rollout.generate(model, PROMPTS, RolloutConfig(compile_decode=on, **knobs),
                              stop_ids=stops, seed=0) for on in ("true", "true", "false")]
@@ -231,12 +231,39 @@ def test_greedy_generate_compiled_equals_eager_and_compiles_nothing_again(model,
 
 
 @needs_compile
+def test_the_compiled_step_serves_every_bucket_of_graphed_rows(model, kernel_route, monkeypatch):
+    """Graphs per bucket of rows (tests/test_episodes.py's FakeGraph stands in for CUDA's): the
+    compiled step on the whole grid, rows padded up to each bucket, compiles no graph a bucket (the
+    rows a dynamic dim): one rollout compiles at most the step and the draw, a second nothing; it
+    captures each bucket once and draws the greedy tokens of the compacted, uncaptured route."""
+    from test_episodes import FakeGraph
+    monkeypatch.setattr(decode, "GraphedStep", FakeGraph)
+    monkeypatch.setattr(rollout, "Decoder", lambda model, views, lens, G, _, compiled=False:
+                        decode.Decoder(model, views, lens, G, True, compiled))
+    knobs = dict(num_samples=3, max_new_tokens=16, temperature=0.0, sync_every=2,
+                 compile_decode="true")
+    stops = (5, 9, 17, 23, 31)
+    captures = []
+    for _ in range(2):
+        FakeGraph.captured = []
+        out = rollout.generate(model, PROMPTS, RolloutConfig(**knobs), stop_ids=stops, seed=0)
+        captures.append((out.stats["compiles"], FakeGraph.captured))
+    (first, buckets), (again, buckets_again) = captures
+    assert first <= 2 and again == 0 and out.stats["compactions"] >= 1
+    assert buckets == buckets_again and len(buckets) == len(set(buckets)) >= 2
+    monkeypatch.undo()
+    monkeypatch.setattr(decode, "kernel_for", lambda device, dtype, head_dim: decode.cpu_flash)
+    plain = rollout.generate(model, PROMPTS, RolloutConfig(**knobs), stop_ids=stops, seed=0)
+    assert torch.equal(out.tokens, plain.tokens)  # greedy, no near tie on this seed
+
+
+@needs_compile
 def test_sampled_tokens_on_the_compiled_route_score_as_the_trainer(model, kernel_route):
     """Sampling after the compiled step: each token's logprob is the bf16 trainer forward's within
     bf16's rounding of logits of size ~5 (tests/test_rollout.py's bf16 test: 0.1). Temperature
     alone: a top-k or top-p boundary may fall between two roundings of the same logits. Compiles
     as the test above bounds them."""
-    cfg = RolloutConfig(num_samples=3, max_new_tokens=12, temperature=0.8, check_every=2)
+    cfg = RolloutConfig(num_samples=3, max_new_tokens=12, temperature=0.8, sync_every=2)
     out = rollout.generate(model, PROMPTS, cfg, stop_ids=(5, 9, 17), seed=3)
     assert out.stats["compiles"] <= (1 if COMPILED_HERE == {"structures", "draw"} else 5)
     for row, completion in enumerate(out.completions()):
@@ -288,7 +315,7 @@ def test_the_compiled_qwen3_step_runs_its_q_k_norms_inside_on_stacked_projection
             got = step_against_float64(model, wide, compiled, eager, tokens, seqs)
             tokens = got.argmax(-1)
     assert compiled.compiled.compiles >= 1
-    for mine, theirs in zip(compiled.attention.own_k, eager.attention.own_k):
+    for mine, theirs in zip(compiled.views[2], eager.views[2]):
         written = theirs[:, :, :new - 1].float()
         torch.testing.assert_close(mine[:, :, :new - 1].float(), written, rtol=0,
                                    atol=bf16_tol(written))
@@ -315,7 +342,7 @@ def test_the_compiled_step_and_draw_keep_the_model_dims_static_one_graph_for_eve
     monkeypatch.setattr(compiling.torch, "compile",
                         lambda fn, **options: compile(fn, backend=recording, **options))
     torch._dynamo.reset()  # this test's own graphs, whatever ran before it in this process
-    knobs = dict(temperature=0.0, check_every=2, compile_decode="true")
+    knobs = dict(temperature=0.0, sync_every=2, compile_decode="true")
     stops = (5, 9, 17, 23, 31)
     out = rollout.generate(model, PROMPTS, RolloutConfig(num_samples=3, max_new_tokens=16,
                                                          **knobs), stop_ids=stops, seed=0)
@@ -362,7 +389,7 @@ def test_nan_logits_on_the_compiled_route_stop_the_rollout_naming_the_step(model
 def assert_a_nan_embedding_row_stops_the_compiled_rollout(model: Llama) -> None:
     """A NaN embedding row for a token the greedy compiled rollout first draws at completion
     index j (a copy of model poisoned): the rollout stops naming decode step j + 1."""
-    knobs = dict(num_samples=2, max_new_tokens=10, temperature=0.0, check_every=3,
+    knobs = dict(num_samples=2, max_new_tokens=10, temperature=0.0, sync_every=3,
                  compile_decode="true")
     poisoned = copy.deepcopy(model)
     clean = rollout.generate(poisoned, PROMPTS, RolloutConfig(**knobs), seed=0)

@@ -33,7 +33,7 @@ def test_compiled_graphed_bf16_decode_equals_the_eager_graphed_decode(models):
     eager route's up to a near tie of the float64 forward, logprobs within LOGPROB_TOL while they
     agree; it compiled (compile_seconds counted), and a second call compiles nothing."""
     gpu, wide = models
-    knobs = dict(num_samples=4, max_new_tokens=24, temperature=0.0, check_every=2)
+    knobs = dict(num_samples=4, max_new_tokens=24, temperature=0.0, sync_every=2)
     stops = (5, 9, 17, 23, 31)
     first, again, eager = (rollout.generate(gpu, PROMPTS, RolloutConfig(compile_decode=on, **knobs),
                                             stop_ids=stops, seed=0)

@@ -14,6 +14,7 @@ import tolerance
 from memtrace import allocator_peak
 
 from engine import attention
+from engine import sampling
 import grpo
 from engine import logprobs
 from engine import packing
@@ -1195,7 +1196,7 @@ def test_sampler_logp_is_the_sampled_distributions_and_the_correction_is_trainer
         for i, row in enumerate(batch.lists()[1]):
             p = prompts[i // G]
             logits = m(torch.tensor([p + row]))[0, len(p) - 1:len(p) - 1 + len(row)]  # (L, V)
-            sampled = rollout.filter_logits(logits, T, 0, top_p).log_softmax(-1)
+            sampled = sampling.filter_logits(logits, T, 0, top_p).log_softmax(-1)
             want = sampled.gather(-1, torch.tensor(row)[:, None])[:, 0]
             torch.testing.assert_close(out.logprobs[i, :len(row)], want, **logp_tol(T))
             kept = sampled.isfinite()

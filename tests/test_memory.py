@@ -26,7 +26,8 @@ import model as M
 from run import plan
 import tp
 from memory import MemoryConfig, PhaseManager, checkpoint_blocks, offload_activations
-from rollout import KVCache, RolloutConfig, generate, sync_weights
+from engine.decode import KVCache
+from rollout import RolloutConfig, generate, sync_weights
 
 V = 128
 

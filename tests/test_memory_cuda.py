@@ -14,7 +14,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import model as M
 from memory import PhaseManager, checkpoint_blocks, offload_activations
-from rollout import KVCache, sync_weights
+from engine.decode import KVCache
+from rollout import sync_weights
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

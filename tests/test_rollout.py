@@ -22,7 +22,9 @@ import rollout
 from engine import sampling
 from engine.attention import shared_prompt_attention
 from model import Llama, ModelConfig
-from rollout import KVCache, Rollout, RolloutConfig, filter_logits, sample
+from engine.decode import KVCache
+from engine.sampling import draw, filter_logits
+from rollout import Rollout, RolloutConfig
 
 CFG = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=96)
@@ -124,7 +126,7 @@ def naive_sampler(model: Llama, prompts: list[list[int]], G: int, steps: int, te
     seqs = [list(p) for p in prompts for _ in range(G)]
     logprobs = [[] for _ in seqs]
     for _ in range(steps):
-        tokens, lps = sample(last_logits(model, [seqs[r] for r in rows]), temperature, top_k, top_p,
+        tokens, lps = draw(last_logits(model, [seqs[r] for r in rows]), temperature, top_k, top_p,
                              generator)
         for row, t, lp in zip(rows, tokens.tolist(), lps.tolist()):
             seqs[row].append(t)
@@ -161,7 +163,7 @@ def test_logprobs_equal_trainer_forward_with_the_same_mask_while_rows_are_droppe
     model = request.getfixturevalue(arch)  # a Llama, a Qwen3
     G, stop_ids = 4, (5, 9, 17, 23, 31, 40, 64, 77, 90, 101)
     out = generate(model, PROMPTS, num_samples=G, max_new_tokens=40, temperature=temperature, top_k=top_k,
-                   top_p=top_p, stop_ids=stop_ids, seed=7, check_every=2)
+                   top_p=top_p, stop_ids=stop_ids, seed=7, sync_every=2)
     # Rows were dropped mid-run, and the rows of one group at different checks (2 steps apart), so the
     # padded (Bp', G') grid with empty slots was used.
     assert out.stats["compactions"] > 0
@@ -181,7 +183,7 @@ def test_stop_id_cuts_the_completion_after_it(model):
     reference = generate(model, PROMPTS, num_samples=1, max_new_tokens=12, temperature=0)
     stop = reference.completions()[0][5]
     cut = reference.completions()[0].index(stop) + 1
-    out = generate(model, PROMPTS, num_samples=2, max_new_tokens=12, temperature=0, stop_ids=(stop,), check_every=3)
+    out = generate(model, PROMPTS, num_samples=2, max_new_tokens=12, temperature=0, stop_ids=(stop,), sync_every=3)
     assert out.completions()[0] == out.completions()[1] == reference.completions()[0][:cut]
     assert out.stopped[:2].tolist() == [True, True]
     for i in range(1, len(PROMPTS)):
@@ -265,7 +267,7 @@ def test_nan_or_inf_logits_stop_the_rollout_in_one_line_naming_the_step(model, k
     naming that step, on the CPU's draw and the race alike; a lone -inf logit is a masked token,
     no error."""
     for step in (0, 3, 6):
-        cfg = RolloutConfig(num_samples=2, max_new_tokens=8, check_every=2, **knobs)
+        cfg = RolloutConfig(num_samples=2, max_new_tokens=8, sync_every=2, **knobs)
         with pytest.raises(rollout.NonFiniteLogits, match=f"at decode step {step} ") as caught:
             rollout.generate(model, PROMPTS, cfg, stop_ids=(5,), seed=0,
                              logits_fn=poisoned_at(step, 1, value))
@@ -274,7 +276,7 @@ def test_nan_or_inf_logits_stop_the_rollout_in_one_line_naming_the_step(model, k
     masked = rollout.generate(model, PROMPTS, cfg, seed=0, logits_fn=lambda x: x.index_fill(
         -1, torch.tensor([7]), float("-inf")))
     assert masked.logprobs.isfinite().all()
-    raced = sampling.sample_raced(torch.full((2, 512), float("nan")), 0.9, 0, 1.0,
+    raced = sampling.draw_raced(torch.full((2, 512), float("nan")), 0.9, 0, 1.0,
                                   sampling.race_clocks(torch.zeros(2, 512), 0.9, None))
     assert raced[1].isnan().all()  # the race's NaN row: what the check finds
 
@@ -435,7 +437,7 @@ def test_greedy_on_ragged_prompts_equals_transformers_generate(tmp_path, config_
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(8, 128, (n,), generator=gen).tolist() for n in (1, 23, 5, 12, 2, 17)]
     out = rollout.generate(ours, prompts, RolloutConfig(num_samples=2, max_new_tokens=10,
-                                                        temperature=0.0, check_every=2),
+                                                        temperature=0.0, sync_every=2),
                            stop_ids=(7,))
     for i, prompt in enumerate(prompts):
         x = torch.tensor([prompt])
@@ -455,7 +457,7 @@ def test_generic_decode_path_equals_fused_path(model, monkeypatch, kernel):
     for CUDA's: called by every layer of every step here; eager: the compiled step has its own
     tests below)."""
     kwargs = dict(num_samples=3, max_new_tokens=24, temperature=0.9, stop_ids=(5, 9, 17, 23),
-                  seed=5, check_every=2, compile_decode="false")
+                  seed=5, sync_every=2, compile_decode="false")
     fused = generate(model, PROMPTS, **kwargs)
     monkeypatch.setattr(decode, "_CPU_FLASH", None)
     calls = []
@@ -497,10 +499,11 @@ def test_prepacked_linears_equal_f_linear_and_are_undone(model):
 
 @pytest.mark.parametrize("kernel", [False, True])
 def test_decode_attention_over_all_completion_slots_masks_the_unwritten_ones(monkeypatch, kernel):
-    """A CUDA graph attends to all Tc completion slots with a mask on `step` (static shapes); the CPU path
-    slices to the step + 1 written ones. Both must agree, also with garbage in the unwritten slots.
-    kernel: CUDA's bf16 route (shared_prompt_attention_decode_cuda, the step's own bias, the aligned prompt
-    bias), the CPU's fused kernel standing in for CUDA's; it equals the plain route too."""
+    """A CUDA graph attends to all Tc completion slots under each row's mask (static shapes); the CPU
+    path slices to the keys written so far. Both must agree, also with garbage in the unwritten slots,
+    with the rows in lockstep (equal indices) and apart (each its own, as after a tool turn).
+    kernel: CUDA's bf16 route (shared_prompt_attention_decode_cuda, the rows' own bias, the aligned
+    prompt bias), the CPU's fused kernel standing in for CUDA's; it equals the plain route too."""
     monkeypatch.setattr(decode, "_CPU_FLASH", None)
     if kernel:
         monkeypatch.setattr(decode, "kernel_for", lambda device, dtype, head_dim: cpu_kernel)
@@ -510,17 +513,23 @@ def test_decode_attention_over_all_completion_slots_masks_the_unwritten_ones(mon
     views = cache.carve(1, Hkv, D, Bp, G, P, Tc + 1)
     for x in sum(views, []):
         x.copy_(torch.randn(x.shape, generator=gen))  # written slots and garbage alike
-    step = torch.tensor([t])
-    attn = decode.DecodeAttention(views, step, Tc)
-    attn.set_layout(decode.Layout.of([0, 1, 2, 4, 5], G, [6, 3]), torch.tensor([6, 3]))  # row 3 finished
+    one_layer = Llama(ModelConfig(vocab_size=16, hidden_size=H * D, intermediate_size=16,
+                                  num_hidden_layers=1, num_attention_heads=H,
+                                  num_key_value_heads=Hkv))
+    decoder = decode.Decoder(one_layer, views, [6, 3], G, graphed=False)
+    decoder.drop([0, 1, 2, 4, 5], filled=0)  # row 3 finished: an empty slot in the grid
+    assert decoder.grid.scatter is not None and (decoder.kernel is not None) == kernel
     q, k, v = (torch.randn(shape, generator=gen) for shape in [(5, H, 1, D)] + [(5, Hkv, 1, D)] * 2)
-    full = attn(0, q, k, v)  # (N, H, 1, D)
-    attn.own_len = t + 1
     tol = tolerance.reordered(D + P + Tc, views[1][0].abs().max())  # another summation order
-    torch.testing.assert_close(attn(0, q, k, v), full, **tol)
-    if kernel:
-        attn.kernel = None  # shared_prompt_attention's plain float32 ops
-        torch.testing.assert_close(attn(0, q, k, v), full, **tol)
+    for index in (torch.full((5, 1), t), torch.tensor([[3], [1], [5], [0], [2]])):
+        decoder.apart = bool(index.unique().numel() > 1)  # apart: the plain route, each its own
+        full = decoder.attention(index, None)(0, q, k, v)  # (B, H, 1, D)
+        torch.testing.assert_close(decoder.attention(index, int(index.max()) + 1)(0, q, k, v),
+                                   full, **tol)
+        if kernel:
+            decoder.kernel = None  # shared_prompt_attention's plain float32 ops
+            torch.testing.assert_close(decoder.attention(index, None)(0, q, k, v), full, **tol)
+            decoder.kernel = cpu_kernel
 
 
 def test_bf16_model_on_the_cpu(model):
@@ -562,19 +571,19 @@ def test_sample_draws_from_the_filtered_distribution():
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
     logits = probs.log().expand(20000, 4)
     generator = torch.Generator().manual_seed(0)
-    tokens, logprobs = sample(logits, 1.0, 0, 1.0, generator)
+    tokens, logprobs = draw(logits, 1.0, 0, 1.0, generator)
     freq = torch.bincount(tokens, minlength=4) / len(tokens)
     torch.testing.assert_close(freq, probs, rtol=0, atol=0.015)  # ~4 binomial standard deviations
     torch.testing.assert_close(logprobs, probs.log()[tokens])
-    tokens, logprobs = sample(logits, 1.0, 0, 0.7, generator)  # renormalised over the first two
+    tokens, logprobs = draw(logits, 1.0, 0, 0.7, generator)  # renormalised over the first two
     torch.testing.assert_close(torch.bincount(tokens, minlength=4) / 20000., torch.tensor([0.625, 0.375, 0, 0]),
                                rtol=0, atol=0.015)
-    tokens, logprobs = sample(logits[:2], 0.0, 0, 1.0, generator)  # greedy: temperature-1 logprob of the argmax
+    tokens, logprobs = draw(logits[:2], 0.0, 0, 1.0, generator)  # greedy: temperature-1 logprob of the argmax
     assert tokens.tolist() == [0, 0] and torch.allclose(logprobs, probs[0].log())
 
 
 def full_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """The slow twin of rollout.inverse_cdf: the whole (rows, V) cdf in float64, one search."""
+    """The slow twin of sampling.inverse_cdf: the whole (rows, V) cdf in float64, one search."""
     cdf = probs.double().cumsum(dim=-1)  # (rows, V)
     total = cdf[:, -1:]
     u = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
@@ -596,19 +605,19 @@ def test_two_level_inverse_cdf_equals_the_full_cdf(V):
     probs = logits.softmax(dim=-1)
     u = torch.rand(rows, 1, generator=gen, dtype=torch.float64)
     u[:2] = torch.tensor([[0.0], [1 - 2 ** -53]])  # the two ends of [0, 1)
-    tokens = rollout.inverse_cdf(probs, u)
+    tokens = sampling.inverse_cdf(probs, u)
     assert torch.equal(tokens, full_inverse_cdf(probs, u))
     assert (probs.gather(-1, tokens[:, None]) > 0).all()  # never a masked token
     assert tokens[0] == (probs[0] > 0).nonzero()[0, 0]  # u = 0: the first token with mass
 
 
 def test_sample_equals_its_slow_twin_for_the_same_seed():
-    """sample() = softmax of the filtered logits, then the whole-vocabulary cdf, drawing the same
+    """draw() = softmax of the filtered logits, then the whole-vocabulary cdf, drawing the same
     uniforms: same tokens, logprobs bit for bit (the same softmax gathered)."""
     logits = torch.randn(128, 4096, generator=torch.Generator().manual_seed(0)) * 4
     for temperature, top_k, top_p in [(1.0, 0, 1.0), (0.7, 50, 1.0), (1.3, 0, 0.8)]:
         generator = torch.Generator().manual_seed(5)
-        tokens, logprobs = sample(logits, temperature, top_k, top_p, generator)
+        tokens, logprobs = draw(logits, temperature, top_k, top_p, generator)
         probs = filter_logits(logits, temperature, top_k, top_p).softmax(dim=-1)
         u = torch.rand(128, 1, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
         slow = full_inverse_cdf(probs, u)
@@ -631,7 +640,7 @@ def chi_square_excess(tokens: torch.Tensor, probs: torch.Tensor) -> float:
     return (chi2 - k) / (2 * k) ** 0.5
 
 
-def draw(sampler: str, probs: torch.Tensor, rows: int, generator: torch.Generator) -> torch.Tensor:
+def draw_with(sampler: str, probs: torch.Tensor, rows: int, generator: torch.Generator) -> torch.Tensor:
     """rows tokens from probs (V,) by one of engine/sampling.py's two samplers."""
     batch = probs.expand(rows, -1)
     if sampler == "exponential_race":
@@ -649,7 +658,7 @@ def test_both_samplers_draw_the_distribution(sampler):
     logits = torch.randn(1000, generator=gen) * 2
     logits[::7] = float("-inf")  # masked ids, as top-k / top-p leave them
     probs = logits.softmax(dim=-1)
-    tokens = torch.cat([draw(sampler, probs, 20000, gen) for _ in range(10)])
+    tokens = torch.cat([draw_with(sampler, probs, 20000, gen) for _ in range(10)])
     assert chi_square_excess(tokens, probs) < 5
 
 
@@ -662,7 +671,7 @@ def test_both_samplers_draw_the_tail_of_a_peaked_distribution(sampler):
     probs = torch.full((V,), 1e-3 / (V - 1))
     probs[123] = 0.999
     gen = torch.Generator().manual_seed(1)
-    tokens = torch.cat([draw(sampler, probs, 2000, gen) for _ in range(30)])
+    tokens = torch.cat([draw_with(sampler, probs, 2000, gen) for _ in range(30)])
     tail = int((tokens != 123).sum())
     assert abs(tail - 60) < 5 * 7.7, tail
 
@@ -671,14 +680,14 @@ def test_both_samplers_draw_the_tail_of_a_peaked_distribution(sampler):
     (torch.float32, 1.0, 4), (torch.float32, 0.7, 8), (torch.bfloat16, 1.0, 8),
     (torch.bfloat16, 0.7, 8)])
 def test_sampling_holds_at_most_8_bytes_per_logit_beyond_the_logits(dtype, temperature, nbytes):
-    """Regression: sample() held the filtered float32 copy, the softmax, a float64 copy of it and
+    """Regression: draw() held the filtered float32 copy, the softmax, a float64 copy of it and
     the float64 cdf at once: 20-24 bytes per (row, vocab) entry, 400 MB at 128 rows x 128k vocab.
     Now the softmax (4), beside the filtered float32 copy (4) while it is softmaxed when there is
     one; the cdf is the block sums' and one block's (a few bytes per row)."""
     rows, V = 16, 32768
     logits = torch.randn(rows, V, generator=torch.Generator().manual_seed(0)).to(dtype)
     generator = torch.Generator().manual_seed(1)
-    peak = allocator_peak(lambda: sample(logits, temperature, 0, 1.0, generator))
+    peak = allocator_peak(lambda: draw(logits, temperature, 0, 1.0, generator))
     per_entry = peak / (rows * V)
     # + per row: one block gathered and its float64 cdf (12 bytes x 256), the block sums' float32,
     # float64 and cdf (20 bytes x V/256): 0.17 bytes per entry here.
@@ -727,7 +736,7 @@ def test_released_kv_cache_is_a_clear_error_and_wakes_in_place(model):
     ([[1]], {"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
     ([[1]], {"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
     ([[1]], {"stop_ids": (3, 500)}, r"stop_ids has token id 500 outside the vocabulary"),
-    ([[1]], {"check_every": 0}, "check_every must be an integer >= 1"),
+    ([[1]], {"sync_every": 0}, "sync_every must be an integer >= 1"),
 ])
 def test_bad_input_is_a_clear_error(model, prompts, kwargs, message):
     with pytest.raises(ValueError, match=message):

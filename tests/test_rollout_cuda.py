@@ -4,7 +4,9 @@ import pytest
 import torch
 
 from model import Llama
-from rollout import KVCache, NonFiniteLogits, RolloutConfig, generate, sample
+from engine.decode import KVCache
+from engine.sampling import draw
+from rollout import NonFiniteLogits, RolloutConfig, generate
 from test_rollout import CFG, PROMPTS, logprob_tol, poisoned_at, trainer_logprobs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -19,7 +21,7 @@ def test_cuda_graph_decode_equals_eager_decode(model):
     gpu = Llama(CFG).to("cuda")
     gpu.load_state_dict(model.state_dict())
     cache = KVCache.for_batch(CFG, len(PROMPTS), 4, 11, 30, torch.float32, "cuda")  # fp32 KV: exact comparison
-    knobs = dict(num_samples=4, max_new_tokens=30, temperature=0.9, check_every=2)
+    knobs = dict(num_samples=4, max_new_tokens=30, temperature=0.9, sync_every=2)
     # No stop id: no row is dropped, so both draw the same random numbers and sample alike.
     graphed = generate(gpu, PROMPTS, RolloutConfig(cuda_graphs=True, **knobs), seed=1, cache=cache)
     eager = generate(gpu, PROMPTS, RolloutConfig(cuda_graphs=False, **knobs), seed=1, cache=cache)
@@ -27,9 +29,9 @@ def test_cuda_graph_decode_equals_eager_decode(model):
     # float32 kernels of the two paths sum in their own orders (TF32 is off for matmuls)
     tol = logprob_tol(model, 0.9)
     torch.testing.assert_close(graphed.logprobs, eager.logprobs, **tol)
-    # With stop ids the graphed path keeps finished rows until 1/8 of them are done and eager drops
-    # them at once: the random stream differs, so compare each with the trainer's forward instead,
-    # through re-captures after rows are dropped.
+    # With stop ids rows are dropped: the graphed path pads the rest up to a graph's bucket (1, 2,
+    # 4, 8, then every 16; none captured again) on the whole grid, eager compacts them: compare each
+    # with the trainer's forward.
     for graphs in (True, False):
         out = generate(gpu, PROMPTS, RolloutConfig(cuda_graphs=graphs, **knobs),
                        stop_ids=(5, 9, 17, 23, 31), seed=1, cache=cache)
@@ -44,7 +46,7 @@ def test_cuda_graph_decode_equals_eager_decode(model):
 
 
 def test_episodes_on_cuda_score_as_the_trainer_with_graphs_and_without(model):
-    """A tool's answers extended into rows on the GPU (graphed lockstep steps until the first tool
+    """A tool's observations fed into rows on the GPU (graphed lockstep steps until the first tool
     turn, then eager rows at their own lengths): each sampled token's logprob equals the trainer's
     forward of prompt + episode, as above; observation tokens carry 0."""
     from test_episodes import STOPS, episodes
@@ -52,13 +54,13 @@ def test_episodes_on_cuda_score_as_the_trainer_with_graphs_and_without(model):
     gpu.load_state_dict(model.state_dict())
     cache = KVCache.for_batch(CFG, len(PROMPTS), 4, 11, 30, torch.float32, "cuda")
     for graphs in (True, False):
-        cfg = RolloutConfig(num_samples=4, max_new_tokens=30, temperature=0.9, check_every=2,
+        cfg = RolloutConfig(num_samples=4, max_new_tokens=30, temperature=0.9, sync_every=2,
                             cuda_graphs=graphs)
         out = generate(gpu, PROMPTS, cfg, stop_ids=STOPS, seed=1, cache=cache,
                        episodes=episodes(3))
         assert sum(out.stats["calls"]) > 0 and out.stats["tool_turns"] > 0
         for row, episode in enumerate(out.completions()):
-            policy = out.policy[row, :len(episode)].cpu()
+            policy = out.sampled[row, :len(episode)].cpu()
             got = out.logprobs[row, :len(episode)].cpu()
             want = trainer_logprobs(gpu, PROMPTS[row // 4], episode, 0.9, 0, 1.0).cpu()
             assert (got[~policy] == 0).all()
@@ -67,9 +69,9 @@ def test_episodes_on_cuda_score_as_the_trainer_with_graphs_and_without(model):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_rollout_without_a_call_equals_the_tool_less_one_with_graphs_and_without(model, dtype):
-    """Issue 43, item 5: the episode loop dropped finished rows at every check (a graph re-capture
-    each) where the tool-less rollout keeps them until 1/8 of the rows have ended: the rows, and
-    then the draws, differed on CUDA. One loop, one rule: a task's tool that is never called
+    """Issue 43, item 5: the episode loop dropped finished rows at other syncs than the tool-less
+    rollout: the rows, and then the draws, differed on CUDA. One loop, one rule (rows drop at
+    every sync; a graph per bucket of rows, padded up): a task's tool that is never called
     leaves the rollout as it was, bit for bit, graphed (compiled in bf16) and eager, with the
     same drops."""
     from engine.episodes import Episodes
@@ -80,7 +82,7 @@ def test_a_rollout_without_a_call_equals_the_tool_less_one_with_graphs_and_witho
     never = Episodes(lambda calls: [[9] for _ in calls], (CFG.vocab_size,), 2)
     stops = (5, 9, 17, 23, 31)  # most rows stop within 30 tokens: rows are dropped
     for graphs in (True, False):
-        cfg = RolloutConfig(num_samples=4, max_new_tokens=30, temperature=1.0, check_every=2,
+        cfg = RolloutConfig(num_samples=4, max_new_tokens=30, temperature=1.0, sync_every=2,
                             cuda_graphs=graphs)
         plain = generate(gpu, PROMPTS, cfg, stop_ids=stops, seed=5, cache=cache)
         with_tool = generate(gpu, PROMPTS, cfg, stop_ids=stops, seed=5, cache=cache,
@@ -92,7 +94,7 @@ def test_a_rollout_without_a_call_equals_the_tool_less_one_with_graphs_and_witho
 
 
 def test_sample_on_cuda_draws_the_distribution_by_its_exponential_race():
-    """sample() on CUDA takes sampling.exponential_race (the CPU, inverse_cdf): the race's tokens
+    """draw() on CUDA takes sampling.exponential_race (the CPU, inverse_cdf): the race's tokens
     on clocks wound from the same seed (it once drew by inverse_cdf on CUDA too), and goodness of
     fit of 200,000 draws against the softmax; the logprobs are the softmax's at the drawn
     tokens."""
@@ -103,7 +105,7 @@ def test_sample_on_cuda_draws_the_distribution_by_its_exponential_race():
     probs = logits.softmax(dim=-1)
     generator = torch.Generator("cuda").manual_seed(0)
     batch = logits.cuda().expand(20000, -1)
-    draws = [sample(batch, 1.0, 0, 1.0, generator) for _ in range(10)]
+    draws = [draw(batch, 1.0, 0, 1.0, generator) for _ in range(10)]
     clocks = sampling.race_clocks(batch, 1.0, torch.Generator("cuda").manual_seed(0))
     assert torch.equal(draws[0][0], sampling.exponential_race(batch.softmax(-1), *clocks))
     tokens = torch.cat([t for t, _ in draws]).cpu()
@@ -144,7 +146,7 @@ def test_bf16_decode_scores_as_the_trainer_with_graphs_and_without(model, compil
     gpu = Llama(CFG).to("cuda", torch.bfloat16)
     gpu.load_state_dict(model.state_dict())
     for graphs in (True, False):
-        cfg = RolloutConfig(num_samples=4, max_new_tokens=30, temperature=0.9, check_every=2,
+        cfg = RolloutConfig(num_samples=4, max_new_tokens=30, temperature=0.9, sync_every=2,
                             cuda_graphs=graphs, compile_decode=compiled)
         out = generate(gpu, PROMPTS, cfg, stop_ids=(5, 9, 17, 23, 31), seed=1)
         assert out.stats["compactions"] >= 1
@@ -163,7 +165,7 @@ def test_nan_or_inf_logits_on_cuda_stop_the_rollout_naming_the_step(model):
     gpu.load_state_dict(model.state_dict())
     for value in (float("nan"), float("inf")):
         for graphs in (True, False):
-            cfg = RolloutConfig(num_samples=2, max_new_tokens=8, temperature=0.9, check_every=2,
+            cfg = RolloutConfig(num_samples=2, max_new_tokens=8, temperature=0.9, sync_every=2,
                                 cuda_graphs=graphs)
             with pytest.raises(NonFiniteLogits, match="at decode step 3 "):
                 generate(gpu, PROMPTS, cfg, stop_ids=(5,), seed=0,

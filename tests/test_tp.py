@@ -397,7 +397,7 @@ def check_sampling(ranks: tp.ParallelGroups, cfg: M.ModelConfig = CONFIGS["llama
         # episodes (engine/episodes.py): a tool's answers extend the sharded rows in place
         with_tool = rollout.generate(m, prompts, greedy_cfg, logits_fn=gather, episodes=episodes)
         assert torch.equal(with_tool.tokens, want_episodes.tokens) and sum(with_tool.stats["calls"])
-        assert torch.equal(with_tool.policy, want_episodes.policy)
+        assert torch.equal(with_tool.sampled, want_episodes.sampled)
         m(torch.tensor([[1, 2, 3, 4]])).sum().backward()  # training after inference_mode reuses the buffer
 
 
