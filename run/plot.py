@@ -4,7 +4,7 @@ run/plot.py: runs' metrics.jsonl as one SVG picture, written by hand (no plottin
 Two panels share the step axis. The top one holds each run's mean reward as a line with a band of
 +- its std over the step's completions, and the held-out eval_reward (greedy) as a dashed line with
 dots where a record has one; the bottom one holds the entropy of the sampled tokens, or, when every
-run has a tool (tools.py), its calls per row. Each run gets
+run has a tool (tools/), its calls per row. Each run gets
 one colour, named in the legend by the part of its path that differs from the others' (seeds of
 one task read as seed0, seed1, ...). A null value (a step with nothing scored) is skipped. Each
 panel's axes follow the data: x from the first to the last step plotted, y from the lowest to the

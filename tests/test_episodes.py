@@ -1,4 +1,4 @@
-"""engine/episodes.py and tools.py: multi-turn rows against their slow twins. A tool's observation goes
+"""engine/episodes.py and tools/: multi-turn rows against their slow twins. A tool's observation goes
 into the row's KV cache without recomputing the row: greedy episodes equal a full recompute (and
 transformers' generate) run turn by turn; the continued cache equals a fresh prefill of the whole
 row; the sampler's logprobs of the policy's tokens equal the trainer's; observation tokens carry
