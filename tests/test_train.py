@@ -226,6 +226,7 @@ def test_tp2_gloo_matches_tp1_and_writes_the_same_tensors(tmp_path, arch):
     (["--setps", "3"], "unknown option --setps; did you mean --steps?"),
     (["--packed_linears", "false"], "unknown option --packed_linears (renamed): did you mean "
                                     "--prepacked_linears?"),
+    (["--check_every", "4"], "unknown option --check_every (renamed): did you mean --sync_every?"),
     (["--overwrite"], "--overwrite takes a value: --overwrite true or --overwrite false"),
     (["--overwrite", "--steps", "3"], "--overwrite takes a value: --overwrite true or"),
     (["--task", "tasks:jsonl_math", "--task_data", "/no/file.jsonl"], "/no/file.jsonl: file not found"),
