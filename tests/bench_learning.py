@@ -192,7 +192,7 @@ def print_variants(rows: list[tuple[str, str, int, dict]], variants: list[str]) 
 
 
 def supervised(name: str, steps: int, seed: int = 0) -> tuple[float, float]:
-    """The default fresh model (train.py's build_model) trained by cross-entropy on prompt ->
+    """The default fresh model (run/models.py's build_model) trained by cross-entropy on prompt ->
     answer<eos>, batches of 64 new pairs, AdamW 1e-3; returns the share of 256 new prompts whose
     greedy completion is fully correct, and the seconds it took."""
     import random
@@ -205,7 +205,7 @@ def supervised(name: str, steps: int, seed: int = 0) -> tuple[float, float]:
     t0 = time.perf_counter()
     task = tasks.load_task(task_spec(name), "")
     cfg = train.TrainConfig(seed=seed)
-    model, tokenizer = train.build_model(cfg, task, "", torch.device("cpu"),
+    model, tokenizer = train.models.build_model(cfg, task, "", torch.device("cpu"),
                                                 tp.make_groups(1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.99))
     bos = model.config.bos_token_id

@@ -404,8 +404,8 @@ def reap() -> None:
 
 
 def end_everything() -> None:
-    """End every part's group and every process left to this one (orphans that started
-    sessions of their own come here as the subreaper's children)."""
+    """End every part's group and every process left to this one (an orphan that left its group
+    with setsid is reparented here: this process is the subreaper)."""
     for g in list(GROUPS):
         end_group(g)
     me = str(os.getpid())

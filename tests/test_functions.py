@@ -759,6 +759,19 @@ task = tasks.Task("counter", sample, rewards=[(last_turn_calls, 0.5)], tools=[mu
 CALL = '<tool_call>{"name": "increment", "arguments": {"by": 2}}</tool_call>'
 
 
+def scored_texts(monkeypatch) -> list:
+    """The completions tasks.score is given during a run, in order (the Completion objects the
+    rewards read)."""
+    seen = []
+    original = tasks.score
+
+    def spy(task, texts, references, examples=None):
+        seen.extend(texts)
+        return original(task, texts, references, examples)
+    monkeypatch.setattr(tasks, "score", spy)
+    return seen
+
+
 @pytest.mark.parametrize("max_turns", [1, 2])
 def test_a_trl_style_task_with_function_tools_and_an_environment_runs_through_train(
         tmp_path, max_turns, monkeypatch):
@@ -772,13 +785,7 @@ def test_a_trl_style_task_with_function_tools_and_an_environment_runs_through_tr
     path = scripted_chat_checkpoint(tmp_path / "qwen", CALL, added=("<tool_call>", "</tool_call>",
                                                                     CALL[11:-12]))
     spec = write_module(tmp_path, "counter", TRL_TASK.replace("MAX", "256"))
-    seen = []
-    original = tasks.score
-
-    def spy(task, texts, references, examples=None):
-        seen.extend(texts)
-        return original(task, texts, references, examples)
-    monkeypatch.setattr(tasks, "score", spy)
+    seen = scored_texts(monkeypatch)
     code, out = run(tmp_path, "--model", path, "--task", spec, "--steps", "2", "--eval_every",
                     "1", "--eval_prompts", "1", "--max_turns", str(max_turns))
     record = records(out)[0]
@@ -808,13 +815,7 @@ def test_an_answer_the_budget_cuts_is_rolled_back_from_the_messages(tmp_path, mo
     path = scripted_chat_checkpoint(tmp_path / "qwen", CALL, added=("<tool_call>", "</tool_call>",
                                                                     CALL[11:-12]))
     spec = write_module(tmp_path, "counter", TRL_TASK.replace("MAX", "8"))
-    seen = []
-    original = tasks.score
-
-    def spy(task, texts, references, examples=None):
-        seen.extend(texts)
-        return original(task, texts, references, examples)
-    monkeypatch.setattr(tasks, "score", spy)
+    seen = scored_texts(monkeypatch)
     code, out = run(tmp_path, "--model", path, "--task", spec, "--steps", "1", "--eval_every",
                     "0")
     record = records(out)[0]

@@ -481,7 +481,7 @@ def test_a_torch_older_than_the_compiled_paths_need_runs_them_eagerly_and_says_s
         model, kernel_route, monkeypatch, capsys, tmp_path):
     """Below compiling.MIN_TORCH (torch 2.5 compiled the step again for every layout) the step is
     not compiled: one line names the torch needed, the rollout is bit for bit the eager one, and
-    the training blocks stay eager with the same reason (train.compile_model's line)."""
+    the training blocks stay eager with the same reason (models.compile_model's line)."""
     monkeypatch.setattr(compiling, "_SAID", set())
     monkeypatch.setattr(compiling.torch, "__version__", "2.5.1+cpu")
     assert compiling.unsupported().startswith("the compiled paths need torch 2.7 or newer")
@@ -494,7 +494,7 @@ def test_a_torch_older_than_the_compiled_paths_need_runs_them_eagerly_and_says_s
     assert old.stats["compiles"] == 0
     trainer = Llama(CFG)
     cfg = TrainConfig(compile_blocks="true", compile_cache=str(tmp_path))
-    notes = train.compile_model(cfg, trainer, torch.device("cpu"), tp.ParallelGroups(None, None))
+    notes = train.models.compile_model(cfg, trainer, torch.device("cpu"), tp.ParallelGroups(None, None))
     assert notes == [f"--compile_blocks: the blocks run eager: {compiling.unsupported()}"]
     assert all(type(block) is Block for block in trainer.model.layers)
 

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 import tolerance
 from test_rollout import PROMPTS, generate, logprob_tol, trainer_logprobs
-from test_train import FAST, records, run
+from test_train import FAST, assert_plan_holds, records, run
 
 from engine import hf
 import lora
@@ -541,7 +541,6 @@ def test_lora_plan_is_within_15_percent_of_the_measured_allocator_peak(tmp_path,
     (in bf16 a bf16 base, no sampler copy, nothing for autocast to cast), and the adapters' own
     activations (dropout's copies of their inputs). 15%: the plan leaves out small transients."""
     from test_train import in_a_cpu_process, plan_args, plan_checkpoint
-    from memtrace import allocator_peak
     if in_a_cpu_process(request):
         return
     model = str(tmp_path / "model")
@@ -557,13 +556,7 @@ def test_lora_plan_is_within_15_percent_of_the_measured_allocator_peak(tmp_path,
     adapters = sum(p.numel() for p in lora.trainable(shape))  # r 16 on every linear
     for tag, nbytes in (("grads", 4 * adapters), ("optimizer", 8 * adapters)):  # float32
         assert float(row[header.index(tag)]) == pytest.approx(nbytes / 1e6, abs=0.05), tag
-
-    def two_steps():
-        run = train.setup(train.parse_args(argv))
-        for step in range(2):
-            train.step(run, step)
-    measured = allocator_peak(two_steps)
-    assert abs(planned - measured) <= 0.15 * measured, (planned, measured)
+    assert_plan_holds(argv, planned)
 
 
 def test_a_tp2_lora_run_matches_tp1_writes_the_same_adapter_and_resumes(tmp_path):
