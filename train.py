@@ -249,7 +249,8 @@ def setup(values: dict[str, object]) -> Run:
     cfgs.rollout = dataclasses.replace(cfgs.rollout, max_new_tokens=budget)
     config = load_config(source) if source else None
     cli.check_budget(budget, config.max_position_embeddings if config else 1024)
-    note = precision.cpu_precision(cfg, device, config)  # bf16 without a CPU's bf16 kernels
+    # bf16 without a CPU's bf16 kernels
+    note = precision.cpu_precision(cfg, device, config, cfgs.lora.use_peft)
     if note and rank == 0:  # at once: a run's first step can take minutes on a CPU
         print(note, flush=True)
     # The trainer, the sampler and the reference (the initial policy: built before any checkpoint

@@ -8,7 +8,8 @@ Where bf16 is multiplied, and the trainer's dtypes under mixed precision.
   auto) --dtype bfloat16 keeps bf16's values and multiplies in float32: the trainer's fp32 master
   without autocast, the sampler a float32 copy holding the weights rounded to bf16 (the rounding
   is what a bf16 run's sampler sees: float32's own weights learn the README's SmolLM2 tasks far
-  slower); cpu_precision's line says so at start, with the cost it measured.
+  slower); LoRA's frozen base likewise holds bf16's values in float32 (run/models.py's
+  multiplied); cpu_precision's line says so at start, with the cost it measured.
 
 `cfg` is train.py's TrainConfig (dtype, sampler_dtype, cpu_bf16, dim), handed in.
 Leaves out: fp16 loss scaling, fp8.
@@ -78,10 +79,12 @@ def bf16_cost(C: int, I: int, tokens: int = 64) -> tuple[float, float]:
     return seconds(torch.bfloat16), seconds(torch.float32)
 
 
-def cpu_precision(cfg, device: torch.device, config: ModelConfig | None) -> str:
+def cpu_precision(cfg, device: torch.device, config: ModelConfig | None,
+                  frozen: bool = False) -> str:
     """The line a run prints at start when it asks for bf16 (--dtype or --sampler_dtype) where
     bf16 has no kernels (bf16_kernels): what it does instead and the cost of one of the model's
-    linears measured here (config: the checkpoint's, None: the fresh model's); else ""."""
+    linears measured here (config: the checkpoint's, None: the fresh model's; frozen: LoRA's
+    base, which samples itself); else ""."""
     if "bfloat16" not in (cfg.dtype, cfg.sampler_dtype) or bf16_kernels(cfg, device):
         return ""
     C = config.hidden_size if config else cfg.dim
@@ -91,5 +94,6 @@ def cpu_precision(cfg, device: torch.device, config: ModelConfig | None) -> str:
     return (f"note: bf16 multiplies in float32 here: this CPU ({isa}) has no native bf16 "
             f"(AVX512_BF16 or AMX), and a bf16 linear of this model's MLP ({C} -> {I}, 64 tokens, "
             f"forward and backward) took {bf16 * 1e3:.1f} ms against {fp32 * 1e3:.1f} ms in "
-            f"float32 ({bf16 / fp32:.0f}x); the sampler holds bf16's values in float32, the "
-            "trainer runs without autocast (--cpu_bf16 true: bf16 kernels anyway)")
+            f"float32 ({bf16 / fp32:.0f}x); the {'frozen base' if frozen else 'sampler'} holds "
+            "bf16's values in float32, the trainer runs without autocast (--cpu_bf16 true: bf16 "
+            "kernels anyway)")

@@ -40,7 +40,8 @@ def build_model(cfg, task: Task, source: str, device: torch.device, ranks: tp.Pa
     """From a HF directory (--model, or a checkpoint being resumed: its fp32 master/ when it has
     one), or fresh: a char tokenizer for the task's alphabet and a tiny Llama initialised from the
     seed (the same on every rank). In the trainer's dtype: float32 under bf16 mixed precision; a
-    frozen base (LoRA's) in the compute dtype, bf16 stays bf16."""
+    frozen base (LoRA's) in the compute dtype, bf16 stays bf16, but where bf16 has no kernels
+    (engine/precision.py) it holds bf16's values in float32."""
     dtype = getattr(torch, cfg.dtype) if frozen else precision.master_dtype(cfg)
     if source:
         weights = checkpoint.master_dir(source) or source
@@ -48,7 +49,7 @@ def build_model(cfg, task: Task, source: str, device: torch.device, ranks: tp.Pa
             model = tp.load_sharded(weights, ranks, device, dtype)  # each rank reads its slice
         else:
             model = load_model(weights, device=device, dtype=dtype)
-        return model, tk.load_tokenizer(source, model.config.vocab_size)
+        return multiplied(cfg, model, device), tk.load_tokenizer(source, model.config.vocab_size)
     if not task.alphabet:
         raise ValueError(f"task {task.name} has no alphabet for a fresh tokenizer: pass --model "
                          "DIR")
@@ -62,7 +63,16 @@ def build_model(cfg, task: Task, source: str, device: torch.device, ranks: tp.Pa
     model = Llama(mcfg).init_weights(cfg.seed).to(device=device, dtype=dtype)  # same on every rank
     if ranks.tp_size > 1:
         tp.shard_model(model, ranks)
-    return model, tokenizer
+    return multiplied(cfg, model, device), tokenizer
+
+
+def multiplied(cfg, model: Llama, device: torch.device) -> Llama:
+    """A bf16 model (LoRA's frozen base) where bf16 has no kernels (precision.bf16_kernels): its
+    bf16 values held in float32, so its matmuls run float32's kernels (bf16's are 5-40x slower
+    there: SmolLM2-135M's LoRA step took 21x native bf16's, docs/measurements.md); the trainer runs
+    without autocast, as full fine-tuning's fp32 master does there. Else the model as it is."""
+    bf16 = model.model.embed_tokens.weight.dtype == torch.bfloat16
+    return model.float() if bf16 and not precision.bf16_kernels(cfg, device) else model
 
 
 def compile_model(cfg, model: Llama, device: torch.device, ranks: tp.ParallelGroups) -> list[str]:

@@ -196,6 +196,39 @@ def test_the_base_is_frozen_and_the_optimizer_holds_the_adapters_alone():
         assert p.grad is None and torch.equal(p, base[n]), n
 
 
+def test_a_bf16_base_where_bf16_has_no_kernels_holds_its_values_in_float32(tmp_path, monkeypatch,
+                                                                          capsys):
+    """A CPU without AVX512_BF16 or AMX multiplies bf16 5-40x slower than float32 (a LoRA step of
+    SmolLM2-135M took 21x native bf16's there, docs/measurements.md). There LoRA's frozen base
+    holds bf16's values in float32 (the same values as native bf16's base, bit for bit), the
+    trainer runs without autocast and samples itself, and the run says so in one line. With native
+    bf16 the base stays bf16 under autocast, and nothing is said."""
+    args = [*FAST, "--dtype", "bfloat16", "--use_peft", "--lora_target_modules", "all-linear",
+            "--steps", "1", "--eval_every", "0", "--cpu_bf16", "auto"]
+    runs = {}
+    for native in (True, False):
+        monkeypatch.setattr(train.precision, "native_bf16", lambda: native)
+        runs[native] = train.setup(train.parse_args(args + ["--out", str(tmp_path / str(native))]))
+        note = [line for line in capsys.readouterr().out.splitlines() if "float32 here" in line]
+        assert len(note) == (not native)
+        kernels = train.precision.autocast(runs[native].cfgs.train, runs[native].device)
+        assert isinstance(kernels, torch.autocast) == native
+    assert "the frozen base holds bf16's values in float32, the trainer runs without autocast" in \
+        note[0], note[0]
+    bases = [{n: p.detach() for n, p in runs[native].model.named_parameters()
+              if not lora.is_adapter(n)} for native in (True, False)]
+    assert {p.dtype for p in bases[0].values()} == {torch.bfloat16}
+    assert {p.dtype for p in bases[1].values()} == {torch.float32}
+    for name, p in bases[0].items():
+        assert torch.equal(p.float(), bases[1][name]), name
+    slow = runs[False]
+    assert slow.sampler is slow.model
+    train.step(slow, 0)  # the adapters train on the float32-held base, which stays as it was
+    for name, p in slow.model.named_parameters():
+        assert lora.is_adapter(name) or torch.equal(p, bases[1][name]), name
+    assert any(p.abs().sum() > 0 for n, p in slow.model.named_parameters() if n.endswith("lora_B"))
+
+
 def test_the_flags_are_trls_model_config_names_with_its_defaults():
     """--use_peft, --lora_r, --lora_alpha, --lora_dropout, --lora_target_modules and --use_rslora
     are trl.ModelConfig's fields with its defaults (no target: None there, "" here, both PEFT's
