@@ -254,9 +254,9 @@ def setup(values: dict[str, object]) -> Run:
     if note and rank == 0:  # at once: a run's first step can take minutes on a CPU
         print(note, flush=True)
     # The trainer, the sampler and the reference (the initial policy: built before any checkpoint
-    # is loaded), compiled and checkpointed as the flags say.
-    model, tokenizer, sampler, reference, built = models.build(cfgs, task, source, resume_dir,
-                                                               device, ranks)
+    # is loaded), compiled and checkpointed as the flags say; LoRA's config as its adapters are.
+    model, tokenizer, sampler, reference, cfgs.lora, built = models.build(cfgs, task, source,
+                                                                          resume_dir, device, ranks)
     notes += built
     generation_config = load_generation_config(source) if source else None
     optimizer = torch.optim.AdamW(lora.trainable(model), lr=cfg.lr, betas=(0.9, 0.99),

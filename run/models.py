@@ -105,18 +105,19 @@ def compile_model(cfg, model: Llama, device: torch.device, ranks: tp.ParallelGro
 
 def build(cfgs, task: Task, source: str, resume_dir: str, device: torch.device,
           ranks: tp.ParallelGroups) -> tuple[Llama, tk.PromptTokenizer, Llama, Llama | None,
-                                              list[str]]:
+                                              lora.LoRAConfig, list[str]]:
     """The trainer (from `source`, or fresh), its tokenizer, the sampler, the reference (None
-    when beta = 0), and compile_model's lines; the trainer's blocks compiled and checkpointed as
-    the flags say (after the copies are made: they stay plain)."""
+    when beta = 0), the adapters' config as adapt applied it (cfgs.lora without LoRA), and
+    compile_model's lines; the trainer's blocks compiled and checkpointed as the flags say (after
+    the copies are made: they stay plain)."""
     cfg = cfgs.train
     if cfgs.lora.use_peft:  # the base from --model (a resumed run's adapter is in its checkpoint)
         model, tokenizer = build_model(cfg, task, cfg.model, device, ranks, frozen=True)
-        notes = [adapt(cfgs, model, resume_dir)]
+        applied, line = adapt(cfgs, model, resume_dir)
         sampler = model  # the adapted model samples itself: no copy of the base
-        notes += compile_model(cfg, model, device, ranks)
+        notes = [line] + compile_model(cfg, model, device, ranks)
         memory.checkpoint_blocks(model.model.layers, cfgs.memory.activation_checkpoint)
-        return model, tokenizer, sampler, None, notes
+        return model, tokenizer, sampler, None, applied, notes
     model, tokenizer = build_model(cfg, task, source, device, ranks)
     reference = None
     if cfgs.grpo.beta > 0:  # on resume, rebuilt from --model (or the seed): the initial policy
@@ -126,39 +127,39 @@ def build(cfgs, task: Task, source: str, resume_dir: str, device: torch.device,
     notes = compile_model(cfg, model, device, ranks)
     memory.checkpoint_blocks(model.model.layers, cfgs.memory.activation_checkpoint)
     memory.grads_into_weight(model.model.embed_tokens)
-    return model, tokenizer, sampler, reference, notes
+    return model, tokenizer, sampler, reference, cfgs.lora, notes
 
 
-def adapt(cfgs, model: Llama, resume_dir: str) -> str:
+def adapt(cfgs, model: Llama, resume_dir: str) -> tuple[lora.LoRAConfig, str]:
     """LoRA (lora.py): the base frozen, adapters from a resumed checkpoint, --adapter's PEFT
     directory, or fresh from the seed; under tensor parallelism each rank's slice (tp.adapt).
-    Returns the line the first step prints."""
+    Returns the adapters' config as applied (a loaded adapter's r, alpha and rsLoRA; the full
+    names of the linears it is on, for the checkpoint's adapter_config.json) and the line the
+    first step prints."""
     c = cfgs.lora
     if resume_dir or c.adapter:
         path = resume_dir or c.adapter
         if not resume_dir:
             lora.check_base(path, cfgs.train.model, model)
         got, targets = lora.load_adapter(model, path, dropout=c.lora_dropout)
-        cfgs.lora = dataclasses.replace(c, lora_r=got.lora_r, lora_alpha=got.lora_alpha,
-                                        use_rslora=got.use_rslora,
-                                        lora_target_modules=",".join(targets))
+        c = dataclasses.replace(c, lora_r=got.lora_r, lora_alpha=got.lora_alpha,
+                                use_rslora=got.use_rslora, lora_target_modules=",".join(targets))
     else:
         targets = lora.add_adapters(model, c, cfgs.train.seed)
-        cfgs.lora = dataclasses.replace(c, lora_target_modules=",".join(targets))
+        c = dataclasses.replace(c, lora_target_modules=",".join(targets))
     tp.adapt(model)
     # The adapters' dropout draws from torch's global generator: its masks a function of the seed,
     # as the rest of the run (not of what happened to draw before; a resume restores its state)
     torch.manual_seed(cfgs.train.seed)
-    c = cfgs.lora
     state = getattr(model, "tp_state", None)  # a shard counts tp times, a replicated one once
     sharded, tp_size = ({}, 1) if state is None else (state.sharded, state.ranks.tp_size)
     count = sum(p.numel() * (tp_size if name in sharded else 1)
                 for name, p in model.named_parameters() if p.requires_grad)
     kinds = sorted({t.rsplit(".", 1)[-1] for t in targets})
-    return (f"LoRA: r {c.lora_r}, alpha {c.lora_alpha}, scale {c.scaling:g}, on "
-            f"{len(targets)} linears ({','.join(kinds)}): {count / 1e6:.2f} M trainable "
-            f"parameters, the base frozen" + (f", from {c.adapter}" if c.adapter and not resume_dir
-                                              else ""))
+    line = (f"LoRA: r {c.lora_r}, alpha {c.lora_alpha}, scale {c.scaling:g}, on {len(targets)} "
+            f"linears ({','.join(kinds)}): {count / 1e6:.2f} M trainable parameters, the base "
+            "frozen" + (f", from {c.adapter}" if c.adapter and not resume_dir else ""))
+    return c, line
 
 
 def shapes(cfg, task: Task, ranks: tp.ParallelGroups, cfgs=None) -> tuple[Llama, Llama]:
