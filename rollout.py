@@ -64,7 +64,7 @@ from torch import Tensor, nn
 
 from engine.decode import Decoder, KVCache
 from engine.episodes import Episodes, Rows
-from engine.compiling import CompiledStep, decide, dynamic
+from engine.compiling import CompiledStep, compile_seconds, decide, dynamic, graphs_compiled
 from lora import LoRALinear
 from model import ModelConfig, causal_attention, fused_projections
 from engine import sampling
@@ -284,12 +284,16 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], cfg: RolloutConfi
             # in autograd Functions (mark_dirty), which torch.compile does not trace: eager.
             decoder = Decoder(model, views, lens, G, device.type == "cuda" and cfg.cuda_graphs,
                               decide(cfg.compile_decode, model) and logits_fn is None)
-            compiled_draw = (CompiledStep(sampling.draw_raced, draw_structure)
-                             if decoder.compiled is not None else None)
-            draw = drawer(cfg, generator, logits_fn or _same, compiled_draw)
-            with fused_projections(model, decoder.compiled is not None):  # 4 matmuls a layer
+            compiled = decoder.compiled is not None
+            draw = drawer(cfg, generator, logits_fn or _same,
+                          CompiledStep(sampling.draw_raced, draw_structure) if compiled else None)
+            before = (graphs_compiled(), compile_seconds()) if compiled else (0, 0.0)
+            with fused_projections(model, compiled):  # 4 matmuls a layer
                 stats.update(_decode(decoder, rows, draw, stop_ids, cfg.sync_every, episodes))
-        stats.update(_kv_and_compile_stats(views, decoder.compiled, compiled_draw))
+            if compiled:  # what the decode step and the draw compiled, as dynamo counts it
+                stats.update(compiles=graphs_compiled() - before[0],
+                             compile_seconds=compile_seconds() - before[1])
+        stats.update(_kv_bytes(views))
     else:  # nothing to sample: every row is empty
         rows = Rows.empty(len(prompts) * G, 0, device)
     # 6. Each row cut at its length, rows in the caller's prompt order; it stays on the device.
@@ -307,14 +311,10 @@ def _same(logits: Tensor) -> Tensor:
     return logits
 
 
-def _kv_and_compile_stats(views: tuple[list[Tensor], ...], *steps: CompiledStep | None) -> dict:
-    """The KV cache's bytes this call carved, and the graphs its compiled steps compiled (the
-    decode step, the draw) with their seconds."""
+def _kv_bytes(views: tuple[list[Tensor], ...]) -> dict:
+    """The KV cache's bytes this call carved."""
     nbytes = [sum(x.numel() * x.element_size() for x in kind) for kind in views]
-    compiled = [step for step in steps if step is not None]
-    return dict(prompt_kv_bytes=sum(nbytes[:2]), completion_kv_bytes=sum(nbytes[2:]),
-                compiles=sum(step.compiles for step in compiled),
-                compile_seconds=sum((step.seconds for step in compiled), 0.0))
+    return dict(prompt_kv_bytes=sum(nbytes[:2]), completion_kv_bytes=sum(nbytes[2:]))
 
 
 def _callers_rows(respond: Callable, order: list[int], G: int, calls: list) -> list:
