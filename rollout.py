@@ -377,15 +377,17 @@ def _decode(decoder: Decoder, rows: Rows, draw: Callable[[Tensor], tuple[Tensor,
         stats["row_steps"] += ran * len(active)
         # 2. The sync (the only host sync): logits that held NaN or inf stop the rollout; each
         # row that drew a call or a stop is cut after it.
-        bad = rows.first_nan(active)
+        bad = rows.first_nan(active, ran)
         if bad is not None:
             raise NonFiniteLogits(bad)
-        waiting = rows.sync(active, drew_end.nonzero()[:, 0].tolist(), stop_ids, episodes)
-        # 3. The tool answers the rows that called.
+        going, waiting = rows.sync(active, ran, drew_end.nonzero()[:, 0].tolist(), stop_ids,
+                                   episodes)
+        # 3. The tool answers the rows that called; those it answers within the budget go on.
         feeds = rows.observe(waiting, episodes, decoder.model.config.vocab_size) if waiting else []
+        going = set(going).union(r for r, _, _ in feeds)
         # 4. Ended rows leave (under CUDA graphs the step's rows are padded up to the graph's
         # bucket: no graph is captured again).
-        keep = [i for i, r in enumerate(active) if not rows.ended[r]]
+        keep = [i for i, r in enumerate(active) if r in going]
         if not keep:
             break
         if len(keep) < len(active):
