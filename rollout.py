@@ -282,7 +282,7 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], cfg: RolloutConfi
             # 3-5. Decode, finished rows dropped, a tool's observations fed into their rows. A
             # logits_fn is tensor parallelism's vocab gather: tp.py's layers run their collectives
             # in autograd Functions (mark_dirty), which torch.compile does not trace: eager.
-            decoder = Decoder(model, views, lens, G, device.type == "cuda" and cfg.cuda_graphs,
+            decoder = Decoder(model, views, lens, device.type == "cuda" and cfg.cuda_graphs,
                               decide(cfg.compile_decode, model) and logits_fn is None)
             compiled = decoder.compiled is not None
             draw = drawer(cfg, generator, logits_fn or _same,
@@ -356,6 +356,7 @@ def _decode(decoder: Decoder, rows: Rows, draw: Callable[[Tensor], tuple[Tensor,
     ends = torch.cat([torch.tensor(stop_ids, dtype=torch.long, device=device), calls])
     every = sync_every if len(ends) else rows.tokens.shape[1]  # nothing to look for: no sync
     stop_at_calls = device.type == "cpu" and len(calls) > 0
+    active = list(range(rows.tokens.shape[0]))  # the rows that go on, in the decoder's order
     tokens = rows.tokens[:, 0].clone()  # (B,) each active row's last token
     drew_end = torch.isin(tokens, ends)  # (B,) drew a call or a stop since the last sync
     stats = dict(decode_steps=0, row_steps=0, compactions=0)
@@ -363,7 +364,6 @@ def _decode(decoder: Decoder, rows: Rows, draw: Callable[[Tensor], tuple[Tensor,
         stats["tool_turns"] = 0
     while True:
         # 1. Decode every active row up to the next sync, within every row's budget.
-        active = decoder.grid.rows
         steps = min(every - (stats["decode_steps"] + 1) % every, rows.budget(active))
         ran = 0
         for ran in range(1, steps + 1):
@@ -391,13 +391,14 @@ def _decode(decoder: Decoder, rows: Rows, draw: Callable[[Tensor], tuple[Tensor,
         if not keep:
             break
         if len(keep) < len(active):
-            decoder.drop(keep, filled=max(rows.length[active[i]] for i in keep) - 1)
+            active = [active[i] for i in keep]
+            decoder.drop(keep, filled=max(rows.length[r] for r in active) - 1)
             tokens = tokens[torch.tensor(keep, device=device)]
             stats["compactions"] += 1
         drew_end = torch.zeros_like(tokens, dtype=torch.bool)
         # 5. The answered rows are fed their observations and draw their next token.
         if feeds:
-            tokens, drew_end = _feed(decoder, rows, feeds, tokens, draw, ends)
+            tokens, drew_end = _feed(decoder, rows, active, feeds, tokens, draw, ends)
             stats["tool_turns"] += len(feeds)
             stats["row_steps"] += len(feeds)
     return stats
@@ -415,14 +416,16 @@ class NonFiniteLogits(RuntimeError):
         self.step = step
 
 
-def _feed(decoder: Decoder, rows: Rows, feeds: list[tuple[int, list[int], int]],
-          tokens: Tensor, draw: Callable, ends: Tensor) -> tuple[Tensor, Tensor]:
+def _feed(decoder: Decoder, rows: Rows, active: list[int],
+          feeds: list[tuple[int, list[int], int]], tokens: Tensor, draw: Callable,
+          ends: Tensor) -> tuple[Tensor, Tensor]:
     """Step 5: each answered row's [call token; observation] fed into its own cache at its place
     (Decoder.feed: the decode forward, several tokens a row), and its next token drawn from the
-    last one's logits. tokens (B,) each active row's last token -> the same with the answered
-    rows' drawn ones, and which drew a call or a stop."""
+    last one's logits. active: the active rows in the decoder's order; tokens (B,) each one's
+    last token -> the same with the answered rows' drawn ones, and which drew a call or a
+    stop."""
     device = tokens.device
-    place = {r: i for i, r in enumerate(decoder.grid.rows)}
+    place = {r: i for i, r in enumerate(active)}
     answered = [r for r, _, _ in feeds]
     picks = [place[r] for r in answered]  # each answered row's place among the active
     logits = decoder.feed(picks, [f for _, f, _ in feeds], [j for _, _, j in feeds])

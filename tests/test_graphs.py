@@ -82,7 +82,7 @@ def decoders(model: Llama, G: int, new: int) -> tuple[decode.Decoder, decode.Dec
         for compiled in (True, False):
             views = rollout._carve(model, None, len(prompts), G, max(lens), new)
             logits = rollout._prefill(model, prompts, views[0], views[1], 2048, "cpu")
-            pair.append(decode.Decoder(model, views, lens, G, graphed=False, compiled=compiled))
+            pair.append(decode.Decoder(model, views, lens, graphed=False, compiled=compiled))
         first = logits.argmax(-1).repeat_interleave(G)  # an inference tensor, as generate's
     return *pair, first
 
@@ -95,13 +95,13 @@ def step_against_float64(model: Llama, wide: Llama, compiled: decode.Decoder,
     route) and the eager step's each within ULPS of the float64 forward of each row's whole
     sequence, the compiled greedy picks the float64 forward's (near ties aside). The compiled
     step's logits (N, V), float64."""
-    for i, r in enumerate(compiled.grid.rows):
+    for i, r in enumerate(compiled.ids.tolist()):
         seqs[r].append(int(tokens[i]))
     with fused_projections(model):
         got = compiled.decode(tokens).double()
     want = eager.decode(tokens).double()
     exact = torch.stack([wide(torch.tensor([seqs[r]]))[0, -1]
-                         for r in compiled.grid.rows])  # (N, V)
+                         for r in compiled.ids.tolist()])  # (N, V)
     for logits in (got, want):
         torch.testing.assert_close(logits, exact, rtol=0, atol=bf16_tol(exact))
     top2 = exact.topk(2, dim=-1).values
@@ -136,7 +136,7 @@ def test_compiled_bf16_step_equals_the_eager_step_and_compiles_once_a_structure(
     with torch.inference_mode():
         for t in range(new - 1):
             if t in survivors:
-                keep = [i for i, r in enumerate(compiled.grid.rows) if r in survivors[t]]
+                keep = [i for i, r in enumerate(compiled.ids.tolist()) if r in survivors[t]]
                 for d in (compiled, eager):
                     d.drop(keep, filled=t)
                 tokens = tokens[torch.tensor(keep)]
@@ -241,8 +241,8 @@ def test_the_compiled_step_serves_every_bucket_of_graphed_rows(model, kernel_rou
     captures each bucket once and draws the greedy tokens of the compacted, uncaptured route."""
     from test_episodes import FakeGraph
     monkeypatch.setattr(decode, "GraphedStep", FakeGraph)
-    monkeypatch.setattr(rollout, "Decoder", lambda model, views, lens, G, _, compiled=False:
-                        decode.Decoder(model, views, lens, G, True, compiled))
+    monkeypatch.setattr(rollout, "Decoder", lambda model, views, lens, _, compiled=False:
+                        decode.Decoder(model, views, lens, True, compiled))
     knobs = dict(num_samples=3, max_new_tokens=16, temperature=0.0, sync_every=2,
                  compile_decode="true")
     stops = (5, 9, 17, 23, 31)
