@@ -79,10 +79,11 @@ class Rows:
             self.length[r] += steps
 
     def unseen(self, r: int, steps: int) -> int:
-        """Where row r's tokens since the last sync begin, `steps` decode steps after it: its last
-        steps + 1 tokens. The one before the steps is the token a tool turn's row drew at its
-        feed (Decoder.feed), or the fan-out's first; any other row's is the token it ended the
-        last sync with, seen then and no call or stop (else the row was cut there)."""
+        """Where active row r's tokens since the last sync begin, `steps` decode steps after it:
+        its last steps + 1 tokens. The one before the steps is new for a row the tool answered
+        at the last sync (the token it drew at its feed) and before the first sync (the fan-out's
+        token); any other row's is its last token at the last sync, seen then and no call or stop
+        (else the row was cut there): looking at it again finds nothing."""
         return self.length[r] - steps - 1
 
     def first_nan(self, active: list[int], steps: int) -> int | None:
