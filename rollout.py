@@ -64,7 +64,7 @@ from torch import Tensor, nn
 
 from engine.decode import Decoder, KVCache
 from engine.episodes import Episodes, Rows
-from engine.compiling import CompiledStep, decide, dynamic
+from engine.compiling import CompiledStep, compile_seconds, decide, dynamic, graphs_compiled
 from lora import LoRALinear
 from model import ModelConfig, causal_attention, fused_projections
 from engine import sampling
@@ -282,14 +282,18 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], cfg: RolloutConfi
             # 3-5. Decode, finished rows dropped, a tool's observations fed into their rows. A
             # logits_fn is tensor parallelism's vocab gather: tp.py's layers run their collectives
             # in autograd Functions (mark_dirty), which torch.compile does not trace: eager.
-            decoder = Decoder(model, views, lens, G, device.type == "cuda" and cfg.cuda_graphs,
+            decoder = Decoder(model, views, lens, device.type == "cuda" and cfg.cuda_graphs,
                               decide(cfg.compile_decode, model) and logits_fn is None)
-            compiled_draw = (CompiledStep(sampling.draw_raced, draw_structure)
-                             if decoder.compiled is not None else None)
-            draw = drawer(cfg, generator, logits_fn or _same, compiled_draw)
-            with fused_projections(model, decoder.compiled is not None):  # 4 matmuls a layer
+            compiled = decoder.compiled is not None
+            draw = drawer(cfg, generator, logits_fn or _same,
+                          CompiledStep(sampling.draw_raced, draw_structure) if compiled else None)
+            before = (graphs_compiled(), compile_seconds()) if compiled else (0, 0.0)
+            with fused_projections(model, compiled):  # 4 matmuls a layer
                 stats.update(_decode(decoder, rows, draw, stop_ids, cfg.sync_every, episodes))
-        stats.update(_kv_and_compile_stats(views, decoder.compiled, compiled_draw))
+            if compiled:  # what the decode step and the draw compiled, as dynamo counts it
+                stats.update(compiles=graphs_compiled() - before[0],
+                             compile_seconds=compile_seconds() - before[1])
+        stats.update(_kv_bytes(views))
     else:  # nothing to sample: every row is empty
         rows = Rows.empty(len(prompts) * G, 0, device)
     # 6. Each row cut at its length, rows in the caller's prompt order; it stays on the device.
@@ -307,14 +311,10 @@ def _same(logits: Tensor) -> Tensor:
     return logits
 
 
-def _kv_and_compile_stats(views: tuple[list[Tensor], ...], *steps: CompiledStep | None) -> dict:
-    """The KV cache's bytes this call carved, and the graphs its compiled steps compiled (the
-    decode step, the draw) with their seconds."""
+def _kv_bytes(views: tuple[list[Tensor], ...]) -> dict:
+    """The KV cache's bytes this call carved."""
     nbytes = [sum(x.numel() * x.element_size() for x in kind) for kind in views]
-    compiled = [step for step in steps if step is not None]
-    return dict(prompt_kv_bytes=sum(nbytes[:2]), completion_kv_bytes=sum(nbytes[2:]),
-                compiles=sum(step.compiles for step in compiled),
-                compile_seconds=sum((step.seconds for step in compiled), 0.0))
+    return dict(prompt_kv_bytes=sum(nbytes[:2]), completion_kv_bytes=sum(nbytes[2:]))
 
 
 def _callers_rows(respond: Callable, order: list[int], G: int, calls: list) -> list:
@@ -356,6 +356,7 @@ def _decode(decoder: Decoder, rows: Rows, draw: Callable[[Tensor], tuple[Tensor,
     ends = torch.cat([torch.tensor(stop_ids, dtype=torch.long, device=device), calls])
     every = sync_every if len(ends) else rows.tokens.shape[1]  # nothing to look for: no sync
     stop_at_calls = device.type == "cpu" and len(calls) > 0
+    active = list(range(rows.tokens.shape[0]))  # the rows that go on, in the decoder's order
     tokens = rows.tokens[:, 0].clone()  # (B,) each active row's last token
     drew_end = torch.isin(tokens, ends)  # (B,) drew a call or a stop since the last sync
     stats = dict(decode_steps=0, row_steps=0, compactions=0)
@@ -363,7 +364,6 @@ def _decode(decoder: Decoder, rows: Rows, draw: Callable[[Tensor], tuple[Tensor,
         stats["tool_turns"] = 0
     while True:
         # 1. Decode every active row up to the next sync, within every row's budget.
-        active = decoder.grid.rows
         steps = min(every - (stats["decode_steps"] + 1) % every, rows.budget(active))
         ran = 0
         for ran in range(1, steps + 1):
@@ -377,25 +377,28 @@ def _decode(decoder: Decoder, rows: Rows, draw: Callable[[Tensor], tuple[Tensor,
         stats["row_steps"] += ran * len(active)
         # 2. The sync (the only host sync): logits that held NaN or inf stop the rollout; each
         # row that drew a call or a stop is cut after it.
-        bad = rows.first_nan(active)
+        bad = rows.first_nan(active, ran)
         if bad is not None:
             raise NonFiniteLogits(bad)
-        waiting = rows.sync(active, drew_end.nonzero()[:, 0].tolist(), stop_ids, episodes)
-        # 3. The tool answers the rows that called.
+        going, waiting = rows.sync(active, ran, drew_end.nonzero()[:, 0].tolist(), stop_ids,
+                                   episodes)
+        # 3. The tool answers the rows that called; those it answers within the budget go on.
         feeds = rows.observe(waiting, episodes, decoder.model.config.vocab_size) if waiting else []
+        going = set(going).union(r for r, _, _ in feeds)
         # 4. Ended rows leave (under CUDA graphs the step's rows are padded up to the graph's
         # bucket: no graph is captured again).
-        keep = [i for i, r in enumerate(active) if not rows.ended[r]]
+        keep = [i for i, r in enumerate(active) if r in going]
         if not keep:
             break
         if len(keep) < len(active):
-            decoder.drop(keep, filled=max(rows.length[active[i]] for i in keep) - 1)
+            active = [active[i] for i in keep]
+            decoder.drop(keep, filled=max(rows.length[r] for r in active) - 1)
             tokens = tokens[torch.tensor(keep, device=device)]
             stats["compactions"] += 1
         drew_end = torch.zeros_like(tokens, dtype=torch.bool)
         # 5. The answered rows are fed their observations and draw their next token.
         if feeds:
-            tokens, drew_end = _feed(decoder, rows, feeds, tokens, draw, ends)
+            tokens, drew_end = _feed(decoder, rows, active, feeds, tokens, draw, ends)
             stats["tool_turns"] += len(feeds)
             stats["row_steps"] += len(feeds)
     return stats
@@ -413,14 +416,16 @@ class NonFiniteLogits(RuntimeError):
         self.step = step
 
 
-def _feed(decoder: Decoder, rows: Rows, feeds: list[tuple[int, list[int], int]],
-          tokens: Tensor, draw: Callable, ends: Tensor) -> tuple[Tensor, Tensor]:
+def _feed(decoder: Decoder, rows: Rows, active: list[int],
+          feeds: list[tuple[int, list[int], int]], tokens: Tensor, draw: Callable,
+          ends: Tensor) -> tuple[Tensor, Tensor]:
     """Step 5: each answered row's [call token; observation] fed into its own cache at its place
     (Decoder.feed: the decode forward, several tokens a row), and its next token drawn from the
-    last one's logits. tokens (B,) each active row's last token -> the same with the answered
-    rows' drawn ones, and which drew a call or a stop."""
+    last one's logits. active: the active rows in the decoder's order; tokens (B,) each one's
+    last token -> the same with the answered rows' drawn ones, and which drew a call or a
+    stop."""
     device = tokens.device
-    place = {r: i for i, r in enumerate(decoder.grid.rows)}
+    place = {r: i for i, r in enumerate(active)}
     answered = [r for r, _, _ in feeds]
     picks = [place[r] for r in answered]  # each answered row's place among the active
     logits = decoder.feed(picks, [f for _, f, _ in feeds], [j for _, _, j in feeds])

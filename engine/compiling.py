@@ -17,8 +17,9 @@ into fused kernels, then captured in a CUDA graph that replays all of them in on
   milliseconds). What may compile again is a different structure:
   rows scattered into a grid with empty slots (Grid.scatter), the longest prompt gone (its K/V
   views no longer whole), prompts with and without padding, a dim of size 1 (torch specializes
-  0 and 1): tests/test_graphs.py meets four structures in one rollout. It counts its compiles and
-  the seconds they took; torch's caches (FX graph, AOT) make a later process's compile cheaper.
+  0 and 1): tests/test_graphs.py meets four structures in one rollout. What a rollout compiled
+  is dynamo's count (graphs_compiled, compile_seconds); torch's caches (FX graph, AOT) make a
+  later process's compile cheaper.
   Where torch cannot compile (an unsupported platform, a torch older than MIN_TORCH:
   `unsupported`), the step runs eagerly and one line says so, once a process; where it refuses
   one structure of one compiled function (no C++ compiler or Triton, a lowering it lacks), that
@@ -67,7 +68,6 @@ import contextlib
 import functools
 import os
 import sys
-import time
 from typing import Callable
 
 import torch
@@ -163,17 +163,15 @@ def say_once(line: str) -> None:
 
 
 class CompiledStep:
-    """fn compiled once for all grids (module docstring), called like fn. `compiles` and
-    `seconds`: the graphs compiled during its calls and the wall clock of those calls.
-    structure(*args) -> a few words naming what a compile of these arguments specialises on
-    besides the sizes marked dynamic (decode.Decoder.structure); a structure torch refuses runs
-    eagerly, said in one line (REFUSED), and the others compile on."""
+    """fn compiled once for all grids (module docstring), called like fn. structure(*args) -> a
+    few words naming what a compile of these arguments specialises on besides the sizes marked
+    dynamic (decode.Decoder.structure); a structure torch refuses runs eagerly, said in one line
+    (REFUSED), and the others compile on. What its calls compiled is dynamo's count
+    (graphs_compiled, compile_seconds: rollout.generate reports both for a rollout)."""
 
     def __init__(self, fn: Callable, structure: Callable[..., str] | None = None):
         self.fn = fn
         self.structure = structure or (lambda *args: "every call")
-        self.compiles = 0
-        self.seconds = 0.0
         self.compiled = None
         why = unsupported()
         if why:  # a Python, platform or torch it does not support: nothing compiles here
@@ -188,18 +186,12 @@ class CompiledStep:
         key = (self.fn.__qualname__, self.structure(*args))
         if key in REFUSED:
             return self.fn(*args)
-        before = graphs_compiled()
-        started = time.perf_counter()
         try:
             with compile_settings():
-                out = self.compiled(*args)
+                return self.compiled(*args)
         except torch._dynamo.exc.TorchDynamoException as error:  # raised while compiling
             self._refuse(key, error)
             return self.fn(*args)
-        if graphs_compiled() > before:
-            self.compiles += graphs_compiled() - before
-            self.seconds += time.perf_counter() - started
-        return out
 
     def _refuse(self, key: tuple[str, str], error: Exception) -> None:
         inner = getattr(error, "inner_exception", error)  # the backend's own error

@@ -5,20 +5,21 @@ prompt shared by a group of rows plus each row's own keys.
 
 - KVCache: one flat preallocated buffer (memory.py frees and re-creates it whole), carved per call
   into the shared prompt K/V (Bp, Hkv, P, D) and each row's completion K/V (R, Hkv, Tc, D).
-- Decoder: one state per active row, on the device: its id (its group: id // G), the position of
-  its completion index 0 and the index it feeds next, always per row (lockstep is equal values);
-  live or done is the decode loop's ledger (engine/episodes.py), which drops the done rows
-  (Decoder.drop: the survivors' K/V moved to the front). Its forward feeds B rows T tokens each:
-  each layer writes the new keys and values at the rows' own indices, then attends through one
-  entry (Decoder.attention) whose route is picked once per call: the rows sit in a grid of Bp'
-  groups x G' slots (Grid), the G' rows of a group folded against the one prompt K/V
-  (shared-prompt attention, engine/attention.py: a prompt part and an own part merged by
-  log-sum-exp). Routes: on the CPU in lockstep, SDPA's flash kernel in buckets of like prompt
-  lengths (shared_prompt_attention_decode_cpu: a short prompt's padding is not read); on CUDA in
-  bf16 / fp16, SDPA's memory-efficient kernel for both parts, reading the bf16 cache as it is
-  (shared_prompt_attention_decode_cuda), each row's own keys under its bias; else, and for rows
-  apart (after a tool turn) or fed several tokens, attention.shared_prompt_attention's plain
-  float32 ops under each row's mask.
+- Decoder: one state per active row, on the device: its id (its group: id // G; the position of
+  its completion index 0 is its prompt's length) and the index it feeds next, always per row
+  (lockstep is equal values); live or done is the decode loop's ledger (rollout.py, with
+  engine/episodes.py), which drops the done rows (Decoder.drop: the survivors' K/V moved to the
+  front). Its forward feeds B rows T tokens each: each layer writes the new keys and values at
+  the rows' own indices, then attends through one entry (Decoder.attention) on the decoder's
+  route (Decoder.route, picked once from the device and dtypes), its kernel picked once per call:
+  the rows sit in a grid of Bp' groups x G' slots (Grid), the G' rows of a group folded against
+  the one prompt K/V (shared-prompt attention, engine/attention.py: a prompt part and an own part
+  merged by log-sum-exp). Routes: on the CPU in lockstep, SDPA's flash kernel in buckets of like
+  prompt lengths (shared_prompt_attention_decode_cpu: a short prompt's padding is not read); on
+  CUDA in bf16 / fp16, SDPA's memory-efficient kernel for both parts, reading the bf16 cache as
+  it is (shared_prompt_attention_decode_cuda), each row's own keys under its bias; else, and for
+  rows apart (after a tool turn) or fed several tokens, attention.shared_prompt_attention's
+  plain float32 ops under each row's mask.
 - A tool's observation (Decoder.feed) is the same forward over the answered rows, on their own grid,
   several tokens a row: no earlier token is recomputed, and from then on each row feeds at its own
   index.
@@ -44,7 +45,6 @@ step).
 import dataclasses
 import itertools
 import math
-from collections import Counter
 from dataclasses import dataclass
 from typing import Callable
 
@@ -126,11 +126,9 @@ class Grid:
     decode step's grid reads the first Bp' prompt views and the first S cache rows (Decoder.drop
     moves the survivors' K/V there; a graphed decoder's grid is whole: every prompt's G slots, each
     row in the one it was carved in); a feed's grid (the rows a tool answered) reads its groups'
-    prompt views and its rows' cache rows by index (`reads`)."""
-    rows: list[int]               # each row's global id (prompt * G + sample), ascending
-    groups: list[int]             # the prompt of each of the Bp' groups
-    slots: list[int]              # each row's slot in the grid (group * G' + j)
-    scatter: Tensor | None        # (B,) the slots; None: row i sits in slot i (no scatter)
+    prompt views and its rows' cache rows by index (`reads`). Which rows sit in it is the
+    decoder's (Decoder.ids): a grid holds the layout on the device only."""
+    scatter: Tensor | None        # (B,) each row's slot (group * G' + j); None: row i in slot i
     occupied: Tensor              # (S,) bool: S as a tensor's dim (a compiled step's, dynamic)
     prompt_valid: Tensor          # (Bp', P') bool; False on a prompt's padding
     prompt_bias: Tensor | None    # (Bp', 1, 1, P') 0 / -inf, rows 16-aligned; None: no padding
@@ -139,22 +137,27 @@ class Grid:
                                                 # rows' cache rows (B,); None: the leading ones
 
     @classmethod
-    def of(cls, rows: list[int], G: int, prompt_lens: Tensor, dtype: torch.dtype,
-           within: "Grid | None" = None, whole: bool = False) -> "Grid":
-        """The grid of `rows` (ascending); within: the decode grid a feed's rows sit in; whole:
-        every prompt's G slots, each row in its own (row r in slot r: the cache as carved)."""
-        counts = Counter(r // G for r in rows)  # in order of first appearance: prompt-major rows
-        size = G if whole else max(counts.values())
-        slots = rows if whole else [i * size + j for i, n in enumerate(counts.values())
-                                    for j in range(n)]
-        groups = list(range(len(prompt_lens))) if whole else list(counts)
-        S = len(groups) * size
-        device = prompt_lens.device
-        scatter = None if slots == list(range(S)) else torch.tensor(slots, device=device)
-        occupied = torch.zeros(S, dtype=torch.bool, device=device)
-        occupied[slots] = True
+    def of(cls, ids: Tensor, G: int, prompt_lens: Tensor, dtype: torch.dtype, whole: bool = False,
+           within: "Grid | None" = None, picked: Tensor | None = None) -> "Grid":
+        """The grid of the rows `ids` (B,), global ids ascending (prompt-major); whole: every
+        prompt's G slots, each row in its own (row r in slot r: the cache as carved); within: the
+        grid the rows sit in now, picked (B,) their places in it: the new grid's `reads` say where
+        its groups' prompt views and its rows' cache rows are there. One host read: the groups'
+        row counts and prompt lengths."""
+        device = ids.device
+        if whole:
+            groups, size, slots = torch.arange(len(prompt_lens), device=device), G, ids
+            lens_list = prompt_lens.tolist()
+        else:
+            groups, counts = torch.unique_consecutive(ids // G, return_counts=True)  # (Bp',)
+            counts, lens_list = torch.stack((counts, prompt_lens[groups])).tolist()
+            size = max(counts)
+            slots = torch.tensor([i * size + j for i, n in enumerate(counts) for j in range(n)],
+                                 device=device)
+        S = len(lens_list) * size
+        scatter = None if len(ids) == S else slots  # every slot taken: row i sits in slot i
+        occupied = torch.zeros(S, dtype=torch.bool, device=device).index_fill_(0, slots, True)
         lens = prompt_lens[groups]  # (Bp',) longest first: generate() sorts the prompts
-        lens_list = lens.tolist()
         prompt_valid = torch.arange(max(lens_list), device=device) < lens[:, None]
         bias = None  # no padding: the fused kernels skip their mask
         if not prompt_valid.all():  # rows 16-aligned: efficient_attention's kernel wants it
@@ -164,12 +167,12 @@ class Grid:
                     else bias[first:stop, ..., :keys])
                    for first, stop, keys in length_buckets(lens_list)]
         reads = None
-        if within is not None:
-            group_of = {p: i for i, p in enumerate(within.groups)}
-            slot_of = dict(zip(within.rows, within.slots))
-            reads = (torch.tensor([group_of[p] for p in groups], device=device),
-                     torch.tensor([slot_of[r] for r in rows], device=device))
-        return cls(rows, groups, slots, scatter, occupied, prompt_valid, bias, buckets, reads)
+        if within is not None:  # a row's slot there is its cache row; its group's, slot // G'
+            cache_rows = picked if within.scatter is None else within.scatter[picked]  # (B,)
+            leaders = torch.tensor([0, *itertools.accumulate(counts)][:-1], device=device)
+            G_within = within.occupied.shape[0] // within.prompt_valid.shape[0]
+            reads = (cache_rows[leaders] // G_within, cache_rows)
+        return cls(scatter, occupied, prompt_valid, bias, buckets, reads)
 
     def place(self, x: Tensor, fill: int = 0) -> Tensor:
         """(B, ...) rows -> (S, ...) the grid: row i at its slot, `fill` in the empty ones."""
@@ -304,43 +307,55 @@ def bucket(rows: int) -> int:
 
 class Decoder:
     """The decode state over the active rows and its one forward. Each active row holds one state,
-    on the device: its global id (`ids`; its group is id // G), the position of its completion
-    index 0 (`first`: its prompt's length) and the completion index it feeds next (`index`):
-    always per row, equal values while the rows run in lockstep (no tool turn yet: `apart` False).
-    Where the rows sit for attention is `grid`.
+    on the device: its global id (`ids`; its group is id // G, the position of its completion
+    index 0 its prompt's length: `first`) and the completion index it feeds next (`index`):
+    always per row, equal values while the rows run in lockstep. Where the rows sit for attention
+    is `grid`. `route`: how the step attends (Decoder.attention), picked once from the device and
+    the dtypes: "kernel" (bf16 / fp16 on CUDA), "flash" (the CPU), "plain" (float32 off the CPU),
+    then "apart" from the first tool turn on (each row at its own index).
     `compiled`: the step through torch.compile (compiling.CompiledStep) where the attention takes
-    the kernel route (bf16 / fp16 on CUDA); float32 stays the plain exact eager one. `graphs`
-    (None: no graphs): the lockstep step's CUDA graphs, one per bucket of rows (1, 2, 4, 8, then
-    every 16), the rows padded up to it and never captured again as rows drop: a graphed
-    decoder's grid is whole (every row in the slot it was carved in), so a drop moves no K/V."""
+    the kernel route; float32 stays the plain exact eager one. `graphs` (None: no graphs): the
+    lockstep step's CUDA graphs, one per bucket of rows (1, 2, 4, 8, then every 16), the rows
+    padded up to it and never captured again as rows drop: a graphed decoder's grid is whole
+    (every row in the slot it was carved in), so a drop moves no K/V."""
 
     def __init__(self, model: torch.nn.Module, views: tuple[list[Tensor], ...],
-                 prompt_lens: list[int], G: int, graphed: bool, compiled: bool = False):
+                 prompt_lens: list[int], graphed: bool, compiled: bool = False):
         own = views[2][0]
         device = own.device
-        self.model, self.views, self.G = model, views, G
+        self.model, self.views = model, views
         self.prompt_lens = torch.tensor(prompt_lens, device=device)  # (Bp,)
-        R = len(prompt_lens) * G
         self.graphs: dict[int, GraphedStep] | None = {} if graphed else None
-        self.grid = Grid.of(list(range(R)), G, self.prompt_lens, own.dtype, whole=graphed)
-        self.ids = torch.arange(R, device=device)  # (B,)
-        self.first = self.prompt_lens.repeat_interleave(G)  # (B,) completion index 0's position
-        self.index = torch.zeros(R, dtype=torch.long, device=device)  # (B,)
-        self.apart = False  # a tool turn moved rows apart: each at its own index (feed)
+        self.ids = torch.arange(own.shape[0], device=device)  # (B,) of R = Bp*G rows
+        self.index = torch.zeros_like(self.ids)  # (B,)
+        self.grid = self._grid(self.ids, whole=graphed)
         # The kernel route: both parts of the step's attention through one fused kernel (kernel_for,
         # CUDA in bf16 / fp16) when the cache holds the model's dtype; else, on the CPU, SDPA's
-        # flash kernel for the prompt part (`flash`); else the plain float32 ops.
+        # flash kernel for the prompt part; else the plain float32 ops.
         same = next(model.parameters()).dtype == own.dtype
-        self.kernel = kernel_for(device, own.dtype, own.shape[-1]) if same else None
-        self.flash = (same and self.kernel is None and device.type == "cpu"
-                      and _CPU_FLASH is not None)
+        kernel = same and kernel_for(device, own.dtype, own.shape[-1]) is not None
+        flash = same and device.type == "cpu" and _CPU_FLASH is not None
+        self.route = "kernel" if kernel else "flash" if flash else "plain"
         # The unbound forward, called with the decoder: a bound one would make a reference cycle
         # (decoder -> compiled step -> decoder) that keeps the KV views and graphs until a gc.
-        step = CompiledStep(Decoder.forward, Decoder.structure) if compiled and self.kernel \
-            else None
+        step = CompiledStep(Decoder.forward, Decoder.structure) \
+            if compiled and self.route == "kernel" else None
         # None where torch cannot compile here (said once): the eager route, draw and all
         self.compiled = step if step is not None and step.compiled is not None else None
         self._mark()
+
+    @property
+    def G(self) -> int:
+        """Rows per prompt: the cache is carved as Bp prompts and Bp*G rows."""
+        return self.views[2][0].shape[0] // self.views[0][0].shape[0]
+
+    def first(self, ids: Tensor) -> Tensor:
+        """(B,) the position of each row's completion index 0: its prompt's length."""
+        return self.prompt_lens[ids // self.G]
+
+    def _grid(self, ids: Tensor, **where) -> Grid:
+        """Grid.of the rows `ids` over this decoder's prompts and cache."""
+        return Grid.of(ids, self.G, self.prompt_lens, self.views[0][0].dtype, **where)
 
     # -------------------------------------------------------------------------
     # The forward: B rows, T new tokens each, one attention entry
@@ -358,9 +373,10 @@ class Decoder:
 
     def attention(self, index: Tensor, keys: int | None, grid: Grid | None = None,
                   last: Tensor | None = None) -> Callable:
-        """The attention hook of one forward (model.hidden's `attention`), its route picked once:
-        - plain: shared_prompt_attention's float32 ops, each row's own keys up to each query's
-          index (a feed's rows, rows apart after a tool turn, float32 off the CPU);
+        """The attention hook of one forward (model.hidden's `attention`) on the decoder's route,
+        its kernel picked once:
+        - plain, apart: shared_prompt_attention's float32 ops, each row's own keys up to each
+          query's index (float32 off the CPU; apart: a feed's rows, rows after a tool turn);
         - kernel: both parts through kernel_for's fused kernel
           (shared_prompt_attention_decode_cuda), the own keys under a per-row bias: a CUDA
           graph's and a compile's route;
@@ -369,17 +385,18 @@ class Decoder:
         Each layer first writes its new keys and values into the rows' own cache at their indices;
         rows of a feed write their tokens up to `last` only."""
         grid = grid or self.grid
-        feed = grid.reads is not None
-        route = ("plain" if feed or self.apart else "kernel" if self.kernel is not None
-                 else "flash" if self.flash else "plain")
+        feed = grid.reads is not None  # a feed's rows are apart
+        route = self.route
         prompt_k, prompt_v, own_k, own_v = self.views
+        kernel = kernel_for(index.device, own_k[0].dtype, own_k[0].shape[-1]) \
+            if route == "kernel" else None
         B, T = index.shape
         S = grid.occupied.shape[0]
         Bp, P = grid.prompt_valid.shape  # dims a compiled step keeps dynamic, as tensor shapes
         # Where the new keys go. In lockstep every row writes at the one index, a slice of the grid
         # (eager: `keys` - 1) or an index tensor (a graph's, a compile's: the first row's index);
         # else each row at its own: its cache row, a feed's rows their tokens up to `last`.
-        lockstep = not feed and not self.apart
+        lockstep = route != "apart"
         at = keys - 1 if lockstep and keys is not None else index[:1, 0] if lockstep else None
         keys = own_k[0].shape[2] if keys is None else keys
         device = index.device
@@ -444,7 +461,7 @@ class Decoder:
                 y = torch.cat(parts) if len(parts) > 1 else parts[0]
             elif route == "kernel":
                 y = shared_prompt_attention_decode_cuda(q, ok, ov, own_bias, pk, pv,
-                                                        grid.prompt_bias, self.kernel)
+                                                        grid.prompt_bias, kernel)
             else:
                 y = shared_prompt_attention(q, ok, ov, own_mask(q.shape[2]), pk, pv,
                                             grid.prompt_valid)
@@ -469,15 +486,15 @@ class Decoder:
     def _mark(self) -> None:
         """For a compiled step, mark the dims that vary with the batch and the grid
         (compiling.dynamic), once a grid: the cache views' rows and lengths (Bp, ., P, .) and
-        (Bp*G, ., Tc, .), the rows' state and the grid's tensors; never the model's (the first
+        (Bp*G, ., Tc, .), the rows' index and the grid's tensors; never the model's (the first
         marks import dynamo: the eager route never does)."""
         if self.compiled is None:
             return
         for x in sum(self.views, []):
             dynamic(x, 0, 2)
         g = self.grid
-        for x, dims in ((self.first, (0,)), (self.index, (0,)), (g.scatter, (0,)),
-                        (g.occupied, (0,)), (g.prompt_valid, (0, 1)), (g.prompt_bias, (0, 3))):
+        for x, dims in ((self.index, (0,)), (g.scatter, (0,)), (g.occupied, (0,)),
+                        (g.prompt_valid, (0, 1)), (g.prompt_bias, (0, 3))):
             if x is not None:
                 dynamic(x, *dims)
 
@@ -492,31 +509,30 @@ class Decoder:
         what that row writes); once a tool turn moved rows apart, each attends to the own keys up
         to the furthest row's, in eager mode."""
         B = len(tokens)
-        if self.graphs is not None and not self.apart:
+        if self.graphs is not None and self.route != "apart":
             b = bucket(B)
             pad = torch.arange(b, device=tokens.device).clamp_(max=B - 1)  # (b,)
-            inputs = (tokens[pad][:, None], self.index[pad][:, None], self.first[pad],
-                      self.ids[pad])
+            inputs = (tokens[pad][:, None], self.index[pad][:, None], self.ids[pad])
             if b not in self.graphs:
                 self.graphs[b] = GraphedStep(self._lockstep, *inputs)
             logits = self.graphs[b](*inputs)[:B]
-        elif self.compiled is not None and not self.apart:
-            logits = self._lockstep(tokens[:, None], self.index[:, None], self.first)
+        elif self.compiled is not None and self.route != "apart":
+            logits = self._lockstep(tokens[:, None], self.index[:, None], self.ids)
         else:  # eager: attend only to the keys written so far (one host read, eager anyway)
-            logits = self.forward(tokens[:, None], self.index[:, None], self.first,
+            logits = self.forward(tokens[:, None], self.index[:, None], self.first(self.ids),
                                   int(self.index.max()) + 1)
         self.index += 1
         return logits
 
-    def _lockstep(self, tokens: Tensor, index: Tensor, first: Tensor,
-                  slots: Tensor | None = None) -> Tensor:
-        """The step a graph captures and a compile traces: every own key under its mask. slots
-        (b,): a graph's rows' slots in the whole grid."""
-        grid = None if slots is None else dataclasses.replace(self.grid, scatter=slots)
+    def _lockstep(self, tokens: Tensor, index: Tensor, ids: Tensor) -> Tensor:
+        """The step a graph captures and a compile traces: every own key under its mask. ids (b,):
+        the rows' (a graph's: its bucket's, in the whole grid, where a row's slot is its id)."""
+        grid = None if self.graphs is None else dataclasses.replace(self.grid, scatter=ids)
+        first = self.first(ids)
         if self.compiled is None:
             return self.forward(tokens, index, first, None, grid)
-        if slots is not None:
-            dynamic(slots, 0)
+        if grid is not None:
+            dynamic(ids, 0)
         return self.compiled(self, dynamic(tokens, 0), dynamic(index, 0), dynamic(first, 0), None,
                              grid)
 
@@ -526,8 +542,8 @@ class Decoder:
         forward: their K/V go into the rows' own cache, no earlier token is recomputed. Returns
         the logits (k, V) after each row's last fed token; each row then feeds from the index
         after it. From the first feed on, rows are apart."""
-        if not self.apart:
-            self.apart = True
+        if self.route != "apart":
+            self.route = "apart"
             self._plain_linears()
         device = self.index.device
         width = max(map(len, feeds))
@@ -536,12 +552,12 @@ class Decoder:
         index = start[:, None] + torch.arange(width, device=device)  # (k, M)
         last = torch.tensor([len(f) - 1 for f in feeds], device=device)  # (k,)
         # ascending: engine/episodes.py answers rows in order
-        grid = Grid.of([self.grid.rows[i] for i in picks], self.G, self.prompt_lens,
-                       self.views[0][0].dtype, within=self.grid)
-        rows = torch.tensor(picks, device=device)
+        picked = torch.tensor(picks, device=device)
+        ids = self.ids[picked]
+        grid = self._grid(ids, within=self.grid, picked=picked)
         keys = max(a + len(f) for a, f in zip(starts, feeds))  # the own keys any row reaches
-        logits = self.forward(tokens, index, self.first[rows], keys, grid, last)
-        self.index[rows] = start + last + 1
+        logits = self.forward(tokens, index, self.first(ids), keys, grid, last)
+        self.index[picked] = start + last + 1
         return logits
 
     def drop(self, keep: list[int], filled: int) -> None:
@@ -550,27 +566,23 @@ class Decoder:
         temporaries: they overlap). A graphed decoder's grid stays whole: nothing moves, and its
         tensors stay the ones its graphs read."""
         old = self.grid
-        device = self.index.device
-        picked = torch.tensor(keep, device=device)
-        rows = [old.rows[i] for i in keep]
-        self.ids, self.first, self.index = (x[picked] for x in (self.ids, self.first, self.index))
+        picked = torch.tensor(keep, device=self.index.device)
+        self.ids, self.index = self.ids[picked], self.index[picked]
         if self.graphs is not None:
-            self.grid = dataclasses.replace(old, rows=rows, slots=rows, scatter=self.ids)
+            self.grid = dataclasses.replace(old, scatter=self.ids)
             return
-        new = Grid.of(rows, self.G, self.prompt_lens, self.views[0][0].dtype)
-        group_of = {p: i for i, p in enumerate(old.groups)}
-        slot_of = dict(zip(old.rows, old.slots))
-        old_groups = torch.tensor([group_of[p] for p in new.groups], device=device)
-        old_slots = torch.tensor([slot_of[r] for r in new.rows], device=device)
-        new_slots = torch.tensor(new.slots, device=device)
+        new = self._grid(self.ids, within=old, picked=picked)
+        old_groups, old_slots = new.reads  # where the survivors' prompts and rows sit now
+        new_slots = torch.arange(len(keep), device=picked.device) if new.scatter is None \
+            else new.scatter
         Bp, P = new.prompt_valid.shape
         prompt_k, prompt_v, own_k, own_v = self.views
         for x in prompt_k + prompt_v:
-            x[:Bp, :, :P] = x[:len(old.groups), :, :P].index_select(0, old_groups)
+            x[:Bp, :, :P] = x[:old.prompt_valid.shape[0], :, :P].index_select(0, old_groups)
         for x in own_k + own_v:
             moved = x[:old.occupied.shape[0], :, :filled].index_select(0, old_slots)
             x[:new.occupied.shape[0], :, :filled].index_copy_(0, new_slots, moved)
-        self.grid = new
+        self.grid = dataclasses.replace(new, reads=None)
         self._mark()
 
     def _plain_linears(self) -> None:

@@ -48,15 +48,14 @@ class Episodes:
 class Rows:
     """Each row of a rollout as the decode loop writes it: on the device its tokens, their
     logprobs and which the model sampled, (R, Tc); on the host, settled at the syncs, its
-    length, how much of it a sync has scanned for an end, its calls and how it ended. Row ids are
-    the decode loop's (rollout.generate maps them to the caller's)."""
+    length, its calls and whether it ended with a stop. Which rows go on is the loop's (its
+    active rows: sync and observe say which leave). Row ids are the decode loop's
+    (rollout.generate maps them to the caller's)."""
     tokens: Tensor        # (R, Tc) long; -1 where nothing was written
     logprobs: Tensor      # (R, Tc) float32; 0 on observations
     sampled: Tensor       # (R, Tc) bool; False on a tool's observation tokens
     length: list[int]     # each row's tokens so far (the first, drawn at fan-out, included)
-    scanned: list[int]    # how many of them a sync has looked at for a call or a stop
     calls: list[int]      # tool calls whose whole observation is in the row
-    ended: list[bool]     # the row takes no more tokens
     stopped: list[bool]   # it ended with a stop id (or its tool ended the episode)
 
     @classmethod
@@ -64,8 +63,7 @@ class Rows:
         tokens = torch.full((R, Tc), -1, dtype=torch.long, device=device)
         logprobs = torch.zeros(R, Tc, dtype=torch.float32, device=device)
         sampled = torch.ones(R, Tc, dtype=torch.bool, device=device)
-        return cls(tokens, logprobs, sampled, [min(Tc, 1)] * R, [0] * R, [0] * R, [False] * R,
-                   [False] * R)
+        return cls(tokens, logprobs, sampled, [min(Tc, 1)] * R, [0] * R, [False] * R)
 
     def write(self, rows: Tensor, at: Tensor, tokens: Tensor, logprobs: Tensor) -> None:
         """Drawn tokens and their logprobs (k,) into rows (k,) at completion indices at (k,)."""
@@ -73,57 +71,62 @@ class Rows:
         self.logprobs.index_put_((rows, at), logprobs)
 
     def budget(self, active: list[int]) -> int:
-        """Decode steps every active row that goes on still has room for."""
-        return min(self.tokens.shape[1] - self.length[r] for r in active if not self.ended[r])
+        """Decode steps every active row still has room for."""
+        return min(self.tokens.shape[1] - self.length[r] for r in active)
 
     def moved_on(self, active: list[int], steps: int) -> None:
         for r in active:
-            if not self.ended[r]:  # an ended row may decode on under a graph: its tokens are not
-                self.length[r] += steps
+            self.length[r] += steps
 
-    def first_nan(self, active: list[int]) -> int | None:
+    def unseen(self, r: int, steps: int) -> int:
+        """Where active row r's tokens since the last sync begin, `steps` decode steps after it:
+        its last steps + 1 tokens. The one before the steps is new for a row the tool answered
+        at the last sync (the token it drew at its feed) and before the first sync (the fan-out's
+        token); any other row's is its last token at the last sync, seen then and no call or stop
+        (else the row was cut there): looking at it again finds nothing."""
+        return self.length[r] - steps - 1
+
+    def first_nan(self, active: list[int], steps: int) -> int | None:
         """The first completion index since the last sync where a row's logprob is NaN, or None.
         The draw gives a row NaN when its logits hold NaN or +inf, or are all -inf (engine/sampling.py):
         on the device no step looks at its logits; here, at the sync, one reduction over the
         steps since the last one finds them (one host copy)."""
-        first = min(self.scanned[r] for r in active)
+        first = min(self.unseen(r, steps) for r in active)
         last = max(self.length[r] for r in active)
         bad = self.logprobs[:, first:last].isnan().any(0).nonzero()[:1, 0].tolist()  # (<= 1,)
         return first + bad[0] if bad else None
 
-    def sync(self, active: list[int], drew: list[int], stop_ids: tuple[int, ...],
-             episodes: Episodes | None) -> list[tuple[int, int, list[int]]]:
-        """The sync (module docstring): active[i] for i in `drew` drew a call or a stop since
-        the last sync. Returns the rows that wait for the tool: (row, its call's index, its
-        tokens up to the call)."""
-        found = [active[i] for i in drew if not self.ended[active[i]]]
+    def sync(self, active: list[int], steps: int, drew: list[int], stop_ids: tuple[int, ...],
+             episodes: Episodes | None) -> tuple[list[int], list[tuple[int, int, list[int]]]]:
+        """The sync (module docstring), `steps` decode steps after the last: active[i] for i in
+        `drew` drew a call or a stop since then. Returns the rows that go on decoding, and those
+        that wait for the tool: (row, its call's index, its tokens up to the call); the others
+        end."""
+        found = [active[i] for i in drew]
         call_ids = episodes.call_ids if episodes else ()
         ends = set(stop_ids) | set(call_ids)
         seen = self.tokens[found, :max(self.length[r] for r in found)].tolist() if found else []
         waiting = []
         for r, tokens in zip(found, seen):  # each row's first end among its new tokens
-            j = next(j for j in range(self.scanned[r], self.length[r]) if tokens[j] in ends)
+            j = next(j for j in range(self.unseen(r, steps), self.length[r]) if tokens[j] in ends)
             self.length[r] = j + 1  # what it decoded past the call or stop is dropped
+            self.stopped[r] = tokens[j] in stop_ids  # a waiting row's, if its observation is cut
             if tokens[j] in call_ids and self.calls[r] < episodes.max_turns:
                 waiting.append((r, j, tokens[:j + 1]))
-                self.stopped[r] = tokens[j] in stop_ids  # how it ends if its observation is cut
-            else:  # a stop, or a call with no turns left: the row ends
-                self.ended[r] = True
-                self.stopped[r] = tokens[j] in stop_ids
-        for r in active:
-            self.scanned[r] = self.length[r]
-            self.ended[r] |= self.length[r] == self.tokens.shape[1]  # the budget is spent
-        return waiting
+        # A stop, a call with no turns left or the budget spent ends a row.
+        cut = set(found)
+        going = [r for r in active if r not in cut and self.length[r] < self.tokens.shape[1]]
+        return going, waiting
 
     def observe(self, waiting: list[tuple[int, int, list[int]]], episodes: Episodes,
                 vocab: int) -> list[tuple[int, list[int], int]]:
-        """The tool answers the waiting rows (module docstring). Returns the rows to feed:
-        (row, [its call token; the observation], the call's index); the others end."""
+        """The tool answers the waiting rows (module docstring). Returns the rows to feed, which
+        go on: (row, [its call token; the observation], the call's index); the others end."""
         observations = episodes.respond([(r, tokens) for r, _, tokens in waiting])
         feeds = []
         for (r, j, tokens), observation in zip(waiting, observations):
             if observation is None:  # the tool ended the episode (a turn with no call in it)
-                self.ended[r] = self.stopped[r] = True
+                self.stopped[r] = True
                 continue
             bad = [t for t in observation if not (isinstance(t, int) and 0 <= t < vocab)]
             if bad:
@@ -131,7 +134,6 @@ class Rows:
                                  f"vocabulary [0, {vocab})")
             room = self.tokens.shape[1] - self.length[r]  # the budget counts observation tokens too
             if len(observation) > room:  # rolled back: the row ends at its call, uncounted
-                self.ended[r] = True
                 continue
             self.calls[r] += 1
             self.stopped[r] = False
@@ -141,11 +143,8 @@ class Rows:
             self.logprobs[r, span] = 0.0
             self.sampled[r, span] = False
             self.length[r] += len(observation)
-            self.scanned[r] = self.length[r]
             if len(observation) < room:  # room for at least one more sampled token
                 feeds.append((r, [tokens[j]] + observation, j))
-            else:
-                self.ended[r] = True
         return feeds
 
     def cut(self, order: list[int]) -> tuple[Tensor, ...]:

@@ -370,9 +370,9 @@ def step_decoder(route: str, cfg: ModelConfig, Bp: int, G: int, P: int, Tc: int,
     """A decoder at a graph-style step (every completion slot attended under the step's mask; the
     CPU's eager route: the written keys alone), Bp prompts x G rows, the last two prompts padded,
     random weights. route: "float32" (shared_prompt_attention's plain ops), "bf16 kernel" (CUDA's
-    shared_prompt_attention_decode_cuda; on a CPU, SDPA's fused CPU kernel runs in the CUDA kernel's place
-    through the same code), "bf16 kernel, compiled" (the same through torch.compile) or "cpu
-    flash" (the CPU's eager path, float32)."""
+    shared_prompt_attention_decode_cuda; on a CPU, kernels_per_layer puts SDPA's fused CPU kernel
+    in the CUDA kernel's place, through the same code), "bf16 kernel, compiled" (the same through
+    torch.compile) or "cpu flash" (the CPU's eager path, float32)."""
     dtype = torch.bfloat16 if route.startswith("bf16") else torch.float32
     with torch.device(device):
         model = Llama(cfg)
@@ -386,16 +386,10 @@ def step_decoder(route: str, cfg: ModelConfig, Bp: int, G: int, P: int, Tc: int,
     L, Hkv, D = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
     views = decode.KVCache.for_batch(cfg, Bp, G, P, Tc + 1, dtype, device).carve(
         L, Hkv, D, Bp, G, P, Tc + 1)
-    kernel = decode.kernel_for
-    if route.startswith("bf16") and device.type == "cpu":
-        decode.kernel_for = lambda device, dtype, head_dim: decode.cpu_flash
-    try:
-        lens = [P] * (Bp - 2) + [P - 5, P - 9]
-        decoder = decode.Decoder(model, views, lens, G, graphed=False,
-                                 compiled=route.endswith("compiled"))
-    finally:
-        decode.kernel_for = kernel
-    decoder.flash = route == "cpu flash"
+    lens = [P] * (Bp - 2) + [P - 5, P - 9]
+    decoder = decode.Decoder(model, views, lens, graphed=False, compiled=route.endswith("compiled"))
+    if route == "float32":
+        decoder.route = "plain"  # not the CPU's flash route
     decoder.index.fill_(3)  # every row at completion index 3 (lockstep)
     return decoder, torch.randint(0, cfg.vocab_size, (Bp * G, 1), device=device)
 
@@ -410,9 +404,10 @@ def launches(decoder: decode.Decoder, tokens: torch.Tensor) -> collections.Count
     # compile to all Tc slots under each row's mask (Decoder._lockstep, keys None)
     def run(tokens):
         if decoder.compiled is None and not tokens.is_cuda:
-            return decoder.forward(tokens, decoder.index[:, None], decoder.first,
-                                   int(decoder.index.max()) + 1 if decoder.flash else None)
-        return decoder._lockstep(tokens, decoder.index[:, None], decoder.first)
+            keys = int(decoder.index.max()) + 1 if decoder.route == "flash" else None
+            return decoder.forward(tokens, decoder.index[:, None], decoder.first(decoder.ids),
+                                   keys)
+        return decoder._lockstep(tokens, decoder.index[:, None], decoder.ids)
     with fused_projections(decoder.model, decoder.compiled is not None):  # as generate's
         return _launches(run, decoder, tokens)
 
@@ -475,8 +470,14 @@ def kernels_per_layer(route: str, device: torch.device, shape: str = "") -> tupl
                            num_attention_heads=4, num_key_value_heads=2,
                            architecture="Qwen2ForCausalLM")
         batch = (4, 8, 16, 32)
-    counts = [launches(*step_decoder(route, dataclasses.replace(base, num_hidden_layers=layers),
-                                     *batch, device)) for layers in (1, 2)]
+    kernel = decode.kernel_for
+    if route.startswith("bf16") and device.type == "cpu":  # Decoder.attention asks at each call
+        decode.kernel_for = lambda device, dtype, head_dim: decode.cpu_flash
+    try:
+        counts = [launches(*step_decoder(route, dataclasses.replace(
+            base, num_hidden_layers=layers), *batch, device)) for layers in (1, 2)]
+    finally:
+        decode.kernel_for = kernel
     if device.type == "cuda":  # by what the kernels do
         counts = [collections.Counter(kernel_kind(k) for k in c.elements()) for c in counts]
     one, two = (sum(c.values()) for c in counts)

@@ -109,7 +109,8 @@ def test_the_continued_cache_equals_a_fresh_prefill_of_the_whole_row(model, monk
     d = decoders[0]
     order = sorted(range(len(PROMPTS)), key=lambda i: -len(PROMPTS[i]))  # generate's sort
     checked = 0
-    for row, slot in zip(d.grid.rows, d.grid.slots):  # the rows active at the last sync
+    slots = torch.arange(len(d.ids)) if d.grid.scatter is None else d.grid.scatter  # (B,)
+    for row, slot in zip(d.ids.tolist(), slots.tolist()):  # the rows active at the last sync
         caller = order[row // 2] * 2 + row % 2
         prompt, episode = PROMPTS[order[row // 2]], out.completions()[caller]
         keys = {}
@@ -197,8 +198,8 @@ def graphed_rollouts(model: Llama, monkeypatch, cfg: RolloutConfig, episodes) ->
     monkeypatch.setattr(decode, "GraphedStep", FakeGraph)
     counts = []
 
-    def graphed(model, views, lens, G, _, compiled=False):
-        d = decode.Decoder(model, views, lens, G, True, compiled)
+    def graphed(model, views, lens, _, compiled=False):
+        d = decode.Decoder(model, views, lens, True, compiled)
         real = d.decode
 
         def counted(tokens):

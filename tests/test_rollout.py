@@ -516,20 +516,20 @@ def test_decode_attention_over_all_completion_slots_masks_the_unwritten_ones(mon
     one_layer = Llama(ModelConfig(vocab_size=16, hidden_size=H * D, intermediate_size=16,
                                   num_hidden_layers=1, num_attention_heads=H,
                                   num_key_value_heads=Hkv))
-    decoder = decode.Decoder(one_layer, views, [6, 3], G, graphed=False)
+    decoder = decode.Decoder(one_layer, views, [6, 3], graphed=False)
     decoder.drop([0, 1, 2, 4, 5], filled=0)  # row 3 finished: an empty slot in the grid
-    assert decoder.grid.scatter is not None and (decoder.kernel is not None) == kernel
+    assert decoder.grid.scatter is not None and (decoder.route == "kernel") == kernel
     q, k, v = (torch.randn(shape, generator=gen) for shape in [(5, H, 1, D)] + [(5, Hkv, 1, D)] * 2)
     tol = tolerance.reordered(D + P + Tc, views[1][0].abs().max())  # another summation order
     for index in (torch.full((5, 1), t), torch.tensor([[3], [1], [5], [0], [2]])):
-        decoder.apart = bool(index.unique().numel() > 1)  # apart: the plain route, each its own
+        lockstep = "kernel" if kernel else "plain"
+        decoder.route = "apart" if index.unique().numel() > 1 else lockstep  # apart: each its own
         full = decoder.attention(index, None)(0, q, k, v)  # (B, H, 1, D)
         torch.testing.assert_close(decoder.attention(index, int(index.max()) + 1)(0, q, k, v),
                                    full, **tol)
-        if kernel:
-            decoder.kernel = None  # shared_prompt_attention's plain float32 ops
+        if decoder.route == "kernel":
+            decoder.route = "plain"  # shared_prompt_attention's plain float32 ops
             torch.testing.assert_close(decoder.attention(index, None)(0, q, k, v), full, **tol)
-            decoder.kernel = cpu_kernel
 
 
 def test_bf16_model_on_the_cpu(model):
