@@ -36,8 +36,8 @@ Leaves out: paged KV and continuous batching (a GRPO rollout is one static batch
 decoding, stop strings (stop ids only), prefix sharing across different prompts.
 CPU: in lockstep the prompt part goes through SDPA's flash kernel, whose log-sum-exp then enters
 the own part's softmax as one more score: the same merge in fewer kernels
-(decode.shared_prompt_attention_decode_cpu); float32 linears run on weights prepacked once per call
-for oneDNN (_prepacked_linears).
+(decode.shared_prompt_attention_decode_cpu); float32 linears (and bf16's where the CPU has it) run on
+weights prepacked once per call for oneDNN (_prepacked_linears).
 CUDA: the decode step is a CUDA graph per bucket of active rows (`cuda_graphs`: 1, 2, 4, 8, then
 every 16, the rows padded up); in bf16 / fp16 it is compiled first, and the draw beside it
 (`compile_decode`: torch.compile, once for every grid and bucket,
@@ -60,6 +60,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.decode import Decoder, KVCache
@@ -68,6 +69,7 @@ from engine.compiling import CompiledStep, compile_seconds, decide, dynamic, gra
 from lora import LoRALinear
 from model import ModelConfig, causal_attention, fused_projections
 from engine import sampling
+from engine.precision import native_bf16
 
 # -----------------------------------------------------------------------------
 # Config and result
@@ -85,7 +87,7 @@ class RolloutConfig:
     prefill_tokens: int = 2048      # padded prompt tokens per prefill forward (bounds activations)
     cuda_graphs: bool = True        # capture the decode step on CUDA (ignored on the CPU)
     compile_decode: str = "auto"    # bf16/fp16 step + draw compiled: auto (CUDA, big), true, false
-    prepacked_linears: bool = True  # CPU, float32: linears via oneDNN, weights prepacked per call
+    prepacked_linears: bool = True  # CPU, float32 / native bf16: linears on prepacked weights
 
     def __post_init__(self):
         checks = dict(num_samples=1, max_new_tokens=0, top_k=0, sync_every=1, prefill_tokens=1)
@@ -132,17 +134,36 @@ _PREPACK = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
 _PREPACK = _PREPACK if torch.backends.mkldnn.is_available() else None
 
 
+def prepacks(dtype: torch.dtype) -> bool:
+    """Whether a CPU linear of this dtype runs on a prepacked weight: float32, and bf16 where the
+    CPU multiplies it natively (engine/precision.py; elsewhere a run holds bf16's values in
+    float32). A bf16 decode step's linears took 0.85-0.95 of F.linear's time prepacked, with the
+    same bits (docs/measurements.md)."""
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and native_bf16())
+
+
 @contextlib.contextmanager
 def _prepacked_linears(model: torch.nn.Module, rows: int, enabled: bool):
-    """Meanwhile each float32 nn.Linear of a CPU model runs through oneDNN on its weight reordered
-    once (for `rows` rows) into the kernel's blocked layout (prepacked); F.linear (MKL) reorders
-    it on every call, a large share of the matmul at decode's 128 rows. The cost: a second copy of
-    the linear weights while it runs. Outputs equal F.linear's up to summation order
-    (tests/test_rollout.py); a LoRA linear's, its adapted output's up to rounding
-    (tests/test_lora.py)."""
+    """Meanwhile each float32 (and native bf16: prepacks) nn.Linear of a CPU model runs through
+    oneDNN on its weight reordered once (for `rows` rows) into the kernel's blocked layout
+    (prepacked); F.linear reorders it on every call, a large share of the matmul at decode's 128
+    rows. The cost: a second copy of the linear weights while it runs. Outputs equal F.linear's
+    up to summation order (tests/test_rollout.py); a LoRA linear's, its adapted output's up to
+    rounding (tests/test_lora.py).
+    Yields `unpack`, called at the first tool turn: F.linear from there on, for the rest of the
+    call (rows at their own lengths come in new counts and shapes at every sync, and oneDNN keeps
+    a primitive for each: a tasks:lookup run grew by 0.5 GB in 100 steps); a LoRA linear on its
+    merged weight, still one matmul."""
     linears = [m for m in model.modules()
                if enabled and _PREPACK is not None and type(m) in (nn.Linear, LoRALinear)
-               and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32]
+               and m.weight.device.type == "cpu" and prepacks(m.weight.dtype)]
+
+    def unpack() -> None:
+        for m in linears:  # the prepacked copy goes with the partial that held it
+            if type(m) is LoRALinear:
+                m.forward = functools.partial(F.linear, weight=m.merged_weight(), bias=m.bias)
+            else:
+                m.__dict__.pop("forward", None)
     try:
         for m in linears:  # an instance attribute shadows the class's forward
             # A LoRA adapter is merged into the prepacked copy (W + s B A): one matmul a linear,
@@ -151,7 +172,7 @@ def _prepacked_linears(model: torch.nn.Module, rows: int, enabled: bool):
             m.forward = functools.partial(torch.ops.mkldnn._linear_pointwise, B=m.bias, attr="none",
                                           W=_PREPACK(weight, rows), scalars=[],
                                           algorithm="")  # (..., in) -> (..., out)
-        yield
+        yield unpack
     finally:
         for m in linears:
             m.__dict__.pop("forward", None)
@@ -266,7 +287,10 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], cfg: RolloutConfi
                  compactions=0, prompt_kv_bytes=0, completion_kv_bytes=0, compiles=0,
                  compile_seconds=0.0)
     if new > 0:
-        with _prepacked_linears(model, len(prompts) * G, cfg.prepacked_linears):
+        # A compiled step runs its own linears (on stacked weights: fused_projections).
+        compiling = decide(cfg.compile_decode, model) and logits_fn is None
+        prepacked = cfg.prepacked_linears and not compiling
+        with _prepacked_linears(model, len(prompts) * G, prepacked) as unpack:
             views = _carve(model, cache, len(prompts), G, max(lens), new)
             # 1. Prefill each prompt once.
             logits = _prefill(model, prompts, views[0], views[1], cfg.prefill_tokens, device)
@@ -283,13 +307,14 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], cfg: RolloutConfi
             # logits_fn is tensor parallelism's vocab gather: tp.py's layers run their collectives
             # in autograd Functions (mark_dirty), which torch.compile does not trace: eager.
             decoder = Decoder(model, views, lens, device.type == "cuda" and cfg.cuda_graphs,
-                              decide(cfg.compile_decode, model) and logits_fn is None)
+                              compiling)
             compiled = decoder.compiled is not None
             draw = drawer(cfg, generator, logits_fn or _same,
                           CompiledStep(sampling.draw_raced, draw_structure) if compiled else None)
             before = (graphs_compiled(), compile_seconds()) if compiled else (0, 0.0)
             with fused_projections(model, compiled):  # 4 matmuls a layer
-                stats.update(_decode(decoder, rows, draw, stop_ids, cfg.sync_every, episodes))
+                stats.update(_decode(decoder, rows, draw, stop_ids, cfg.sync_every, episodes,
+                                     unpack))
             if compiled:  # what the decode step and the draw compiled, as dynamo counts it
                 stats.update(compiles=graphs_compiled() - before[0],
                              compile_seconds=compile_seconds() - before[1])
@@ -346,11 +371,13 @@ def drawer(cfg: RolloutConfig, generator: torch.Generator, logits_fn: Callable[[
 
 
 def _decode(decoder: Decoder, rows: Rows, draw: Callable[[Tensor], tuple[Tensor, Tensor]],
-            stop_ids: tuple[int, ...], sync_every: int, episodes: Episodes | None) -> dict:
+            stop_ids: tuple[int, ...], sync_every: int, episodes: Episodes | None,
+            unpack: Callable[[], None]) -> dict:
     """Steps 3-5 of the module docstring, one loop for plain and multi-turn rows, filling rows in
     place: feed each active row its last token and draw its next, until every row has ended. The
     sync comes every sync_every steps (on a CPU also as soon as a row draws a call: a sync
-    costs nothing there, decoding past the call does). Returns the stats."""
+    costs nothing there, decoding past the call does); the first tool turn unpacks the linears
+    (_prepacked_linears). Returns the stats."""
     device = rows.tokens.device
     calls = torch.tensor(episodes.call_ids if episodes else (), dtype=torch.long, device=device)
     ends = torch.cat([torch.tensor(stop_ids, dtype=torch.long, device=device), calls])
@@ -398,6 +425,8 @@ def _decode(decoder: Decoder, rows: Rows, draw: Callable[[Tensor], tuple[Tensor,
         drew_end = torch.zeros_like(tokens, dtype=torch.bool)
         # 5. The answered rows are fed their observations and draw their next token.
         if feeds:
+            if not stats["tool_turns"]:
+                unpack()
             tokens, drew_end = _feed(decoder, rows, active, feeds, tokens, draw, ends)
             stats["tool_turns"] += len(feeds)
             stats["row_steps"] += len(feeds)

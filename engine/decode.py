@@ -542,9 +542,7 @@ class Decoder:
         forward: their K/V go into the rows' own cache, no earlier token is recomputed. Returns
         the logits (k, V) after each row's last fed token; each row then feeds from the index
         after it. From the first feed on, rows are apart."""
-        if self.route != "apart":
-            self.route = "apart"
-            self._plain_linears()
+        self.route = "apart"
         device = self.index.device
         width = max(map(len, feeds))
         tokens = torch.tensor([f + [0] * (width - len(f)) for f in feeds], device=device)  # (k, M)
@@ -584,11 +582,3 @@ class Decoder:
             x[:new.occupied.shape[0], :, :filled].index_copy_(0, new_slots, moved)
         self.grid = dataclasses.replace(new, reads=None)
         self._mark()
-
-    def _plain_linears(self) -> None:
-        """F.linear from here on (after the first tool turn): rows at their own lengths come in
-        new counts and shapes at every sync, and rollout._prepacked_linears' oneDNN keeps a
-        primitive for each (a tasks:lookup run grew by 0.5 GB in 100 steps). Undone with the rest
-        at the end of generate."""
-        for m in self.model.modules():
-            m.__dict__.pop("forward", None)

@@ -36,7 +36,7 @@ from memory import MemoryConfig, PhaseManager
 from model import ModelConfig
 from engine.packing import cuda_route
 from engine.decode import KVCache
-from rollout import RolloutConfig
+from rollout import RolloutConfig, prepacks
 
 # -----------------------------------------------------------------------------
 # Rollout: what generate() allocates besides the weights and the KV cache
@@ -57,9 +57,10 @@ def rollout_memory(config: ModelConfig, num_prompts: int, prompt_len: int, cfg: 
                                            their float32 filtered copy (4) and softmax (4) (see
                                            sample: its cdf is a few bytes per row);
                                            a decode step's block (R*a*(3C + 3I/tp)) is far smaller
-        prepacked 4*(L*(2CQ + 2CK + 3CI) + VC)/tp   (Q = H*D, K = Hkv*D) on a CPU, float32, with
-                                           cfg.prepacked_linears: the linear weights prepacked for
-                                           oneDNN, held through generate
+        prepacked a*(L*(2CQ + 2CK + 3CI) + VC)/tp   (Q = H*D, K = Hkv*D) on a CPU, float32 or
+                                           native bf16 (rollout.prepacks), with
+                                           cfg.prepacked_linears and no compiled step: the linear
+                                           weights prepacked for oneDNN, held through generate
         stacked   a*L*C*(Q + 2K + 2I)          with `stacked` (the compiled decode step's route):
                                            q/k/v's and gate/up's weights stacked, held while the
                                            rows decode (model.fused_projections; biases left out)
@@ -80,7 +81,8 @@ def rollout_memory(config: ModelConfig, num_prompts: int, prompt_len: int, cfg: 
     sampling = max(R * V * (a + 8) + num_prompts * V * a,
                    decode_block + R * V * (a + 8) + stacked_bytes)
     linears = config.num_hidden_layers * (2 * C * Q + 2 * C * K + 3 * C * config.intermediate_size)
-    prepacked = 4 * (linears + V * C) // tp_size if cpu and cfg.prepacked_linears and a == 4 else 0
+    packed = cpu and cfg.prepacked_linears and prepacks(dtype) and not stacked  # see generate
+    prepacked = a * (linears + V * C) // tp_size if packed else 0
     return {"prefill": outputs + prefill + prepacked, "sampling": outputs + sampling + prepacked}
 
 # -----------------------------------------------------------------------------

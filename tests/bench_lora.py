@@ -4,6 +4,9 @@
     python tests/bench_lora.py --layers 30 --vocab 49152   # SmolLM2-135M's whole shape
     python tests/bench_lora.py --device cuda
     python tests/bench_lora.py --plans          # --plan of the 0.5B and 8B shapes, full vs LoRA
+    python tests/bench_lora.py --decode         # the sampler's decode tables alone
+    python tests/bench_lora.py --gap DIR        # a bf16 checkpoint's sampler-forward gap, merged
+                                                # into the prepacked copy vs the update beside
 
 1. Train: one step = forward and backward of a next-token loss over a batch, then AdamW, for
    - full:      every weight trains (float32; under --dtype bfloat16 the fp32 master under bf16
@@ -15,9 +18,10 @@
    sampler's bf16 copy (LoRA samples the trainer itself). Step peak: the allocator's highest live
    bytes above the level before the step (tests/memtrace.py; CUDA: max_memory_allocated), which
    holds the gradients. Time: interleaved rounds after a warm-up, each variant's best.
-2. Decode (float32 on a CPU): rollout.generate on the all-linear adapted model, the adapter merged
-   into the prepacked copy rollout.py makes of each weight (its route) against the update applied
-   beside the prepacked base, and the plain base model as the floor.
+2. Decode (on a CPU, float32 and, where the CPU has it natively, bf16): rollout.generate on the
+   all-linear adapted model, the adapter merged into the prepacked copy rollout.py makes of each
+   weight (its route) against the update applied beside the prepacked base and beside F.linear
+   on the weights as they are (--prepacked_linears false), and the base model as the floor.
 3. --plans: `train.py --plan --dtype bfloat16` (a GPU's view: shapes only, no weight read) for
    config.json files shaped like Qwen2.5-0.5B and Llama-3.1-8B, full fine-tuning against LoRA
    (q_proj,v_proj and all-linear), per tag at its largest phase.
@@ -136,12 +140,18 @@ def beside_prepacked(model: torch.nn.Module, rows: int, enabled: bool):
         yield
 
 
-def decode(cfg: ModelConfig, rounds: int, prompts: int, new: int) -> None:
-    if rollout._PREPACK is None:
-        print("\ndecode: no oneDNN in this torch build")
+def unpacked(model: torch.nn.Module, rows: int, enabled: bool):
+    """F.linear on every weight as it is (--prepacked_linears false), the update beside it."""
+    return PREPACKED(model, rows, False)
+
+
+def decode(cfg: ModelConfig, rounds: int, prompts: int, new: int,
+           dtype: torch.dtype = torch.float32) -> None:
+    if rollout._PREPACK is None or not rollout.prepacks(dtype):
+        print(f"\ndecode, {dtype}: not prepacked here (no oneDNN, or bf16 without native bf16)")
         return
-    base = Llama(cfg).init_weights(0).eval()
-    model = Llama(cfg).init_weights(0).eval()
+    base = Llama(cfg).init_weights(0).eval().to(dtype)
+    model = Llama(cfg).init_weights(0).eval().to(dtype)
     lora.add_adapters(model, lora.LoRAConfig(use_peft=True, lora_target_modules="all-linear",
                                              lora_dropout=0.0))
     with torch.no_grad():
@@ -152,7 +162,8 @@ def decode(cfg: ModelConfig, rounds: int, prompts: int, new: int) -> None:
              for _ in range(prompts)]
     rc = rollout.RolloutConfig(num_samples=8, max_new_tokens=new)
     routes = {"merged": (model, PREPACKED), "beside": (model, beside_prepacked),
-              "base alone": (base, PREPACKED)}
+              "unpacked": (model, unpacked), "base alone": (base, PREPACKED),
+              "base unpacked": (base, unpacked)}
     best = {name: float("inf") for name in routes}
     for _ in range(rounds + 1):  # the first round warms up
         for name, (m, route) in routes.items():
@@ -161,11 +172,45 @@ def decode(cfg: ModelConfig, rounds: int, prompts: int, new: int) -> None:
             rollout.generate(m, batch, rc, seed=0)
             best[name] = min(best[name], time.perf_counter() - t0)
     rollout._prepacked_linears = PREPACKED
-    print(f"\ndecode, float32 CPU: {prompts} prompts x 8 samples x {new} new tokens, all-linear "
+    print(f"\ndecode, {dtype} CPU: {prompts} prompts x 8 samples x {new} new tokens, all-linear "
           f"r 16; best of {rounds}")
-    print(f"{'route':<12}{'s/generate':>12}{'x merged':>10}")
+    print(f"{'route':<14}{'s/generate':>12}{'x merged':>10}")
     for name in routes:
-        print(f"{name:<12}{best[name]:>12.3f}{best[name] / best['merged']:>10.2f}")
+        print(f"{name:<14}{best[name]:>12.3f}{best[name] / best['merged']:>10.2f}")
+
+
+def gap(model_dir: str, stds=(0.0, 0.004, 0.02)) -> None:
+    """--gap DIR: a bf16 checkpoint with all-linear adapters (B drawn with each std), 4 random
+    prompts x 4 samples x 24 tokens: |the sampler's logprob - a full bf16 forward's| over the
+    sampled tokens, the adapter merged into the prepacked copy against the update beside the base."""
+    from engine.hf import load_model
+    print(f"\nthe sampler's logprobs against the forward's, bf16 {model_dir}: mean / max")
+    for std in stds:
+        model = load_model(model_dir, dtype=torch.bfloat16).eval()
+        lora.add_adapters(model, lora.LoRAConfig(use_peft=True, lora_target_modules="all-linear",
+                                                 lora_dropout=0.0), seed=0)
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for _, m in lora.adapted(model):
+                m.lora_B.copy_(torch.randn(m.lora_B.shape, generator=gen) * std)
+        prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=gen).tolist()
+                   for n in (60, 50, 55, 40)]
+        cells = []
+        for prepacked in (True, False):
+            rc = rollout.RolloutConfig(num_samples=4, max_new_tokens=24,
+                                       prepacked_linears=prepacked)
+            out = rollout.generate(model, prompts, rc, seed=1)
+            diffs = []
+            with torch.no_grad():
+                for row, completion in enumerate(out.completions()):
+                    prompt = prompts[row // 4]
+                    logits = model(torch.tensor([prompt + completion]))[0].float()  # (T, V)
+                    want = logits[len(prompt) - 1:-1].log_softmax(-1)
+                    want = want.gather(-1, torch.tensor(completion)[:, None])[:, 0]
+                    diffs.append((torch.tensor(out.logprob_lists()[row]) - want).abs())
+            d = torch.cat(diffs)
+            cells.append(f"{'merged' if prepacked else 'beside'} {d.mean():.2e} / {d.max():.3f}")
+        print(f"B std {std:<6}  " + "   ".join(cells))
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -216,9 +261,13 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=8000)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--plans", action="store_true", help="the --plan table instead")
+    ap.add_argument("--decode", action="store_true", help="the decode tables alone")
+    ap.add_argument("--gap", default="", help="a bf16 checkpoint: the merged sampler's logprob gap")
     args = ap.parse_args()
     if args.plans:
         return plans()
+    if args.gap:
+        return gap(args.gap)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=args.vocab, hidden_size=576, intermediate_size=1536,
@@ -226,10 +275,11 @@ def main() -> None:
                       tie_word_embeddings=True)  # SmolLM2-135M's block
     print(f"device {args.device}, {torch.get_num_threads()} threads, SmolLM2-135M's block x "
           f"{args.layers} layers, vocab {args.vocab}")
-    for dtype in ("float32", "bfloat16"):
+    for dtype in ("float32", "bfloat16") if not args.decode else ():
         train(cfg, dtype, args.device, args.rounds, batch=8, length=128)
     if args.device == "cpu":
-        decode(cfg, args.rounds, prompts=4, new=24)
+        for dtype in (torch.float32, torch.bfloat16):
+            decode(cfg, args.rounds, prompts=4, new=24, dtype=dtype)
 
 
 if __name__ == "__main__":

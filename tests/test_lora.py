@@ -21,6 +21,7 @@ from test_rollout import PROMPTS, generate, logprob_tol, trainer_logprobs
 from test_train import FAST, assert_plan_holds, records, run
 
 from engine import hf
+import grpo
 import lora
 import rollout
 import tasks
@@ -297,6 +298,74 @@ def test_the_prepacked_copy_of_an_adapted_linear_holds_the_adapter_merged():
             got = m(x)
     torch.testing.assert_close(got, want, **tolerance.reordered(64 + 4, want.abs().max()))
     assert "forward" not in vars(m)
+
+
+@pytest.mark.skipif(rollout._PREPACK is None or not rollout.native_bf16(),
+                    reason="bf16 is prepacked only on a CPU with native bf16 (rollout.prepacks)")
+def test_a_bf16_sampler_merges_each_adapter_into_its_prepacked_copy():
+    """On a CPU with native bf16 the sampler's bf16 linears are prepacked (rollout.prepacks) and
+    each adapter merged into its copy, W + s B A summed in float32 and rounded once: one matmul a
+    linear where the update beside it made SmolLM2-135M's rollout 1.23x the base's
+    (docs/measurements.md). The update beside the base repeats the trainer's bf16 roundings: its
+    logprobs are within the bf16 sampler's tolerance of the trainer's forward (test_rollout's
+    test_bf16_model_on_the_cpu: 0.1 at logits of size ~5). The merged weight is one more
+    rounding of each weight (2^-9 relative), which the trainer does not share: twice that
+    tolerance (0.12 seen here, with adapters of std 0.2; on SmolLM2-135M it moved the mean
+    |sampler - trainer| by 9-20% and not its max, docs/measurements.md)."""
+    model = adapted(dtype=torch.bfloat16).eval()
+    m = lora.adapted(model)[0][1]
+    with torch.no_grad(), rollout._prepacked_linears(model, 12, enabled=True):
+        assert "forward" in vars(m)
+        x = torch.randn(12, 64, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+        merged = m(x)
+    with torch.no_grad():  # the update beside the base, both bf16
+        torch.testing.assert_close(merged.float(), m(x).float(), rtol=2 ** -6, atol=2 ** -6)
+    G, T = 2, 12
+    for prepacked in (True, False):
+        out = generate(model, PROMPTS, num_samples=G, max_new_tokens=T, temperature=1.0, seed=5,
+                       stop_ids=(5, 9), prepacked_linears=prepacked)
+        for row, completion in enumerate(out.completions()):
+            want = trainer_logprobs(model, PROMPTS[row // G], completion, 1.0, 0, 1.0).float()
+            torch.testing.assert_close(torch.tensor(out.logprob_lists()[row]), want, rtol=0,
+                                       atol=0.2 if prepacked else 0.1)
+
+
+@pytest.mark.skipif(rollout._PREPACK is None, reason="no oneDNN in this torch build")
+def test_after_a_tool_turn_an_adapted_sampler_runs_on_its_merged_weights(monkeypatch):
+    """The first tool turn unpacks the prepacked linears (rollout._prepacked_linears: rows at their
+    own lengths would make oneDNN keep a primitive per shape); from there an adapted linear runs
+    F.linear on its merged weight, still one matmul, a plain one on its weight. The episodes'
+    sampled logprobs equal the trainer's forward on the adapted model within float32's
+    tolerance (test_episodes' twin: two summation orders at the logits' magnitude)."""
+    from test_episodes import PROMPTS as EPISODE_PROMPTS, STOPS, episodes
+    model = adapted().eval()
+    at_feeds = []
+    feed = rollout._feed
+
+    def spy(*args):
+        at_feeds.append({m: vars(m).get("forward") for m in model.modules()
+                         if isinstance(m, torch.nn.Linear)})
+        return feed(*args)
+    monkeypatch.setattr(rollout, "_feed", spy)
+    out = rollout.generate(model, EPISODE_PROMPTS, rollout.RolloutConfig(
+        num_samples=4, max_new_tokens=24, temperature=0.9, sync_every=4), stop_ids=STOPS, seed=3,
+        episodes=episodes(3))
+    assert at_feeds and sum(out.stats["calls"]) > 0
+    for m, forward in at_feeds[0].items():
+        if type(m) is lora.LoRALinear:
+            assert forward.func is F.linear and torch.equal(forward.keywords["weight"],
+                                                            m.merged_weight())
+        else:
+            assert forward is None  # lm_head: its own weight
+    assert all("forward" not in vars(m) for m in model.modules())  # undone after the call
+    batch = grpo.GRPOBatch.from_rollout(EPISODE_PROMPTS, out, 24, torch.zeros(len(out.tokens)))
+    with torch.no_grad():
+        logp, _ = grpo.completion_logprobs(model, batch)
+        logits = model(batch.prompt_ids)  # (B, P, V): the magnitude a log-softmax's error has
+    d = (logp - out.logprobs)[batch.loss_mask(grpo.GRPOConfig())].abs()
+    tol = tolerance.reordered(tolerance.model_depth(CFG, CFG.max_position_embeddings),
+                              logits.abs().max() / 0.9)
+    assert d.max() <= tol["atol"], (d.max(), tol)
 
 
 def test_adapters_off_is_the_base_exactly_and_a_beta_run_scores_the_base(tmp_path):
